@@ -1,0 +1,699 @@
+"""The CuIR interpreter: the definition of what every CuIR op means.
+
+It runs a program on CPU with torch tensors, for every block of the grid, emulating precision
+(16-bit operands, fp32 accumulation), and runs the roles of a block in the order their barriers
+allow. Faults are errors with the statement's line, never wrong numbers: a read of shared memory
+before the wait that makes it visible, a deadlock, an output element no store wrote.
+
+Blocks along grid axes that never steer control flow (batch, heads) run together as lanes
+(see lanes.py), which keeps interpretation fast enough for the search loop.
+
+Example:
+    >>> import torch
+    >>> from cubridge.cuir.parser import parse
+    >>> prog = parse('''
+    ... kernel("scale2")
+    ... X = global_input(f32, [N, C])
+    ... Y = global_output(f32, [N, C])
+    ... i, = grid(cdiv(N, 4))
+    ... store(Y[i * 4:i * 4 + 4, :], load(X[i * 4:i * 4 + 4, :]) * 2.0)
+    ... ''')
+    >>> x = torch.randn(10, 3)
+    >>> out = interpret(prog, {"X": x}).outputs["Y"]
+    >>> bool((out == 2 * x).all())
+    True
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from cubridge.cuir import nodes as N
+from cubridge.cuir.lanes import vectorisable_axes
+from cubridge.cuir.values import (BYTES, TORCH_DTYPES, UNWRITTEN, Barrier, BarrierArray, DType, GTensor,
+                                  GView, Pending, SmemBuffer, SmemView, round_to)
+from cubridge.errors import CuIRError, CuIRRuntimeError
+
+KERNEL_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+SCHEDULES = ("in_order", "reverse", "round_robin")
+
+
+@dataclass
+class Counters:
+    """What a run executed. Multiply-adds count 2 FLOPs; bytes are per memory-level move."""
+    mma_flops: int = 0
+    bytes: dict = field(default_factory=lambda: {"gmem->smem": 0, "gmem->reg": 0, "smem->reg": 0,
+                                                 "reg->smem": 0, "reg->gmem": 0})
+    blocks: int = 0
+    regions: dict = field(default_factory=dict)     # region name -> executions (in blocks)
+    masked_tiles: int = 0                            # `where` executions inside region "mask"
+
+    @property
+    def kv_tiles(self) -> int:
+        return self.regions.get("qk", 0)
+
+
+@dataclass
+class RunResult:
+    outputs: dict
+    counters: Counters
+    dims: dict
+    params: dict
+    dtype: str
+
+
+class _Blocked:
+    def __init__(self, ready, line, desc):
+        self.ready, self.line, self.desc = ready, line, desc
+
+
+@dataclass
+class _RoleCtx:
+    """One running role instance of one block."""
+    name: str
+    index: int
+    env: dict
+    groups_committed: list = field(default_factory=list)
+    group_open: int = 0
+    groups_done: set = field(default_factory=set)
+    next_group: int = 1
+    mma_pending: list = field(default_factory=list)
+    observed: dict = field(default_factory=dict)     # id(barrier) -> latest phase index seen
+    regions: list = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}[{self.index}]"
+
+
+def interpret(program: N.Program, inputs, *, params: dict | None = None, dtype=None,
+              schedule: str = "in_order", vectorise: bool = True) -> RunResult:
+    """Run `program` on `inputs` (a dict by global_input name, or a sequence in declaration order).
+
+    params: overrides of the program's `param(...)` defaults. dtype: the kernel dtype T when no
+    T-typed input fixes it. schedule: the order runnable roles are picked in (to expose races).
+    """
+    return _Interpreter(program, params or {}, dtype, schedule, vectorise).run(inputs)
+
+
+class _Interpreter:
+    def __init__(self, program, params, dtype, schedule, vectorise):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}")
+        self.p = program
+        self.schedule = schedule
+        self.vectorise = vectorise
+        self.override = dict(params)
+        self.forced_dtype = KERNEL_DTYPES.get(dtype, dtype) if dtype is not None else None
+        self.counters = Counters()
+        self.globals: dict[str, GTensor] = {}
+        self.dims: dict[str, int] = {}
+        self.nl = 0
+        self.lane_shape: tuple = ()
+        self.lane_count = 1
+        self.rr = 0
+
+    # ================================================================ driver
+    def fail(self, msg, line=None, hint=None):
+        raise CuIRRuntimeError(msg, line=line, source=self.p.source, hint=hint)
+
+    def run(self, inputs) -> RunResult:
+        header, block = self._split()
+        env = self._header_env(header, inputs)
+        axes, extents = self._grid
+        lanes = vectorisable_axes(block, axes) if self.vectorise else [False] * len(axes)
+        lane_axes = [i for i, ok in enumerate(lanes) if ok]
+        seq_axes = [i for i, ok in enumerate(lanes) if not ok]
+        self.nl = len(lane_axes)
+        self.lane_shape = tuple(extents[i] for i in lane_axes)
+        self.lane_count = math.prod(self.lane_shape) if self.lane_shape else 1
+        for k, i in enumerate(lane_axes):
+            shape = [1] * self.nl
+            shape[k] = extents[i]
+            env[axes[i]] = torch.arange(extents[i]).view(shape)
+        for combo in itertools.product(*(range(extents[i]) for i in seq_axes)):
+            benv = dict(env)
+            for i, v in zip(seq_axes, combo):
+                benv[axes[i]] = v
+            self._run_block(block, benv)
+            self.counters.blocks += self.lane_count
+        outputs = {}
+        for g in self.globals.values():
+            if g.is_output:
+                self._check_written(g)
+                outputs[g.name] = g.data.to(TORCH_DTYPES[g.dtype]) if g.dtype != "i32" else g.data
+        return RunResult(outputs, self.counters, dict(self.dims), dict(self.params), self.T)
+
+    def _split(self):
+        for i, st in enumerate(self.p.body):
+            if isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op == "grid":
+                return self.p.body[: i + 1], self.p.body[i + 1:]
+        self.fail("the program has no grid(...) statement",
+                  hint="declare the block indices: m_blk, h, b = grid(cdiv(NQ, BLOCK_M), HQ, B)")
+
+    # ================================================================ header
+    def _header_env(self, header, inputs) -> dict:
+        self.params = {}
+        for st in header:
+            if isinstance(st, N.ExprStmt) and st.value.op == "param":
+                for k, v in st.value.kwargs:
+                    self.params[k] = v.value
+        unknown = set(self.override) - set(self.params)
+        if unknown:
+            self.fail(f"unknown parameter(s) {sorted(unknown)}",
+                      hint=f"this program's parameters: {sorted(self.params)}")
+        self.params.update(self.override)
+        decls = [st for st in header if isinstance(st, N.Assign) and isinstance(st.value, N.Call)
+                 and st.value.op == "global_input"]
+        inputs = self._match_inputs(decls, inputs)
+        self.T = self._kernel_dtype(decls, inputs)
+        env = {**N.CONSTANTS, **self.params}
+        env.update({d: DType(self.T if d == "T" else d) for d in N.DTYPES})
+        self.env_consts = env
+        for st in header:
+            if isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op in ("global_input", "global_output"):
+                self._declare_global(st, env, inputs.get(st.targets[0]))
+            elif isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op == "grid":
+                extents = [int(self._uniform(self.eval(a, env, None), st.line)) for a in st.value.args]
+                if len(st.targets) != len(extents):
+                    self.fail(f"grid has {len(extents)} axes but {len(st.targets)} names are bound", st.line)
+                self._grid = (list(st.targets), extents)
+            elif isinstance(st, N.Assign):
+                self._assign(st, self.eval(st.value, env, None), env)
+            elif isinstance(st, (N.Doc,)) or (isinstance(st, N.ExprStmt) and st.value.op in ("kernel", "param")):
+                continue
+            else:
+                self.fail("only declarations and scalar assignments may come before grid(...)", st.line)
+        return env
+
+    def _match_inputs(self, decls, inputs) -> dict:
+        names = [d.targets[0] for d in decls]
+        if not isinstance(inputs, dict):
+            inputs = list(inputs)
+            if len(inputs) != len(names):
+                self.fail(f"expected {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
+            return dict(zip(names, inputs))
+        missing = [n for n in names if n not in inputs]
+        extra = [n for n in inputs if n not in names]
+        if missing or extra:
+            self.fail(f"inputs do not match the program: missing {missing}, unexpected {extra}",
+                      hint=f"the program's inputs: {names}")
+        return dict(inputs)
+
+    def _kernel_dtype(self, decls, inputs) -> str:
+        found = set()
+        for d in decls:
+            dt = d.value.args[0]
+            if isinstance(dt, N.Name) and dt.id == "T":
+                t = inputs[d.targets[0]]
+                if t.dtype not in (torch.float16, torch.bfloat16):
+                    self.fail(f"input {d.targets[0]} is declared T (the kernel's 16-bit dtype) but is {t.dtype}",
+                              d.line, "pass float16 or bfloat16 tensors")
+                found.add(KERNEL_DTYPES[t.dtype])
+        if len(found) > 1:
+            self.fail(f"T-typed inputs disagree on the dtype: {sorted(found)}", hint="use one dtype for Q, K and V")
+        if found:
+            return found.pop()
+        return self.forced_dtype or "bf16"
+
+    def _declare_global(self, st, env, tensor):
+        name = st.targets[0]
+        call = st.value
+        dtype = self.eval(call.args[0], env, None).name
+        shape_expr = call.args[1]
+        if not isinstance(shape_expr, N.Seq):
+            self.fail(f"the shape of {name} must be a list literal", st.line)
+        if call.op == "global_input":
+            if not isinstance(tensor, torch.Tensor):
+                self.fail(f"input {name} must be a torch tensor", st.line)
+            if tensor.dim() != len(shape_expr.items):
+                self.fail(f"input {name} has {tensor.dim()} dims, the program declares {len(shape_expr.items)}",
+                          st.line, f"expected shape {[_txt(e) for e in shape_expr.items]}")
+            for e, n in zip(shape_expr.items, tensor.shape):
+                self._bind_dim(e, int(n), name, env, st.line)
+            data = tensor.detach().to("cpu")
+            data = data.to(torch.int64) if dtype == "i32" else data.to(torch.float32)
+            self.globals[name] = GTensor(name, dtype, data.clone(), False, st.line)
+        else:
+            shape = [int(self._uniform(self.eval(e, env, None), st.line)) for e in shape_expr.items]
+            data = torch.full(shape, float("nan")) if dtype != "i32" else torch.full(shape, -1, dtype=torch.int64)
+            self.globals[name] = GTensor(name, dtype, data, True, st.line,
+                                         written=torch.zeros(shape, dtype=torch.bool))
+        env[name] = self.globals[name]
+
+    def _bind_dim(self, e, n, tname, env, line):
+        if isinstance(e, N.Name) and e.id not in env:
+            env[e.id] = n
+            self.dims[e.id] = n
+            return
+        want = self.eval(e, env, None)
+        if int(want) != n:
+            self.fail(f"input {tname}: dim {_txt(e)} is {n} but must be {want}", line,
+                      "inputs must agree on shared dims (batch, heads, head dim)")
+
+    # ================================================================ blocks and roles
+    def _run_block(self, body, env):
+        i = 0
+        while i < len(body):
+            if isinstance(body[i], N.Role):
+                j = i
+                while j < len(body) and isinstance(body[j], N.Role):
+                    j += 1
+                self._run_roles(body[i:j], env)
+                i = j
+            else:
+                ctx = _RoleCtx("block", 0, env)
+                for blocked in self.exec_stmt(body[i], ctx):
+                    self.fail(f"a wait outside any role blocks forever: {blocked.desc}", body[i].line)
+                i += 1
+
+    def _run_roles(self, roles, env):
+        insts = []
+        for r in roles:
+            count = int(self._uniform(self.eval(r.count, env, None), r.line))
+            for k in range(count):
+                renv = dict(env)
+                if r.as_name:
+                    renv[r.as_name] = k
+                ctx = _RoleCtx(r.name, k, renv)
+                insts.append([ctx, self.exec_block(r.body, ctx), None, False])
+        while True:
+            runnable = [x for x in insts if not x[3] and (x[2] is None or x[2].ready())]
+            if not runnable:
+                if all(x[3] for x in insts):
+                    return
+                self._deadlock(insts)
+            inst = self._pick(runnable)
+            inst[2] = None
+            try:
+                inst[2] = next(inst[1])
+            except StopIteration:
+                inst[3] = True
+                ctx = inst[0]
+                if ctx.mma_pending and any(not p.done for p in ctx.mma_pending):
+                    p = next(p for p in ctx.mma_pending if not p.done)
+                    self.fail(f"role {ctx.label} ends with an mma_async never retired by mma_wait", p.line)
+
+    def _pick(self, runnable):
+        if self.schedule == "in_order":
+            return runnable[0]
+        if self.schedule == "reverse":
+            return runnable[-1]
+        self.rr += 1
+        return runnable[self.rr % len(runnable)]
+
+    def _deadlock(self, insts):
+        waiting = [f"{x[0].label} at line {x[2].line} waits on {x[2].desc}" for x in insts if not x[3]]
+        done = [x[0].label for x in insts if x[3]]
+        first = next(x[2].line for x in insts if not x[3])
+        self.fail("deadlock: every unfinished role waits on a barrier no one will complete: "
+                  + "; ".join(waiting) + (f" (finished: {', '.join(done)})" if done else ""), first,
+                  "check that each waited phase gets its arrivals (arrive / tma_load) and the parities")
+
+    # ================================================================ statements
+    def exec_block(self, body, ctx):
+        for st in body:
+            yield from self.exec_stmt(st, ctx)
+
+    def exec_stmt(self, st, ctx):
+        try:
+            if isinstance(st, N.Assign):
+                self._assign(st, self.eval(st.value, ctx.env, ctx), ctx.env)
+            elif isinstance(st, N.AugAssign):
+                cur = self._read_name(st.target, ctx.env, st.line)
+                ctx.env[st.target] = self.binop(st.op, cur, self.eval(st.value, ctx.env, ctx), st.line)
+            elif isinstance(st, N.ExprStmt):
+                if st.value.op == "wait":
+                    yield from self._wait(st.value, ctx)
+                else:
+                    self.eval(st.value, ctx.env, ctx)
+            elif isinstance(st, N.For):
+                env = ctx.env
+                lo, hi, step = (int(self._uniform(self.eval(e, env, ctx), st.line)) for e in (st.start, st.stop, st.step))
+                if step == 0:
+                    self.fail("range() step is zero", st.line)
+                for v in range(lo, hi, step):
+                    env[st.var] = v
+                    yield from self.exec_block(st.body, ctx)
+            elif isinstance(st, N.If):
+                test = self._uniform(self.eval(st.test, ctx.env, ctx), st.line)
+                yield from self.exec_block(st.body if test else st.orelse, ctx)
+            elif isinstance(st, N.Region):
+                self.counters.regions[st.name] = self.counters.regions.get(st.name, 0) + self.lane_count
+                ctx.regions.append(st.name)
+                try:
+                    yield from self.exec_block(st.body, ctx)
+                finally:
+                    ctx.regions.pop()
+            elif isinstance(st, N.Role):
+                self.fail("roles can only appear at the top level of the block body", st.line)
+            elif isinstance(st, N.Doc):
+                pass
+        except CuIRError:
+            raise
+        except Exception as e:  # a torch error in an op: report it at the statement
+            raise CuIRRuntimeError(f"{type(e).__name__}: {e}", line=st.line, source=self.p.source) from None
+
+    def _assign(self, st, value, env):
+        if len(st.targets) == 1:
+            if isinstance(value, (SmemBuffer, Barrier, BarrierArray)) and value.name == "?":
+                value.name = st.targets[0]
+                for i, bar in enumerate(getattr(value, "bars", [])):
+                    bar.name = f"{st.targets[0]}[{i}]"
+            env[st.targets[0]] = value
+            return
+        if not isinstance(value, (tuple, list)) or len(value) != len(st.targets):
+            self.fail(f"cannot unpack into {len(st.targets)} names", st.line)
+        for t, v in zip(st.targets, value):
+            env[t] = v
+
+    def _wait(self, call, ctx):
+        bar = self._barrier(self.eval(call.args[0], ctx.env, ctx), call.line)
+        parity = int(self._uniform(self.eval(call.args[1], ctx.env, ctx), call.line))
+        if parity not in (0, 1):
+            self.fail(f"wait parity must be 0 or 1, got {parity}", call.line)
+        if not bar.ready(parity):
+            yield _Blocked(lambda: bar.ready(parity), call.line,
+                           f"{bar.name} parity {parity} ({bar.completed} phases done, "
+                           f"{bar.arrivals}/{bar.count} arrivals in the current one)")
+        ctx.observed[id(bar)] = max(ctx.observed.get(id(bar), -1), bar.observed_phase(parity))
+
+    # ================================================================ expressions
+    def eval(self, e, env, ctx):
+        if isinstance(e, N.Const):
+            return e.value
+        if isinstance(e, N.Name):
+            return self._read_name(e.id, env, e.line)
+        if isinstance(e, N.BinOp):
+            return self.binop(e.op, self.eval(e.left, env, ctx), self.eval(e.right, env, ctx), e.line)
+        if isinstance(e, N.Compare):
+            return self.binop(e.op, self.eval(e.left, env, ctx), self.eval(e.right, env, ctx), e.line)
+        if isinstance(e, N.UnaryOp):
+            v = self.eval(e.operand, env, ctx)
+            if e.op == "-":
+                return -v
+            if e.op == "~":
+                return ~v if isinstance(v, torch.Tensor) else (not v if isinstance(v, bool) else ~v)
+            return not self._uniform(v, e.line)
+        if isinstance(e, N.BoolOp):
+            result = None
+            for sub in e.values:
+                result = self._uniform(self.eval(sub, env, ctx), e.line)
+                if (e.op == "and") != bool(result):
+                    return result
+            return result
+        if isinstance(e, N.IfExp):
+            test = self._uniform(self.eval(e.test, env, ctx), e.line)
+            return self.eval(e.body if test else e.orelse, env, ctx)
+        if isinstance(e, N.Seq):
+            return [self.eval(i, env, ctx) for i in e.items]
+        if isinstance(e, N.Subscript):
+            return self._subscript(e, env, ctx)
+        if isinstance(e, N.Call):
+            from cubridge.cuir import ops
+            return ops.call(self, e, env, ctx)
+        self.fail(f"cannot evaluate {type(e).__name__}", getattr(e, "line", None))
+
+    def _read_name(self, name, env, line):
+        try:
+            v = env[name]
+        except KeyError:
+            self.fail(f"name {name!r} is not defined", line, "assign it before use (names are per role)")
+        if isinstance(v, Pending):
+            if not v.done:
+                self.fail(f"read of {name!r}, the result of mma_async at line {v.line}, before an mma_wait "
+                          "retired it", line, "insert mma_wait(0) before using the result")
+            return v.value
+        return v
+
+    def _subscript(self, e, env, ctx):
+        base = self._read_name(e.value.id, env, e.line)
+        items = []
+        for ix in e.index:
+            if isinstance(ix, N.Slice):
+                lo = 0 if ix.lower is None else int(self._uniform(self.eval(ix.lower, env, ctx), e.line))
+                hi = None if ix.upper is None else int(self._uniform(self.eval(ix.upper, env, ctx), e.line))
+                items.append((lo, hi))
+            else:
+                items.append(self.eval(ix, env, ctx))
+        if isinstance(base, GTensor):
+            if len(items) != base.data.dim():
+                self.fail(f"{base.name} has {base.data.dim()} dims, indexed with {len(items)}", e.line)
+            norm = []
+            for d, it in enumerate(items):
+                if isinstance(it, tuple):
+                    norm.append((it[0], base.data.shape[d] if it[1] is None else it[1]))
+                else:
+                    norm.append(it)
+            return GView(base, tuple(norm))
+        if isinstance(base, SmemBuffer):
+            out = []
+            for d, it in enumerate(items):
+                n = base.shape[d]
+                if isinstance(it, tuple):
+                    lo, hi = it[0], n if it[1] is None else it[1]
+                    if not 0 <= lo <= hi <= n:
+                        self.fail(f"slice {lo}:{hi} out of range for {base.name} dim {d} of size {n}", e.line)
+                    out.append((lo, hi))
+                else:
+                    i = int(self._uniform(it, e.line))
+                    if not 0 <= i < n:
+                        self.fail(f"index {i} out of range for {base.name} dim {d} of size {n}", e.line)
+                    out.append(i)
+            return SmemView(base, tuple(out))
+        if isinstance(base, BarrierArray):
+            i = int(self._uniform(items[0], e.line))
+            if len(items) != 1 or not 0 <= i < len(base):
+                self.fail(f"barrier index {i} out of range for {base.name} of {len(base)}", e.line)
+            return base.bars[i]
+        self.fail(f"{e.value.id} cannot be indexed", e.line,
+                  "only global tensors, shared buffers and barrier arrays take subscripts")
+
+    def _barrier(self, v, line) -> Barrier:
+        if isinstance(v, Barrier):
+            return v
+        if isinstance(v, BarrierArray) and len(v) == 1:
+            return v.bars[0]
+        self.fail("expected a barrier (an mbarrier, or one element of an mbarrier array)", line)
+
+    def _uniform(self, v, line):
+        """A control value: must be the same for every lane run together."""
+        if isinstance(v, torch.Tensor):
+            flat = v.reshape(-1)
+            if flat.numel() == 0:
+                self.fail("empty value in a control position", line)
+            if flat.numel() > 1 and not bool((flat == flat[0]).all()):
+                self.fail("control flow depends on a value that differs between blocks run together",
+                          line, "this is an interpreter limitation: run with vectorise=False")
+            return flat[0].item()
+        return v
+
+    # ---------------------------------------------------------------- arithmetic
+    def align(self, a, b):
+        """Broadcast two lane-carrying tensors: equal lane dims, tile dims right-aligned."""
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            return a, b
+        ra, rb = a.dim() - self.nl, b.dim() - self.nl
+        if ra < rb:
+            a = a.reshape(a.shape[: self.nl] + (1,) * (rb - ra) + a.shape[self.nl:])
+        elif rb < ra:
+            b = b.reshape(b.shape[: self.nl] + (1,) * (ra - rb) + b.shape[self.nl:])
+        return a, b
+
+    def binop(self, op, a, b, line):
+        if isinstance(a, (GTensor, GView, SmemBuffer, SmemView)) or isinstance(b, (GTensor, GView, SmemBuffer, SmemView)):
+            self.fail(f"operator {op} on a memory buffer", line,
+                      "load(...) a tile into registers first, or pass the buffer to mma")
+        a, b = self.align(a, b)
+        t = isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
+        if op == "+": return a + b
+        if op == "-": return a - b
+        if op == "*": return a * b
+        if op == "/": return a / b
+        if op == "//":
+            return torch.div(a, b, rounding_mode="floor") if t else a // b
+        if op == "%":
+            return torch.remainder(a, b) if t else a % b
+        if op == "&": return a & b
+        if op == "|": return a | b
+        if op == "^": return a ^ b
+        if op == "<": return a < b
+        if op == "<=": return a <= b
+        if op == ">": return a > b
+        if op == ">=": return a >= b
+        if op == "==": return a == b
+        if op == "!=": return a != b
+        self.fail(f"unknown operator {op}", line)
+
+    def lanes(self, x: torch.Tensor) -> torch.Tensor:
+        """Give a lane-less tile (a fresh tensor) its lane dims of size 1."""
+        return x.reshape((1,) * self.nl + tuple(x.shape))
+
+    def as_lane_scalar(self, v):
+        """A scalar or lane tensor as a tensor with exactly nl dims."""
+        if isinstance(v, torch.Tensor):
+            return v.reshape(v.shape[: self.nl]) if v.dim() > self.nl else v
+        return torch.full((1,) * self.nl, v, dtype=torch.int64 if isinstance(v, int) else torch.float32)
+
+    # ---------------------------------------------------------------- memory
+    def check_written(self, g):
+        return self._check_written(g)
+
+    def _check_written(self, g: GTensor):
+        missing = ~g.written
+        if bool(missing.any()):
+            n = int(missing.sum())
+            first = tuple(int(i) for i in missing.nonzero()[0])
+            lines = sorted(g.store_lines)
+            self.fail(f"output {g.name}: {n} of {g.written.numel()} elements never written, first at {list(first)}",
+                      lines[0] if lines else g.decl_line,
+                      f"the stores to {g.name} (lines {lines or 'none'}) must cover every element: "
+                      "check the grid extent and the tile bounds")
+
+    def read_smem(self, view: SmemView, ctx, line) -> torch.Tensor:
+        buf = view.buf
+        for r in view.rows():
+            tok = buf.tokens[r]
+            if tok is UNWRITTEN:
+                self.fail(f"read of shared memory {buf.name}[{r}] that nothing has written", line,
+                          "load the tile (copy_async / tma_load / store) before reading it")
+            self._check_token(tok, buf, r, ctx, line)
+        idx = tuple(slice(ix[0], ix[1]) if isinstance(ix, tuple) else ix for ix in view.index)
+        data = buf.data[(slice(None),) * self.nl + idx]
+        if view.transposed:
+            data = data.transpose(-1, -2)
+        nbytes = math.prod(view.shape) * BYTES[buf.dtype] * self.lane_count
+        self.counters.bytes["smem->reg"] += nbytes
+        return data
+
+    def _check_token(self, tok, buf, r, ctx, line):
+        kind = tok[0]
+        if kind == "group":
+            _, owner, gid, issue_line = tok
+            if owner is not ctx:
+                self.fail(f"{ctx.label} reads {buf.name}[{r}], filled by cp.async in {owner.label}", line,
+                          "cp.async completes only for the thread that issued it: use tma_load with a "
+                          "barrier to hand tiles between roles")
+            if gid not in ctx.groups_done:
+                self.fail(f"read of {buf.name}[{r}] before its cp.async (line {issue_line}) was waited on",
+                          line, "commit_group() after the copies and wait_group(n) before the read")
+        elif kind == "tma":
+            _, bar, phase, issue_line = tok
+            if ctx.observed.get(id(bar), -1) < phase:
+                self.fail(f"{ctx.label} reads {buf.name}[{r}] before waiting on {bar.name} for the tma_load "
+                          f"at line {issue_line} (phase {phase})", line,
+                          f"wait({bar.name}, parity) for that phase first; if you did, a producer may have "
+                          "overwritten the slot before its release (missing empty-barrier wait)")
+
+    def write_smem(self, view: SmemView, value: torch.Tensor, token, line):
+        buf = view.buf
+        if view.transposed:
+            self.fail("cannot write through a transposed view", line)
+        idx = (slice(None),) * self.nl + tuple(slice(ix[0], ix[1]) if isinstance(ix, tuple) else ix
+                                              for ix in view.index)
+        target = buf.data[idx]
+        value = self.align(target, value)[1] if isinstance(value, torch.Tensor) else value
+        try:
+            buf.data[idx] = torch.broadcast_to(value, target.shape)
+        except RuntimeError:
+            self.fail(f"tile of shape {tuple(value.shape[self.nl:])} does not fit {buf.name} view "
+                      f"{view.shape}", line)
+        for r in view.rows():
+            buf.tokens[r] = token
+
+    def gmem_index(self, view: GView, line):
+        """Torch index for a global view, clipped to bounds; plus per-slice (extent, valid)."""
+        g = view.g
+        idx, slices, adv = [], [], []
+        for d, it in enumerate(view.index):
+            n = g.data.shape[d]
+            if isinstance(it, tuple):
+                lo, hi = it
+                if lo < 0 or hi < lo:
+                    self.fail(f"bad slice {lo}:{hi} of {g.name} dim {d}", line)
+                top = min(hi, n)
+                idx.append(slice(min(lo, n), max(top, min(lo, n))))
+                slices.append((hi - lo, max(0, top - lo)))
+            else:
+                t = self.as_lane_scalar(it)
+                if t.dtype.is_floating_point:
+                    self.fail(f"index of {g.name} dim {d} is not an integer", line)
+                if bool((t < 0).any()) or bool((t >= n).any()):
+                    self.fail(f"index out of range for {g.name} dim {d} of size {n}", line)
+                idx.append(t)
+                adv.append(d)
+        if not adv:
+            return None, slices
+        contiguous = adv == list(range(adv[0], adv[0] + len(adv)))
+        return (tuple(idx), adv[0] if contiguous else 0), slices
+
+    def gmem_load(self, view: GView, line) -> torch.Tensor:
+        g = view.g
+        spec, slices = self.gmem_index(view, line)
+        if spec is None:
+            data = self.lanes(g.data[tuple(slice(*s) for s in _slice_items(view))])
+        else:
+            idx, pos = spec
+            data = g.data[idx]
+            if pos:
+                data = data.movedim(tuple(range(pos, pos + self.nl)), tuple(range(self.nl)))
+        pads = []
+        for extent, valid in reversed(slices):
+            pads += [0, extent - valid]
+        if any(pads):
+            data = torch.nn.functional.pad(data, pads, value=0)
+        return data
+
+    def gmem_store(self, view: GView, value, line):
+        g = view.g
+        if not g.is_output:
+            self.fail(f"store into input {g.name}", line, "inputs are read-only; declare a global_output")
+        spec, slices = self.gmem_index(view, line)
+        shape = tuple(e for e, _ in slices)
+        value = self._fit(value, shape, g.name, line)
+        value = round_to(value, g.dtype)
+        crop = (slice(None),) * self.nl + tuple(slice(0, v) for _, v in slices)
+        value = value[crop]
+        if spec is None:
+            if any(n != 1 for n in value.shape[: self.nl]):
+                self.fail(f"store into {g.name} with no per-block index: every block run together "
+                          "would write the same elements", line, "index the store with the block indices")
+            sl = tuple(slice(*s) for s in _slice_items(view))
+            g.data[sl] = value.reshape(value.shape[self.nl:])
+            g.written[sl] = True
+            self.counters.bytes["reg->gmem"] += value.numel() * BYTES[g.dtype]
+        else:
+            idx, pos = spec
+            adv_shape = torch.broadcast_shapes(*(t.shape for t in idx if isinstance(t, torch.Tensor)))
+            value = value.expand(tuple(adv_shape) + tuple(value.shape[self.nl:]))
+            if pos:
+                value = value.movedim(tuple(range(self.nl)), tuple(range(pos, pos + self.nl)))
+            g.data[idx] = value
+            g.written[idx] = True
+            self.counters.bytes["reg->gmem"] += value.numel() * BYTES[g.dtype]
+        g.store_lines.add(line)
+
+    def _fit(self, value, shape, name, line) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            value = self.lanes(torch.full(shape, float(value)))
+        tile = tuple(value.shape[self.nl:])
+        squeezed = tile
+        while len(squeezed) > len(shape) and squeezed[-1] == 1:
+            squeezed = squeezed[:-1]
+        if squeezed != tuple(shape) and not (len(squeezed) == len(shape) and
+                                             all(a in (1, b) for a, b in zip(squeezed, shape))):
+            self.fail(f"tile of shape {tile} does not match the {name} view of shape {tuple(shape)}", line)
+        value = value.reshape(value.shape[: self.nl] + squeezed)
+        return value.expand(value.shape[: self.nl] + tuple(shape))
+
+
+def _slice_items(view: GView):
+    return [(it[0], min(it[1], view.g.data.shape[d])) for d, it in enumerate(view.index)]
+
+
+def _txt(e) -> str:
+    from cubridge.cuir.printer import expr
+    return expr(e)

@@ -1,0 +1,66 @@
+"""The verification rule of DESIGN.md, as one pure function used by every check (CPU and GPU).
+
+    golden = reference in float64; ref = the same reference in the kernel's dtype
+    pass  iff  max|out - golden| <= 2 * max|ref - golden| + 1e-5
+          and  out has no NaN / Inf where golden has none
+
+The other parts of the rule (poisoned outputs, unchanged inputs, bitwise determinism) are checked
+by the callers that own the run: they need the buffers, not just the results.
+
+Example:
+    >>> import torch
+    >>> g = torch.randn(4, 8, dtype=torch.float64)
+    >>> compare(g.float(), g, g.bfloat16()).passed
+    True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ABS_SLACK = 1e-5
+REF_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    max_err: float        # max |out - golden|
+    bound: float          # 2 * max |ref - golden| + 1e-5
+    reason: str = ""      # why it failed; empty when it passed
+
+    def __str__(self) -> str:
+        status = "pass" if self.passed else f"FAIL ({self.reason})"
+        return f"max err {self.max_err:.3e} <= bound {self.bound:.3e}: {status}"
+
+
+def compare(out: torch.Tensor, golden: torch.Tensor, ref: torch.Tensor) -> Verdict:
+    """Apply the rule to one output tensor. All three must have the same shape."""
+    if out.shape != golden.shape or ref.shape != golden.shape:
+        return Verdict(False, float("inf"), float("nan"),
+                       f"shape mismatch: out {tuple(out.shape)}, golden {tuple(golden.shape)}, "
+                       f"ref {tuple(ref.shape)}")
+    g = golden.detach().to("cpu", torch.float64)
+    o = out.detach().to("cpu", torch.float64)
+    r = ref.detach().to("cpu", torch.float64)
+    g_finite = torch.isfinite(g)
+    bad = ~torch.isfinite(o) & g_finite
+    if bool(bad.any()):
+        n = int(bad.sum())
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        return Verdict(False, float("inf"), float("nan"),
+                       f"{n} NaN/Inf element(s) where golden is finite, first at index {idx}")
+    # Where golden itself is not finite, out must match it exactly (same inf sign / NaN).
+    if not bool(g_finite.all()):
+        same = (o == g) | (torch.isnan(o) & torch.isnan(g))
+        if not bool(same[~g_finite].all()):
+            return Verdict(False, float("inf"), float("nan"),
+                           "out differs from golden where golden is not finite")
+    err = (o - g).abs()[g_finite]
+    ref_err = (r - g).abs()[g_finite & torch.isfinite(r)]
+    max_err = float(err.max()) if err.numel() else 0.0
+    bound = REF_FACTOR * (float(ref_err.max()) if ref_err.numel() else 0.0) + ABS_SLACK
+    if max_err <= bound:
+        return Verdict(True, max_err, bound)
+    return Verdict(False, max_err, bound, f"max err {max_err:.3e} exceeds bound {bound:.3e}")

@@ -1,0 +1,37 @@
+"""The built-in variant specs (DESIGN.md, "Variant specs"); each file is an example of the format.
+
+A spec is a plain Python file; cubridge.spec.load_spec reads it:
+
+- a docstring describing the variant, and `NAME = "..."` (optional; default: the file stem);
+- `PARAMS = {...}`: parameters and their benchmark defaults. A default of None means "derived from
+  the shape in use" (e.g. the prefix P = Nk // 2); each spec's docstring says how. Every entry is
+  passed to `reference` and `hooks` as a keyword argument;
+- `reference(q, k, v, **params) -> out` (required): eager PyTorch, the ground truth. q is
+  [B, Hq, Nq, D], k and v are [B, Hkv, Nk, D] (GQA: repeat_interleave on dim 1), out is
+  [B, Hq, Nq, D]. It computes in its inputs' dtype (verification calls it in float64 for the golden
+  output and in bf16/fp16 to measure that dtype's own rounding). score = q.k / sqrt(D) before any
+  transform; a masked pair contributes nothing; a row with no attended key gives 0, not NaN;
+  indices are absolute and causal is top-left aligned (kv_idx <= q_idx), also when Nq != Nk;
+- optional FlexAttention-compatible hooks, written only with torch ops so they broadcast and vmap:
+  module-level `mask_mod(b, h, q_idx, kv_idx)`, `score_mod(score, b, h, q_idx, kv_idx)` and
+  `NORMALIZATION` for mods without parameters, or a factory
+  `hooks(Nq, Nk, Hq, Hkv, device, **params) -> cubridge.spec.Hooks` for mods that depend on the
+  shape or params or capture tensors (built on `device`). When `hooks` exists it is the only source;
+  module-level mods are then plain helpers.
+
+Where a definition uses "N", the specs use Nk (the number of keys a query row ranges over).
+"""
+
+# DESIGN.md order; cubridge.spec.builtin_specs() returns this list.
+BUILTIN = (
+    "full",
+    "causal",
+    "prefixlm",
+    "global_sliding_window",
+    "causal_blockwise",
+    "share_question",
+    "relative_pos",
+    "relu",
+    "sigmoid",
+    "composite",
+)

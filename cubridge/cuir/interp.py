@@ -342,7 +342,8 @@ class _Interpreter:
                 test = self._uniform(self.eval(st.test, ctx.env, ctx), st.line)
                 yield from self.exec_block(st.body if test else st.orelse, ctx)
             elif isinstance(st, N.Region):
-                self.counters.regions[st.name] = self.counters.regions.get(st.name, 0) + self.lane_count
+                if ctx.index == 0:   # count per block, not per role instance
+                    self.counters.regions[st.name] = self.counters.regions.get(st.name, 0) + self.lane_count
                 ctx.regions.append(st.name)
                 try:
                     yield from self.exec_block(st.body, ctx)

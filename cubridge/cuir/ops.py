@@ -286,7 +286,7 @@ def _minmax(torch_fn, py_fn):
 
 def where(it, e, args, ctx):
     c, a, b = (_operand(it, x, e, ctx) for x in args)
-    if _region(ctx) == "mask":
+    if _region(ctx) == "mask" and ctx.index == 0:
         it.counters.masked_tiles += it.lane_count
     if not any(isinstance(x, torch.Tensor) for x in (c, a, b)):
         return a if c else b

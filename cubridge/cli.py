@@ -1,0 +1,157 @@
+"""Command line: `cubridge <subcommand>` and `cubridge-tune CONFIG`.
+
+    cubridge verify-ir fa2_sm80 --spec causal           # interpreter check, table of cases
+    cubridge check-ir ref_kernels/fa3_sm90/kernel.cuir --head-dim 128
+    cubridge print-ir fa2_sm80                          # canonical CuIR text
+    cubridge analyze fa2_sm80 --spec causal --shape 1,4,2,512,64
+    cubridge specs [NAME]                               # list specs, or show one with its mask
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cubridge.errors import CubridgeError
+
+
+def _program(arg: str):
+    from cubridge.cuir.parser import parse_file
+    from cubridge.paths import ref_kernel_dir
+    path = Path(arg)
+    if not path.exists() and "/" not in arg and not arg.endswith(".cuir"):
+        path = ref_kernel_dir(arg) / "kernel.cuir"
+    return parse_file(path)
+
+
+def _params(items) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise CubridgeError(f"--param {item!r} is not NAME=VALUE", hint="e.g. --param BLOCK_M=64")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                raise CubridgeError(f"--param {k}: {v!r} is not a number") from None
+    return out
+
+
+def _spec_params(items) -> dict:
+    out = {}
+    for item in items or []:
+        k, _, v = item.partition("=")
+        try:
+            out[k] = int(v)
+        except ValueError:
+            out[k] = float(v)
+    return out
+
+
+def cmd_verify_ir(a) -> int:
+    from cubridge.spec import load_spec
+    from cubridge.verify import Case, default_cases, verify_program
+    prog, spec = _program(a.program), load_spec(a.spec)
+    cases = default_cases(a.head_dim, quick=a.quick)
+    if a.shape:
+        B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+        cases = [Case(B, Hq, Hkv, N, N, D, s) for s in range(a.seeds)]
+    report = verify_program(prog, spec, params=_params(a.param), cases=cases, dtype=a.dtype,
+                            spec_params=_spec_params(a.spec_param))
+    print(report.table())
+    return 0 if report.passed else 1
+
+
+def cmd_check_ir(a) -> int:
+    from cubridge.cuir.checker import check
+    prog = _program(a.program)
+    r = check(prog, params=_params(a.param), dims={"D": a.head_dim})
+    print(f"{prog.name}: ok (D={a.head_dim}; " + ", ".join(f"{k}={v}" for k, v in r.params.items()) + ")")
+    print("roles: " + ", ".join(f"{n} x{c} ({w} warps)" for n, w, c in r.roles) if r.roles else "roles: none")
+    print(f"shared memory: {r.smem_bytes} B (" + ", ".join(f"{k} {v}" for k, v in r.buffers.items()) + ")")
+    return 0
+
+
+def cmd_print_ir(a) -> int:
+    from cubridge.cuir.printer import to_text
+    sys.stdout.write(to_text(_program(a.program)))
+    return 0
+
+
+def cmd_analyze(a) -> int:
+    from cubridge.cuir.analysis import analyze
+    from cubridge.spec import load_spec
+    from cubridge.verify import Case
+    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+    spec = load_spec(a.spec) if a.spec else None
+    print(analyze(_program(a.program), Case(B, Hq, Hkv, N, N, D), params=_params(a.param), spec=spec).table())
+    return 0
+
+
+def cmd_specs(a) -> int:
+    from cubridge.spec import builtin_specs, load_spec
+    if not a.name:
+        for name in builtin_specs():
+            s = load_spec(name)
+            print(f"{name:<22} {(s.doc or '').strip().splitlines()[0] if s.doc else ''}")
+        return 0
+    s = load_spec(a.name)
+    print(repr(s))
+    print(s.picture(N=a.n))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cubridge", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def program_cmd(name, fn, help_):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("program", help="a .cuir file, or a reference kernel name (fa2_sm80, fa3_sm90)")
+        sp.add_argument("--param", action="append", metavar="NAME=VALUE", help="override a param(...)")
+        sp.add_argument("--head-dim", type=int, default=64)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    v = program_cmd("verify-ir", cmd_verify_ir, "verify a CuIR program against a spec in the interpreter")
+    v.add_argument("--spec", required=True, help="a spec name (causal, prefixlm, ...) or a .py file")
+    v.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
+    v.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+    v.add_argument("--quick", action="store_true", help="three cases instead of six")
+    v.add_argument("--shape", help="B,Hq,Hkv,N,D: one shape instead of the default set")
+    v.add_argument("--seeds", type=int, default=2)
+    program_cmd("check-ir", cmd_check_ir, "static checks and shared-memory footprint")
+    program_cmd("print-ir", cmd_print_ir, "print the canonical text of a program")
+    an = program_cmd("analyze", cmd_analyze, "FLOPs, bytes and KV tiles executed at one shape")
+    an.add_argument("--shape", required=True, help="B,Hq,Hkv,N,D")
+    an.add_argument("--spec", help="count useful FLOPs from this spec's mask")
+    s = sub.add_parser("specs", help="list the built-in variant specs, or show one")
+    s.add_argument("name", nargs="?")
+    s.add_argument("-n", type=int, default=24, help="size of the mask picture")
+    s.set_defaults(fn=cmd_specs)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CubridgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def tune_main(argv=None) -> int:
+    """`cubridge-tune CONFIG`: the search loop. Not built yet (issue 5): say so plainly."""
+    print("cubridge-tune: the tuning loop is not implemented yet (it lands with the search issue).\n"
+          "What works today: `cubridge verify-ir`, `cubridge check-ir`, `cubridge analyze`, `cubridge specs`.",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -125,7 +125,29 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
     return report
 
 
-def _run_case(program, spec, case, tdtype, params, spec_params, schedules) -> CaseResult:
+def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, cases=None, dtype="bf16",
+                    spec_params: dict | None = None, schedules=("in_order", "reverse")) -> Report:
+    """Transfer `reference` to `spec` at every case's shape (rules proposer), check the candidate
+    against the taxonomy and statically, and verify it like verify_program. Never raises for a
+    failing candidate."""
+    from cubridge.transfer.rules import transfer
+    tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]
+    report = Report(f"{reference.name} -> {spec.name}", spec.name, dname, {**reference.params(), **(params or {})})
+    for case in cases or default_cases():
+        try:
+            cand = transfer(reference, spec, Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B,
+                            params=params, spec_params=spec_params)
+            check(cand.program, params=params, dims={"D": case.D}, dtype=dname)
+        except CubridgeError as e:
+            report.results.append(CaseResult(case, None, f"transfer: {str(e).splitlines()[0]}"))
+            continue
+        report.results.append(_run_case(cand.program, spec, case, tdtype, params or {}, spec_params or {},
+                                         schedules, extra=cand.inputs))
+    return report
+
+
+def _run_case(program, spec, case, tdtype, params, spec_params, schedules, extra=None) -> CaseResult:
     q, k, v = make_inputs(case, tdtype)
     before = [t.clone() for t in (q, k, v)]
     try:
@@ -136,7 +158,8 @@ def _run_case(program, spec, case, tdtype, params, spec_params, schedules) -> Ca
     outs = []
     try:
         for sched in schedules:
-            outs.append(interpret(program, {"Q": q, "K": k, "V": v}, params=params, schedule=sched).outputs["O"])
+            inputs = {"Q": q, "K": k, "V": v, **(extra or {})}
+            outs.append(interpret(program, inputs, params=params, schedule=sched).outputs["O"])
     except CubridgeError as e:
         return CaseResult(case, None, str(e).splitlines()[0])
     if any(not torch.equal(a, b) for a, b in zip(before, (q, k, v))):

@@ -253,7 +253,28 @@ def _scalar2(ck, e, env, line, target):
     return Scalar(kind, fn(a.value, b.value) if a.value is not None and b.value is not None else None)
 
 
+def _gather(ck, e, env, line, target):
+    a = _args(ck, e, env, line)
+    g = a[0]
+    if not isinstance(g, Glob):
+        ck.fail("gather(table, *indices): the table must be a global tensor", line)
+    if len(a) - 1 != g.rank:
+        ck.fail(f"gather(): {g.name} has {g.rank} dims, got {len(a) - 1} indices", line)
+    shapes = []
+    for v in a[1:]:
+        if isinstance(v, Tile):
+            if v.dtype not in ("i32", "bool"):
+                ck.fail("gather(): index tiles must be integers", line)
+            shapes.append(v.shape)
+        elif not (isinstance(v, Scalar) and v.kind == "int"):
+            ck.fail("gather(): indices must be integer scalars or tiles", line)
+    if not shapes:
+        return Scalar("int" if g.dtype == "i32" else "float", None)
+    return Tile(g.dtype, ck.broadcast(shapes, line, "gather"))
+
+
 _RULES = {
+    "gather": _gather,
     "kernel": _noop, "param": _noop, "global_input": _global, "global_output": _global, "grid": _grid,
     "smem": _smem, "mbarrier": _mbarrier, "zeros": _zeros, "full": _zeros, "row_index": _index,
     "col_index": _index, "transpose": _transpose, "cast": _cast, "load": _load, "store": _store,

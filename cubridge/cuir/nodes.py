@@ -72,6 +72,8 @@ OPS: dict[str, OpSpec] = {
     "commit_group": _op(Kind.SYNC, "", (), True, "close the current cp.async group"),
     "wait_group": _op(Kind.SYNC, "n", (), True, "wait until at most n cp.async groups are pending"),
     "tma_load": _op(Kind.MEMORY, "dst src barrier", (), True, "bulk tensor copy; one arrival on barrier when it lands"),
+    "gather": _op(Kind.MEMORY, "table *indices", (), False,
+                  "elementwise read of a global tensor at index tiles, each index clamped into range"),
     # synchronisation
     "arrive": _op(Kind.SYNC, "barrier", (), True, "arrive on an mbarrier"),
     "wait": _op(Kind.SYNC, "barrier parity", (), True, "wait until the phase of that parity completed"),
@@ -113,6 +115,14 @@ class Name:
 class Const:
     value: Union[int, float, bool, str, None]
     line: int = field(default=0, compare=False)
+
+    # 1, 1.0 and True are == in Python but mean different things in CuIR (int / float / bool
+    # scalars): compare and hash the value's type too, so equal programs mean the same.
+    def __eq__(self, other):
+        return isinstance(other, Const) and type(self.value) is type(other.value) and self.value == other.value
+
+    def __hash__(self):
+        return hash((type(self.value), self.value))
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,27 @@ def _scalar_minmax(torch_fn, py_fn):
     return fn
 
 
+def gather(it, e, args, ctx):
+    g, idx = args[0], args[1:]
+    from cubridge.cuir.values import GTensor
+    if not isinstance(g, GTensor):
+        it.fail("gather(table, *indices): the table must be a global tensor", e.line)
+    if len(idx) != g.data.dim():
+        it.fail(f"gather(): {g.name} has {g.data.dim()} dims, got {len(idx)} indices", e.line)
+    tensors = []
+    for d, ix in enumerate(idx):
+        t = ix if isinstance(ix, torch.Tensor) else it.as_lane_scalar(ix)
+        if t.is_floating_point():
+            it.fail(f"gather(): index {d} of {g.name} is not an integer", e.line)
+        tensors.append(t.clamp(0, g.data.shape[d] - 1))
+    # align tile ranks, then broadcast: lanes first, tile dims right-aligned
+    rank = max(t.dim() for t in tensors)
+    tensors = [t.reshape(t.shape[: it.nl] + (1,) * (rank - t.dim()) + t.shape[it.nl:]) for t in tensors]
+    out = g.data[tuple(tensors)]
+    it.counters.bytes["gmem->reg"] += out.numel() * BYTES[g.dtype]
+    return out
+
+
 def _grid_in_block(it, e, args, ctx):
     it.fail("grid(...) must appear once, before the block body", e.line)
 
@@ -336,6 +357,6 @@ _TABLE = {
     "min": _scalar_minmax(torch.minimum, min), "max": _scalar_minmax(torch.maximum, max),
     "row_max": _reduce(lambda x: x.amax(dim=-1, keepdim=True)),
     "row_sum": _reduce(lambda x: x.sum(dim=-1, keepdim=True)),
-    "grid": _grid_in_block,
+    "grid": _grid_in_block, "gather": gather,
     **{name: _unary(name) for name in _UNARY_T},
 }

@@ -1,0 +1,224 @@
+"""The rules proposer: reference CuIR + a spec's hooks -> target CuIR, deterministically.
+
+Each rule of the taxonomy rewrites its regions of the reference program:
+- iteration_space (kv_range): the KV tile range of each query tile, the per-tile `visit`, and the
+  full/partial classification, from interval analysis of the traced mask when it reads only
+  indices, or from a block table computed at call time when it reads captured tensors;
+- mask_predicate (mask): the traced mask, applied only on partial tiles, and the ragged tail;
+- score_transform (score): the traced score_mod after the 1/sqrt(D) scaling;
+- normalization (softmax, epilogue): online softmax kept, or sigmoid / relu with no running
+  state and no final division;
+- extra_io: kernel inputs for captured tensors and the block table; LSE dropped when the
+  normalisation is not softmax.
+The result is checked against the taxonomy (`taxonomy.check_structure`) before it is returned.
+
+Example:
+    >>> from cubridge.cuir.parser import parse_file
+    >>> from cubridge.paths import ref_kernel_dir
+    >>> from cubridge.spec import load_spec
+    >>> ref = parse_file(ref_kernel_dir("fa2_sm80") / "kernel.cuir")
+    >>> cand = transfer(ref, load_spec("prefixlm"), Nq=300, Nk=300, Hq=4, Hkv=2)
+    >>> cand.rules
+    ['iteration_space: interval analysis', 'mask_predicate', 'normalization: softmax']
+"""
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+
+import torch
+
+from cubridge.cuir import nodes as N
+from cubridge.cuir.parser import parse
+from cubridge.cuir.printer import expr, to_text
+from cubridge.transfer.intervals import classify
+from cubridge.transfer.taxonomy import check_structure
+from cubridge.transfer.trace import trace_mask, trace_score
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass
+class Candidate:
+    program: N.Program
+    inputs: dict = field(default_factory=dict)     # extra kernel inputs at this shape and config
+    rules: list = field(default_factory=list)       # what was rewritten, for the report
+
+    @property
+    def text(self) -> str:
+        return to_text(self.program)
+
+
+def transfer(reference: N.Program, spec, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1,
+             params: dict | None = None, spec_params: dict | None = None, device="cpu") -> Candidate:
+    """Target CuIR for `spec` at one shape (traced constants such as P = N/2 are specialised)."""
+    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, **(spec_params or {}))
+    cfg = {**reference.params(), **(params or {})}
+    mask = trace_mask(hooks.mask_mod) if hooks.mask_mod is not None else None
+    score = trace_score(hooks.score_mod) if hooks.score_mod is not None else None
+    captures = {**(mask.captures if mask else {}), **(score.captures if score else {})}
+    rules, inputs = [], {}
+    pred = mask.expr if mask else N.Const(True)
+    table = mask is not None and any(isinstance(e, N.Call) and e.op == "gather" for e in N.walk_expr(pred))
+    per_bh = table and bool(mask.uses & {"b", "h"})
+    if table:
+        inputs["BLOCK_CLASS"] = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"], per_bh, device)
+        rules.append("iteration_space: block table")
+    else:
+        rules.append("iteration_space: interval analysis")
+    if mask is not None:
+        rules.append("mask_predicate")
+    if score is not None:
+        rules.append("score_transform")
+    norm = hooks.normalization
+    rules.append(f"normalization: {norm.kind}")
+    for c in captures.values():
+        t = c.tensor.detach().to("cpu")
+        inputs[c.name] = t.to(torch.int64) if not t.is_floating_point() else t.to(torch.float32)
+    gen = _Generator(pred, score.expr if score else None, norm, table, per_bh)
+    body = gen.rewrite(reference.body)
+    body = _add_io(body, inputs, drop_lse=norm.kind != "softmax")
+    program = N.Program(body, source=f"<{spec.name} from {reference.name}>")
+    program = parse(to_text(program), source=program.source)   # normalise lines for error messages
+    check_structure(reference, program)
+    return Candidate(program, inputs, rules)
+
+
+def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.Tensor:
+    """Class of every (query tile, KV tile): 0 empty, 1 partial, 2 full, from the mask itself
+    (exact, at call time). Shape [NQT, NKT], or [B, Hq, NQT, NKT] when the mask reads b or h."""
+    nqt, nkt = -(-Nq // BM), -(-Nk // BN)
+    bs, hs = (B, Hq) if per_bh else (1, 1)
+    b = torch.arange(bs, device=device).view(bs, 1, 1, 1)
+    h = torch.arange(hs, device=device).view(1, hs, 1, 1)
+    kv = torch.arange(nkt * BN, device=device).view(1, 1, 1, -1)
+    out = torch.empty(bs, hs, nqt, nkt, dtype=torch.int64, device=device)
+    for i in range(nqt):
+        q = torch.arange(i * BM, min((i + 1) * BM, Nq), device=device).view(1, 1, -1, 1)
+        m = hooks.mask_mod(b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
+        m = m.expand(bs, hs, q.shape[2], nkt * BN).reshape(bs, hs, q.shape[2], nkt, BN)
+        valid = (kv < Nk).reshape(1, 1, 1, nkt, BN)
+        anyv = m.any(dim=(2, 4))
+        allv = (m | ~valid).all(dim=(2, 4))
+        out[:, :, i] = torch.where(allv, FULL, torch.where(anyv, PARTIAL, EMPTY))
+    return (out if per_bh else out[0, 0]).to("cpu")
+
+
+def _stmts(text: str):
+    return parse(textwrap.dedent(text).strip() + "\n").body
+
+
+class _Generator:
+    def __init__(self, pred, score, norm, table, per_bh):
+        self.pred, self.score_expr, self.norm, self.table = pred, score, norm, table
+        self.cls_index = "b, h, m_blk" if per_bh else "m_blk"
+        self.must, self.may = classify(pred)
+
+    def rewrite(self, body):
+        out = []
+        for st in body:
+            if isinstance(st, N.Region) and st.name in ("kv_range", "mask", "score", "softmax", "epilogue"):
+                out.append(N.Region(st.name, getattr(self, st.name)(st)))
+            elif isinstance(st, N.For):
+                out.append(N.For(st.var, st.start, st.stop, st.step, self.rewrite(st.body)))
+            elif isinstance(st, N.If):
+                out.append(N.If(st.test, self.rewrite(st.body), self.rewrite(st.orelse)))
+            elif isinstance(st, N.Role):
+                out.append(N.Role(st.name, st.warps, st.count, st.as_name, self.rewrite(st.body)))
+            elif isinstance(st, N.Region):
+                out.append(N.Region(st.name, self.rewrite(st.body)))
+            else:
+                out.append(st)
+        return tuple(out)
+
+    # ------------------------------------------------------------ iteration space
+    def kv_range(self, region):
+        per_tile = any(isinstance(s, N.Assign) and "visit" in s.targets for s in region.body)
+        if per_tile:
+            if self.table:
+                return _stmts(f"""
+                    cls = gather(BLOCK_CLASS, {self.cls_index}, j)
+                    visit = cls != {EMPTY}
+                """)
+            return _stmts(f"""
+                k_lo = j * BLOCK_N
+                k_hi = min(k_lo + BLOCK_N, NK) - 1
+                visit = {expr(self.may)}
+            """)
+        if self.table:
+            may = f"gather(BLOCK_CLASS, {self.cls_index}, jj) != {EMPTY}"
+        elif isinstance(self.may, N.Const) and self.may.value is True:
+            return _stmts("""
+                q_lo = q0
+                q_hi = min(q0 + BLOCK_M, NQ) - 1
+                kv_lo = 0
+                kv_hi = cdiv(NK, BLOCK_N)
+            """)
+        else:
+            may = expr(self.may)
+        return _stmts(f"""
+            q_lo = q0
+            q_hi = min(q0 + BLOCK_M, NQ) - 1
+            kv_lo = cdiv(NK, BLOCK_N)
+            kv_hi = 0
+            for jj in range(cdiv(NK, BLOCK_N)):
+                k_lo = jj * BLOCK_N
+                k_hi = min(k_lo + BLOCK_N, NK) - 1
+                tile_may = {may}
+                kv_lo = jj if tile_may and kv_lo > jj else kv_lo
+                kv_hi = jj + 1 if tile_may else kv_hi
+        """)
+
+    # ------------------------------------------------------------ mask and score
+    def mask(self, region):
+        full = f"cls == {FULL}" if self.table else expr(self.must)
+        pred = expr(self.pred)
+        return _stmts(f"""
+            partial = not ({full}) or k0 + BLOCK_N > NK
+            if partial:
+                ik = col_index(k0, BLOCK_N)
+                s = where(({pred}) & (ik < NK), s, -inf)
+        """)
+
+    def score(self, region):
+        body = list(region.body)
+        if self.score_expr is None:
+            return tuple(body)
+        uses_ik = any(isinstance(e, N.Name) and e.id == "ik" for e in N.walk_expr(self.score_expr))
+        extra = "ik = col_index(k0, BLOCK_N)\n" if uses_ik else ""
+        return tuple(body) + _stmts(f"{extra}s = {expr(self.score_expr)}")
+
+    # ------------------------------------------------------------ normalisation
+    def softmax(self, region):
+        if self.norm.kind == "softmax":
+            return region.body
+        if self.norm.kind == "sigmoid":
+            return _stmts(f"p = sigmoid(s + {self.norm.bias!r})")
+        return _stmts(f"p = relu(s) * {self.norm.scale!r}")
+
+    def epilogue(self, region):
+        if self.norm.kind == "softmax":
+            return region.body
+        out = []
+        for st in region.body:
+            if isinstance(st, N.ExprStmt) and st.value.op == "store" and isinstance(st.value.args[0], N.Subscript) \
+                    and st.value.args[0].value.id == "O":
+                value = N.Call("cast", (N.Name("acc"), N.Name("T")))
+                out.append(N.ExprStmt(N.Call("store", (st.value.args[0], value))))
+        return tuple(out)
+
+
+def _add_io(body, inputs, drop_lse):
+    decls = []
+    for name, t in inputs.items():
+        dt = "f32" if t.is_floating_point() else "i32"
+        dims = ", ".join(f"{name}_N{d}" for d in range(t.dim()))
+        decls.append(_stmts(f"{name} = global_input({dt}, [{dims}])")[0])
+    out = []
+    for st in body:
+        if drop_lse and isinstance(st, N.Assign) and st.targets == ("LSE",):
+            continue
+        if isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op == "grid":
+            out.extend(decls)
+        out.append(st)
+    return tuple(out)

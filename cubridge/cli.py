@@ -5,6 +5,7 @@
     cubridge print-ir fa2_sm80                          # canonical CuIR text
     cubridge analyze fa2_sm80 --spec causal --shape 1,4,2,512,64
     cubridge specs [NAME]                               # list specs, or show one with its mask
+    cubridge transfer prefixlm --ref fa3_sm90           # target CuIR (rules) + verification table
 """
 from __future__ import annotations
 
@@ -104,6 +105,35 @@ def cmd_specs(a) -> int:
     return 0
 
 
+def cmd_transfer(a) -> int:
+    from cubridge.cuir.parser import parse_file
+    from cubridge.paths import ref_kernel_dir
+    from cubridge.spec import load_spec
+    from cubridge.transfer.rules import transfer
+    from cubridge.verify import Case, default_cases, verify_transfer
+    ref = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
+    spec = load_spec(a.spec)
+    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+    cand = transfer(ref, spec, Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=_params(a.param),
+                    spec_params=_spec_params(a.spec_param))
+    text = cand.text
+    if a.out:
+        Path(a.out).write_text(text)
+        print(f"wrote {a.out}")
+    else:
+        sys.stdout.write(text)
+    print(f"# rules applied: {', '.join(cand.rules)}")
+    if cand.inputs:
+        print("# extra inputs: " + ", ".join(f"{k} {list(v.shape)}" for k, v in cand.inputs.items()))
+    if a.no_verify:
+        return 0
+    cases = default_cases(a.head_dim, quick=a.quick)
+    report = verify_transfer(ref, spec, params=_params(a.param), cases=cases,
+                             spec_params=_spec_params(a.spec_param))
+    print(report.table())
+    return 0 if report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cubridge", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     an = program_cmd("analyze", cmd_analyze, "FLOPs, bytes and KV tiles executed at one shape")
     an.add_argument("--shape", required=True, help="B,Hq,Hkv,N,D")
     an.add_argument("--spec", help="count useful FLOPs from this spec's mask")
+    t = sub.add_parser("transfer", help="transfer a reference kernel's CuIR to a spec (rules), print it and verify it")
+    t.add_argument("spec", help="a spec name or a .py file")
+    t.add_argument("--ref", default="fa3_sm90", help="reference kernel (fa2_sm80, fa3_sm90)")
+    t.add_argument("--shape", default="1,4,2,1000,64", help="B,Hq,Hkv,N,D of the printed program")
+    t.add_argument("--param", action="append", metavar="NAME=VALUE")
+    t.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
+    t.add_argument("--head-dim", type=int, default=64, help="head dim of the verification cases")
+    t.add_argument("--quick", action="store_true")
+    t.add_argument("--no-verify", action="store_true")
+    t.add_argument("--out", help="write the target CuIR here instead of printing it")
+    t.set_defaults(fn=cmd_transfer)
     s = sub.add_parser("specs", help="list the built-in variant specs, or show one")
     s.add_argument("name", nargs="?")
     s.add_argument("-n", type=int, default=24, help="size of the mask picture")

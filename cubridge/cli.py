@@ -113,9 +113,7 @@ def cmd_transfer(a) -> int:
     from cubridge.verify import Case, default_cases, verify_transfer
     ref = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
     spec = load_spec(a.spec)
-    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
-    cand = transfer(ref, spec, Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=_params(a.param),
-                    spec_params=_spec_params(a.spec_param))
+    cand = transfer(ref, spec, params=_params(a.param), spec_params=_spec_params(a.spec_param))
     text = cand.text
     if a.out:
         Path(a.out).write_text(text)
@@ -123,8 +121,11 @@ def cmd_transfer(a) -> int:
     else:
         sys.stdout.write(text)
     print(f"# rules applied: {', '.join(cand.rules)}")
-    if cand.inputs:
-        print("# extra inputs: " + ", ".join(f"{k} {list(v.shape)}" for k, v in cand.inputs.items()))
+    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+    extra = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=_params(a.param))
+    if extra:
+        print(f"# extra inputs at N={N}, Hq={Hq}: " + ", ".join(
+            f"{k} = {v}" if not hasattr(v, "shape") else f"{k} {list(v.shape)}" for k, v in extra.items()))
     if a.no_verify:
         return 0
     cases = default_cases(a.head_dim, quick=a.quick)
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("transfer", help="transfer a reference kernel's CuIR to a spec (rules), print it and verify it")
     t.add_argument("spec", help="a spec name or a .py file")
     t.add_argument("--ref", default="fa3_sm90", help="reference kernel (fa2_sm80, fa3_sm90)")
-    t.add_argument("--shape", default="1,4,2,1000,64", help="B,Hq,Hkv,N,D of the printed program")
+    t.add_argument("--shape", default="1,4,2,1000,64", help="B,Hq,Hkv,N,D at which to show the extra inputs")
     t.add_argument("--param", action="append", metavar="NAME=VALUE")
     t.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
     t.add_argument("--head-dim", type=int, default=64, help="head dim of the verification cases")

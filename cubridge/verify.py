@@ -134,16 +134,23 @@ def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, c
     tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]
     report = Report(f"{reference.name} -> {spec.name}", spec.name, dname, {**reference.params(), **(params or {})})
+    try:
+        cand = transfer(reference, spec, params=params, spec_params=spec_params)
+    except CubridgeError as e:
+        report.results.append(CaseResult((cases or default_cases())[0], None, f"transfer: {str(e).splitlines()[0]}"))
+        return report
+    checked = set()
     for case in cases or default_cases():
         try:
-            cand = transfer(reference, spec, Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B,
-                            params=params, spec_params=spec_params)
-            check(cand.program, params=params, dims={"D": case.D}, dtype=dname)
+            if case.D not in checked:
+                check(cand.program, params=params, dims={"D": case.D}, dtype=dname)
+                checked.add(case.D)
+            extra = cand.bind(Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B, params=params)
         except CubridgeError as e:
             report.results.append(CaseResult(case, None, f"transfer: {str(e).splitlines()[0]}"))
             continue
         report.results.append(_run_case(cand.program, spec, case, tdtype, params or {}, spec_params or {},
-                                         schedules, extra=cand.inputs))
+                                         schedules, extra=extra))
     return report
 
 

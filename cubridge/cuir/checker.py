@@ -72,20 +72,14 @@ class _Checker:
                       "m_blk, h, b = grid(cdiv(NQ, BLOCK_M), HQ, B)")
         self.block(body, env, role=None, top=True)
         check_waits(self.p, self.fail)
-        check_barriers(self.p, env_counts=self._role_counts(params), fail=self.fail)
+        # Counts as evaluated above, so expressions such as count=CONSUMERS + 1 are checked too.
+        check_barriers(self.p, env_counts={n: c for n, _, c in self.report.roles}, fail=self.fail,
+                       bar_counts={k: v.count for k, v in env.items() if isinstance(v, Bar)})
         limit = SMEM_LIMIT.get(self.arch)
         if limit and self.report.smem_bytes > limit:
             self.fail(f"shared memory {self.report.smem_bytes} bytes exceeds the {self.arch} limit of {limit}",
                       grids[0].line, "use smaller tiles or fewer stages")
         return self.report
-
-    def _role_counts(self, params):
-        out = {}
-        for st in self.p.body:
-            if isinstance(st, N.Role):
-                c = st.count.value if isinstance(st.count, N.Const) else params.get(getattr(st.count, "id", ""), None)
-                out[st.name] = c
-        return out
 
     def block(self, body, env, role, top=False):
         for st in body:

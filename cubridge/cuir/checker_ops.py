@@ -60,6 +60,11 @@ def _global(ck, e, env, line, target):
     return Glob(target or "?", dt, len(dims), e.op == "global_output", tuple(dims))
 
 
+def _scalar_input(ck, e, env, line, target):
+    dt = _dt(ck, ck.value(e.args[0], env, line), line, e.op)
+    return Scalar("int" if dt == "i32" else "float", None)
+
+
 def _grid(ck, e, env, line, target):
     for a in e.args:
         if ck.scalar(a, env, line).kind != "int":
@@ -275,7 +280,7 @@ def _gather(ck, e, env, line, target):
 
 _RULES = {
     "gather": _gather,
-    "kernel": _noop, "param": _noop, "global_input": _global, "global_output": _global, "grid": _grid,
+    "kernel": _noop, "param": _noop, "global_input": _global, "scalar_input": _scalar_input, "global_output": _global, "grid": _grid,
     "smem": _smem, "mbarrier": _mbarrier, "zeros": _zeros, "full": _zeros, "row_index": _index,
     "col_index": _index, "transpose": _transpose, "cast": _cast, "load": _load, "store": _store,
     "copy_async": _copy, "tma_load": _copy, "commit_group": _noop, "wait_group": _int_arg,

@@ -67,7 +67,12 @@ class RunResult:
 
 class _Blocked:
     def __init__(self, ready, line, desc):
-        self.ready, self.line, self.desc = ready, line, desc
+        self.ready, self.line, self._desc = ready, line, desc
+
+    @property
+    def desc(self) -> str:
+        """Described when a deadlock is reported, so it shows the barrier state at that time."""
+        return self._desc() if callable(self._desc) else self._desc
 
 
 @dataclass
@@ -167,7 +172,7 @@ class _Interpreter:
                       hint=f"this program's parameters: {sorted(self.params)}")
         self.params.update(self.override)
         decls = [st for st in header if isinstance(st, N.Assign) and isinstance(st.value, N.Call)
-                 and st.value.op == "global_input"]
+                 and st.value.op in ("global_input", "scalar_input")]
         inputs = self._match_inputs(decls, inputs)
         self.T = self._kernel_dtype(decls, inputs)
         env = {**N.CONSTANTS, **self.params}
@@ -176,6 +181,15 @@ class _Interpreter:
         for st in header:
             if isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op in ("global_input", "global_output"):
                 self._declare_global(st, env, inputs.get(st.targets[0]))
+            elif isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op == "scalar_input":
+                v = inputs[st.targets[0]]
+                if isinstance(v, torch.Tensor):
+                    v = v.item()
+                dt = self.eval(st.value.args[0], env, None).name
+                if not isinstance(v, (int, float)) or (dt == "i32" and not isinstance(v, int)):
+                    self.fail(f"scalar input {st.targets[0]} must be a{'n int' if dt == 'i32' else ' number'}, "
+                              f"got {v!r}", st.line)
+                env[st.targets[0]] = int(v) if dt == "i32" else float(v)
             elif isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op == "grid":
                 extents = [int(self._uniform(self.eval(a, env, None), st.line)) for a in st.value.args]
                 if len(st.targets) != len(extents):
@@ -207,7 +221,7 @@ class _Interpreter:
         found = set()
         for d in decls:
             dt = d.value.args[0]
-            if isinstance(dt, N.Name) and dt.id == "T":
+            if d.value.op == "global_input" and isinstance(dt, N.Name) and dt.id == "T":
                 t = inputs[d.targets[0]]
                 if t.dtype not in (torch.float16, torch.bfloat16):
                     self.fail(f"input {d.targets[0]} is declared T (the kernel's 16-bit dtype) but is {t.dtype}",
@@ -377,10 +391,22 @@ class _Interpreter:
         if parity not in (0, 1):
             self.fail(f"wait parity must be 0 or 1, got {parity}", call.line)
         if not bar.ready(parity):
-            yield _Blocked(lambda: bar.ready(parity), call.line,
-                           f"{bar.name} parity {parity} ({bar.completed} phases done, "
-                           f"{bar.arrivals}/{bar.count} arrivals in the current one)")
+            yield _Blocked(lambda: bar.ready(parity), call.line, lambda: self._wait_desc(bar, parity, ctx))
         ctx.observed[id(bar)] = max(ctx.observed.get(id(bar), -1), bar.observed_phase(parity))
+
+    @staticmethod
+    def _wait_desc(bar, parity, ctx) -> str:
+        text = (f"{bar.name} parity {parity} ({bar.completed} phases done, "
+                f"{bar.arrivals}/{bar.count} arrivals in the current one)")
+        seen = ctx.observed.get(id(bar), -1)
+        if bar.completed - 2 > seen:
+            # A phase of this parity completed unseen and the next one completed too: the parity
+            # wait cannot tell them apart, and the slot that phase filled was overwritten.
+            text += (f"; {ctx.label} never observed phase {bar.completed - 2} before phase "
+                     f"{bar.completed - 1} completed: the slot it guarded was overwritten before this "
+                     "role could read it (a producer refilling a slot without waiting for its release: missing "
+                     "empty-barrier wait?)")
+        return text
 
     # ================================================================ expressions
     def eval(self, e, env, ctx):

@@ -55,6 +55,7 @@ OPS: dict[str, OpSpec] = {
     "param": _op(Kind.DECL, "", (), True, "compile-time parameters with defaults: param(BLOCK_M=128)"),
     "global_input": _op(Kind.DECL, "dtype shape", (), False, "a kernel input in global memory"),
     "global_output": _op(Kind.DECL, "dtype shape", (), False, "a kernel output in global memory"),
+    "scalar_input": _op(Kind.DECL, "dtype", (), False, "a scalar kernel argument (e.g. a variant's shape-dependent constant)"),
     "grid": _op(Kind.DECL, "*extents", (), False, "block indices: m, h, b = grid(M, H, B)"),
     "smem": _op(Kind.DECL, "dtype shape", (), False, "a shared-memory buffer"),
     "mbarrier": _op(Kind.DECL, "", ("count", "n"), False, "shared-memory barrier(s): count arrivals per phase"),

@@ -274,6 +274,8 @@ class _Parser:
             self.fail(e, "only named buffers can be indexed", "index a global or shared buffer: K[b, hk, k0:k0 + BLOCK_N, :]")
         sl = e.slice
         items = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+        if not items:
+            self.fail(e, "an empty index X[()] is not CuIR", "index every dim: Q[b, h, q0:q0 + BLOCK_M, :]")
         index = []
         for it in items:
             if isinstance(it, ast.Slice):

@@ -36,7 +36,7 @@ def stmt_lines(body, depth: int):
             yield from _if(st, depth, "if")
         elif isinstance(st, N.Role):
             args = [repr(st.name), f"warps={expr(st.warps)}"]
-            if not (isinstance(st.count, N.Const) and st.count.value == 1):
+            if st.count != N.Const(1):
                 args.append(f"count={expr(st.count)}")
             tail = f" as {st.as_name}" if st.as_name else ""
             yield f"{pad}with role({', '.join(args)}){tail}:"
@@ -50,7 +50,7 @@ def stmt_lines(body, depth: int):
 
 def _block(body, depth):
     if not body:  # an empty block is not valid Python; a docstring keeps it parseable
-        yield INDENT * depth + '""'
+        yield INDENT * depth + "''"     # as _doc("") prints it, so printing is idempotent
     yield from stmt_lines(body, depth)
 
 
@@ -66,8 +66,7 @@ def _if(st: N.If, depth: int, keyword: str):
 
 
 def _range(st: N.For) -> str:
-    one = isinstance(st.step, N.Const) and st.step.value == 1 and not isinstance(st.step.value, bool)
-    zero = isinstance(st.start, N.Const) and st.start.value == 0 and not isinstance(st.start.value, bool)
+    one, zero = st.step == N.Const(1), st.start == N.Const(0)
     if one and zero:
         return f"range({expr(st.stop)})"
     if one:
@@ -76,7 +75,9 @@ def _range(st: N.For) -> str:
 
 
 def _doc(text: str) -> str:
-    if "\n" in text and '"""' not in text and not text.endswith('"'):
+    # Triple quotes only where the text reads back verbatim: no backslashes, no control characters.
+    if "\n" in text and '"""' not in text and not text.endswith('"') and "\\" not in text \
+            and all(c.isprintable() or c in "\n\t" for c in text):
         return '"""' + text + '"""'
     return repr(text)
 

@@ -150,7 +150,7 @@ def _effects(e, pending):
             pending.pop(_base(c.args[0]), None)
 
 
-def check_barriers(program, env_counts, fail):
+def check_barriers(program, env_counts, fail, bar_counts=None):
     bars = {}
     for st in program.body:
         if isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op == "mbarrier":
@@ -175,7 +175,7 @@ def check_barriers(program, env_counts, fail):
                  "wait on it where the data or the free slot is needed, or remove it")
         if bar not in arrivals and bar not in waits:
             fail(f"barrier {bar} is declared but never used", line, "remove it")
-        need = count.value if isinstance(count, N.Const) else None
+        need = (bar_counts or {}).get(bar, count.value if isinstance(count, N.Const) else None)
         if need is None and isinstance(count, N.Name):
             need = _param(program, count.id)
         have = sum((env_counts.get(r) or 1) for r in arrivals.get(bar, {}))

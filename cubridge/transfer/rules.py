@@ -17,14 +17,16 @@ Example:
     >>> from cubridge.paths import ref_kernel_dir
     >>> from cubridge.spec import load_spec
     >>> ref = parse_file(ref_kernel_dir("fa2_sm80") / "kernel.cuir")
-    >>> cand = transfer(ref, load_spec("prefixlm"), Nq=300, Nk=300, Hq=4, Hkv=2)
+    >>> cand = transfer(ref, load_spec("prefixlm"))
     >>> cand.rules
     ['iteration_space: interval analysis', 'mask_predicate', 'normalization: softmax']
+    >>> cand.bind(Nq=300, Nk=300, Hq=4, Hkv=2)     # the prefix length P = N / 2 at this shape
+    {'C0': 150}
 """
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,55 +35,168 @@ from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure
-from cubridge.transfer.trace import trace_mask, trace_score
+from cubridge.transfer.trace import TraceError, trace_mask, trace_score
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+# Shapes the hooks are traced at to tell fixed constants from shape-dependent ones: a constant
+# that differs between them (P = N / 2, bias = -log N) becomes a scalar kernel input bound at call
+# time. Odd sizes and two head counts make an accidental match unlikely; verification at other
+# shapes would catch one.
+PROBES = ((97, 131, 4, 2), (211, 173, 8, 2))
+
+
+@dataclass
+class _Form:
+    """The traced hooks at one shape."""
+    mask: object            # CuIR expression or None
+    score: object
+    norm_kind: str
+    bias: object            # CuIR Const
+    scale: object
+    captures: dict          # name -> tensor
+
+    def nodes(self):
+        return (self.mask, self.score, self.bias, self.scale)
+
+
 @dataclass
 class Candidate:
+    """A target program, shape-generic, and how to bind its extra inputs at a shape."""
     program: N.Program
-    inputs: dict = field(default_factory=dict)     # extra kernel inputs at this shape and config
-    rules: list = field(default_factory=list)       # what was rewritten, for the report
+    rules: list = field(default_factory=list)      # what was rewritten, for the report
+    spec: object = None
+    spec_params: dict = field(default_factory=dict)
+    slots: list = field(default_factory=list)      # (input name, constant index, dtype)
+    table: bool = False
+    per_bh: bool = False
+    skeleton: tuple = ()
 
     @property
     def text(self) -> str:
         return to_text(self.program)
 
+    def bind(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
+             device="cpu") -> dict:
+        """The extra kernel inputs at one shape: scalars, captured tensors, the block table."""
+        form = _trace(self.spec, Nq, Nk, Hq, Hkv, self.spec_params, device)
+        if _skeleton(form) != self.skeleton:
+            raise TraceError(f"the hooks of {self.spec.name!r} trace to a different structure at "
+                             f"Nq={Nq}, Nk={Nk}, Hq={Hq}: the transfer cannot be reused at this shape",
+                             where=self.spec.path, hint="make the hooks' structure independent of the shape")
+        consts = _consts(form)
+        inputs = {name: consts[i] for name, i, _ in self.slots}
+        for name, t in form.captures.items():
+            t = t.detach().to("cpu")
+            inputs[name] = t.to(torch.int64) if not t.is_floating_point() else t.to(torch.float32)
+        if self.table:
+            cfg = {**self.program.params(), **(params or {})}
+            hooks = self.spec.hooks_for(Nq, Nk, Hq, Hkv, device, **self.spec_params)
+            inputs["BLOCK_CLASS"] = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"],
+                                                  self.per_bh, device)
+        return inputs
 
-def transfer(reference: N.Program, spec, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1,
-             params: dict | None = None, spec_params: dict | None = None, device="cpu") -> Candidate:
-    """Target CuIR for `spec` at one shape (traced constants such as P = N/2 are specialised)."""
-    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, **(spec_params or {}))
-    cfg = {**reference.params(), **(params or {})}
-    mask = trace_mask(hooks.mask_mod) if hooks.mask_mod is not None else None
-    score = trace_score(hooks.score_mod) if hooks.score_mod is not None else None
-    captures = {**(mask.captures if mask else {}), **(score.captures if score else {})}
-    rules, inputs = [], {}
-    pred = mask.expr if mask else N.Const(True)
+
+def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_params: dict | None = None,
+             device="cpu", **_ignored) -> Candidate:
+    """Target CuIR for `spec`, valid at every shape; `Candidate.bind` gives its extra inputs."""
+    spec_params = dict(spec_params or {})
+    forms = [_trace(spec, *p, spec_params, device) for p in PROBES]
+    if _skeleton(forms[0]) != _skeleton(forms[1]):
+        raise TraceError(f"the hooks of {spec.name!r} trace to different structures at different shapes",
+                         where=spec.path, hint="make the hooks' structure independent of the shape")
+    generic, slots = _generalise(forms)
+    mask, score, bias, scale = generic
+    rules = []
+    pred = mask if mask is not None else N.Const(True)
     table = mask is not None and any(isinstance(e, N.Call) and e.op == "gather" for e in N.walk_expr(pred))
-    per_bh = table and bool(mask.uses & {"b", "h"})
-    if table:
-        inputs["BLOCK_CLASS"] = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"], per_bh, device)
-        rules.append("iteration_space: block table")
-    else:
-        rules.append("iteration_space: interval analysis")
+    names = {e.id for e in N.walk_expr(pred) if isinstance(e, N.Name)}
+    per_bh = table and bool(names & {"b", "h"})
+    rules.append("iteration_space: " + ("block table" if table else "interval analysis"))
     if mask is not None:
         rules.append("mask_predicate")
     if score is not None:
         rules.append("score_transform")
-    norm = hooks.normalization
-    rules.append(f"normalization: {norm.kind}")
-    for c in captures.values():
-        t = c.tensor.detach().to("cpu")
-        inputs[c.name] = t.to(torch.int64) if not t.is_floating_point() else t.to(torch.float32)
-    gen = _Generator(pred, score.expr if score else None, norm, table, per_bh)
+    rules.append(f"normalization: {forms[0].norm_kind}")
+    gen = _Generator(pred, score, forms[0].norm_kind, bias, scale, table, per_bh)
     body = gen.rewrite(reference.body)
-    body = _add_io(body, inputs, drop_lse=norm.kind != "softmax")
+    decls = [_stmts(f"{n} = scalar_input({dt})")[0] for n, _, dt in slots]
+    for name, t in forms[0].captures.items():
+        dt = "f32" if t.is_floating_point() else "i32"
+        dims = ", ".join(f"{name}_N{d}" for d in range(t.dim()))
+        decls.append(_stmts(f"{name} = global_input({dt}, [{dims}])")[0])
+    if table:
+        dims = "BLOCK_CLASS_B, BLOCK_CLASS_H, " if per_bh else ""
+        decls.append(_stmts(f"BLOCK_CLASS = global_input(i32, [{dims}BLOCK_CLASS_M, BLOCK_CLASS_N])")[0])
+    body = _add_io(body, decls, drop_lse=forms[0].norm_kind != "softmax")
     program = N.Program(body, source=f"<{spec.name} from {reference.name}>")
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
-    return Candidate(program, inputs, rules)
+    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _skeleton(forms[0]))
+
+
+# ------------------------------------------------------------------ tracing and generalising
+def _trace(spec, Nq, Nk, Hq, Hkv, spec_params, device) -> _Form:
+    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, **spec_params)
+    mask = trace_mask(hooks.mask_mod) if hooks.mask_mod is not None else None
+    score = trace_score(hooks.score_mod) if hooks.score_mod is not None else None
+    caps = {**(mask.captures if mask else {}), **(score.captures if score else {})}
+    norm = hooks.normalization
+    return _Form(mask.expr if mask else None, score.expr if score else None, norm.kind,
+                 N.Const(float(norm.bias)), N.Const(float(norm.scale)),
+                 {c.name: c.tensor for c in caps.values()})
+
+
+def _is_num(e) -> bool:
+    return isinstance(e, N.Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool)
+
+
+def _map_consts(e, fn):
+    """Rebuild expression e with every numeric constant c replaced by fn(c) (in traversal order)."""
+    if e is None:
+        return None
+    if _is_num(e):
+        return fn(e)
+    if isinstance(e, (N.BinOp, N.Compare)):
+        return replace(e, left=_map_consts(e.left, fn), right=_map_consts(e.right, fn))
+    if isinstance(e, N.UnaryOp):
+        return replace(e, operand=_map_consts(e.operand, fn))
+    if isinstance(e, N.BoolOp):
+        return replace(e, values=tuple(_map_consts(v, fn) for v in e.values))
+    if isinstance(e, N.IfExp):
+        return replace(e, test=_map_consts(e.test, fn), body=_map_consts(e.body, fn), orelse=_map_consts(e.orelse, fn))
+    if isinstance(e, N.Call):
+        return replace(e, args=tuple(_map_consts(a, fn) for a in e.args))
+    return e
+
+
+def _consts(form: _Form) -> list:
+    out = []
+    for node in form.nodes():
+        _map_consts(node, lambda c: out.append(c.value) or c)
+    return out
+
+
+def _skeleton(form: _Form) -> tuple:
+    return tuple(_map_consts(n, lambda c: N.Const(0)) for n in form.nodes()) + (form.norm_kind, tuple(form.captures))
+
+
+def _generalise(forms):
+    """Constants that differ between the probe shapes become scalar inputs C0, C1, ..."""
+    a, b = _consts(forms[0]), _consts(forms[1])
+    slots = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            dt = "i32" if isinstance(x, int) and isinstance(y, int) else "f32"
+            slots.append((f"C{len(slots)}", i, dt))
+    names = {i: n for n, i, _ in slots}
+    counter = iter(range(len(a)))
+
+    def sub(c):
+        i = next(counter)
+        return N.Name(names[i]) if i in names else c
+    return tuple(_map_consts(n, sub) for n in forms[0].nodes()), slots
 
 
 def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.Tensor:
@@ -109,8 +224,9 @@ def _stmts(text: str):
 
 
 class _Generator:
-    def __init__(self, pred, score, norm, table, per_bh):
-        self.pred, self.score_expr, self.norm, self.table = pred, score, norm, table
+    def __init__(self, pred, score, norm_kind, bias, scale, table, per_bh):
+        self.pred, self.score_expr, self.table = pred, score, table
+        self.norm_kind, self.bias, self.scale = norm_kind, bias, scale
         self.cls_index = "b, h, m_blk" if per_bh else "m_blk"
         self.must, self.may = classify(pred)
 
@@ -190,14 +306,14 @@ class _Generator:
 
     # ------------------------------------------------------------ normalisation
     def softmax(self, region):
-        if self.norm.kind == "softmax":
+        if self.norm_kind == "softmax":
             return region.body
-        if self.norm.kind == "sigmoid":
-            return _stmts(f"p = sigmoid(s + {self.norm.bias!r})")
-        return _stmts(f"p = relu(s) * {self.norm.scale!r}")
+        if self.norm_kind == "sigmoid":
+            return _stmts(f"p = sigmoid(s + {expr(self.bias)})")
+        return _stmts(f"p = relu(s) * {expr(self.scale)}")
 
     def epilogue(self, region):
-        if self.norm.kind == "softmax":
+        if self.norm_kind == "softmax":
             return region.body
         out = []
         for st in region.body:
@@ -208,12 +324,7 @@ class _Generator:
         return tuple(out)
 
 
-def _add_io(body, inputs, drop_lse):
-    decls = []
-    for name, t in inputs.items():
-        dt = "f32" if t.is_floating_point() else "i32"
-        dims = ", ".join(f"{name}_N{d}" for d in range(t.dim()))
-        decls.append(_stmts(f"{name} = global_input({dt}, [{dims}])")[0])
+def _add_io(body, decls, drop_lse):
     out = []
     for st in body:
         if drop_lse and isinstance(st, N.Assign) and st.targets == ("LSE",):

@@ -36,7 +36,8 @@ TAXONOMY: tuple[Rule, ...] = (
          "KV bounds per query tile, tile skipping, full / partial split (interval analysis or block table)"),
     Rule("normalization", ("softmax", "epilogue"), _ELEMENTWISE + ("row_max", "row_sum", "store"),
          "online softmax, sigmoid, relu, ...: the state, its update and the epilogue"),
-    Rule("extra_io", (), ("global_input", "global_output"), "extra inputs (bias tables, ids) and outputs (LSE)"),
+    Rule("extra_io", (), ("global_input", "scalar_input", "global_output"),
+         "extra inputs (bias tables, ids, shape-dependent scalars) and outputs (LSE)"),
     Rule("head_map", ("head_map",), ("min", "max", "cdiv", "gather"), "MHA, GQA, MQA"),
 )
 REWRITABLE = {r: rule for rule in TAXONOMY for r in rule.regions}
@@ -49,7 +50,7 @@ class StructureError(CubridgeError):
 
 def _is_extra_io(st) -> bool:
     return (isinstance(st, N.Assign) and isinstance(st.value, N.Call)
-            and st.value.op in ("global_input", "global_output") and st.targets[0] not in CORE_IO)
+            and st.value.op in ("global_input", "scalar_input", "global_output") and st.targets[0] not in CORE_IO)
 
 
 def skeleton(body) -> tuple:

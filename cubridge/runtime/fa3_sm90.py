@@ -1,0 +1,328 @@
+"""Build and launch the Hopper reference kernel ref_kernels/fa3_sm90/kernel.cu from PyTorch.
+
+The kernel reads Q, K, V and writes O through TMA, so each launch needs four CUtensorMap
+descriptors encoded on the host. They are encoded with `cuTensorMapEncodeTiled` called through
+ctypes on the driver library (libcuda) that PyTorch has already loaded, and the cubin is loaded and
+launched through the same driver API. Why ctypes and not cuda-python: six driver calls with plain C
+signatures need no extra dependency, behave the same under every cuda-python major version (their
+Python signatures changed between 12.x and 13.x), and the launch runs on PyTorch's current stream
+and primary context with no interop layer. The cubin is built by nvcc (cached by source hash,
+flags and compiler version).
+
+Example (on an sm_90 GPU):
+    >>> import torch
+    >>> from cubridge.runtime.fa3_sm90 import fa3_forward
+    >>> q = torch.randn(1, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> k = v = torch.randn(1, 2, 1000, 128, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> o, lse = fa3_forward(q, k, v, causal=True)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cubridge.errors import BuildError, LaunchError
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa3_sm90"
+KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
+CACHE_DIR = Path(__file__).resolve().parents[2] / ".cubridge_cache" / "fa3_sm90"
+ENTRY = b"fa3_sm90_fwd"
+ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)   # wgmma/setmaxnreg need sm_90a
+NVCC_FLAGS = ("-cubin", "-std=c++17", "-O3", *ARCH_FLAGS)
+
+# Shared-memory arithmetic mirrored from kernel.cu (checked by static_assert there).
+ELEM_BYTES = 2
+SMEM_ALIGN = 1024
+SMEM_LIMIT = 227 * 1024
+PANEL_COLS = 64          # TMA box width: 128 bytes, the swizzle span
+WG_ROWS = 64             # rows of Q per consumer warpgroup (wgmma M)
+WG_THREADS = 128
+SUPPORTED_HEAD_DIMS = (64, 128)
+TILE_SLOTS = 2           # depth of the producer -> consumer tile-index ring
+
+
+@dataclass(frozen=True)
+class Fa3Config:
+    """Compile-time parameters of kernel.cu (its -D macros)."""
+    head_dim: int = 128
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 2
+    causal: bool = False
+    bf16: bool = True
+    persistent: bool = False   # launch-time only: grid = #SMs (each CTA loops over tiles) vs #tiles
+
+    def defines(self) -> list[str]:
+        """The -D flags; `persistent` is not one (it only changes the grid)."""
+        return [f"-DHEAD_DIM={self.head_dim}", f"-DBLOCK_M={self.block_m}",
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}",
+                f"-DIS_CAUSAL={int(self.causal)}", f"-DDTYPE_BF16={int(self.bf16)}"]
+
+    @property
+    def threads(self) -> int:
+        return (self.block_m // WG_ROWS + 1) * WG_THREADS
+
+    @property
+    def separate_o(self) -> bool:
+        """O gets its own staging buffer when it fits (kSeparateO in kernel.cu)."""
+        return 2 * self._q_bytes + self._kv_bytes + self._barrier_bytes + SMEM_ALIGN <= SMEM_LIMIT
+
+    @property
+    def smem_bytes(self) -> int:
+        o = self._q_bytes if self.separate_o else 0
+        return self._q_bytes + self._kv_bytes + o + self._barrier_bytes + SMEM_ALIGN
+
+    @property
+    def _q_bytes(self) -> int:
+        return self.block_m * self.head_dim * ELEM_BYTES
+
+    @property
+    def _kv_bytes(self) -> int:
+        return 2 * self.stages * self.block_n * self.head_dim * ELEM_BYTES
+
+    @property
+    def _barrier_bytes(self) -> int:   # q, 2 tile slots, k/v per stage (8 B each) + 2 tile ids
+        return 8 * (2 + 2 * TILE_SLOTS + 4 * self.stages) + 4 * TILE_SLOTS
+
+
+def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int = 8192) -> Fa3Config:
+    """Tile sizes and grid mode for a shape class. Pure; each branch cites its measurement
+    (H100, bf16, 16k tokens, experiments/results/fa3_sm90_v3_sweep_h100.json; P = persistent with
+    the dynamic tile scheduler, G = one tile per CTA).
+
+    >>> default_config(128, causal=True).block_n
+    128
+    """
+    if head_dim == 64:
+        if causal and seqlen <= 2048:
+            # d64 causal 1k: 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226
+            return Fa3Config(64, 128, 128, 2, causal, bf16, persistent=True)
+        # d64 8k: 192x128 (3 consumers) causal P 445 / full P 503 vs 128x128 408 / 441;
+        # full 1k: 192x128 P 391 vs 128x128 P 387
+        return Fa3Config(64, 192, 128, 2, causal, bf16, persistent=True)
+    # d128: 128x128, 2 stages (160 KB + 32 KB O stage), persistent. Causal P vs G: 1k 444 vs 383,
+    # 8k 570 vs 535, 16k 596 vs 582; full 1k 584 vs 528, 8k 623 vs 597. BLOCK_N 176 (FA3's
+    # non-causal choice) was not better except causal 16k (621, within this machine's noise).
+    return Fa3Config(head_dim, 128, 128, 2, causal, bf16, persistent=True)
+
+
+# ------------------------------------------------------------------ build
+def _nvcc() -> str:
+    found = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(found).exists():
+        raise BuildError("nvcc not found", hint="put the CUDA toolkit's bin/ on PATH")
+    return found
+
+
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR) -> Path:
+    """Compile kernel.cu for `config` to an sm_90a cubin, cached by (source, flags, nvcc)."""
+    nvcc = _nvcc()
+    flags = [*NVCC_FLAGS, *config.defines(), f"-I{KERNEL_DIR}"]
+    key = hashlib.sha256()
+    for part in (KERNEL_SOURCE, KERNEL_DIR / "wgmma.cuh"):
+        key.update(part.read_bytes())
+    key.update(" ".join(flags).encode())
+    key.update(_nvcc_version(nvcc).encode())
+    out = cache_dir / f"{key.hexdigest()[:24]}.cubin"
+    if out.exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    proc = subprocess.run([nvcc, *flags, "-o", str(tmp), str(KERNEL_SOURCE)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"nvcc failed for {config}:\n{proc.stderr[-4000:]}",
+                         where=str(KERNEL_SOURCE), hint="read the first error above")
+    tmp.replace(out)
+    return out
+
+
+# ------------------------------------------------------------------ driver API through ctypes
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
+CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION_L2_128B = 2
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0   # out-of-bounds elements read as zero
+TENSOR_MAP_BYTES = 128
+TENSOR_MAP_ALIGN = 64
+
+
+class _Driver:
+    """The handful of CUDA driver calls this module needs, with errors turned into exceptions."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+        self.lib.cuTensorMapEncodeTiled.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p,
+            u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.lib.cuLaunchKernel.argtypes = [
+            ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+        self.lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                                 ctypes.c_char_p]
+        self.lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(result, ctypes.byref(msg))
+            text = msg.value.decode() if msg.value else "unknown error"
+            raise LaunchError(f"{what} failed: CUDA driver error {result} ({text})")
+
+    def load_function(self, cubin: bytes, smem_bytes: int) -> ctypes.c_void_p:
+        module, func = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(func), module, ENTRY),
+                   "cuModuleGetFunction")
+        self.check(self.lib.cuFuncSetAttribute(
+            func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes), "cuFuncSetAttribute")
+        return func
+
+    def tensor_map(self, t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
+        """3-D map over a [B, H, N, D] tensor seen as (D, N, B*H): zero fill stops at each head's N."""
+        b, h, n, d = t.shape
+        dtype = (CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
+                 else CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+        dims = (ctypes.c_uint64 * 3)(d, n, b * h)
+        strides = (ctypes.c_uint64 * 2)(d * ELEM_BYTES, n * d * ELEM_BYTES)
+        box = (ctypes.c_uint32 * 3)(PANEL_COLS, rows_per_box, 1)
+        elem_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
+        raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
+        offset = (-ctypes.addressof(raw)) % TENSOR_MAP_ALIGN
+        view = (ctypes.c_uint8 * TENSOR_MAP_BYTES).from_buffer(raw, offset)
+        self.check(self.lib.cuTensorMapEncodeTiled(
+            ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+            "cuTensorMapEncodeTiled")
+        return view
+
+
+_DRIVER: _Driver | None = None
+_FUNCTIONS: dict[tuple, ctypes.c_void_p] = {}
+
+
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _function(config: Fa3Config, device: torch.device) -> ctypes.c_void_p:
+    key = (tuple(config.defines()), device.index)
+    if key not in _FUNCTIONS:
+        cubin = build_cubin(config).read_bytes()
+        with torch.cuda.device(device):
+            torch.cuda.current_stream().synchronize()   # makes the primary context current
+            _FUNCTIONS[key] = _driver().load_function(cubin, config.smem_bytes)
+    return _FUNCTIONS[key]
+
+
+# ------------------------------------------------------------------ checks and launch
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3Config) -> None:
+    usage = "expected q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D], contiguous, same dtype and device"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise LaunchError(f"{name} has shape {tuple(t.shape)}", hint=usage)
+        if not t.is_cuda:
+            raise LaunchError(f"{name} is on {t.device}, not a CUDA device", hint="move it with .cuda()")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise LaunchError(f"{name} has dtype {t.dtype}", hint="use torch.float16 or torch.bfloat16")
+        if not t.is_contiguous():
+            raise LaunchError(f"{name} is not contiguous (strides {t.stride()})",
+                              hint="call .contiguous() first")
+        if t.data_ptr() % 16:
+            raise LaunchError(f"{name} data pointer is not 16-byte aligned", hint="call .clone()")
+    if k.shape != v.shape:
+        raise LaunchError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ", hint=usage)
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise LaunchError(f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}", hint=usage)
+    if q.device != k.device or q.device != v.device:
+        raise LaunchError(f"devices differ: q {q.device}, k {k.device}, v {v.device}", hint=usage)
+    b, hq, _, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise LaunchError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B or D", hint=usage)
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        raise LaunchError(f"Hq={hq} is not a multiple of Hkv={k.shape[1]}",
+                          hint="GQA needs Hq = G * Hkv")
+    if d not in SUPPORTED_HEAD_DIMS or d != config.head_dim:
+        raise LaunchError(f"head dim {d} (config built for {config.head_dim})",
+                          hint=f"D must be one of {SUPPORTED_HEAD_DIMS} and match the config")
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise LaunchError(f"{torch.cuda.get_device_name(q.device)} is not sm_90",
+                          hint="this kernel needs a Hopper GPU (H100/H200)")
+
+
+def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                softmax_scale: float | None = None, config: Fa3Config | None = None,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                max_ctas: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward: returns (o [B, Hq, Nq, D], lse [B, Hq, Nq] float32, natural log).
+
+    causal means kv_idx <= q_idx with absolute indices (top-left aligned, also when Nq != Nk).
+    `out` / `lse` may be passed preallocated (contiguous, right shape and dtype). `max_ctas` caps
+    the grid (each CTA then loops over several tiles); tests use it to exercise tile hand-over.
+    """
+    if config is None:
+        config = default_config(q.shape[-1] if q.dim() == 4 else -1, causal,
+                                q.dtype == torch.bfloat16, q.shape[2] if q.dim() == 4 else 0)
+    if config.causal != causal or config.bf16 != (q.dtype == torch.bfloat16):
+        raise LaunchError(f"config {config} does not match causal={causal}, dtype={q.dtype}")
+    _check_inputs(q, k, v, config)
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous() or out.device != q.device:
+        raise LaunchError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    if lse.shape != (b, hq, nq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise LaunchError(f"lse must be a contiguous float32 tensor of shape {(b, hq, nq)}")
+    if b * hq * nq == 0:
+        return out, lse
+    if nk == 0:   # no key at all: every row attends nothing (a tensor map cannot have an empty dim)
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    func = _function(config, q.device)
+    drv = _driver()
+    maps = [drv.tensor_map(q, config.block_m), drv.tensor_map(k, config.block_n),
+            drv.tensor_map(v, config.block_n), drv.tensor_map(out, WG_ROWS)]
+    # The dynamic tile scheduler's counter; a fresh zero per launch keeps launches on different
+    # streams independent (the caching allocator orders reuse after this kernel).
+    counter = torch.zeros(1, device=q.device, dtype=torch.int32)
+    scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),
+               ctypes.c_int32(nq), ctypes.c_int32(nk),
+               ctypes.c_int32(hq), ctypes.c_int32(hkv), ctypes.c_int32(b), ctypes.c_float(scale)]
+    params = (ctypes.c_void_p * len(maps + scalars))(*[ctypes.addressof(x) for x in maps + scalars])
+    tiles = math.ceil(nq / config.block_m) * hq * b
+    ctas = min(tiles, _sm_count(q.device)) if config.persistent else tiles
+    grid = (min(ctas, max_ctas) if max_ctas else ctas, 1, 1)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    drv.check(drv.lib.cuLaunchKernel(func, *grid, config.threads, 1, 1, config.smem_bytes,
+                                     ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+    return out, lse

@@ -1,0 +1,144 @@
+"""GPU checks of the Hopper reference kernel (ref_kernels/fa3_sm90) under the verification rule.
+
+golden = attention in float64, ref = the same math in the kernel dtype; pass iff
+max|out - golden| <= 2 max|ref - golden| + 1e-5 (cubridge.rule.compare). Also: outputs poisoned
+with NaN are fully written, inputs are unchanged, a second run is bitwise identical.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from cubridge.errors import LaunchError
+from cubridge.rule import compare
+
+_HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not _HAS_SM90, reason="needs a CUDA GPU of compute capability 9.0 (H100/H200) for wgmma and TMA")]
+
+if _HAS_SM90:
+    from cubridge.runtime.fa3_sm90 import Fa3Config, default_config, fa3_forward
+
+HEADS_Q = 8
+LENGTHS = [1, 17, 128, 1000, 4096]
+GROUPS = [1, 4, 8]                      # Hq / Hkv: MHA, GQA, MQA (Hkv = 1)
+DTYPES = [torch.bfloat16, torch.float16]
+HEAD_DIMS = [64, 128]
+
+
+def attention(q, k, v, causal: bool):
+    """Plain attention in the dtype of its inputs; k/v heads repeated for GQA; (out, lse)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        nq, nk = s.shape[-2:]
+        keep = torch.arange(nk, device=s.device)[None, :] <= torch.arange(nq, device=s.device)[:, None]
+        s = s.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(s.to(torch.float64), dim=-1)
+    return torch.softmax(s, dim=-1) @ v, lse
+
+
+def run_case(b, hq, hkv, nq, nk, d, dtype, causal, seed=0, persistent=False, max_ctas=None,
+             **tiles):
+    """tiles: Fa3Config overrides (block_m, block_n, stages); default_config otherwise."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+               for shape in ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)))
+    saved = [t.clone() for t in (q, k, v)]
+    bf16 = dtype == torch.bfloat16
+    config = (Fa3Config(head_dim=d, causal=causal, bf16=bf16, persistent=persistent, **tiles) if tiles
+              else dataclasses.replace(default_config(d, causal, bf16, nq), persistent=persistent))
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((b, hq, nq), math.nan, device="cuda", dtype=torch.float32)
+    fa3_forward(q, k, v, causal=causal, config=config, out=out, lse=lse, max_ctas=max_ctas)
+    out2, lse2 = fa3_forward(q, k, v, causal=causal, config=config, max_ctas=max_ctas)
+    torch.cuda.synchronize()
+    for t, s in zip((q, k, v), saved):
+        assert torch.equal(t, s), "kernel modified an input"
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "second run differs (not deterministic)"
+    golden, golden_lse = attention(q.double(), k.double(), v.double(), causal)
+    ref, _ = attention(q, k, v, causal)
+    verdict = compare(out, golden, ref)
+    assert verdict.passed, f"out: {verdict}"
+    lse_err = (lse.double() - golden_lse).abs().max().item()
+    assert lse_err <= 1e-3, f"lse max err {lse_err:.3e}"
+    return verdict
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("group", GROUPS, ids=lambda g: f"g{g}")
+@pytest.mark.parametrize("n", LENGTHS, ids=lambda n: f"n{n}")
+def test_square(n, group, dtype, d, causal, persistent):
+    run_case(1 if n >= 1000 else 2, HEADS_Q, HEADS_Q // group, n, n, d, dtype, causal,
+             persistent=persistent)
+
+
+# Tile configurations the tuner may pick: 3 consumers (BLOCK_M 192), O staged in the Q buffer
+# (BLOCK_N 176 at D 128 leaves no room for a separate O buffer), deeper rings. Persistent, so one
+# CTA runs several tiles and the Q / ring hand-over between tiles is exercised.
+TILE_CONFIGS = [dict(d=128, block_m=128, block_n=176, stages=2),
+                dict(d=128, block_m=128, block_n=128, stages=3),
+                dict(d=64, block_m=192, block_n=128, stages=2),
+                dict(d=64, block_m=128, block_n=192, stages=2),
+                dict(d=128, block_m=128, block_n=64, stages=4)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("n", [17, 1000, 2500], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=lambda c: "_".join(f"{k}{v}" for k, v in c.items()))
+def test_tile_configs(cfg, n, causal):
+    cfg = dict(cfg)
+    d = cfg.pop("d")
+    run_case(2, 8, 2, n, n + 31, d, torch.bfloat16, causal, persistent=True, max_ctas=7, **cfg)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("max_ctas", [1, 3, 64])
+def test_few_ctas_many_tiles(max_ctas, causal):
+    """A CTA runs many tiles back to back: Q slot and K/V ring phases carry across tiles."""
+    run_case(2, 4, 1, 700, 650, 128, torch.float16, causal, persistent=True, max_ctas=max_ctas)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk", [(17, 1000), (1000, 17), (128, 300), (300, 129), (1, 4096)])
+def test_separate_lengths(nq, nk, causal):
+    """Nq != Nk; causal stays top-left aligned (kv_idx <= q_idx with absolute indices)."""
+    run_case(2, 4, 2, nq, nk, 128, torch.bfloat16, causal)
+
+
+def test_llama_heads_bf16():
+    run_case(1, 32, 32, 2048, 2048, 128, torch.bfloat16, True, seed=3)
+
+
+def test_no_keys_gives_zero_and_minus_inf():
+    q = torch.randn(1, 2, 5, 64, device="cuda", dtype=torch.bfloat16)
+    k = v = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = fa3_forward(q, k, v)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+
+
+@pytest.mark.parametrize("bad", ["noncontig", "dtype", "heads", "headdim", "cpu"])
+def test_launch_checks(bad):
+    q = torch.randn(1, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
+    v = k.clone()
+    if bad == "noncontig":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    elif bad == "dtype":
+        q = q.float()
+    elif bad == "heads":
+        k = v = torch.randn(1, 3, 64, 128, device="cuda", dtype=torch.bfloat16)
+    elif bad == "headdim":
+        q, k, v = q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous()
+    elif bad == "cpu":
+        q = q.cpu()
+    with pytest.raises(LaunchError):
+        fa3_forward(q, k, v)

@@ -126,13 +126,15 @@ def _nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip()
 
 
-def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR) -> Path:
-    """Compile kernel.cu for `config` to an sm_90a cubin, cached by (source, flags, nvcc)."""
+def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str | None = None) -> Path:
+    """Compile kernel.cu (or `source`, a lowered variant of it) for `config` to an sm_90a cubin,
+    cached by (source, flags, nvcc)."""
     nvcc = _nvcc()
     flags = [*NVCC_FLAGS, *config.defines(), f"-I{KERNEL_DIR}"]
+    text = KERNEL_SOURCE.read_bytes() if source is None else source.encode()
     key = hashlib.sha256()
-    for part in (KERNEL_SOURCE, KERNEL_DIR / "wgmma.cuh"):
-        key.update(part.read_bytes())
+    for part in (text, (KERNEL_DIR / "wgmma.cuh").read_bytes()):
+        key.update(part)
     key.update(" ".join(flags).encode())
     key.update(_nvcc_version(nvcc).encode())
     out = cache_dir / f"{key.hexdigest()[:24]}.cubin"
@@ -140,8 +142,14 @@ def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR) -> Path:
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    proc = subprocess.run([nvcc, *flags, "-o", str(tmp), str(KERNEL_SOURCE)],
+    src_path = KERNEL_SOURCE
+    if source is not None:
+        src_path = out.with_suffix(f".tmp{os.getpid()}.cu")
+        src_path.write_text(source)
+    proc = subprocess.run([nvcc, *flags, "-o", str(tmp), str(src_path)],
                           capture_output=True, text=True)
+    if source is not None:
+        src_path.unlink(missing_ok=True)
     if proc.returncode != 0:
         raise BuildError(f"nvcc failed for {config}:\n{proc.stderr[-4000:]}",
                          where=str(KERNEL_SOURCE), hint="read the first error above")
@@ -230,10 +238,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _function(config: Fa3Config, device: torch.device) -> ctypes.c_void_p:
-    key = (tuple(config.defines()), device.index)
+def _function(config: Fa3Config, device: torch.device, source: str | None = None) -> ctypes.c_void_p:
+    key = (tuple(config.defines()), device.index, hashlib.sha256(source.encode()).hexdigest() if source else None)
     if key not in _FUNCTIONS:
-        cubin = build_cubin(config).read_bytes()
+        cubin = build_cubin(config, source=source).read_bytes()
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
             _FUNCTIONS[key] = _driver().load_function(cubin, config.smem_bytes)
@@ -278,12 +286,14 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3
 def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                 softmax_scale: float | None = None, config: Fa3Config | None = None,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                max_ctas: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                max_ctas: int | None = None, variant=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns (o [B, Hq, Nq, D], lse [B, Hq, Nq] float32, natural log).
 
     causal means kv_idx <= q_idx with absolute indices (top-left aligned, also when Nq != Nk).
     `out` / `lse` may be passed preallocated (contiguous, right shape and dtype). `max_ctas` caps
     the grid (each CTA then loops over several tiles); tests use it to exercise tile hand-over.
+    `variant` (a cubridge.lower.Launchable) runs a lowered variant of the kernel: its CUDA source
+    and its VariantArgs (captured tensors, scalars), which must stay alive until the kernel ran.
     """
     if config is None:
         config = default_config(q.shape[-1] if q.dim() == 4 else -1, causal,
@@ -308,7 +318,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
         lse.fill_(-math.inf)
         return out, lse
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    func = _function(config, q.device)
+    func = _function(config, q.device, variant.source if variant is not None else None)
     drv = _driver()
     maps = [drv.tensor_map(q, config.block_m), drv.tensor_map(k, config.block_n),
             drv.tensor_map(v, config.block_n), drv.tensor_map(out, WG_ROWS)]
@@ -317,7 +327,8 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     counter = torch.zeros(1, device=q.device, dtype=torch.int32)
     scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),
                ctypes.c_int32(nq), ctypes.c_int32(nk),
-               ctypes.c_int32(hq), ctypes.c_int32(hkv), ctypes.c_int32(b), ctypes.c_float(scale)]
+               ctypes.c_int32(hq), ctypes.c_int32(hkv), ctypes.c_int32(b), ctypes.c_float(scale),
+               variant.args if variant is not None else ctypes.c_int32(0)]   # VariantArgs
     params = (ctypes.c_void_p * len(maps + scalars))(*[ctypes.addressof(x) for x in maps + scalars])
     tiles = math.ceil(nq / config.block_m) * hq * b
     ctas = min(tiles, _sm_count(q.device)) if config.persistent else tiles

@@ -26,8 +26,9 @@
 //   wg_turn[c]      named barrier: consumer c may issue its GEMMs (ping-pong between consumers)
 //   panel           64 columns of a tile (128 bytes, the 128B-swizzle span); D = 128 has two
 //
-// Lifting map (regions marked @cuir-region / @cuir-end): head_map, kv_range, load_q, load_kv, qk,
-// score, mask, softmax, pv, epilogue. See README.md for what each region may be replaced with.
+// Lifting map (regions marked @cuir-region / @cuir-end): head_map, extra_io, kv_range, load_q,
+// load_kv, qk, score, mask, softmax, pv, epilogue. See README.md for what each region may be
+// replaced with; cubridge/lower regenerates extra_io, kv_range, score, mask, softmax, epilogue.
 #if defined(__CUDACC_RTC__)
 struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };
 #else
@@ -252,27 +253,41 @@ __device__ __forceinline__ HeadMap head_map(int b, int h, int heads_q, int heads
 }
 // @cuir-end head_map
 
+// @cuir-region extra_io
+// A variant's extra kernel arguments (captured tensors, shape-dependent scalars); none here.
+struct VariantArgs { int unused; };
+// @cuir-end extra_io
+
 // @cuir-region kv_range
 // Key tiles [n_begin, n_end) may hold attended pairs for query rows [m0, m0 + kBlockM);
 // tiles in [full_begin, full_end) need no mask (every pair attended and in bounds).
+// The skeleton only uses kv_count, tile_at (the i-th KV tile to visit; high n first: masked tiles
+// lead) and tile_partial, so a variant may replace the range by any set of tiles.
 struct KvRange { int n_begin; int n_end; int full_begin; int full_end; };
-__device__ __forceinline__ KvRange kv_range(int m0, int seqlen_q, int seqlen_k) {
+__device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int m_block, int m0,
+                                            int seqlen_q, int seqlen_k) {
   const int kv_stop = kCausal ? min(seqlen_k, m0 + kBlockM) : seqlen_k;   // kv <= q (top-left)
   const int n_end = (kv_stop + kBlockN - 1) / kBlockN;
   int full_end = seqlen_k / kBlockN;                                       // ragged tail is partial
   if (kCausal) full_end = min(full_end, (m0 + 1) / kBlockN);               // max kv <= min q
   return KvRange{0, n_end, 0, max(0, min(full_end, n_end))};
 }
+__device__ __forceinline__ int kv_count(const KvRange& r) { return r.n_end - r.n_begin; }
+__device__ __forceinline__ int tile_at(const KvRange& r, int i) { return r.n_end - 1 - i; }
+__device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {
+  return n >= r.full_end || n < r.full_begin;
+}
 // @cuir-end kv_range
 
 // @cuir-region score
-__device__ __forceinline__ float score_mod(float s, int b, int h, int q_idx, int kv_idx) {
+__device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx,
+                                           int kv_idx) {
   return s;
 }
 // @cuir-end score
 
 // @cuir-region mask
-__device__ __forceinline__ bool mask_pred(int b, int h, int q_idx, int kv_idx) {
+__device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {
   return !kCausal || kv_idx <= q_idx;
 }
 // @cuir-end mask
@@ -287,8 +302,9 @@ __device__ __forceinline__ Frag frag_coords(int wg_thread) {
 
 // Scale, score_mod and (on partial tiles) the mask, in one pass over S with each element's indices.
 template <bool kPartial>
-__device__ __forceinline__ void score_and_mask(float (&s)[kSRegs], float softmax_scale, HeadMap hm,
-                                               int q_row0, int kv_col0, int seqlen_k) {
+__device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)[kSRegs],
+                                               float softmax_scale, HeadMap hm, int q_row0,
+                                               int kv_col0, int seqlen_k) {
 #pragma unroll
   for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
@@ -297,8 +313,8 @@ __device__ __forceinline__ void score_and_mask(float (&s)[kSRegs], float softmax
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];
         const int q_idx = q_row0 + 8 * half, kv_idx = kv_col0 + 8 * j + e;
-        x = score_mod(x * softmax_scale, hm.b, hm.h, q_idx, kv_idx);
-        if (kPartial && !(kv_idx < seqlen_k && mask_pred(hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
+        x = score_mod(va, x * softmax_scale, hm.b, hm.h, q_idx, kv_idx);
+        if (kPartial && !(kv_idx < seqlen_k && mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
       }
 }
 
@@ -310,8 +326,8 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
   st.row_max[0] = st.row_max[1] = kNegInf;
   st.row_sum[0] = st.row_sum[1] = 0.f;
 }
-__device__ __forceinline__ void softmax_update(float (&s)[kSRegs], SoftmaxState& st,
-                                               float (&rescale)[2]) {
+__device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
+                                               SoftmaxState& st, float (&rescale)[2]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float mx = st.row_max[half];
@@ -388,25 +404,25 @@ struct Smem {
 // The K/V ring is shared by all tiles of a CTA: `it` counts KV tiles since the CTA started.
 __device__ __forceinline__ int ring_stage(int it) { return it % kStages; }
 __device__ __forceinline__ int ring_phase(int it) { return (it / kStages) & 1; }
-__device__ __forceinline__ int tile_at(const KvRange& r, int i) { return r.n_end - 1 - i; }   // high n first: masked tiles lead
 
 // A work tile: query block, head, batch; the query blocks of one head are consecutive so that
 // CTAs running at the same time share K/V in L2. Causal: the longest rows (last m_block) first.
 struct Tile { int m0; HeadMap hm; KvRange r; };
-__device__ __forceinline__ Tile decode_tile(int t, int num_m, int seqlen_q, int seqlen_k,
-                                            int heads_q, int heads_kv) {
+__device__ __forceinline__ Tile decode_tile(const VariantArgs& va, int t, int num_m, int seqlen_q,
+                                            int seqlen_k, int heads_q, int heads_kv) {
   const int m_idx = t % num_m, bh = t / num_m;
   const int m_block = kCausal ? num_m - 1 - m_idx : m_idx;
   const int m0 = m_block * kBlockM;
-  return Tile{m0, head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv),
-              kv_range(m0, seqlen_q, seqlen_k)};
+  const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
+  return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0, seqlen_q, seqlen_k)};
 }
 
 struct Problem {
   int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;
   int* tile_counter;
+  VariantArgs va;
   __device__ __forceinline__ Tile tile(int t) const {
-    return decode_tile(t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
+    return decode_tile(va, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
   }
 };
 
@@ -425,7 +441,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     mbar_arrive(sm.tile_full + 8 * slot);
     if (t >= pb.num_tiles) break;
     const Tile tl = pb.tile(t);
-    const int tiles = tl.r.n_end - tl.r.n_begin;
+    const int tiles = kv_count(tl.r);
     for (int i = 0; i < tiles; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
       // @cuir-region load_kv
@@ -544,7 +560,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     mbar_arrive(sm.tile_empty + 8 * slot);                 // every reader arrives after its read
     if (t >= pb.num_tiles) break;
     const Tile tl = pb.tile(t);
-    const int tiles = tl.r.n_end - tl.r.n_begin;
+    const int tiles = kv_count(tl.r);
     float o[kORegs];
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
@@ -556,9 +572,9 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       float rescale[2];
       const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0;
       auto process_scores = [&](int n) {
-        const bool partial = n >= tl.r.full_end || n < tl.r.full_begin;
-        if (partial) score_and_mask<true>(s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
-        else score_and_mask<false>(s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
+        const bool partial = tile_partial(pb.va, tl.r, n);
+        if (partial) score_and_mask<true>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
+        else score_and_mask<false>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
       };
       if (last_consumer) named_arrive(kBarWgTurn0, 2 * kWgThreads);   // consumer 0 goes first
 
@@ -572,7 +588,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       reg_fence(s);
       cs.release(sm.k_empty + 8 * ring_stage(it));
       process_scores(tile_at(tl.r, 0));
-      softmax_update(s, st, rescale);
+      softmax_update(pb.va, s, st, rescale);
       convert_p(p, s);
 
       // Steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight while softmax(S_i) runs.
@@ -588,7 +604,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
         reg_fence(s);
         cs.release(sm.k_empty + 8 * sk);
         process_scores(tile_at(tl.r, i));
-        softmax_update(s, st, rescale);
+        softmax_update(pb.va, s, st, rescale);
         wgmma_wait<0>();
         reg_fence(o);
         cs.release(sm.v_empty + 8 * sv);
@@ -623,7 +639,8 @@ extern "C" __global__ void __launch_bounds__(fa3::kThreads, 1)
 fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
              float* __restrict__ lse, int* __restrict__ tile_counter, int seqlen_q, int seqlen_k,
-             int heads_q, int heads_kv, int batch, float softmax_scale) {
+             int heads_q, int heads_kv, int batch, float softmax_scale,
+             const __grid_constant__ fa3::VariantArgs va) {
   using namespace fa3;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
@@ -643,7 +660,7 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   sm.tile_slot = sm.tile_empty + 8 * kTileSlots;
   const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
   const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_m * heads_q * batch,
-                   tile_counter};
+                   tile_counter, va};
 
   const int wg = threadIdx.x / kWgThreads;
   if (threadIdx.x == 0) {

@@ -13,7 +13,7 @@ import pytest
 
 from cubridge.runtime.fa3_sm90 import KERNEL_DIR, KERNEL_SOURCE, NVCC_FLAGS, Fa3Config
 
-REGIONS = ["head_map", "kv_range", "load_q", "load_kv", "qk", "score", "mask", "softmax", "pv",
+REGIONS = ["head_map", "extra_io", "kv_range", "load_q", "load_kv", "qk", "score", "mask", "softmax", "pv",
            "epilogue"]
 CONFIGS = [Fa3Config(head_dim=128, causal=True, bf16=True),
            Fa3Config(head_dim=64, causal=False, bf16=False),
@@ -50,8 +50,12 @@ def test_region_markers_present_and_balanced():
 def test_hooks_live_in_their_regions():
     text = KERNEL_SOURCE.read_text()
     body = lambda name: text.split(f"// @cuir-region {name}\n")[1].split(f"// @cuir-end {name}")[0]
-    assert "float score_mod(float s, int b, int h, int q_idx, int kv_idx)" in body("score")
-    assert "bool mask_pred(int b, int h, int q_idx, int kv_idx)" in body("mask")
+    flat = lambda name: " ".join(body(name).split())
+    assert "float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx, int kv_idx)" in flat("score")
+    assert "bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx)" in flat("mask")
+    assert "struct VariantArgs" in flat("extra_io")
+    for hook in ("KvRange kv_range(", "int kv_count(", "int tile_at(", "bool tile_partial("):
+        assert hook in flat("kv_range")
     assert text.count('extern "C" __global__') == 1
 
 

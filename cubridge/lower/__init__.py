@@ -1,0 +1,91 @@
+"""Lowering: a target CuIR program -> CUDA, by regenerating only the regions of the reference
+kernel that the transfer changed (the lifting map), and the launch arguments it needs.
+
+Example:
+    >>> from cubridge.cuir.parser import parse_file
+    >>> from cubridge.paths import ref_kernel_dir
+    >>> from cubridge.spec import load_spec
+    >>> from cubridge.transfer.rules import transfer
+    >>> ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+    >>> k = lower(transfer(ref, load_spec("prefixlm")).program, "fa3_sm90")
+    >>> "mask_pred" in k.source and [f for f, _ in k.fields]
+    ['C0']
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+from cubridge.cuir import nodes as N
+from cubridge.lower.cexpr import LowerError
+from cubridge.lower.variant import VariantIR, extract
+from cubridge.paths import ref_kernel_dir
+
+__all__ = ["LowerError", "LoweredKernel", "Launchable", "lower"]
+
+
+@dataclass
+class LoweredKernel:
+    """CUDA source of a variant and the layout of its VariantArgs (field name, C type)."""
+    ref: str
+    source: str
+    fields: list = field(default_factory=list)
+    ir: VariantIR | None = None
+
+    def args(self, inputs: dict, device) -> "Launchable":
+        """Pack the variant's extra inputs (from Candidate.bind) for a launch on `device`."""
+        keep, values = [], {}
+        for name, t, nd in (self.ir.tables if self.ir else []):
+            x = inputs[name]
+            x = x.to(device=device, dtype=torch.int32 if t == "int" else torch.float32).contiguous()
+            keep.append(x)
+            values[name] = x.data_ptr()
+            for d in range(nd):
+                values[f"{name}_n{d}"] = x.shape[d]
+        for name, _ in (self.ir.scalars if self.ir else []):
+            values[name] = inputs[name]
+        struct = _struct_type(tuple(self.fields))()
+        for name, _ in self.fields:
+            setattr(struct, name, values.get(name, 0))
+        return Launchable(self.source, struct, keep)
+
+
+@dataclass
+class Launchable:
+    source: str
+    args: ctypes.Structure
+    keep_alive: list
+
+
+_CTYPES = {"ptr": ctypes.c_void_p, "int": ctypes.c_int32, "float": ctypes.c_float}
+_STRUCTS: dict = {}
+
+
+def _struct_type(fields: tuple):
+    if fields not in _STRUCTS:
+        layout = [(n, _CTYPES[t]) for n, t in fields] or [("unused", ctypes.c_int32)]
+        _STRUCTS[fields] = type("VariantArgs", (ctypes.Structure,), {"_fields_": layout})
+    return _STRUCTS[fields]
+
+
+def _fields(ir: VariantIR) -> list:
+    out = []
+    for n, _, nd in ir.tables:
+        out.append((n, "ptr"))
+        out += [(f"{n}_n{d}", "int") for d in range(nd)]
+    out += [(n, t) for n, t in ir.scalars]
+    return out
+
+
+def lower(program: N.Program, ref: str) -> LoweredKernel:
+    """CUDA source for `program` (a transfer of reference kernel `ref`)."""
+    ir = extract(program)
+    source = (ref_kernel_dir(ref) / "kernel.cu").read_text()
+    if ref == "fa3_sm90":
+        from cubridge.lower import fa3_sm90 as gen
+    else:
+        raise LowerError(f"no deterministic lowering for reference kernel {ref!r} yet",
+                         hint="lowering exists for: fa3_sm90")
+    return LoweredKernel(ref, gen.lower_source(source, ir), _fields(ir), ir)

@@ -1,0 +1,202 @@
+"""Side-by-side benchmark of the ten variants: ours (rules transfer lowered onto fa3_sm90) vs
+FlexAttention (the same mask_mod / score_mod), SDPA with a boolean mask, eager PyTorch, and for
+the normalisations FlexAttention cannot express (relu, sigmoid, composite) torch.compile of the
+reference and our own causal softmax kernel at the same shape. One JSON per run.
+
+    python experiments/bench_variants.py --out $OUT/variants.json [--n 1024 8192] [--variants ...]
+
+TFLOPS = 4 * B * Hq * D * (attended pairs) / time, pairs counted exactly from the spec's mask.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from datetime import date
+
+import torch
+import torch.nn.functional as F
+
+from cubridge.cuir.parser import parse_file
+from cubridge.lower import lower
+from cubridge.paths import ref_kernel_dir
+from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
+from cubridge.runtime.timing import bench, tflops
+from cubridge.spec import builtin_specs, count_attended, load_spec
+from cubridge.transfer.rules import transfer
+
+MODELS = {"llama2-7b": (32, 32), "qwen2.5-72b": (64, 8), "llama3.1-405b": (128, 8)}
+TOKENS = 16384
+D = 128
+NO_FLEX = ("relu", "sigmoid", "composite")
+EAGER_MAX_N = 8192          # the materialised fp32 score matrix beyond this does not fit
+
+
+def setup_flex():
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1 << 12)
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+def versions() -> dict:
+    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    import triton
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "driver": smi, "nvcc": nvcc[-1] if nvcc else None, "python": platform.python_version()}
+
+
+class Ours:
+    def __init__(self):
+        self.ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+        self.cache = {}
+
+    def fn(self, name, q, k, v):
+        if name not in self.cache:
+            cand = transfer(self.ref, load_spec(name))
+            self.cache[name] = (cand, lower(cand.program, "fa3_sm90"))
+        cand, kern = self.cache[name]
+        B, Hq, N, _ = q.shape
+        cfg = default_config(D, False, True, N)
+        inputs = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=k.shape[1], B=B,
+                           params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
+        launch = kern.args(inputs, q.device)
+        out = torch.empty_like(q)
+        return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
+
+
+def causal_softmax(q, k, v):
+    cfg = default_config(D, True, True, q.shape[2])
+    out = torch.empty_like(q)
+    return lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out)
+
+
+def rows_for(args):
+    out = []
+    for n in args.n:                     # shapes in the order given: the most wanted first
+        for model in args.models:
+            for name in args.variants:
+                if model != "llama2-7b" and name != "prefixlm":
+                    continue
+                out.append((name, model, n))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    ap.add_argument("--variants", nargs="+", default=builtin_specs())
+    ap.add_argument("--models", nargs="+", default=["llama2-7b"])
+    ap.add_argument("--systems", nargs="+",
+                    default=["ours", "flex", "sdpa_mask", "eager", "compiled_reference", "ours_causal"])
+    ap.add_argument("--budget-ms", type=float, default=1500.0)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    ours, flex = Ours(), {}
+    result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
+              "protocol": "CUDA events, 5 warm-ups, median, L2 flushed before each rep (cubridge.runtime.timing)",
+              "rows": [], "skipped": []}
+    compiled = {}
+    for name, model, n in rows_for(args):
+        hq, hkv = MODELS[model]
+        b = max(1, TOKENS // n)
+        spec = load_spec(name)
+        hooks = spec.hooks_for(n, n, hq, hkv, "cuda")
+        pairs = count_attended(hooks, b, hq, n, n, device="cuda")
+        flops = 4.0 * D * pairs
+        q = torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, n, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, n, D, device="cuda", dtype=torch.bfloat16)
+        systems = {}
+        if "ours" in args.systems:
+            systems["cubridge/fa3_sm90"] = lambda: ours.fn(name, q, k, v)   # noqa: B023 (called at once)
+        if "ours_causal" in args.systems and name in NO_FLEX:
+            systems["cubridge/fa3_sm90 causal softmax"] = lambda: causal_softmax(q, k, v)
+        if "flex" in args.systems and name not in NO_FLEX:
+            def mk_flex():
+                if not flex:
+                    flex["fx"], flex["cbm"] = setup_flex()
+                fx, cbm = flex["fx"], flex["cbm"]
+                bm = cbm(hooks.mask_mod, None, None, n, n, device="cuda") if hooks.mask_mod else None
+                return lambda: fx(q, k, v, score_mod=hooks.score_mod, block_mask=bm, enable_gqa=hq != hkv)
+            systems["flex"] = mk_flex
+        if "sdpa_mask" in args.systems and name not in NO_FLEX and hooks.score_mod is None:
+            def mk_sdpa():
+                from cubridge.spec import index_grids
+                qi = torch.arange(n, device="cuda").view(-1, 1)
+                ki = torch.arange(n, device="cuda").view(1, -1)
+                mask = hooks.mask_mod(torch.zeros((), dtype=torch.long, device="cuda"),
+                                      torch.zeros((), dtype=torch.long, device="cuda"), qi, ki) \
+                    if hooks.mask_mod else torch.ones(n, n, dtype=torch.bool, device="cuda")
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                kk, vv = (k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)) if hq != hkv else (k, v)
+                def call():
+                    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+                return call
+            systems["sdpa_mask"] = mk_sdpa
+        if "eager" in args.systems and n <= EAGER_MAX_N:
+            systems["eager"] = lambda: (lambda: spec.run_reference(q.float(), k.float(), v.float()))
+        if "compiled_reference" in args.systems and name in NO_FLEX and n <= EAGER_MAX_N:
+            def mk_compiled():
+                if name not in compiled:
+                    import torch._dynamo
+                    torch._dynamo.config.cache_size_limit = 1 << 12
+                    compiled[name] = torch.compile(spec.reference)
+                c = compiled[name]
+                return lambda: c(q.float(), k.float(), v.float())
+            systems["compiled_reference"] = mk_compiled
+        for system, make in systems.items():
+            label = system.split(" ")[0]
+            variant = "causal" if "causal softmax" in system else name
+            try:
+                t0 = time.time()
+                fn = make()
+                t = bench(fn, budget_ms=args.budget_ms)
+                fl = flops if variant == name else 4.0 * D * b * hq * n * (n + 1) / 2
+                row = {"system": label, "variant": variant, "model": model, "N": n, "B": b, "Hq": hq,
+                       "Hkv": hkv, "D": D, "dtype": "bf16", "ms": round(t.median_ms, 4),
+                       "tflops": round(tflops(fl, t.median_ms), 1), "for_variant": name,
+                       "setup_s": round(time.time() - t0, 1)}
+                result["rows"].append(row)
+                print(f"{name:<22} {model:<13} {n:>6} {system:<34} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOPS",
+                      flush=True)
+            except Exception as e:  # a baseline that cannot run at this shape is recorded, not fatal
+                result["skipped"].append({"system": system, "variant": name, "model": model, "N": n,
+                                          "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(f"{name:<22} {model:<13} {n:>6} {system:<34} skipped: {type(e).__name__}: {str(e)[:120]}",
+                      flush=True)
+                if not isinstance(e, torch.cuda.OutOfMemoryError):
+                    traceback.print_exc(limit=3)
+            finally:
+                torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    summary(result)
+
+
+def summary(result):
+    by = {}
+    for r in result["rows"]:
+        by.setdefault((r["for_variant"], r["model"], r["N"]), {})[r["system"] + ("/causal" if r["variant"] != r["for_variant"] else "")] = r["tflops"]
+    print("\nvariant                model          N      ours    flex  ratio   eager   compiled  ours-causal")
+    for (name, model, n), s in by.items():
+        ours = s.get("cubridge/fa3_sm90")
+        fx = s.get("flex")
+        ratio = f"{ours / fx:5.2f}" if ours and fx else "  -  "
+        print(f"{name:<22} {model:<13} {n:>6} {ours or 0:7.1f} {fx or 0:7.1f} {ratio} {s.get('eager', 0):7.1f} "
+              f"{s.get('compiled_reference', 0):9.1f} {s.get('cubridge/fa3_sm90/causal', 0):9.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,12 +23,14 @@ PRELUDE = """\
 __device__ __forceinline__ int cuir_floordiv(int a, int b) { int q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
 __device__ __forceinline__ int cuir_floormod(int a, int b) { int r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
 __device__ __forceinline__ int cuir_clamp(int i, int n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
-__device__ __forceinline__ float cuir_sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
+// tanh.approx (sm_75+): one MUFU op, relative error about 2^-11, far under a 16-bit P's rounding.
+__device__ __forceinline__ float cuir_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ float cuir_sigmoid(float x) { return __fmaf_rn(0.5f, cuir_tanh(0.5f * x), 0.5f); }
 """
 NEG_INF = "__int_as_float(0xff800000)"
 POS_INF = "__int_as_float(0x7f800000)"
 
-_FLOAT_FN = {"exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "tanh": "tanhf",
+_FLOAT_FN = {"exp": "__expf", "exp2": "exp2f", "log": "__logf", "log2": "__log2f", "tanh": "cuir_tanh",
              "sqrt": "sqrtf", "rsqrt": "rsqrtf", "abs": "fabsf", "sigmoid": "cuir_sigmoid"}
 
 

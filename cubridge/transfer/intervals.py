@@ -108,9 +108,9 @@ def _range(e):
             return Q_LO, Q_HI
         if e.id == "ik":
             return K_LO, K_HI
-        if e.id in ("b", "h"):
-            return e, e
-        return UNKNOWN
+        # b, h and every other name a traced predicate holds (scalar inputs such as C0, the
+        # sizes NQ / NK) are uniform over a tile: a point range.
+        return e, e
     if isinstance(e, N.Const):
         if isinstance(e.value, bool) or not isinstance(e.value, (int, float)):
             return UNKNOWN

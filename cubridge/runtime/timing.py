@@ -1,0 +1,95 @@
+"""One timing protocol for our kernels and every baseline (DESIGN.md, "Timing").
+
+    warm-up calls (compilation, autotuning and lazy init stay out of the numbers), then `reps`
+    timed calls, each bracketed by its own pair of CUDA events on the current stream, with the L2
+    cache flushed (a buffer twice the L2 size rewritten) before each one; the result is the median.
+
+The flush runs outside the event pair, so it is not timed; it makes every repeat read its inputs
+from HBM, as a real model's layer would.
+
+Example (GPU):
+    >>> t = bench(lambda: torch.mm(a, b))          # doctest: +SKIP
+    >>> print(t)                                   # doctest: +SKIP
+    0.412 ms (median of 50; p20 0.410, p80 0.415)
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+FLUSH_FACTOR = 2                 # flush buffer = 2 x L2 size
+FALLBACK_L2_BYTES = 64 << 20     # when torch does not report the L2 size
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    reps: int
+
+    def __str__(self) -> str:
+        return f"{self.median_ms:.3f} ms (median of {self.reps}; p20 {self.p20_ms:.3f}, p80 {self.p80_ms:.3f})"
+
+
+_flush_buffers: dict[int, torch.Tensor] = {}
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _flush_buffers:
+        l2 = getattr(torch.cuda.get_device_properties(idx), "L2_cache_size", 0) or FALLBACK_L2_BYTES
+        _flush_buffers[idx] = torch.empty(FLUSH_FACTOR * l2, dtype=torch.uint8, device=idx)
+    return _flush_buffers[idx]
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, budget_ms: float = 2000.0,
+          min_reps: int = 5, flush_l2: bool = True, device: torch.device | str | None = None) -> Timing:
+    """Median time of `fn()` in milliseconds. `reps` is lowered so the timed part stays within
+    roughly `budget_ms` (but never under `min_reps`), so slow baselines do not eat the run."""
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    for _ in range(max(1, warmup)):
+        fn()
+    torch.cuda.synchronize(device)
+    # One probe, to fit the repeat count into the budget.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    probe = max(start.elapsed_time(end), 1e-3)
+    n = max(min_reps, min(reps, int(budget_ms / probe)))
+    flush = _flush_buffer(device) if flush_l2 else None
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        if flush is not None:
+            flush.fill_(n & 0xFF)   # rewrite the whole buffer: evicts fn's inputs from L2
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize(device)
+    times = [s.elapsed_time(e) for s, e in events]
+    return Timing(statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), n)
+
+
+def attention_flops(batch: int, heads_q: int, head_dim: int, len_q: int, len_k: int, causal: bool) -> float:
+    """4 * B * Hq * D * (attended (q, kv) pairs): exact counting; causal is top-left aligned."""
+    if causal:
+        full_rows = max(0, len_q - len_k)                 # rows q >= Nk see every key
+        tri = min(len_q, len_k)
+        pairs = tri * (tri + 1) // 2 + full_rows * len_k
+    else:
+        pairs = len_q * len_k
+    return 4.0 * batch * heads_q * head_dim * pairs
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12

@@ -106,8 +106,8 @@ class _Lower:
             if t == "int":
                 return f"cuir_floormod({a}, {b})", "int"
             return f"({_f(a, ta)} - {_f(b, tb)} * floorf({_f(a, ta)} / {_f(b, tb)}))", "float"
-        if e.op == "/":
-            return f"({_f(a, ta)} / {_f(b, tb)})", "float"
+        if e.op == "/":     # approximate division (2 ulp): an IEEE divide per score element is slow
+            return f"__fdividef({_f(a, ta)}, {_f(b, tb)})", "float"
         return f"({a} {e.op} {b})", t
 
     def call(self, e):

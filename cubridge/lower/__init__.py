@@ -54,9 +54,18 @@ class LoweredKernel:
 
 @dataclass
 class Launchable:
+    """A lowered variant ready to launch: its source, its VariantArgs (a ctypes structure with
+    the C layout), and the device tensors it points to (kept alive until the launch is done)."""
     source: str
     args: ctypes.Structure
     keep_alive: list
+
+    def numpy(self):
+        """The same bytes as a NumPy structured scalar (what CuPy kernel launches take)."""
+        import numpy as np
+        kinds = {ctypes.c_void_p: np.uint64, ctypes.c_int32: np.int32, ctypes.c_float: np.float32}
+        dt = np.dtype([(n, kinds[t]) for n, t in self.args._fields_], align=True)
+        return np.frombuffer(bytes(self.args), dtype=dt, count=1)[0]
 
 
 _CTYPES = {"ptr": ctypes.c_void_p, "int": ctypes.c_int32, "float": ctypes.c_float}
@@ -85,7 +94,9 @@ def lower(program: N.Program, ref: str) -> LoweredKernel:
     source = (ref_kernel_dir(ref) / "kernel.cu").read_text()
     if ref == "fa3_sm90":
         from cubridge.lower import fa3_sm90 as gen
+    elif ref == "fa2_sm80":
+        from cubridge.lower import fa2_sm80 as gen
     else:
-        raise LowerError(f"no deterministic lowering for reference kernel {ref!r} yet",
-                         hint="lowering exists for: fa3_sm90")
+        raise LowerError(f"no deterministic lowering for reference kernel {ref!r}",
+                         hint="lowering exists for: fa2_sm80, fa3_sm90")
     return LoweredKernel(ref, gen.lower_source(source, ir), _fields(ir), ir)

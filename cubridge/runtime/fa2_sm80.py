@@ -172,28 +172,32 @@ class Fa2Sm80:
     def options(self, head_dim: int, dtype: torch.dtype, causal: bool) -> list[str]:
         return ["-std=c++17", *self.config_for(head_dim).defines(head_dim, dtype, causal)]
 
-    def build(self, head_dim: int, dtype: torch.dtype, causal: bool, arch: str) -> CompileResult:
-        """Compile (or fetch from the cache) the cubin for one specialisation; no GPU needed."""
+    def build(self, head_dim: int, dtype: torch.dtype, causal: bool, arch: str,
+              source: str | None = None) -> CompileResult:
+        """Compile (or fetch from the cache) the cubin for one specialisation; no GPU needed.
+        `source` is a lowered variant of kernel.cu (cubridge.lower); default: the reference."""
         problems = self.config_for(head_dim).problems(head_dim)
         if problems:
             raise LaunchError(f"config {self.config_for(head_dim)} is invalid for D={head_dim}: "
                               + "; ".join(problems), where="Fa2Sm80.config")
-        self.last_build = compile_cubin(self.source, arch=arch, options=self.options(head_dim, dtype, causal),
+        self.last_build = compile_cubin(source or self.source, arch=arch, options=self.options(head_dim, dtype, causal),
                                         compiler=self.compiler, cache_dir=self.cache_dir, name="fa2_sm80.cu")
         return self.last_build
 
-    def kernel(self, head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device) -> LoadedKernel:
-        key = (head_dim, dtype, bool(causal), device.index)
+    def kernel(self, head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device,
+               source: str | None = None) -> LoadedKernel:
+        key = (head_dim, dtype, bool(causal), device.index, hash(source) if source else None)
         if key not in self._kernels:
-            cubin = self.build(head_dim, dtype, causal, device_arch(device)).cubin
+            cubin = self.build(head_dim, dtype, causal, device_arch(device), source).cubin
             self._kernels[key] = LoadedKernel(cubin, ENTRY, device.index)
         return self._kernels[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                 sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sm_scale: float | None = None, variant=None) -> tuple[torch.Tensor, torch.Tensor]:
         """out [B, Hq, Nq, D] (q's dtype), lse [B, Hq, Nq] float32 (natural log; -inf where a
-        row attends no key). Causal is top-left aligned: key j is seen by query i iff j <= i."""
+        row attends no key). Causal is top-left aligned: key j is seen by query i iff j <= i.
+        `variant` (a cubridge.lower.Launchable) runs a lowered variant: its source and VariantArgs."""
         shape = check_attention_args(q, k, v, out, lse, head_dims=HEAD_DIMS)
         device = q.device
         if torch.cuda.get_device_capability(device) < (8, 0):
@@ -212,11 +216,12 @@ class Fa2Sm80:
         if shape.len_q == 0 or shape.batch == 0 or shape.heads_q == 0:
             return out, lse
         scale = 1.0 / math.sqrt(shape.head_dim) if sm_scale is None else float(sm_scale)
-        kern = self.kernel(shape.head_dim, shape.dtype, causal, device)
+        kern = self.kernel(shape.head_dim, shape.dtype, causal, device,
+                           variant.source if variant is not None else None)
         grid = (math.ceil(shape.len_q / config.block_m), shape.heads_q, shape.batch)
         args = (arg_ptr(q), arg_ptr(k), arg_ptr(v), arg_ptr(out), arg_ptr(lse), arg_i32(shape.batch),
                 arg_i32(shape.heads_q), arg_i32(shape.heads_kv), arg_i32(shape.len_q), arg_i32(shape.len_k),
-                arg_f32(scale))
+                arg_f32(scale), variant.numpy() if variant is not None else arg_i32(0))   # VariantArgs
         kern.launch(grid, (config.threads, 1, 1), config.smem_bytes(shape.head_dim), args,
                     torch.cuda.current_stream(device).cuda_stream)
         return out, lse

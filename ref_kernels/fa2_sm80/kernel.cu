@@ -240,13 +240,21 @@ __device__ __forceinline__ void load_kv_tile(u32 s_slot, const elem_t* head, int
 }
 // @cuir-end load_kv
 
+// @cuir-region extra_io
+// A variant's extra kernel arguments (captured tensors, shape-dependent scalars); none here.
+struct VariantArgs { int unused; };
+// @cuir-end extra_io
+
 // @cuir-region kv_range
 // KV tiles one query tile visits: [begin, partial_begin) are full (no mask code runs),
 // [partial_begin, end) are partial (mask_pred and the Nk bound are applied per element).
+// The skeleton only uses kv_count, tile_at (the i-th tile to visit) and tile_partial, so a variant
+// may replace the range by any set of tiles.
 struct KvRange {
   int begin, partial_begin, end;
 };
-__device__ __forceinline__ KvRange kv_range(int b, int h, int q_begin, int len_q, int len_k) {
+__device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int q_tile, int q_begin,
+                                            int len_q, int len_k) {
   const int n_tiles = ceil_div(len_k, BLOCK_N);
   const int whole_tiles = len_k / BLOCK_N;                 // tiles with no row >= Nk
 #if IS_CAUSAL
@@ -257,6 +265,11 @@ __device__ __forceinline__ KvRange kv_range(int b, int h, int q_begin, int len_q
 #else
   return KvRange{0, whole_tiles, n_tiles};
 #endif
+}
+__device__ __forceinline__ int kv_count(const KvRange& r) { return r.end - r.begin; }
+__device__ __forceinline__ int tile_at(const KvRange& r, int i) { return r.begin + i; }
+__device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int tile) {
+  return tile >= r.partial_begin;
 }
 // @cuir-end kv_range
 
@@ -294,13 +307,15 @@ __device__ __forceinline__ void qk_tile(float (&s)[M_TILES][N_TILES][4], u32 q_l
 // identity lets the skeleton keep S as raw dot products and fold sm_scale into the softmax's exp2
 // prescale (one FFMA per element instead of three multiplies); a regenerated score_mod sets it false.
 constexpr bool SCORE_MOD_IS_IDENTITY = true;
-__device__ __forceinline__ float score_mod(float s, int b, int h, int q_idx, int kv_idx) { return s; }
+__device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx, int kv_idx) {
+  return s;
+}
 // @cuir-end score
 
 // @cuir-region mask
 // Per-element mask: true = attended. Applied only in partial tiles (kv_range guarantees full
 // tiles need none).
-__device__ __forceinline__ bool mask_pred(int b, int h, int q_idx, int kv_idx) {
+__device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {
 #if IS_CAUSAL
   return kv_idx <= q_idx;
 #else
@@ -316,8 +331,8 @@ __device__ __forceinline__ bool mask_pred(int b, int h, int q_idx, int kv_idx) {
 __device__ __forceinline__ float s_unit(float sm_scale) { return SCORE_MOD_IS_IDENTITY ? sm_scale : 1.f; }
 
 template <bool PARTIAL>
-__device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], int b, int h, int q_row0,
-                                           int kv_col0, int len_k, float sm_scale) {
+__device__ __forceinline__ void score_tile(const VariantArgs& va, float (&s)[M_TILES][N_TILES][4], int b,
+                                           int h, int q_row0, int kv_col0, int len_k, float sm_scale) {
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -327,8 +342,8 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], int 
         const int q_idx = q_row0 + mt * MMA_M + (c / 2) * 8;
         const int kv_idx = kv_col0 + nt * MMA_N + c % 2;
         float x = s[mt][nt][c];
-        if (!SCORE_MOD_IS_IDENTITY) x = score_mod(x * sm_scale, b, h, q_idx, kv_idx);
-        if (PARTIAL && !(kv_idx < len_k && mask_pred(b, h, q_idx, kv_idx))) x = neg_inf();
+        if (!SCORE_MOD_IS_IDENTITY) x = score_mod(va, x * sm_scale, b, h, q_idx, kv_idx);
+        if (PARTIAL && !(kv_idx < len_k && mask_pred(va, b, h, q_idx, kv_idx))) x = neg_inf();
         s[mt][nt][c] = x;
       }
 }
@@ -345,7 +360,7 @@ struct OnlineSoftmax {
   float l[M_TILES][2];
   float scale_log2;
 
-  __device__ __forceinline__ void init(float s_unit_) {
+  __device__ __forceinline__ void init(const VariantArgs& va, float s_unit_) {
     scale_log2 = s_unit_ * LOG2E;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -464,13 +479,16 @@ struct Cta {
   int b, h, q_row0, len_k;    // q_row0: q_idx of this lane's first fragment row
   int kv_col_lane;            // column of this lane's first S element within a KV tile
   float sm_scale;
+  const VariantArgs* va;      // the kernel's variant arguments (parameter space)
   KvRange kv;
+  int count;                  // KV tiles to visit (kv_count)
   int slot;                   // ring slot of the current tile
 
-  // K and V of `tile` into ring slot `fill` as one commit group; an empty group past the end keeps
-  // the wait count in step() right at the ragged end too.
-  __device__ __forceinline__ void prefetch(int tile, int fill) {
-    if (tile < kv.end) {
+  // K and V of the i-th visited tile into ring slot `fill` as one commit group; an empty group past
+  // the end keeps the wait count in step() right at the ragged end too.
+  __device__ __forceinline__ void prefetch(int i, int fill) {
+    if (i < count) {
+      const int tile = tile_at(kv, i);
       load_kv_tile(s_k + fill * KV_TILE_BYTES, k + kv_head, tile, len_k, ll);
       load_kv_tile(s_k + (STAGES + fill) * KV_TILE_BYTES, v + kv_head, tile, len_k, ll);
     }
@@ -482,13 +500,13 @@ struct Cta {
   // of tile - 1 is free for the next prefetch; no other barrier is needed, so warps drift apart
   // within a tile and one warp's softmax overlaps another's MMAs.
   template <bool PARTIAL>
-  __device__ __forceinline__ void step(int tile, float (&o)[M_TILES][D_TILES][4], OnlineSoftmax& sm) {
+  __device__ __forceinline__ void step(int i, int tile, float (&o)[M_TILES][D_TILES][4], OnlineSoftmax& sm) {
     cp_async_wait<STAGES - 2>();   // K(tile), V(tile) (and Q before them) landed for this thread
     __syncthreads();
-    prefetch(tile + STAGES - 1, slot == 0 ? STAGES - 1 : slot - 1);
+    prefetch(i + STAGES - 1, slot == 0 ? STAGES - 1 : slot - 1);
     float s[M_TILES][N_TILES][4];
     qk_tile(s, q_lane, k_lane + slot * KV_TILE_BYTES);
-    score_tile<PARTIAL>(s, b, h, q_row0, tile * BLOCK_N + kv_col_lane, len_k, sm_scale);
+    score_tile<PARTIAL>(*va, s, b, h, q_row0, tile * BLOCK_N + kv_col_lane, len_k, sm_scale);
     sm.update(s, o);
     pv_tile(o, s, v_lane + slot * KV_TILE_BYTES);
     slot = slot + 1 == STAGES ? 0 : slot + 1;
@@ -500,7 +518,8 @@ struct Cta {
 extern "C" __global__ void __launch_bounds__(fa2::THREADS, MIN_BLOCKS)
 fa2_sm80_fwd(const fa2::elem_t* __restrict__ q, const fa2::elem_t* __restrict__ k,
              const fa2::elem_t* __restrict__ v, fa2::elem_t* __restrict__ o, float* __restrict__ lse,
-             int batch, int heads_q, int heads_kv, int len_q, int len_k, float sm_scale) {
+             int batch, int heads_q, int heads_kv, int len_q, int len_k, float sm_scale,
+             const __grid_constant__ fa2::VariantArgs va) {
   using namespace fa2;
   extern __shared__ __align__(128) unsigned char smem[];
   // Causal query tiles differ in cost: launch the heaviest (last) first so the tail is short.
@@ -534,13 +553,15 @@ fa2_sm80_fwd(const fa2::elem_t* __restrict__ q, const fa2::elem_t* __restrict__ 
   cta.k_lane = lane_base(cta.s_k, lane % 8 + (lane / 16) * 8, (lane / 8) % 2, lane);
   // V (transposed): (kv 0-7, d 0-7), (kv 8-15, d 0-7), (kv 0-7, d 8-15), (kv 8-15, d 8-15).
   cta.v_lane = lane_base(cta.s_k + STAGES * KV_TILE_BYTES, lane % 8 + ((lane / 8) % 2) * 8, lane / 16, lane);
-  cta.kv = kv_range(b, h, q_begin, len_q, len_k);
+  cta.va = &va;
+  cta.kv = kv_range(va, b, h, q_tile, q_begin, len_q, len_k);
+  cta.count = kv_count(cta.kv);
   cta.slot = 0;
 
   load_q(s_q, q + q_off * HEAD_DIM, q_begin, len_q, cta.ll);
   cp_async_commit();
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) cta.prefetch(cta.kv.begin + i, i);
+  for (int i = 0; i < STAGES - 1; ++i) cta.prefetch(i, i);
 
   float acc[M_TILES][D_TILES][4];
 #pragma unroll
@@ -550,11 +571,18 @@ fa2_sm80_fwd(const fa2::elem_t* __restrict__ q, const fa2::elem_t* __restrict__ 
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[mt][dt][c] = 0.f;
   OnlineSoftmax sm;
-  sm.init(s_unit(sm_scale));
+  sm.init(va, s_unit(sm_scale));
 
-  int tile = cta.kv.begin;
-  for (; tile < cta.kv.partial_begin; ++tile) cta.step<false>(tile, acc, sm);
-  for (; tile < cta.kv.end; ++tile) cta.step<true>(tile, acc, sm);
+  // The leading full tiles run with no mask code; from the first partial tile on, every tile is
+  // masked (one loop body each keeps register pressure as low as two straight loops; a full tile
+  // after a partial one is only slower, not wrong: its mask is all true).
+  int i = 0;
+  for (; i < cta.count; ++i) {
+    const int tile = tile_at(cta.kv, i);
+    if (tile_partial(va, cta.kv, tile)) break;
+    cta.step<false>(i, tile, acc, sm);
+  }
+  for (; i < cta.count; ++i) cta.step<true>(i, tile_at(cta.kv, i), acc, sm);
   cp_async_wait<0>();   // nothing may be in flight at exit (no tile visited: Q only)
 
   epilogue(acc, sm, o + q_off * HEAD_DIM, lse + q_off, cta.q_row0, len_q, lane);

@@ -1,8 +1,10 @@
-"""All ten variants, transferred by the rules proposer and lowered onto the Hopper reference
-kernel, under the verification rule on the GPU: golden = the spec's reference in float64, ref = the
+"""All ten variants, transferred by the rules proposer and lowered onto both reference kernels
+(fa3_sm90 on Hopper, fa2_sm80 on sm_80+), under the verification rule on the GPU: golden = the spec's reference in float64, ref = the
 same reference in the kernel dtype; poisoned outputs fully written; inputs unchanged; bitwise
 determinism. Ragged lengths, MHA / GQA / MQA, both head dims."""
 from __future__ import annotations
+
+import zlib
 
 import pytest
 import torch
@@ -14,26 +16,37 @@ from cubridge.paths import ref_kernel_dir
 from cubridge.spec import builtin_specs, load_spec
 from cubridge.transfer.rules import transfer
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200) for fa3_sm90")
+CAP = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+pytestmark = pytest.mark.skipif(CAP < (8, 0), reason="needs an sm_80+ GPU")
 SHAPES = [  # B, Hq, Hkv, N, D
     (1, 4, 4, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (1, 2, 2, 2500, 128)]
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+@pytest.fixture(scope="module", params=["fa3_sm90", "fa2_sm80"])
+def reference(request):
+    if request.param == "fa3_sm90" and CAP != (9, 0):
+        pytest.skip("fa3_sm90 needs an sm_90 GPU (H100 / H200)")
+    return request.param, parse_file(ref_kernel_dir(request.param) / "kernel.cuir")
 
 
-def _run(kern, cand, q, k, v, D):
-    from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
+def _run(ref, kern, cand, q, k, v, D):
     B, Hq, N, _ = q.shape
-    cfg = default_config(D, False, q.dtype == torch.bfloat16, N)
-    inputs = cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
-                       params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
-    launch = kern.args(inputs, q.device)
     out = torch.full_like(q, float("nan"))
-    fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
+    if ref == "fa3_sm90":
+        from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
+        cfg = default_config(D, False, q.dtype == torch.bfloat16, N)
+        bm, bn = cfg.block_m, cfg.block_n
+    else:
+        from cubridge.runtime.fa2_sm80 import Fa2Sm80, default_config
+        cfg = default_config(D)
+        bm, bn = cfg.block_m, cfg.block_n
+    inputs = cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
+                       params={"BLOCK_M": bm, "BLOCK_N": bn}, device=q.device)
+    launch = kern.args(inputs, q.device)
+    if ref == "fa3_sm90":
+        fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
+    else:
+        Fa2Sm80(cfg)(q, k, v, causal=False, out=out, variant=launch)
     torch.cuda.synchronize()
     return out
 
@@ -42,20 +55,21 @@ def _run(kern, cand, q, k, v, D):
 @pytest.mark.parametrize("name", builtin_specs())
 def test_variant_on_gpu(reference, name, shape):
     B, Hq, Hkv, N, D = shape
+    ref_name, program = reference
     spec = load_spec(name)
-    cand = transfer(reference, spec)
-    kern = lower(cand.program, "fa3_sm90")
-    g = torch.Generator(device="cuda").manual_seed(hash((name, shape)) % 2**31)
+    cand = transfer(program, spec)
+    kern = lower(cand.program, ref_name)
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}{shape}".encode()))
     dtype = torch.float16 if N == 300 else torch.bfloat16
     q = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(dtype)
     k = torch.randn(B, Hkv, N, D, device="cuda", generator=g).to(dtype)
     v = torch.randn(B, Hkv, N, D, device="cuda", generator=g).to(dtype)
     before = [t.clone() for t in (q, k, v)]
-    out = _run(kern, cand, q, k, v, D)
+    out = _run(ref_name, kern, cand, q, k, v, D)
     assert not torch.isnan(out).any(), "some output element was never written"
     golden = spec.run_reference(q.double(), k.double(), v.double())
     ref = spec.run_reference(q, k, v)
     verdict = rule.compare(out, golden, ref)
     assert verdict.passed, f"{name} {shape}: {verdict}"
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs changed"
-    assert torch.equal(out, _run(kern, cand, q, k, v, D)), "second run differs"
+    assert torch.equal(out, _run(ref_name, kern, cand, q, k, v, D)), "second run differs"

@@ -40,7 +40,9 @@ def kv_range(ir: VariantIR) -> str:
         idx = ("((r.b * va.BLOCK_CLASS_n1 + r.h) * va.BLOCK_CLASS_n2 + r.q_tile) * va.BLOCK_CLASS_n3 + n"
                if ir.table_bh else "r.q_tile * va.BLOCK_CLASS_n1 + n")
         cls = f"va.BLOCK_CLASS[{idx}]"
-        may, must, chunk = f"{cls} != 0", f"{cls} == 2", "true"
+        interval = (to_c(ir.may, common._names(ir, names), common._tables(ir))
+                    if ir.may is not None else "true")
+        may, must, chunk = f"{interval} && {cls} != 0", f"{cls} == 2", interval
     else:
         may = to_c(ir.may, common._names(ir, names), common._tables(ir))
         must = to_c(ir.must, common._names(ir, names), common._tables(ir))

@@ -53,6 +53,9 @@ def extract(program: N.Program) -> VariantIR:
     if cls is not None:
         ir.table = True
         ir.table_bh = len(cls.args) == 5
+        # visit = (INTERVAL) and cls != 0, or just cls != 0: keep the interval part for chunks
+        if isinstance(visit, N.BoolOp) and visit.op == "and":
+            ir.may = visit.values[0] if len(visit.values) == 2 else N.BoolOp("and", visit.values[:-1])
     else:
         ir.may = visit
     _score(program, ir)

@@ -219,6 +219,10 @@ def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.T
     return (out if per_bh else out[0, 0]).to("cpu")
 
 
+def _is_true(e) -> bool:
+    return isinstance(e, N.Const) and e.value is True
+
+
 def _stmts(text: str):
     return parse(textwrap.dedent(text).strip() + "\n").body
 
@@ -250,11 +254,16 @@ class _Generator:
     # ------------------------------------------------------------ iteration space
     def kv_range(self, region):
         per_tile = any(isinstance(s, N.Assign) and "visit" in s.targets for s in region.body)
+        # With a block table, the interval bound of the mask's index-only part still rules out
+        # tiles before any table read (the gathers are unknown to it, so it stays sound).
+        interval = "" if _is_true(self.may) else f"({expr(self.may)}) and "
         if per_tile:
             if self.table:
                 return _stmts(f"""
+                    k_lo = j * BLOCK_N
+                    k_hi = min(k_lo + BLOCK_N, NK) - 1
                     cls = gather(BLOCK_CLASS, {self.cls_index}, j)
-                    visit = cls != {EMPTY}
+                    visit = {interval}cls != {EMPTY}
                 """)
             return _stmts(f"""
                 k_lo = j * BLOCK_N
@@ -262,7 +271,7 @@ class _Generator:
                 visit = {expr(self.may)}
             """)
         if self.table:
-            may = f"gather(BLOCK_CLASS, {self.cls_index}, jj) != {EMPTY}"
+            may = f"{interval}gather(BLOCK_CLASS, {self.cls_index}, jj) != {EMPTY}"
         elif isinstance(self.may, N.Const) and self.may.value is True:
             return _stmts("""
                 q_lo = q0

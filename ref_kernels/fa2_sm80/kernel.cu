@@ -242,7 +242,9 @@ __device__ __forceinline__ void load_kv_tile(u32 s_slot, const elem_t* head, int
 
 // @cuir-region extra_io
 // A variant's extra kernel arguments (captured tensors, shape-dependent scalars); none here.
+// kLongestFirst: schedule the query tiles with the most KV tiles first (short tail); causal does.
 struct VariantArgs { int unused; };
+constexpr bool kLongestFirst = false;
 // @cuir-end extra_io
 
 // @cuir-region kv_range
@@ -523,7 +525,7 @@ fa2_sm80_fwd(const fa2::elem_t* __restrict__ q, const fa2::elem_t* __restrict__ 
   using namespace fa2;
   extern __shared__ __align__(128) unsigned char smem[];
   // Causal query tiles differ in cost: launch the heaviest (last) first so the tail is short.
-  const int q_tile = IS_CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int q_tile = (IS_CAUSAL || fa2::kLongestFirst) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int q_begin = q_tile * BLOCK_M;
 
   // @cuir-region head_map

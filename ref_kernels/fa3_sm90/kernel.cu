@@ -255,7 +255,9 @@ __device__ __forceinline__ HeadMap head_map(int b, int h, int heads_q, int heads
 
 // @cuir-region extra_io
 // A variant's extra kernel arguments (captured tensors, shape-dependent scalars); none here.
+// kLongestFirst: schedule the query tiles with the most KV tiles first (short tail); causal does.
 struct VariantArgs { int unused; };
+constexpr bool kLongestFirst = false;
 // @cuir-end extra_io
 
 // @cuir-region kv_range
@@ -411,7 +413,7 @@ struct Tile { int m0; HeadMap hm; KvRange r; };
 __device__ __forceinline__ Tile decode_tile(const VariantArgs& va, int t, int num_m, int seqlen_q,
                                             int seqlen_k, int heads_q, int heads_kv) {
   const int m_idx = t % num_m, bh = t / num_m;
-  const int m_block = kCausal ? num_m - 1 - m_idx : m_idx;
+  const int m_block = (kCausal || kLongestFirst) ? num_m - 1 - m_idx : m_idx;
   const int m0 = m_block * kBlockM;
   const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
   return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0, seqlen_q, seqlen_k)};

@@ -15,7 +15,7 @@ from cubridge.runtime.build import cache_key, compile_cubin
 from cubridge.runtime.fa2_sm80 import KERNEL_PATH, Config, Fa2Sm80, default_config
 from cubridge.runtime.launch import check_attention_args
 
-REGIONS = ["head_map", "kv_range", "qk", "score", "mask", "softmax", "pv", "epilogue", "load_q", "load_kv"]
+REGIONS = ["head_map", "extra_io", "kv_range", "qk", "score", "mask", "softmax", "pv", "epilogue", "load_q", "load_kv"]
 HAS_NVCC = shutil.which("nvcc") is not None
 needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="nvcc not on PATH: the CUDA toolkit is not installed here")
 
@@ -106,8 +106,10 @@ def test_regions_present_and_balanced():
     def body(name):
         a, b = spans[name]
         return "\n".join(lines[a:b - 1])
-    assert "float score_mod(float s, int b, int h, int q_idx, int kv_idx)" in body("score")
-    assert "bool mask_pred(int b, int h, int q_idx, int kv_idx)" in body("mask")
+    assert "float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx, int kv_idx)" in body("score")
+    assert "bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx)" in body("mask")
+    for hook in ("KvRange kv_range(", "int kv_count(", "int tile_at(", "bool tile_partial("):
+        assert hook in body("kv_range")
     assert "KvRange kv_range(" in body("kv_range")
     assert "struct OnlineSoftmax" in body("softmax")
     assert "lse_head" in body("epilogue")
@@ -116,7 +118,7 @@ def test_regions_present_and_balanced():
 def test_full_tiles_have_no_mask_code():
     """The main loop is split: full tiles instantiate step<false>, whose score loop skips mask_pred."""
     text = KERNEL_PATH.read_text()
-    assert "step<false>(tile" in text and "step<true>(tile" in text
+    assert "step<false>(i, tile" in text and "step<true>(i, tile_at(" in text
     assert "if (PARTIAL && !(kv_idx < len_k && mask_pred(" in text
 
 

@@ -4,6 +4,7 @@ The pipeline: spec (PyTorch) -> transfer (CuIR) -> verify (interpreter) -> lower
 See README.md for the commands and ../shared/DESIGN.md for the architecture.
 """
 from cubridge.errors import CubridgeError
+from cubridge.load import load
 
 __version__ = "0.1.0"
-__all__ = ["CubridgeError", "__version__"]
+__all__ = ["CubridgeError", "__version__", "load"]

@@ -6,6 +6,7 @@
     cubridge analyze fa2_sm80 --spec causal --shape 1,4,2,512,64
     cubridge specs [NAME]                               # list specs, or show one with its mask
     cubridge transfer prefixlm --ref fa3_sm90           # target CuIR (rules) + verification table
+    cubridge tune configs/h100_prefixlm.yaml --dry-run  # same as cubridge-tune (configs/README.md)
 """
 from __future__ import annotations
 
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tune"]:            # `cubridge tune CONFIG` == `cubridge-tune CONFIG`
+        return tune_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
@@ -188,11 +192,38 @@ def main(argv=None) -> int:
 
 
 def tune_main(argv=None) -> int:
-    """`cubridge-tune CONFIG`: the search loop. Not built yet (issue 5): say so plainly."""
-    print("cubridge-tune: the tuning loop is not implemented yet (it lands with the search issue).\n"
-          "What works today: `cubridge verify-ir`, `cubridge check-ir`, `cubridge analyze`, `cubridge specs`.",
-          file=sys.stderr)
-    return 2
+    """`cubridge-tune CONFIG`: tune a variant (see configs/README.md). Exit 0: tuned (or screened
+    with --dry-run); 1: nothing tuned (no candidate verified, no GPU, no trial timed); 2: bad config."""
+    p = argparse.ArgumentParser(prog="cubridge-tune", description=tune_main.__doc__)
+    p.add_argument("config", help="a YAML config (configs/h100_prefixlm.yaml) or a plan of runs (configs/nightly.yaml)")
+    p.add_argument("--dry-run", action="store_true", help="screen (and compile) the population, time nothing")
+    p.add_argument("--resume", action="store_true", help="continue the run in the output directory")
+    p.add_argument("--out", help="output directory (default: the config's output)")
+    p.add_argument("--trials", type=int, help="trial budget (overrides budget.trials)")
+    p.add_argument("--runner", choices=["local", "ray", "replay"], help="overrides runner.kind")
+    p.add_argument("--replay", help="recorded results (JSON) for --runner replay")
+    p.add_argument("--address", help="Ray cluster address for --runner ray (default: a local instance)")
+    a = p.parse_args(argv)
+    from cubridge.config import load_plan, with_overrides
+    from cubridge.search.progress import Progress
+    from cubridge.search.tuner import tune
+    try:
+        plan = [with_overrides(c, output=a.out if a.out else None, trials=a.trials, runner=a.runner,
+                               replay=a.replay, address=a.address) for c in load_plan(a.config)]
+        if a.out and len(plan) > 1:
+            plan = [with_overrides(c, output=str(Path(a.out) / c.name)) for c in plan]
+        codes = []
+        for cfg in plan:
+            progress = Progress(cfg.budget.trials, label=f"tune {cfg.name}")
+            result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress,
+                          say=progress.message)
+            codes.append(result.exit_code)
+    except CubridgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if len(plan) > 1:
+        print(f"{sum(c == 0 for c in codes)}/{len(plan)} runs succeeded", file=sys.stderr)
+    return max(codes)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,9 @@ CONSTANTS = {"inf": float("inf"), "LOG2E": 1.4426950408889634, "LN2": 0.69314718
 CONTEXTS = ("role", "region")                     # the two `with` forms
 REGIONS = ("head_map", "kv_range", "load_q", "load_kv", "qk", "score", "mask", "softmax", "pv",
            "epilogue")
+# Regions of a CUDA kernel that CuIR expresses without a `with region(...)` block: extra_io is the
+# program header's extra declarations (global_input / scalar_input beyond Q, K, V).
+CUDA_ONLY_REGIONS = ("extra_io",)
 
 
 # ---------------------------------------------------------------- expressions

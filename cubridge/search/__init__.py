@@ -1,2 +1,2 @@
-"""The tuner's search loop, search spaces and runners (local, Ray, replay). Not built yet: see the
-project's issues."""
+"""The search: interfaces (api), CPU screening (screen), proposers, tile spaces (space), the
+ask-and-tell tuner (tuner), job kinds (jobs), runners (local, ray, replay) and artifacts."""

@@ -129,5 +129,10 @@ class Runner(ABC):
     @abstractmethod
     def num_workers(self) -> int: ...
 
+    @property
+    def num_gpus(self) -> int:
+        """GPUs the workers time on; 0 means the tuner screens and compiles but cannot time."""
+        return 0
+
     def close(self) -> None:
         """Stop workers; idempotent."""

@@ -1,0 +1,216 @@
+"""The end of a tuning run: compile-only pass (no GPU), side-by-side bench, and every artifact.
+
+Split from tuner.py, which owns the loop; the formats and the pure choices live in artifacts.py.
+Whatever happened (tuned, screened only, nothing verified, no trial timed), the output directory
+gets a manifest and a report.md that say so.
+"""
+from __future__ import annotations
+
+import hashlib
+import platform
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from cubridge.search import artifacts
+from cubridge.search.api import Job, TrialState
+from cubridge.search.space import SPACES
+
+
+def compile_population(cfg, verified, runner, say) -> dict:
+    """Lower and compile each verified candidate at its first measured-default config (no GPU needed)."""
+    from cubridge.search.tuner import _payload, run_jobs
+    jobs, labels = [], {}
+    for c in verified:
+        space = SPACES[c.reference]
+        valid = [p for p in space.best_known(cfg.shapes.head_dim) if not space.problems(p, cfg.shapes.head_dim, cfg.arch)]
+        point = (valid or space.points(cfg.shapes.head_dim, cfg.arch))[0]
+        labels[c.id] = space.label(point)
+        jobs.append(Job("compile", _payload(cfg, c, point), cfg.runner.timeout_s, needs_gpu=False))
+    say(f"compiling {len(jobs)} verified candidate(s) at one config each (nvcc)")
+    done = run_jobs(runner, jobs)
+    out = {}
+    for cid, res in done.items():
+        out[cid] = {"config": labels[cid], **res.outcome.to_json()}
+        state = "compiled" if res.outcome.state == TrialState.VERIFIED else res.outcome.state.value
+        say(f"  {cid} {labels[cid]}: {state}: {res.outcome.reason.splitlines()[0] if res.outcome.reason else ''}")
+    return out
+
+
+def _bench(cfg, pop, dispatch, runner, say) -> dict:
+    from cubridge.search.tuner import _payload, run_jobs
+    by_id = {c.id: c for c in pop}
+    entries = [{**_payload(cfg, by_id[e["candidate"]], e["config"]),
+                "shape": {"key": e["shape"], "batch": e["batch"], "seqlen": e["seqlen"]}} for e in dispatch]
+    payload = {**_payload(cfg, by_id[dispatch[0]["candidate"]]), "candidate": "bench", "entries": entries}
+    say(f"timing the chosen kernel(s) beside the baselines at {len(entries)} shape(s)")
+    res = run_jobs(runner, [Job("bench", payload, 2 * cfg.runner.timeout_s, needs_gpu=True)])["bench"]
+    if res.outcome.state != TrialState.OK:
+        say(f"side-by-side bench: {res.outcome.state.value}: {_first(res.outcome.reason)}")
+    return {"outcome": res.outcome.to_json(), **res.data}
+
+
+def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=None, status=None, message="",
+               stop_reason="", notes=(), say=print):
+    from cubridge.search.tuner import TuneResult
+    records = sorted(records, key=lambda r: r["number"])
+    targets = cfg.shapes.targets
+    front = artifacts.pareto_front(records, [t.key for t in targets])
+    dispatch = artifacts.choose_dispatch(front, targets)
+    bench = {}
+    if status is None:
+        if dispatch:
+            bench = _bench(cfg, pop, dispatch, runner, say)
+            measured = sum(r["outcome"]["state"] != TrialState.CONFIG_INVALID.value for r in records)
+            status, message = "tuned", (f"tuned: {measured} trials measured ({len(records) - measured} invalid "
+                                        f"configs skipped unbuilt), {len(front)} on the Pareto front")
+        else:
+            status, message = "no_trial_ok", "no trial was timed successfully (see the failures in report.md)"
+    files = _write_kernels(cfg, out, pop, verdicts, dispatch, records)
+    rows = artifacts.report_rows(targets, dispatch, bench.get("shapes") or {})
+    device = bench.get("device") or next((r["device"] for r in records if r.get("device")), None) \
+        or getattr(runner, "device", None) or None
+    if dispatch:
+        artifacts.write_json(out / "dispatch.json", _dispatch_doc(cfg, dispatch, files))
+    manifest = _manifest(cfg, pop, verdicts, records, front, compiled, bench, rows, device, status, message,
+                         stop_reason, files)
+    manifest["proposer_notes"] = list(notes)
+    artifacts.write_json(out / "manifest.json", manifest)
+    plot_note = artifacts.plot_tflops(rows, out / "tflops.png", f"{cfg.name} ({cfg.dtype}, D={cfg.shapes.head_dim})")
+    report = _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, status, message,
+                     stop_reason, plot_note, device)
+    if notes:
+        report += "\n## Proposers\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    (out / "report.md").write_text(report)
+    say(f"{message}\nreport: {out / 'report.md'}")
+    return TuneResult(status, message, out, dispatch, list(records))
+
+
+def _first(text: str, n: int = 300) -> str:
+    return (text.splitlines() or [""])[0][:n]
+
+
+def _sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
+    """CuIR of every verified candidate, CUDA and cubins of the dispatch entries (where built),
+    and a copy of the spec; returns paths relative to `out` by (candidate, label)."""
+    from cubridge.search.jobs import lower_kernel, lowering
+    from cubridge.spec import load_spec
+    spec = load_spec(cfg.spec)
+    if Path(spec.path).is_file():
+        shutil.copyfile(spec.path, out / "spec.py")
+    kdir, cdir = out / "kernel", out / "cubins"
+    kdir.mkdir(exist_ok=True)
+    for c in pop:
+        if verdicts[c.id].state == TrialState.VERIFIED:
+            (kdir / f"{c.id}.cuir").write_text(c.proposal.text)
+    by_id, by_num = {c.id: c for c in pop}, {r["number"]: r for r in records}
+    files, lower = {}, lowering()
+    for e in dispatch:
+        name = f"{e['candidate']}_{e['label']}"
+        entry = {"cuir": f"kernel/{e['candidate']}.cuir", "cuda": None, "cubin": None, "entry": None}
+        if lower is not None:
+            try:
+                lowered, options = lower_kernel({"text": by_id[e["candidate"]].proposal.text, "candidate": e["candidate"],
+                                                 "reference": e["reference"], "config": e["config"],
+                                                 "head_dim": cfg.shapes.head_dim, "dtype": cfg.dtype})
+                entry["nvcc_options"] = options
+                (kdir / f"{name}.cu").write_text(lowered.source)
+                entry.update(cuda=f"kernel/{name}.cu", entry=getattr(lowered, "entry", None))
+            except Exception as ex:   # noqa: BLE001 - the artifact says what is missing
+                entry["cuda_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+        key = by_num[e["trial"]].get("cubin_key")
+        cached = out / "cache" / f"{key}.cubin" if key else None
+        if cached is not None and cached.is_file():
+            cdir.mkdir(exist_ok=True)
+            shutil.copyfile(cached, cdir / f"{name}.cubin")
+            entry["cubin"] = f"cubins/{name}.cubin"
+        files[(e["candidate"], e["label"])] = entry
+    return files
+
+
+def _dispatch_doc(cfg, dispatch, files) -> dict:
+    s = cfg.shapes
+    return {"arch": cfg.arch, "dtype": cfg.dtype, "head_dim": s.head_dim, "heads_q": s.heads_q, "heads_kv": s.heads_kv,
+            "spec": "spec.py", "spec_name": cfg.spec if "/" not in cfg.spec else Path(cfg.spec).stem,
+            "spec_params": cfg.spec_params,
+            "buckets": [{**e, **files.get((e["candidate"], e["label"]), {})} for e in dispatch]}
+
+
+def _versions() -> dict:
+    import optuna
+    import torch
+    from cubridge import __version__
+    v = {"cubridge": __version__, "python": platform.python_version(), "torch": torch.__version__,
+         "optuna": optuna.__version__, "cuda_runtime_of_torch": torch.version.cuda}
+    try:
+        from cubridge.runtime.build import compiler_version
+        v["nvcc"] = compiler_version("nvcc")
+    except Exception as e:   # noqa: BLE001 - informative only
+        v["nvcc"] = f"not available ({str(e).splitlines()[0]})"
+    return v
+
+
+def _manifest(cfg, pop, verdicts, records, front, compiled, bench, rows, device, status, message, stop_reason, files):
+    from cubridge.paths import ref_kernel_dir
+    from cubridge.spec import load_spec
+    spec = load_spec(cfg.spec)
+    refs = {r: {f: _sha((ref_kernel_dir(r) / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir")
+                if (ref_kernel_dir(r) / f).is_file()} for r in cfg.references}
+    return {"status": status, "message": message, "name": cfg.name, "search_key": cfg.search_key,
+            "config": cfg.to_json(), "spec": {"name": spec.name, "source": cfg.spec, "sha256": _sha(spec.source)},
+            "references": refs, "host": _versions(), "device": device,
+            "candidates": [{"id": c.id, "reference": c.reference, "origin": c.proposal.origin,
+                            "notes": list(c.proposal.notes), **verdicts[c.id].to_json()} for c in pop],
+            "compile": compiled or {},
+            "gpu_checks": {str(e["trial"]): next((r.get("gpu_check") for r in records if r["number"] == e["trial"]), None)
+                           for e in artifacts.choose_dispatch(front, cfg.shapes.targets)},
+            "trials": {"total": len(records), "by_state": dict(Counter(r["outcome"]["state"] for r in records)),
+                       "pareto": [r["number"] for r in front], "stop_reason": stop_reason, "log": "trials.jsonl"},
+            "dispatch": "dispatch.json" if front else None,
+            "timings": {"protocol": "CUDA events, warm-up, median, L2 flushed; ours and baselines in one job",
+                        "bench_outcome": bench.get("outcome"), "rows": rows},
+            "kernels": {f"{c}_{lab}": v for (c, lab), v in files.items()}}
+
+
+STATUS_LINES = {
+    "tuned": "Tuned on a GPU; the numbers below come from one job that timed ours and the baselines side by side.",
+    "screened": "Dry run: the population was screened on CPU (and compiled where nvcc and lowering exist); "
+                "nothing was timed.",
+    "no_gpu": "**Timing needs a GPU.** The population was screened on CPU (and compiled where possible); nothing was timed.",
+    "nothing_verified": "**No candidate passed the CPU stages**, so nothing was compiled or timed.",
+    "no_trial_ok": "**No trial was timed successfully**; the failures are listed below.",
+}
+
+
+def _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, status, message, stop_reason,
+            plot_note, device) -> str:
+    title = f"cubridge-tune {cfg.name}: spec {Path(cfg.spec).stem}, {', '.join(cfg.references)} -> {cfg.arch} {cfg.dtype}"
+    dev = f"Device: {device.get('name', device)}." if isinstance(device, dict) and device else "Device: none (CPU only)."
+    status_line = f"{STATUS_LINES.get(status, status)} {message}. {dev}"
+    cands = ["| candidate | reference | origin | CPU verdict | reason |", "| --- | --- | --- | --- | --- |"]
+    for c in pop:
+        v = verdicts[c.id]
+        cands.append(f"| {c.id} | {c.reference} | {c.proposal.origin} | {v.state.value} | "
+                     f"{(v.reason.splitlines() or [''])[0][:120]} |")
+    for cid, comp in (compiled or {}).items():
+        cands.append(f"| {cid} | compile {comp['config']} | | {comp['state']} | {_first(comp['reason'], 160)} |")
+    states = Counter(r["outcome"]["state"] for r in records)
+    reasons = Counter((r["outcome"]["state"], (r["outcome"]["reason"].splitlines() or [""])[0][:140])
+                      for r in records if TrialState(r["outcome"]["state"]).failed)
+    search = [f"{len(records)} trials ({', '.join(f'{k} {v}' for k, v in sorted(states.items())) or 'none'}); "
+              f"Pareto front: {', '.join('#' + str(r['number']) for r in front) or 'empty'}."
+              + (f" Stopped: {stop_reason}." if stop_reason else "")]
+    search += [f"- {n} x {s}: {why}" for (s, why), n in reasons.most_common(8)]
+    table = ["| N from | N to | config | candidate | trial | search time (ms) |", "| --- | --- | --- | --- | --- | --- |"]
+    table += [f"| {e['min_seqlen']} | {e['max_seqlen'] or 'any'} | {e['label']} | {e['candidate']} | #{e['trial']} | "
+              f"{e['time_ms']:.3f} |" for e in dispatch]
+    sections = [("Candidates", "\n".join(cands)), ("Search", "\n".join(search))]
+    if dispatch:
+        sections.append(("Dispatch table (dispatch.json)", "\n".join(table)))
+    sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; "
+                                  "`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel."))
+    return artifacts.render_report(title, status_line, rows, sections, plot_note)

@@ -1,0 +1,288 @@
+"""GPU side of the measure and bench jobs: the verification rule on the compiled kernel, timing at
+the target shapes, and the baselines timed beside it (DESIGN.md, "Verification", "Timing").
+
+Runs only inside a runner's worker with a GPU; imported lazily by cubridge.search.jobs. A CUDA
+error leaves the worker's context unusable, so such a result carries data["restart_worker"] and
+the runner replaces the worker after taking it.
+
+Example (GPU worker):
+    >>> outcome, data = check_and_time(payload, lowered, cubin, bind)      # doctest: +SKIP
+    >>> outcome.times_ms                                                   # doctest: +SKIP
+    {'N=1024,B=16': 0.231, ...}
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import math
+
+import torch
+
+from cubridge import rule
+from cubridge.search.api import Outcome, TrialState
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Ragged lengths (no tile multiple), GQA and MHA, two seeds: the GPU half of the verification rule.
+CHECK_LENGTHS = ((2, 300, 0), (1, 1000, 1), (1, 77, 2))
+# Baselines materialising N x N scores (eager, compiled reference) are skipped past this share of
+# free GPU memory rather than dying of out-of-memory halfway through the bench.
+SCORE_MEMORY_SHARE = 0.5
+
+
+def gpu_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def device_info() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    info = {"name": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
+            "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "driver": _driver_version()}
+    try:
+        from cubridge.runtime.build import compiler_version
+        info["nvcc"] = compiler_version("nvcc")
+    except Exception as e:   # noqa: BLE001 - informative only
+        info["nvcc"] = f"unknown ({e})"
+    return info
+
+
+def _driver_version() -> str:
+    try:
+        v = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
+        return f"{v.value // 1000}.{v.value % 1000 // 10}"
+    except OSError:
+        return "unknown"
+
+
+def _spec(p):
+    from cubridge.search.jobs import spec_for
+    return spec_for(p)
+
+
+def _extras(bind, cuir: dict, B, Hq, Hkv, N, device="cuda") -> dict:
+    if bind is None:
+        return {}
+    extra = bind(Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=cuir, device=device)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+
+
+def launcher(p: dict, lowered, cubin: bytes):
+    """`prepare(extra, device) -> call(q, k, v, out)`: the lowering's own `launcher` where it has
+    one, else the reference kernel's runtime running the lowered source as its `variant` (the
+    path tests/gpu/test_variants.py checks). Extra inputs are packed once per shape, outside the
+    timed call. None where neither exists."""
+    from dataclasses import replace
+
+    from cubridge.search.space import SPACES, fa2_config, fa3_config
+    lower = importlib.import_module("cubridge.lower")
+    ref, point = p["reference"], p["config"]
+    if hasattr(lower, "launcher"):
+        fn = lower.launcher(lowered, cubin, config=SPACES[ref].to_cuir(point))
+        return lambda extra, device: (lambda q, k, v, out: fn(q, k, v, out=out, **extra))
+    if not hasattr(lowered, "args"):
+        return None
+    if ref == "fa3_sm90":
+        from cubridge.runtime.fa3_sm90 import fa3_forward
+        cfg = replace(fa3_config(point, int(p["head_dim"])), causal=False, bf16=p["dtype"] == "bf16")
+
+        def run(q, k, v, out, launch):
+            return fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
+    elif ref == "fa2_sm80":
+        from cubridge.runtime.fa2_sm80 import Fa2Sm80
+        kernel = Fa2Sm80(fa2_config(point), compiler="nvcc")
+
+        def run(q, k, v, out, launch):
+            return kernel(q, k, v, causal=False, out=out, variant=launch)
+    else:
+        return None
+
+    def prepare(extra, device):
+        launch = lowered.args(extra, device)        # keeps the packed tensors alive with the call
+        return lambda q, k, v, out: run(q, k, v, out, launch)
+    return prepare
+
+
+def _is_cuda_fault(e: Exception) -> bool:
+    text = str(e)
+    return "CUDA" in text or "illegal" in text or "unspecified launch failure" in text
+
+
+NO_LAUNCHER = "this lowering has neither launcher(lowered, cubin, config=...) nor LoweredKernel.args"
+
+
+def check_and_time(p: dict, lowered, cubin: bytes, bind):
+    """Verification rule at ragged shapes, then the median time at every target shape."""
+    from cubridge.search.space import SPACES
+    prepare = launcher(p, lowered, cubin)
+    if prepare is None:
+        return Outcome(TrialState.COMPILE_ERROR, NO_LAUNCHER), {}
+    cuir = SPACES[p["reference"]].to_cuir(p["config"])
+    dtype = DTYPES[p["dtype"]]
+    hq, hkv, d = p["heads_q"], p["heads_kv"], p["head_dim"]
+    checks = []
+    try:
+        for b, n, seed in CHECK_LENGTHS:
+            call = prepare(_extras(bind, cuir, b, hq, hkv, n), "cuda")
+            why = gpu_check(call, _spec(p), p.get("spec_params") or {}, (b, hq, hkv, n, d, seed), dtype)
+            checks.append({"shape": f"B={b} Hq={hq} Hkv={hkv} N={n} D={d} seed={seed}", "result": why or "pass"})
+            if why:
+                return Outcome(TrialState.WRONG_ANSWER, f"GPU check at {checks[-1]['shape']}: {why}"), {"check": checks}
+        times = {}
+        for t in p["shapes"]:
+            q, k, v = _inputs(t["batch"], hq, hkv, t["seqlen"], d, dtype, seed=7)
+            call = prepare(_extras(bind, cuir, t["batch"], hq, hkv, t["seqlen"]), "cuda")
+            times[t["key"]] = time_ms(call, (q, k, v, torch.empty_like(q)))
+    except Exception as e:   # noqa: BLE001 - a launch fault is this trial's outcome
+        data = {"check": checks, "restart_worker": _is_cuda_fault(e)}
+        return Outcome(TrialState.CRASH, f"{type(e).__name__}: {str(e)[:2000]}"), data
+    return Outcome(TrialState.OK, f"{len(checks)} GPU checks passed", times), {"check": checks, "device": device_info()}
+
+
+def _inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, Hq, N, D, device=device, dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g)
+    return q, k, v
+
+
+def gpu_check(call, spec, spec_params: dict, shape, dtype, device="cuda") -> str | None:
+    """None when the rule holds for `call(q, k, v, out)`: poisoned output fully written, within 2x
+    the dtype's own error of the float64 golden, inputs unchanged, a second run bitwise identical."""
+    B, Hq, Hkv, N, D, seed = shape
+    q, k, v = _inputs(B, Hq, Hkv, N, D, dtype, seed, device)
+    before = [t.clone() for t in (q, k, v)]
+    golden = spec.run_reference(q.double(), k.double(), v.double(), **spec_params)
+    ref = spec.run_reference(q, k, v, **spec_params)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        call(q, k, v, out)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        outs.append(out)
+    if any(not torch.equal(a, b) for a, b in zip(before, (q, k, v))):
+        return "inputs changed by the run"
+    if not torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)):
+        return "two runs differ (race or uninitialised read)"
+    verdict = rule.compare(outs[0], golden, ref)
+    return None if verdict.passed else verdict.reason
+
+
+# ------------------------------------------------------------------ side by side with baselines
+def time_ms(fn, args: tuple = ()) -> float:
+    """Median ms of fn(*args) under the one timing protocol (cubridge.runtime.timing)."""
+    from cubridge.runtime.timing import bench
+    return bench(lambda: fn(*args)).median_ms
+
+
+def bench_side_by_side(p: dict):
+    """Ours (the dispatch table's kernel per shape) and every baseline, shape by shape."""
+    from cubridge.search.jobs import binder_for, build
+    from cubridge.search.space import SPACES
+    spec, sp = _spec(p), p.get("spec_params") or {}
+    dtype, hq, hkv, d = DTYPES[p["dtype"]], p["heads_q"], p["heads_kv"], p["head_dim"]
+    rows = {}
+    for entry in p["entries"]:
+        t = entry["shape"]
+        n, b = t["seqlen"], t["batch"]
+        row = {"flops": _flops(spec, sp, b, hq, hkv, n, d), "baselines_ms": {}, "baseline_errors": {}}
+        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=11)
+        try:
+            lowered, result = build(entry)
+            prepare = launcher(entry, lowered, result.cubin)
+            if prepare is None:
+                raise RuntimeError(NO_LAUNCHER)
+            cuir = SPACES[entry["reference"]].to_cuir(entry["config"])
+            call = prepare(_extras(binder_for(entry), cuir, b, hq, hkv, n), "cuda")
+            row["ours_ms"] = time_ms(call, (q, k, v, torch.empty_like(q)))
+        except Exception as e:   # noqa: BLE001 - reported beside the baselines
+            row["ours_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        for name, make in BASELINES.items():
+            try:
+                row["baselines_ms"][name] = time_ms(make(spec, sp, q, k, v))
+            except _Skip as e:
+                row["baseline_errors"][name] = f"skipped: {e}"
+            except Exception as e:   # noqa: BLE001
+                row["baseline_errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
+            torch.cuda.empty_cache()
+        rows[t["key"]] = row
+    return Outcome(TrialState.OK, f"{len(rows)} shapes timed beside baselines"), {"shapes": rows, "device": device_info()}
+
+
+def _flops(spec, sp, B, Hq, Hkv, N, D) -> float:
+    from cubridge.spec import count_attended
+    if not spec.has_hooks:
+        return 4.0 * D * B * Hq * N * N
+    return 4.0 * D * count_attended(spec.hooks_for(N, N, Hq, Hkv, "cuda", **sp), B, Hq, N, N, device="cuda")
+
+
+class _Skip(Exception):
+    pass
+
+
+def _softmax_hooks(spec, sp, q, k):
+    if not spec.has_hooks:
+        raise _Skip("the spec has no hooks")
+    hooks = spec.hooks_for(q.shape[2], k.shape[2], q.shape[1], k.shape[1], "cuda", **sp)
+    if not hooks.flex_expressible:
+        raise _Skip(f"normalisation {hooks.normalization.kind} has no softmax form")
+    return hooks
+
+
+def _flex(spec, sp, q, k, v):
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    hooks = _softmax_hooks(spec, sp, q, k)
+    # Past the recompile limit flex silently falls back to an unfused path 30-100x slower (ANCHORS.md).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    block_mask = None
+    if hooks.mask_mod is not None:
+        block_mask = create_block_mask(hooks.mask_mod, q.shape[0], q.shape[1], q.shape[2], k.shape[2], device="cuda")
+    compiled = torch.compile(flex_attention)
+    gqa = q.shape[1] != k.shape[1]
+    return lambda: compiled(q, k, v, score_mod=hooks.score_mod, block_mask=block_mask, enable_gqa=gqa)
+
+
+def _sdpa(spec, sp, q, k, v):
+    import torch.nn.functional as F
+    gqa = q.shape[1] != k.shape[1]
+    if spec.name in ("causal", "full"):
+        causal = spec.name == "causal"
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    hooks = _softmax_hooks(spec, sp, q, k)
+    if hooks.score_mod is not None:
+        raise _Skip("SDPA cannot apply a score_mod")
+    if hooks.mask_mod is None:
+        return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    from cubridge.spec import index_grids
+    n, nk = q.shape[2], k.shape[2]
+    b, h, qi, ki = index_grids(q.shape[0], q.shape[1], torch.arange(n, device="cuda"), nk, "cuda")
+    mask = torch.broadcast_to(hooks.mask_mod(b, h, qi, ki), (q.shape[0], q.shape[1], n, nk)).contiguous()
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _score_memory_guard(q, k):
+    need = 3 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4   # scores, probabilities, mask (fp32)
+    free, _ = torch.cuda.mem_get_info()
+    if need > SCORE_MEMORY_SHARE * free:
+        raise _Skip(f"would materialise {need / 2**30:.1f} GiB of scores ({free / 2**30:.1f} GiB free)")
+
+
+def _eager(spec, sp, q, k, v):
+    _score_memory_guard(q, k)
+    return lambda: spec.run_reference(q, k, v, **sp)
+
+
+def _compiled(spec, sp, q, k, v):
+    _score_memory_guard(q, k)
+    ref = torch.compile(spec.reference)
+    params = spec.resolved_params(**sp)
+    return lambda: ref(q, k, v, **params)
+
+
+BASELINES = {"flex_attention": _flex, "sdpa": _sdpa, "eager": _eager, "torch_compile": _compiled}
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 and math.isfinite(ms) else float("nan")

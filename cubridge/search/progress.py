@@ -1,0 +1,70 @@
+"""Progress of long work: trials done, best so far, failures by reason.
+
+On a terminal one line is redrawn in place; in CI (the CI variable set) or when the stream is not
+a terminal, a plain line is printed at most every `interval_s` seconds (and at the end), so logs
+stay short and readable.
+
+Example:
+    >>> import io
+    >>> p = Progress(10, stream=io.StringIO(), interval_s=0)
+    >>> p.update(3, best="0.412 ms @ N=8192,B=2", failures={"compile_error": 1})
+    >>> p.stream.getvalue()
+    'tune: 3/10 trials | best 0.412 ms @ N=8192,B=2 | failed: compile_error 1\\n'
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+class Progress:
+    def __init__(self, total: int, *, stream=None, label: str = "tune", interval_s: float = 30.0,
+                 live: bool | None = None):
+        self.total = total
+        self.stream = stream if stream is not None else sys.stderr
+        self.label = label
+        self.interval_s = interval_s
+        if live is None:
+            live = bool(getattr(self.stream, "isatty", lambda: False)()) and not os.environ.get("CI")
+        self.live = live
+        self._last = -float("inf")
+        self._width = 0
+        self._line = ""
+        self._printed = ""
+
+    def line(self, done: int, best: str | None, failures: dict) -> str:
+        fails = ", ".join(f"{k} {v}" for k, v in sorted(failures.items()) if v)
+        return (f"{self.label}: {done}/{self.total} trials | best {best or '-'}"
+                + (f" | failed: {fails}" if fails else ""))
+
+    def update(self, done: int, best: str | None = None, failures: dict | None = None, force: bool = False) -> None:
+        self._line = self.line(done, best, failures or {})
+        if self.live:
+            self._draw()
+        elif self._line != self._printed and (force or done >= self.total
+                                              or time.monotonic() - self._last >= self.interval_s):
+            self.stream.write(self._line + "\n")
+            self.stream.flush()
+            self._last, self._printed = time.monotonic(), self._line
+
+    def _draw(self) -> None:
+        self.stream.write("\r" + self._line.ljust(self._width))
+        self.stream.flush()
+        self._width = len(self._line)
+
+    def message(self, text: str) -> None:
+        """A line of its own, above the live status line."""
+        if self.live and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self._width = 0
+        self.stream.write(text + "\n")
+        if self.live and self._line:
+            self._draw()
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.live and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._width = 0

@@ -111,7 +111,7 @@ def cmd_transfer(a) -> int:
     from cubridge.paths import ref_kernel_dir
     from cubridge.spec import load_spec
     from cubridge.transfer.rules import transfer
-    from cubridge.verify import Case, default_cases, verify_transfer
+    from cubridge.verify import default_cases, verify_transfer
     ref = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
     spec = load_spec(a.spec)
     cand = transfer(ref, spec, params=_params(a.param), spec_params=_spec_params(a.spec_param))

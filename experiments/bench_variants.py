@@ -140,7 +140,6 @@ def main():
             systems["flex"] = mk_flex
         if "sdpa_mask" in args.systems and name not in NO_FLEX and hooks.score_mod is None:
             def mk_sdpa():
-                from cubridge.spec import index_grids
                 qi = torch.arange(n, device="cuda").view(-1, 1)
                 ki = torch.arange(n, device="cuda").view(1, -1)
                 mask = hooks.mask_mod(torch.zeros((), dtype=torch.long, device="cuda"),

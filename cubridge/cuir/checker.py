@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from cubridge.cuir import nodes as N
 from cubridge.cuir.waits import check_barriers, check_waits
+from cubridge.cuir.absval import SMEM_LIMIT, Bar, Buf, CheckReport, DT, Glob, GView, Scalar, Tile, View
 from cubridge.errors import CuIRCheckError
-
-from cubridge.cuir.absval import (ELT_BYTES, SIXTEEN_BIT, SMEM_LIMIT, Bar, Buf, CheckReport, DT, Glob,
-                                  GView, Scalar, Tile, View)
 
 
 def check(program: N.Program, params: dict | None = None, dims: dict | None = None,

@@ -7,7 +7,7 @@ masks every tile after the first partial one).
 """
 from __future__ import annotations
 
-from cubridge.lower import fa3_sm90 as common
+from cubridge.lower import hooks as common
 from cubridge.lower import itspace, regions
 from cubridge.lower.cexpr import LowerError, to_c
 from cubridge.lower.variant import VariantIR

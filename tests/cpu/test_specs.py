@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import doctest
 import itertools
-import math
 import warnings
 from pathlib import Path
 

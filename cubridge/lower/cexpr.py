@@ -106,7 +106,11 @@ class _Lower:
             if t == "int":
                 return f"cuir_floormod({a}, {b})", "int"
             return f"({_f(a, ta)} - {_f(b, tb)} * floorf({_f(a, ta)} / {_f(b, tb)}))", "float"
-        if e.op == "/":     # approximate division (2 ulp): an IEEE divide per score element is slow
+        if e.op == "/":
+            c = _float_const(e.right)
+            if c:                # by a constant: a multiply by its reciprocal (no MUFU.RCP per element)
+                return f"({_f(a, ta)} * {_literal(1.0 / c)})", "float"
+            # approximate division (2 ulp): an IEEE divide per score element is slow
             return f"__fdividef({_f(a, ta)}, {_f(b, tb)})", "float"
         return f"({a} {e.op} {b})", t
 
@@ -155,6 +159,18 @@ class _Lower:
             term = f"cuir_clamp({i}, {n})"
             flat = term if flat is None else f"({flat}) * {n} + {term}"
         return f"{ptr}[{flat}]", etype
+
+
+def _float_const(e):
+    if isinstance(e, N.Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool) \
+            and e.value != 0 and math.isfinite(e.value):
+        return float(e.value)
+    return None
+
+
+def _literal(v: float) -> str:
+    text = repr(float(v))
+    return (text if ("." in text or "e" in text) else text + ".0") + "f"
 
 
 def _join(a: str, b: str) -> str:

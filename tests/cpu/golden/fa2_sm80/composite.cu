@@ -77,7 +77,7 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 // natural-unit score (S * sm_scale) and keep S in natural units.
 constexpr bool SCORE_MOD_IS_IDENTITY = false;
 __device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx, int kv_idx) {
-  return (50.0f * cuir_tanh(__fdividef(s, 50.0f)));
+  return (50.0f * cuir_tanh((s * 0.02f)));
 }
 // ===== region mask
 __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {

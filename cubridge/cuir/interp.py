@@ -33,11 +33,12 @@ import torch
 
 from cubridge.cuir import nodes as N
 from cubridge.cuir.lanes import vectorisable_axes
-from cubridge.cuir.values import (BYTES, TORCH_DTYPES, UNWRITTEN, Barrier, BarrierArray, DType, GTensor,
-                                  GView, Pending, SmemBuffer, SmemView, round_to)
+from cubridge.cuir.header import KERNEL_DTYPES, HeaderMixin
+from cubridge.cuir.memory import MemoryMixin
+from cubridge.cuir.values import (TORCH_DTYPES, Barrier, BarrierArray, GTensor, GView, Pending,
+                                  SmemBuffer, SmemView)
 from cubridge.errors import CuIRError, CuIRRuntimeError
 
-KERNEL_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 SCHEDULES = ("in_order", "reverse", "round_robin")
 
 
@@ -104,7 +105,7 @@ def interpret(program: N.Program, inputs, *, params: dict | None = None, dtype=N
     return _Interpreter(program, params or {}, dtype, schedule, vectorise).run(inputs)
 
 
-class _Interpreter:
+class _Interpreter(HeaderMixin, MemoryMixin):
     def __init__(self, program, params, dtype, schedule, vectorise):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}")
@@ -158,115 +159,6 @@ class _Interpreter:
                 return self.p.body[: i + 1], self.p.body[i + 1:]
         self.fail("the program has no grid(...) statement",
                   hint="declare the block indices: m_blk, h, b = grid(cdiv(NQ, BLOCK_M), HQ, B)")
-
-    # ================================================================ header
-    def _header_env(self, header, inputs) -> dict:
-        self.params = {}
-        for st in header:
-            if isinstance(st, N.ExprStmt) and st.value.op == "param":
-                for k, v in st.value.kwargs:
-                    self.params[k] = v.value
-        unknown = set(self.override) - set(self.params)
-        if unknown:
-            self.fail(f"unknown parameter(s) {sorted(unknown)}",
-                      hint=f"this program's parameters: {sorted(self.params)}")
-        self.params.update(self.override)
-        decls = [st for st in header if isinstance(st, N.Assign) and isinstance(st.value, N.Call)
-                 and st.value.op in ("global_input", "scalar_input")]
-        inputs = self._match_inputs(decls, inputs)
-        self.T = self._kernel_dtype(decls, inputs)
-        env = {**N.CONSTANTS, **self.params}
-        env.update({d: DType(self.T if d == "T" else d) for d in N.DTYPES})
-        self.env_consts = env
-        for st in header:
-            if isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op in ("global_input", "global_output"):
-                self._declare_global(st, env, inputs.get(st.targets[0]))
-            elif isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op == "scalar_input":
-                v = inputs[st.targets[0]]
-                if isinstance(v, torch.Tensor):
-                    v = v.item()
-                dt = self.eval(st.value.args[0], env, None).name
-                if not isinstance(v, (int, float)) or (dt == "i32" and not isinstance(v, int)):
-                    self.fail(f"scalar input {st.targets[0]} must be a{'n int' if dt == 'i32' else ' number'}, "
-                              f"got {v!r}", st.line)
-                env[st.targets[0]] = int(v) if dt == "i32" else float(v)
-            elif isinstance(st, N.Assign) and isinstance(st.value, N.Call) and st.value.op == "grid":
-                extents = [int(self._uniform(self.eval(a, env, None), st.line)) for a in st.value.args]
-                if len(st.targets) != len(extents):
-                    self.fail(f"grid has {len(extents)} axes but {len(st.targets)} names are bound", st.line)
-                self._grid = (list(st.targets), extents)
-            elif isinstance(st, N.Assign):
-                self._assign(st, self.eval(st.value, env, None), env)
-            elif isinstance(st, (N.Doc,)) or (isinstance(st, N.ExprStmt) and st.value.op in ("kernel", "param")):
-                continue
-            else:
-                self.fail("only declarations and scalar assignments may come before grid(...)", st.line)
-        return env
-
-    def _match_inputs(self, decls, inputs) -> dict:
-        names = [d.targets[0] for d in decls]
-        if not isinstance(inputs, dict):
-            inputs = list(inputs)
-            if len(inputs) != len(names):
-                self.fail(f"expected {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
-            return dict(zip(names, inputs))
-        missing = [n for n in names if n not in inputs]
-        extra = [n for n in inputs if n not in names]
-        if missing or extra:
-            self.fail(f"inputs do not match the program: missing {missing}, unexpected {extra}",
-                      hint=f"the program's inputs: {names}")
-        return dict(inputs)
-
-    def _kernel_dtype(self, decls, inputs) -> str:
-        found = set()
-        for d in decls:
-            dt = d.value.args[0]
-            if d.value.op == "global_input" and isinstance(dt, N.Name) and dt.id == "T":
-                t = inputs[d.targets[0]]
-                if t.dtype not in (torch.float16, torch.bfloat16):
-                    self.fail(f"input {d.targets[0]} is declared T (the kernel's 16-bit dtype) but is {t.dtype}",
-                              d.line, "pass float16 or bfloat16 tensors")
-                found.add(KERNEL_DTYPES[t.dtype])
-        if len(found) > 1:
-            self.fail(f"T-typed inputs disagree on the dtype: {sorted(found)}", hint="use one dtype for Q, K and V")
-        if found:
-            return found.pop()
-        return self.forced_dtype or "bf16"
-
-    def _declare_global(self, st, env, tensor):
-        name = st.targets[0]
-        call = st.value
-        dtype = self.eval(call.args[0], env, None).name
-        shape_expr = call.args[1]
-        if not isinstance(shape_expr, N.Seq):
-            self.fail(f"the shape of {name} must be a list literal", st.line)
-        if call.op == "global_input":
-            if not isinstance(tensor, torch.Tensor):
-                self.fail(f"input {name} must be a torch tensor", st.line)
-            if tensor.dim() != len(shape_expr.items):
-                self.fail(f"input {name} has {tensor.dim()} dims, the program declares {len(shape_expr.items)}",
-                          st.line, f"expected shape {[_txt(e) for e in shape_expr.items]}")
-            for e, n in zip(shape_expr.items, tensor.shape):
-                self._bind_dim(e, int(n), name, env, st.line)
-            data = tensor.detach().to("cpu")
-            data = data.to(torch.int64) if dtype == "i32" else data.to(torch.float32)
-            self.globals[name] = GTensor(name, dtype, data.clone(), False, st.line)
-        else:
-            shape = [int(self._uniform(self.eval(e, env, None), st.line)) for e in shape_expr.items]
-            data = torch.full(shape, float("nan")) if dtype != "i32" else torch.full(shape, -1, dtype=torch.int64)
-            self.globals[name] = GTensor(name, dtype, data, True, st.line,
-                                         written=torch.zeros(shape, dtype=torch.bool))
-        env[name] = self.globals[name]
-
-    def _bind_dim(self, e, n, tname, env, line):
-        if isinstance(e, N.Name) and e.id not in env:
-            env[e.id] = n
-            self.dims[e.id] = n
-            return
-        want = self.eval(e, env, None)
-        if int(want) != n:
-            self.fail(f"input {tname}: dim {_txt(e)} is {n} but must be {want}", line,
-                      "inputs must agree on shared dims (batch, heads, head dim)")
 
     # ================================================================ blocks and roles
     def _run_block(self, body, env):
@@ -565,162 +457,3 @@ class _Interpreter:
             return v.reshape(v.shape[: self.nl]) if v.dim() > self.nl else v
         return torch.full((1,) * self.nl, v, dtype=torch.int64 if isinstance(v, int) else torch.float32)
 
-    # ---------------------------------------------------------------- memory
-    def check_written(self, g):
-        return self._check_written(g)
-
-    def _check_written(self, g: GTensor):
-        missing = ~g.written
-        if bool(missing.any()):
-            n = int(missing.sum())
-            first = tuple(int(i) for i in missing.nonzero()[0])
-            lines = sorted(g.store_lines)
-            self.fail(f"output {g.name}: {n} of {g.written.numel()} elements never written, first at {list(first)}",
-                      lines[0] if lines else g.decl_line,
-                      f"the stores to {g.name} (lines {lines or 'none'}) must cover every element: "
-                      "check the grid extent and the tile bounds")
-
-    def read_smem(self, view: SmemView, ctx, line) -> torch.Tensor:
-        buf = view.buf
-        for r in view.rows():
-            tok = buf.tokens[r]
-            if tok is UNWRITTEN:
-                self.fail(f"read of shared memory {buf.name}[{r}] that nothing has written", line,
-                          "load the tile (copy_async / tma_load / store) before reading it")
-            self._check_token(tok, buf, r, ctx, line)
-        idx = tuple(slice(ix[0], ix[1]) if isinstance(ix, tuple) else ix for ix in view.index)
-        data = buf.data[(slice(None),) * self.nl + idx]
-        if view.transposed:
-            data = data.transpose(-1, -2)
-        nbytes = math.prod(view.shape) * BYTES[buf.dtype] * self.lane_count
-        self.counters.bytes["smem->reg"] += nbytes
-        return data
-
-    def _check_token(self, tok, buf, r, ctx, line):
-        kind = tok[0]
-        if kind == "group":
-            _, owner, gid, issue_line = tok
-            if owner is not ctx:
-                self.fail(f"{ctx.label} reads {buf.name}[{r}], filled by cp.async in {owner.label}", line,
-                          "cp.async completes only for the thread that issued it: use tma_load with a "
-                          "barrier to hand tiles between roles")
-            if gid not in ctx.groups_done:
-                self.fail(f"read of {buf.name}[{r}] before its cp.async (line {issue_line}) was waited on",
-                          line, "commit_group() after the copies and wait_group(n) before the read")
-        elif kind == "tma":
-            _, bar, phase, issue_line = tok
-            if ctx.observed.get(id(bar), -1) < phase:
-                self.fail(f"{ctx.label} reads {buf.name}[{r}] before waiting on {bar.name} for the tma_load "
-                          f"at line {issue_line} (phase {phase})", line,
-                          f"wait({bar.name}, parity) for that phase first; if you did, a producer may have "
-                          "overwritten the slot before its release (missing empty-barrier wait)")
-
-    def write_smem(self, view: SmemView, value: torch.Tensor, token, line):
-        buf = view.buf
-        if view.transposed:
-            self.fail("cannot write through a transposed view", line)
-        idx = (slice(None),) * self.nl + tuple(slice(ix[0], ix[1]) if isinstance(ix, tuple) else ix
-                                              for ix in view.index)
-        target = buf.data[idx]
-        value = self.align(target, value)[1] if isinstance(value, torch.Tensor) else value
-        try:
-            buf.data[idx] = torch.broadcast_to(value, target.shape)
-        except RuntimeError:
-            self.fail(f"tile of shape {tuple(value.shape[self.nl:])} does not fit {buf.name} view "
-                      f"{view.shape}", line)
-        for r in view.rows():
-            buf.tokens[r] = token
-
-    def gmem_index(self, view: GView, line):
-        """Torch index for a global view, clipped to bounds; plus per-slice (extent, valid)."""
-        g = view.g
-        idx, slices, adv = [], [], []
-        for d, it in enumerate(view.index):
-            n = g.data.shape[d]
-            if isinstance(it, tuple):
-                lo, hi = it
-                if lo < 0 or hi < lo:
-                    self.fail(f"bad slice {lo}:{hi} of {g.name} dim {d}", line)
-                top = min(hi, n)
-                idx.append(slice(min(lo, n), max(top, min(lo, n))))
-                slices.append((hi - lo, max(0, top - lo)))
-            else:
-                t = self.as_lane_scalar(it)
-                if t.dtype.is_floating_point:
-                    self.fail(f"index of {g.name} dim {d} is not an integer", line)
-                if bool((t < 0).any()) or bool((t >= n).any()):
-                    self.fail(f"index out of range for {g.name} dim {d} of size {n}", line)
-                idx.append(t)
-                adv.append(d)
-        if not adv:
-            return None, slices
-        contiguous = adv == list(range(adv[0], adv[0] + len(adv)))
-        return (tuple(idx), adv[0] if contiguous else 0), slices
-
-    def gmem_load(self, view: GView, line) -> torch.Tensor:
-        g = view.g
-        spec, slices = self.gmem_index(view, line)
-        if spec is None:
-            data = self.lanes(g.data[tuple(slice(*s) for s in _slice_items(view))])
-        else:
-            idx, pos = spec
-            data = g.data[idx]
-            if pos:
-                data = data.movedim(tuple(range(pos, pos + self.nl)), tuple(range(self.nl)))
-        pads = []
-        for extent, valid in reversed(slices):
-            pads += [0, extent - valid]
-        if any(pads):
-            data = torch.nn.functional.pad(data, pads, value=0)
-        return data
-
-    def gmem_store(self, view: GView, value, line):
-        g = view.g
-        if not g.is_output:
-            self.fail(f"store into input {g.name}", line, "inputs are read-only; declare a global_output")
-        spec, slices = self.gmem_index(view, line)
-        shape = tuple(e for e, _ in slices)
-        value = self._fit(value, shape, g.name, line)
-        value = round_to(value, g.dtype)
-        crop = (slice(None),) * self.nl + tuple(slice(0, v) for _, v in slices)
-        value = value[crop]
-        if spec is None:
-            if any(n != 1 for n in value.shape[: self.nl]):
-                self.fail(f"store into {g.name} with no per-block index: every block run together "
-                          "would write the same elements", line, "index the store with the block indices")
-            sl = tuple(slice(*s) for s in _slice_items(view))
-            g.data[sl] = value.reshape(value.shape[self.nl:])
-            g.written[sl] = True
-            self.counters.bytes["reg->gmem"] += value.numel() * BYTES[g.dtype]
-        else:
-            idx, pos = spec
-            adv_shape = torch.broadcast_shapes(*(t.shape for t in idx if isinstance(t, torch.Tensor)))
-            value = value.expand(tuple(adv_shape) + tuple(value.shape[self.nl:]))
-            if pos:
-                value = value.movedim(tuple(range(self.nl)), tuple(range(pos, pos + self.nl)))
-            g.data[idx] = value
-            g.written[idx] = True
-            self.counters.bytes["reg->gmem"] += value.numel() * BYTES[g.dtype]
-        g.store_lines.add(line)
-
-    def _fit(self, value, shape, name, line) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
-            value = self.lanes(torch.full(shape, float(value)))
-        tile = tuple(value.shape[self.nl:])
-        squeezed = tile
-        while len(squeezed) > len(shape) and squeezed[-1] == 1:
-            squeezed = squeezed[:-1]
-        if squeezed != tuple(shape) and not (len(squeezed) == len(shape) and
-                                             all(a in (1, b) for a, b in zip(squeezed, shape))):
-            self.fail(f"tile of shape {tile} does not match the {name} view of shape {tuple(shape)}", line)
-        value = value.reshape(value.shape[: self.nl] + squeezed)
-        return value.expand(value.shape[: self.nl] + tuple(shape))
-
-
-def _slice_items(view: GView):
-    return [(it[0], min(it[1], view.g.data.shape[d])) for d, it in enumerate(view.index)]
-
-
-def _txt(e) -> str:
-    from cubridge.cuir.printer import expr
-    return expr(e)

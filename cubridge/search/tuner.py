@@ -121,7 +121,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
         for ref in cfg.references:
             ctx = ScreenContext.build(ref, cfg.spec, spec_params=cfg.spec_params, quick=True,
                                       head_dims=(cfg.shapes.head_dim,))
-            proposers[ref] = make_proposer(cfg.proposer.kind, ctx, cfg.proposer.options)
+            proposers[ref] = make_proposer(cfg.proposer.kind, ctx, _proposer_options(cfg, out))
     for round_ in range(PROPOSAL_ROUNDS if proposers else 1):
         for ref, prop in proposers.items():
             verified = sum(c.reference == ref and verdicts[c.id].state == TrialState.VERIFIED for c in pop)
@@ -382,3 +382,15 @@ def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = 
     finally:
         if own:
             runner.close()
+
+
+def _proposer_options(cfg, out) -> dict:
+    """The proposer's options, with defaults that follow from the run: an LLM proposer logs into
+    <output>/llm, and with the Ray runner the in-process vLLM engine runs in a Ray actor that
+    holds its GPUs (so timing workers are not scheduled on them)."""
+    options = dict(cfg.proposer.options)
+    if cfg.proposer.kind in ("vllm", "openai"):
+        options.setdefault("out_dir", str(Path(out) / "llm"))
+    if cfg.proposer.kind == "vllm" and cfg.runner.kind == "ray":
+        options.setdefault("ray_actor", True)
+    return options

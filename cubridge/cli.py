@@ -6,6 +6,7 @@
     cubridge analyze fa2_sm80 --spec causal --shape 1,4,2,512,64
     cubridge specs [NAME]                               # list specs, or show one with its mask
     cubridge transfer prefixlm --ref fa3_sm90           # target CuIR (rules) + verification table
+    cubridge lower prefixlm --ref fa3_sm90 --out v.cu   # the lowered CUDA (regions regenerated)
     cubridge tune configs/h100_prefixlm.yaml --dry-run  # same as cubridge-tune (configs/README.md)
 """
 from __future__ import annotations
@@ -136,6 +137,46 @@ def cmd_transfer(a) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_lower(a) -> int:
+    import shutil
+    import subprocess
+    import tempfile
+    from cubridge.cuir.parser import parse_file
+    from cubridge.lower import lower
+    from cubridge.paths import ref_kernel_dir
+    target = Path(a.target)
+    if target.suffix == ".cuir":
+        program, what = parse_file(target), str(target)
+    else:   # a spec: transfer it first with the rules proposer
+        from cubridge.spec import load_spec
+        from cubridge.transfer.rules import transfer
+        ref_program = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
+        program = transfer(ref_program, load_spec(a.target), spec_params=_spec_params(a.spec_param)).program
+        what = f"spec {a.target} (rules transfer)"
+    kernel = lower(program, a.ref)
+    if a.out:
+        Path(a.out).write_text(kernel.source)
+        print(f"wrote {a.out}: {what} lowered onto {a.ref}", file=sys.stderr)
+    else:
+        sys.stdout.write(kernel.source)
+    fields = ", ".join(f"{n}: {t}" for n, t in kernel.fields) or "none"
+    print(f"VariantArgs fields: {fields}", file=sys.stderr)
+    if not a.compile:
+        return 0
+    if shutil.which("nvcc") is None:
+        raise CubridgeError("--compile needs nvcc on PATH", hint="install the CUDA toolkit or drop --compile")
+    arch = (["-gencode=arch=compute_90a,code=sm_90a"] if a.ref == "fa3_sm90" else ["-arch=sm_80", "-DIS_BF16=1"])
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "variant.cu"
+        src.write_text(kernel.source)
+        cmd = ["nvcc", "-cubin", "-std=c++17", "-O3", *arch, f"-DHEAD_DIM={a.head_dim}",
+               f"-I{ref_kernel_dir(a.ref)}", "--resource-usage", "-o", str(src.with_suffix(".cubin")), str(src)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    report = [ln.strip() for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln or "error" in ln]
+    print("\n".join(report[-4:]) or r.stderr[-2000:], file=sys.stderr)
+    return 0 if r.returncode == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cubridge", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-verify", action="store_true")
     t.add_argument("--out", help="write the target CuIR here instead of printing it")
     t.set_defaults(fn=cmd_transfer)
+    lo = sub.add_parser("lower", help="write the CUDA of a target CuIR program (or of a spec's rules transfer)")
+    lo.add_argument("target", help="a target .cuir file (e.g. from `cubridge transfer --out`), or a spec")
+    lo.add_argument("--ref", default="fa3_sm90", help="reference kernel to patch (fa2_sm80, fa3_sm90)")
+    lo.add_argument("--out", help="write the CUDA here (default: stdout)")
+    lo.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
+    lo.add_argument("--compile", action="store_true", help="also compile it with nvcc and show registers / spills")
+    lo.add_argument("--head-dim", type=int, default=128)
+    lo.set_defaults(fn=cmd_lower)
     s = sub.add_parser("specs", help="list the built-in variant specs, or show one")
     s.add_argument("name", nargs="?")
     s.add_argument("-n", type=int, default=24, help="size of the mask picture")

@@ -167,3 +167,17 @@ def test_usage_errors_exit_2():
     with pytest.raises(SystemExit) as ei:
         main([])
     assert ei.value.code == 2
+
+
+def test_lower_writes_cuda_from_a_transfer_file_or_a_spec(tmp_path, capsys):
+    from cubridge.cli import main
+    cuir = tmp_path / "p.cuir"
+    assert main(["transfer", "prefixlm", "--ref", "fa3_sm90", "--no-verify", "--out", str(cuir)]) == 0
+    out = tmp_path / "p.cu"
+    assert main(["lower", str(cuir), "--ref", "fa3_sm90", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "mask_pred" in text and "va.C0" in text and "// @cuir-region kv_range" in text
+    assert main(["lower", "relative_pos", "--ref", "fa2_sm80", "--out", str(tmp_path / "r.cu")]) == 0
+    assert "va.SLOPES" in (tmp_path / "r.cu").read_text()
+    assert main(["lower", "no_such_spec"]) == 2
+    assert "not found" in capsys.readouterr().err

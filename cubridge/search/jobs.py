@@ -176,6 +176,12 @@ def lower_kernel(p: dict):
     Takes the agreed interface (lower(program, ref, config=, head_dim=, dtype=) with `defines` on
     the result) where the lowering offers it, else today's lower(program, ref), with the tile
     config's -D flags from the reference kernel's runtime Config (what kernel.cu reads)."""
+    from cubridge.paths import ref_kernel_dir
+    if p.get("cuda_source"):        # an LLM patch of the reference kernel, accepted on a GPU
+        from cubridge.lower import LoweredKernel
+        lowered = LoweredKernel(p["reference"], p["cuda_source"])
+        defines = runtime_defines(p["reference"], p["config"], int(p["head_dim"]), p["dtype"])
+        return lowered, ["-std=c++17", *defines, f"-I{ref_kernel_dir(p['reference'])}"]
     lower = lowering()
     if lower is None:
         raise _Unavailable(LOWERING_MISSING)
@@ -189,7 +195,6 @@ def lower_kernel(p: dict):
     defines = getattr(lowered, "defines", None)
     if defines is None:
         defines = runtime_defines(p["reference"], p["config"], int(p["head_dim"]), p["dtype"])
-    from cubridge.paths import ref_kernel_dir
     return lowered, ["-std=c++17", *defines, f"-I{ref_kernel_dir(p['reference'])}"]
 
 

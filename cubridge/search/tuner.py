@@ -25,7 +25,7 @@ import shutil
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cubridge.config import ConfigError, TuneConfig
@@ -41,6 +41,7 @@ MAX_IDLE_ASKS = 200        # consecutive asks that measure nothing (duplicates, 
 class Candidate:
     proposal: Proposal
     reference: str
+    cuda_source: str | None = None    # an accepted LLM lowering, when the generators have none
 
     @property
     def id(self) -> str:
@@ -80,6 +81,8 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
 
 def _payload(cfg: TuneConfig, cand: Candidate, point=None, **extra) -> dict:
     s = cfg.shapes
+    if getattr(cand, "cuda_source", None) and "cuda_source" not in extra:
+        extra["cuda_source"] = cand.cuda_source        # an accepted LLM lowering (llm_lowering.py)
     return {"candidate": cand.id, "reference": cand.reference, "origin": cand.proposal.origin,
             "text": cand.proposal.text, "spec": cfg.spec, "spec_params": cfg.spec_params, "head_dim": s.head_dim,
             "heads_q": s.heads_q, "heads_kv": s.heads_kv, "dtype": cfg.dtype, "arch": cfg.arch, "config": point,
@@ -372,6 +375,9 @@ def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = 
                 "timing needs a GPU: this runner has none, so nothing was timed or tuned"
             return finish_run(cfg, out, pop, verdicts, compiled=compiled, runner=runner, say=say,
                               status="screened" if dry_run else "no_gpu", message=why)
+        from cubridge.search.llm_lowering import lowering_overrides
+        overrides = lowering_overrides(cfg, verified, runner, out, say)
+        verified = [replace(c, cuda_source=overrides.get(c.id)) for c in verified]
         search = Search(cfg, verified, runner, out, progress)
         search.run()
         if progress is not None:

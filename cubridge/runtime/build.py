@@ -51,6 +51,16 @@ def cache_key(source: str, options: Sequence[str], arch: str, compiler: str, com
     return h.hexdigest()
 
 
+def _included_headers(options: Sequence[str]) -> str:
+    """The text of the headers in every -I directory: an edited header must not hit a stale cubin."""
+    parts = []
+    for opt in options:
+        if opt.startswith("-I") and Path(opt[2:]).is_dir():
+            for f in sorted(Path(opt[2:]).glob("*.cuh")) + sorted(Path(opt[2:]).glob("*.h")):
+                parts.append(f"\0{f.name}\0{f.read_text()}")
+    return "".join(parts)
+
+
 def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     return Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
 
@@ -89,7 +99,7 @@ def compile_cubin(source: str, *, arch: str, options: Sequence[str] = (), compil
     if compiler not in COMPILERS:
         raise BuildError(f"unknown compiler {compiler!r}", hint=f"choose one of {COMPILERS}")
     options = tuple(options)
-    key = cache_key(source, options, arch, compiler, compiler_version(compiler))
+    key = cache_key(source + _included_headers(options), options, arch, compiler, compiler_version(compiler))
     path = resolve_cache_dir(cache_dir) / f"{key}.cubin"
     if use_cache and path.is_file():
         return CompileResult(path.read_bytes(), key, "", True)

@@ -133,8 +133,8 @@ def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str |
     flags = [*NVCC_FLAGS, *config.defines(), f"-I{KERNEL_DIR}"]
     text = KERNEL_SOURCE.read_bytes() if source is None else source.encode()
     key = hashlib.sha256()
-    for part in (text, (KERNEL_DIR / "wgmma.cuh").read_bytes()):
-        key.update(part)
+    for part in (text, *(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.cuh")))):
+        key.update(part)                  # kernel.cu and the headers it includes
     key.update(" ".join(flags).encode())
     key.update(_nvcc_version(nvcc).encode())
     out = cache_dir / f"{key.hexdigest()[:24]}.cubin"

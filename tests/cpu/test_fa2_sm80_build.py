@@ -220,3 +220,12 @@ def test_bad_outputs_are_rejected():
 def test_cpu_tensors_are_rejected_without_touching_a_gpu():
     with pytest.raises(LaunchError, match="CUDA tensors"):
         Fa2Sm80(compiler="nvcc")(*_qkv(), causal=True)
+
+
+def test_cache_key_covers_included_headers(tmp_path):
+    """An edited header in an -I directory must not hit a cubin built from the old one."""
+    from cubridge.runtime.build import _included_headers
+    (tmp_path / "helpers.cuh").write_text("#define X 1\n")
+    before = _included_headers([f"-I{tmp_path}", "-DY=2"])
+    (tmp_path / "helpers.cuh").write_text("#define X 2\n")
+    assert _included_headers([f"-I{tmp_path}"]) != before and "#define X 2" in _included_headers([f"-I{tmp_path}"])

@@ -88,8 +88,8 @@ def rows_for(args):
     for n in args.n:                     # shapes in the order given: the most wanted first
         for model in args.models:
             for name in args.variants:
-                if model != "llama2-7b" and name != "prefixlm":
-                    continue
+                if model != "llama2-7b" and (name != "prefixlm" or n not in args.gqa_n):
+                    continue                 # the GQA bars are for prefixlm at a few lengths
                 out.append((name, model, n))
     return out
 
@@ -99,7 +99,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     ap.add_argument("--variants", nargs="+", default=builtin_specs())
-    ap.add_argument("--models", nargs="+", default=["llama2-7b"])
+    ap.add_argument("--models", nargs="+", default=["llama2-7b"],
+                    help="llama2-7b, qwen2.5-72b, llama3.1-405b (GQA models: prefixlm only)")
+    ap.add_argument("--gqa-n", type=int, nargs="+", default=[1024, 8192], help="lengths for the GQA models")
     ap.add_argument("--systems", nargs="+",
                     default=["ours", "flex", "sdpa_mask", "eager", "compiled_reference", "ours_causal"])
     ap.add_argument("--budget-ms", type=float, default=1500.0)

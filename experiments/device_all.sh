@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything the open issues' bars need from one GPU, in two device calls of under 10 minutes:
+#   part A: every GPU test (both reference kernels, the ten variants on both, the lift check),
+#           compute-sanitizer on both kernels, then the variant benchmark (ours vs FlexAttention,
+#           SDPA + mask, eager, compiled reference, our causal softmax; GQA prefixlm);
+#   part B: the Hopper kernel against cuDNN / flash (experiments/bench_fa3.py) and the main job,
+#           cubridge-tune configs/h100_prefixlm.yaml, twice (cold, then warm compile cache).
+# Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
+# .devdeps from ../shared/tools/pack-device-deps.sh for part B):
+#   bash experiments/device_all.sh A      bash experiments/device_all.sh B
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+step() { echo; echo "== $* ($(date +%T))"; }
+case "${1:-A}" in
+A)
+  step gpu tests
+  timeout 240 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
+  step sanitizer
+  SAN="compute-sanitizer --print-limit 20 --error-exitcode 9"
+  for tool in memcheck racecheck; do
+    timeout 60 $SAN --tool $tool python3 experiments/sanitize_fa2.py > "$OUT/fa2_$tool.log" 2>&1; echo "fa2 $tool rc=$?"
+    timeout 90 $SAN --tool $tool python3 experiments/bench_fa3.py --sanitize-case > "$OUT/fa3_$tool.log" 2>&1; echo "fa3 $tool rc=$?"
+  done
+  step variant benchmark
+  timeout 330 python3 experiments/bench_variants.py --out "$OUT/variants.json" --n 8192 4096 16384 1024 \
+    --models llama2-7b qwen2.5-72b llama3.1-405b 2>&1 | tail -50
+  ;;
+B)
+  step fa3 vs cuDNN
+  timeout 260 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench.json" 2>&1 | tail -25
+  [ -d .devdeps ] && bash .devdeps/install.sh >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+  for run in cold warm; do
+    step "cubridge-tune ($run compile cache)"
+    start=$(date +%s)
+    timeout 150 python3 -m cubridge.cli tune configs/h100_prefixlm.yaml --out "$OUT/tune_$run" 2>&1 | tail -3
+    echo "tune $run wall $(( $(date +%s) - start )) s"
+    [ "$run" = cold ] && cp -r "$OUT/tune_cold/cache" /tmp/warm_cache && \
+      mkdir -p "$OUT/tune_warm" && cp -r /tmp/warm_cache "$OUT/tune_warm/cache"
+    sed -n 5,12p "$OUT/tune_$run/report.md"
+    rm -rf "$OUT/tune_$run/cache" "$OUT/tune_$run/kernel" "$OUT/tune_$run/candidates"
+  done
+  ;;
+esac

@@ -51,10 +51,11 @@ class Counters:
     blocks: int = 0
     regions: dict = field(default_factory=dict)     # region name -> executions (in blocks)
     masked_tiles: int = 0                            # `where` executions inside region "mask"
+    qk_mmas: int = 0                                 # MMAs inside region "qk": one per KV tile visited
 
     @property
     def kv_tiles(self) -> int:
-        return self.regions.get("qk", 0)
+        return self.qk_mmas
 
 
 @dataclass

@@ -249,6 +249,8 @@ def _mma_value(it, e, args, ctx):
             acc = acc.value
         out = acc + out
     it.counters.mma_flops += 2 * m * n * k * it.lane_count
+    if _region(ctx) == "qk" and ctx.index == 0:
+        it.counters.qk_mmas += it.lane_count
     return out
 
 

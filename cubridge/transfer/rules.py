@@ -317,6 +317,9 @@ class _Generator:
     def softmax(self, region):
         if self.norm_kind == "softmax":
             return region.body
+        updates = any(isinstance(st, N.Assign) and st.targets == ("m_new",) for st in region.body)
+        if not updates:     # a pipelined kernel's separate O rescale: no rescale without a running max
+            return ()
         if self.norm_kind == "sigmoid":
             return _stmts(f"p = sigmoid(s + {expr(self.bias)})")
         return _stmts(f"p = relu(s) * {expr(self.scale)}")

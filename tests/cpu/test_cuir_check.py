@@ -61,9 +61,9 @@ def check_fails(text, *, line, words, **kw):
 @pytest.mark.parametrize("name, D, smem, buffers", [
     ("fa2", 64, 49152, {"Qs": 128 * 64 * 2, "Ks": 2 * 64 * 64 * 2, "Vs": 2 * 64 * 64 * 2}),
     ("fa2", 128, 98304, {"Qs": 128 * 128 * 2, "Ks": 2 * 64 * 128 * 2, "Vs": 2 * 64 * 128 * 2}),
-    # fa3: Q, a 2-stage ring of 128-row K and V tiles, and 7 mbarriers of 8 bytes.
-    ("fa3", 64, 16384 + 2 * 32768 + 7 * 8, {"Qs": 16384, "Ks": 32768, "Vs": 32768}),
-    ("fa3", 128, 32768 + 2 * 65536 + 7 * 8, {"Qs": 32768, "Ks": 65536, "Vs": 65536}),
+    # fa3: Q, a 2-stage ring of 128-row K and V tiles, and 9 mbarriers of 8 bytes.
+    ("fa3", 64, 16384 + 2 * 32768 + 9 * 8, {"Qs": 16384, "Ks": 32768, "Vs": 32768}),
+    ("fa3", 128, 32768 + 2 * 65536 + 9 * 8, {"Qs": 32768, "Ks": 65536, "Vs": 65536}),
 ])
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_reference_programs_pass(name, D, smem, buffers, dtype):
@@ -128,11 +128,12 @@ def test_mma_async_inner_dim_mismatch():
 
 @pytest.mark.parametrize("name, old, new", [
     ("fa2", "acc = mma(cast(p, T), Vs[st], acc)", "acc = mma(p, Vs[st], acc)"),
-    ("fa3", "acc = mma_async(cast(p, T), Vs[st], acc)", "acc = mma_async(p, Vs[st], acc)"),
+    ("fa3", "\n                    acc = mma_async(cast(p, T), Vs[st_prev], acc)",
+     "\n                    acc = mma_async(p, Vs[st_prev], acc)"),
 ])
 def test_f32_mma_operand_missing_cast(name, old, new):
     text = mutate(TEXTS[name], old, new)
-    check_fails(text, line=line_of(text, new), words=["operand a is f32", "16-bit", "cast(x, T)"])
+    check_fails(text, line=line_of(text, new.lstrip("\n")), words=["operand a is f32", "16-bit", "cast(x, T)"])
 
 
 def test_mma_accumulator_must_be_f32_tile_of_result_shape():
@@ -142,8 +143,8 @@ def test_mma_accumulator_must_be_f32_tile_of_result_shape():
 
 
 def test_mma_async_b_must_be_shared():
-    new = "acc = mma_async(cast(p, T), cast(p, T), acc)"
-    text = mutate(FA3, "acc = mma_async(cast(p, T), Vs[st], acc)", new)
+    new = "                    acc = mma_async(cast(p, T), cast(p, T), acc)"
+    text = mutate(FA3, "                    acc = mma_async(cast(p, T), Vs[st_prev], acc)", new)
     check_fails(text, line=line_of(text, new), words=["operand b must be in shared memory"])
 
 
@@ -249,45 +250,46 @@ def test_fa2_missing_wait_group():
 
 @pytest.mark.parametrize("wait, reader", [
     ("wait(k_full[st], phase)", "s = mma_async(Qs[wg * ROWS:wg * ROWS + ROWS, :], transpose(Ks[st]))"),
-    ("wait(v_full[st], phase)", "acc = mma_async(cast(p, T), Vs[st], acc)"),
+    ("                    wait(v_full[st_prev], phase_prev)",
+     "                    acc = mma_async(cast(p, T), Vs[st_prev], acc)"),
     ("wait(q_full, 0)", "s = mma_async(Qs[wg * ROWS:wg * ROWS + ROWS, :], transpose(Ks[st]))"),
 ])
 def test_fa3_missing_full_wait(wait, reader):
     text = drop_line(FA3, wait)
-    bar = wait[5:].split("[")[0].split(",")[0]
+    bar = wait.strip()[5:].split("[")[0].split(",")[0]
     check_fails(text, line=line_of(text, reader), words=["before waiting for the asynchronous copy", f"wait({bar}"])
 
 
 def test_fa3_missing_empty_wait_is_caught_statically():
-    text = drop_line(FA3, "wait(kv_empty[st]")
-    check_fails(text, line=line_of(text, "arrive(kv_empty[st])"),
-                words=["kv_empty is arrived on but no role waits on it"])
+    text = drop_line(FA3, "wait(k_empty[st]")
+    check_fails(text, line=line_of(text, "arrive(k_empty[st])"),
+                words=["k_empty is arrived on but no role waits on it"])
 
 
 def test_fa3_missing_arrive_is_caught_statically():
-    text = drop_line(FA3, "arrive(kv_empty[st])")
-    check_fails(text, line=line_of(text, "wait(kv_empty[st]"),
-                words=["kv_empty is waited on but nothing arrives on it"])
+    text = drop_line(FA3, "arrive(k_empty[st])")
+    check_fails(text, line=line_of(text, "wait(k_empty[st]"),
+                words=["k_empty is waited on but nothing arrives on it"])
 
 
 def test_barrier_waited_on_that_nothing_arrives_on():
-    text = mutate(FA3, "kv_empty = mbarrier(count=CONSUMERS, n=STAGES)\n",
-                  "kv_empty = mbarrier(count=CONSUMERS, n=STAGES)\nextra = mbarrier(count=1)\n")
+    text = mutate(FA3, "k_empty = mbarrier(count=CONSUMERS, n=STAGES)\n",
+                  "k_empty = mbarrier(count=CONSUMERS, n=STAGES)\nextra = mbarrier(count=1)\n")
     text = insert_after(text, "wait(q_full, 0)", "wait(extra, 0)")
     check_fails(text, line=line_of(text, "wait(extra, 0)"), words=["barrier extra is waited on but nothing arrives"])
 
 
 def test_barrier_declared_but_unused():
-    text = mutate(FA3, "kv_empty = mbarrier(count=CONSUMERS, n=STAGES)\n",
-                  "kv_empty = mbarrier(count=CONSUMERS, n=STAGES)\nextra = mbarrier(count=1)\n")
+    text = mutate(FA3, "k_empty = mbarrier(count=CONSUMERS, n=STAGES)\n",
+                  "k_empty = mbarrier(count=CONSUMERS, n=STAGES)\nextra = mbarrier(count=1)\n")
     check_fails(text, line=line_of(text, "extra = mbarrier"), words=["extra is declared but never used"])
 
 
 @pytest.mark.parametrize("count, need", [("3", 3), ("CONSUMERS + 1", 3), ("2 * CONSUMERS", 4)])
 def test_barrier_count_larger_than_arriving_instances(count, need):
-    new = f"kv_empty = mbarrier(count={count}, n=STAGES)"
-    text = mutate(FA3, "kv_empty = mbarrier(count=CONSUMERS, n=STAGES)", new)
-    check_fails(text, line=line_of(text, new), words=[f"kv_empty needs {need} arrivals per phase",
+    new = f"k_empty = mbarrier(count={count}, n=STAGES)"
+    text = mutate(FA3, "k_empty = mbarrier(count=CONSUMERS, n=STAGES)", new)
+    check_fails(text, line=line_of(text, new), words=[f"k_empty needs {need} arrivals per phase",
                                                       "only 2 role instance(s)"])
 
 
@@ -296,11 +298,11 @@ def test_barrier_count_vs_fewer_role_instances():
     text = mutate(FA3, 'with role("consumer", warps=4, count=CONSUMERS) as wg:',
                   'with role("consumer", warps=4, count=CONSUMERS - 1) as wg:')
     text = mutate(text, "ROWS = BLOCK_M // CONSUMERS", "ROWS = BLOCK_M")
-    check_fails(text, line=line_of(text, "kv_empty = mbarrier"), words=["needs 2 arrivals", "only 1 role instance"])
+    check_fails(text, line=line_of(text, "k_empty = mbarrier"), words=["needs 2 arrivals", "only 1 role instance"])
 
 
 def test_barrier_count_matching_instances_passes():
-    text = mutate(FA3, "kv_empty = mbarrier(count=CONSUMERS, n=STAGES)", "kv_empty = mbarrier(count=2, n=STAGES)")
+    text = mutate(FA3, "k_empty = mbarrier(count=CONSUMERS, n=STAGES)", "k_empty = mbarrier(count=2, n=STAGES)")
     check(parse(text))
 
 
@@ -316,7 +318,7 @@ def test_smem_over_the_arch_limit():
     with pytest.raises(CuIRCheckError) as ei:
         check(p, params={"STAGES": 8}, dims={"D": 128})
     err = ei.value
-    need = 32768 + 2 * 8 * 128 * 128 * 2 + 8 * (1 + 8 + 8 + 8)
+    need = 32768 + 2 * 8 * 128 * 128 * 2 + 8 * (1 + 8 + 8 + 8 + 8)   # q_full, k/v full, k/v empty
     assert f"shared memory {need} bytes exceeds the sm_90a limit of {SMEM_LIMIT['sm_90a']}" in str(err)
     assert "fewer stages" in err.hint
     decl_lines = {line_of(FA3, s) for s in ("m_blk, h, b = grid(", "Qs = smem(", "Ks = smem(", "Vs = smem(")}

@@ -170,7 +170,7 @@ FA3_QK = "s = mma_async(Qs[wg * ROWS:wg * ROWS + ROWS, :], transpose(Ks[st]))"
 def test_fa3_missing_empty_wait_overwrites_a_slot(schedule):
     # Three KV tiles through a two-slot ring: without the producer's empty-barrier wait it
     # refills slot 0 before the consumers have read it.
-    text = drop_line(FA3, "wait(kv_empty[st]")
+    text = drop_line(drop_line(FA3, "wait(k_empty[st]"), "wait(v_empty[st]")
     err = run_fails(text, Case(1, 2, 1, 300, 300, 16), schedule=schedule, params={"CAUSAL": 0},
                     line=line_of(text, "wait(k_full[st], phase)"),
                     words=["k_full[0]", "overwritten", "missing empty-barrier wait"])
@@ -180,7 +180,7 @@ def test_fa3_missing_empty_wait_overwrites_a_slot(schedule):
 def test_fa3_missing_empty_wait_is_harmless_when_the_ring_never_wraps():
     # Two KV tiles, two slots: no slot is refilled, the run is correct. The interpreter judges the
     # execution, the checker the text (it rejects the program; see test_cuir_check).
-    text = drop_line(FA3, "wait(kv_empty[st]")
+    text = drop_line(drop_line(FA3, "wait(k_empty[st]"), "wait(v_empty[st]")
     x = inputs(Case(1, 2, 1, 200, 200, 16))
     got = interpret(parse(text), x, params={"CAUSAL": 0}).outputs["O"]
     assert torch.equal(got, interpret(PROGS["fa3"], x, params={"CAUSAL": 0}).outputs["O"])
@@ -188,20 +188,20 @@ def test_fa3_missing_empty_wait_is_harmless_when_the_ring_never_wraps():
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_fa3_missing_arrive_deadlocks(schedule):
-    text = drop_line(FA3, "arrive(kv_empty[st])")
+    text = drop_line(FA3, "arrive(k_empty[st])")
     err = run_fails(text, Case(1, 2, 1, 300, 300, 16), schedule=schedule, params={"CAUSAL": 0},
-                    line=line_of(text, "wait(kv_empty[st]"), words=["deadlock", "kv_empty[0]"])
+                    line=line_of(text, "wait(k_empty[st]"), words=["deadlock", "k_empty[0]"])
     for role in ("producer[0]", "consumer[0]", "consumer[1]"):
         assert f"{role} at line" in str(err)
     assert "arrive" in err.hint
 
 
 def test_fa3_barrier_count_too_large_deadlocks_with_current_state():
-    text = mutate(FA3, "kv_empty = mbarrier(count=CONSUMERS, n=STAGES)", "kv_empty = mbarrier(count=3, n=STAGES)")
+    text = mutate(FA3, "k_empty = mbarrier(count=CONSUMERS, n=STAGES)", "k_empty = mbarrier(count=3, n=STAGES)")
     err = run_fails(text, Case(1, 2, 1, 300, 300, 16), params={"CAUSAL": 0},
-                    line=line_of(text, "wait(kv_empty[st]"), words=["deadlock"])
+                    line=line_of(text, "wait(k_empty[st]"), words=["deadlock"])
     # The barrier state is reported as it is at the deadlock, after both consumers arrived.
-    assert "kv_empty[0] parity 0 (0 phases done, 2/3 arrivals" in str(err)
+    assert "k_empty[0] parity 0 (0 phases done, 2/3 arrivals" in str(err)
 
 
 def test_fa3_missing_full_wait_reads_before_wait():
@@ -241,14 +241,20 @@ def test_fa2_missing_wait_group():
 
 
 def test_mma_async_result_used_before_mma_wait():
-    text = drop_line_after(FA3, FA3_QK, "mma_wait(0)")
+    retire = ("                if it > 0:\n                    mma_wait(1)\n"
+              "                else:\n                    mma_wait(0)\n")
+    assert FA3.count(retire) == 1
+    text = FA3.replace(retire, "")
     run_fails(text, Case(1, 2, 1, 130, 130, 16), line=line_of(text, "s = s * sm_scale"),
               words=["read of 's', the result of mma_async at line", "before an mma_wait", "mma_wait(0)"])
 
 
 def test_mma_async_never_retired():
     # The last mma_async of the role is never waited on.
-    text = drop_line_after(FA3, "acc = mma_async(cast(p, T), Vs[st], acc)", "mma_wait(0)")
+    # the drain after the loop: its P V is the last mma_async of the role
+    drain = "acc = mma_async(cast(p, T), Vs[st_prev], acc)\n            mma_wait(0)\n"
+    assert FA3.count(drain) == 1
+    text = FA3.replace(drain, "acc = mma_async(cast(p, T), Vs[st_prev], acc)\n")
     with pytest.raises(CuIRRuntimeError) as ei:
         interpret(parse(text), inputs(Case(1, 2, 1, 130, 130, 16)), params={"CAUSAL": 0})
     # The next iteration's mma_wait(0) after S = Q K^T retires every pending mma_async, the

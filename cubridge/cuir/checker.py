@@ -133,7 +133,7 @@ class _Checker:
             spec = N.OPS[st.value.op]
             if not spec.stmt:
                 self.fail(f"the result of {st.value.op}(...) is unused", st.line, "assign it to a name")
-            if spec.kind in (N.Kind.SYNC,) and st.value.op in ("wait", "arrive", "sync", "commit_group",
+            if spec.kind in (N.Kind.SYNC,) and st.value.op in ("wait", "arrive", "bar_sync", "sync", "commit_group",
                                                                   "wait_group", "mma_wait") and top and self._has_roles():
                 self.fail(f"{st.value.op}() outside any role", st.line, "synchronisation belongs to a role")
             self.value(st.value, env, st.line)

@@ -284,7 +284,7 @@ _RULES = {
     "smem": _smem, "mbarrier": _mbarrier, "zeros": _zeros, "full": _zeros, "row_index": _index,
     "col_index": _index, "transpose": _transpose, "cast": _cast, "load": _load, "store": _store,
     "copy_async": _copy, "tma_load": _copy, "commit_group": _noop, "wait_group": _int_arg,
-    "mma_wait": _int_arg, "arrive": _barrier_arg, "wait": _barrier_arg, "sync": _noop,
+    "mma_wait": _int_arg, "arrive": _barrier_arg, "wait": _barrier_arg, "bar_sync": _barrier_arg, "sync": _noop,
     "mma": _mma, "mma_async": _mma, "where": _where, "row_max": _reduce, "row_sum": _reduce,
     "maximum": _binary, "minimum": _binary, "cdiv": _scalar2, "min": _scalar2, "max": _scalar2,
     **{k: _unary for k in ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "relu", "abs", "sqrt", "rsqrt")},

@@ -235,6 +235,8 @@ class _Interpreter(HeaderMixin, MemoryMixin):
             elif isinstance(st, N.ExprStmt):
                 if st.value.op == "wait":
                     yield from self._wait(st.value, ctx)
+                elif st.value.op == "bar_sync":
+                    yield from self._bar_sync(st.value, ctx)
                 else:
                     self.eval(st.value, ctx.env, ctx)
             elif isinstance(st, N.For):
@@ -286,6 +288,13 @@ class _Interpreter(HeaderMixin, MemoryMixin):
         if not bar.ready(parity):
             yield _Blocked(lambda: bar.ready(parity), call.line, lambda: self._wait_desc(bar, parity, ctx))
         ctx.observed[id(bar)] = max(ctx.observed.get(id(bar), -1), bar.observed_phase(parity))
+
+    def _bar_sync(self, call, ctx):
+        bar = self._barrier(self.eval(call.args[0], ctx.env, ctx), call.line)
+        phase = bar.arrive()
+        if bar.completed <= phase:
+            yield _Blocked(lambda: bar.completed > phase, call.line,
+                           lambda: f"{bar.name} (bar_sync: {bar.arrivals}/{bar.count} arrivals in phase {phase})")
 
     @staticmethod
     def _wait_desc(bar, parity, ctx) -> str:

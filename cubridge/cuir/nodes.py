@@ -78,6 +78,8 @@ OPS: dict[str, OpSpec] = {
     # synchronisation
     "arrive": _op(Kind.SYNC, "barrier", (), True, "arrive on an mbarrier"),
     "wait": _op(Kind.SYNC, "barrier parity", (), True, "wait until the phase of that parity completed"),
+    "bar_sync": _op(Kind.SYNC, "barrier", (), True,
+                    "arrive and wait for that phase to complete (a named barrier: bar.sync)"),
     "sync": _op(Kind.SYNC, "", (), True, "barrier among the warps of this role"),
     # compute
     "mma": _op(Kind.COMPUTE, "a b acc?", (), False, "a @ b (+ acc), operands in 16 bits, fp32 accumulate"),

@@ -159,13 +159,14 @@ def check_barriers(program, env_counts, fail, bar_counts=None):
     arrivals, waits = {}, {}
     for name, _, body in _roles(program):
         for st, c in _calls(body):
-            if c.op in ("arrive", "tma_load", "wait"):
+            if c.op in ("arrive", "tma_load", "wait", "bar_sync"):
                 bar = _base(c.args[0] if c.op != "tma_load" else c.args[-1]) if c.args else None
                 if bar not in bars:
                     fail(f"{c.op}() on {bar!r}, which is not an mbarrier", st.line,
                          "declare it at the top level: name = mbarrier(count=1, n=STAGES)")
-                book = waits if c.op == "wait" else arrivals
-                book.setdefault(bar, {}).setdefault(name, st.line)
+                books = (waits, arrivals) if c.op == "bar_sync" else ((waits,) if c.op == "wait" else (arrivals,))
+                for book in books:       # bar_sync both arrives and waits
+                    book.setdefault(bar, {}).setdefault(name, st.line)
     for bar, (count, line) in bars.items():
         if bar in waits and bar not in arrivals:
             fail(f"barrier {bar} is waited on but nothing arrives on it", min(waits[bar].values()),

@@ -252,9 +252,9 @@ def test_mma_async_result_used_before_mma_wait():
 def test_mma_async_never_retired():
     # The last mma_async of the role is never waited on.
     # the drain after the loop: its P V is the last mma_async of the role
-    drain = "acc = mma_async(cast(p, T), Vs[st_prev], acc)\n            mma_wait(0)\n"
+    drain = "    with region(\"pv\"):\n        if it > 0:\n            mma_wait(0)\n"
     assert FA3.count(drain) == 1
-    text = FA3.replace(drain, "acc = mma_async(cast(p, T), Vs[st_prev], acc)\n")
+    text = FA3.replace(drain, "    with region(\"pv\"):\n        if it > 0:\n            sync()\n")
     with pytest.raises(CuIRRuntimeError) as ei:
         interpret(parse(text), inputs(Case(1, 2, 1, 130, 130, 16)), params={"CAUSAL": 0})
     # The next iteration's mma_wait(0) after S = Q K^T retires every pending mma_async, the
@@ -323,3 +323,35 @@ def test_analyze_reports_skipped_tiles():
     assert a.mma_flops == 4 * 128 * 64 * 16 * 6
     assert a.smem_bytes == 128 * 16 * 2 + 2 * 2 * 64 * 16 * 2
     assert "KV tiles skipped" in a.table()
+
+
+def test_fa3_ping_pong_without_the_turn_pass_deadlocks():
+    # Consumer c passes the GEMM turn to c + 1 after issuing; without the pass the other consumer
+    # waits at its bar_sync forever, and the interpreter says where.
+    passing = "            arrive(wg_turn[(wg + 1) % CONSUMERS])\n"
+    assert FA3.count(passing) == 1
+    text = FA3.replace(passing, "")
+    # The error sits at the first stuck role (the producer, waiting for a slot the stuck
+    # consumers never free); the consumers' bar_sync waits are named in it.
+    err = run_fails(text, Case(1, 2, 1, 300, 300, 16), params={"CAUSAL": 0},
+                    line=line_of(text, "wait(k_empty[st]"), words=["deadlock", "bar_sync", "wg_turn"])
+    bar_line = line_of(text, "            bar_sync(wg_turn[wg])")
+    assert f"consumer[0] at line {bar_line} waits on wg_turn" in str(err)
+
+
+def test_bar_sync_releases_when_every_party_arrived():
+    prog = parse(
+        'kernel("pair")\n'
+        "X = global_input(f32, [N])\n"
+        "Y = global_output(f32, [N])\n"
+        "i, = grid(1)\n"
+        "turn = mbarrier(count=2)\n"
+        'with role("a", warps=1):\n'
+        "    bar_sync(turn)\n"
+        "    store(Y[0:0 + 1], load(X[0:0 + 1]) * 2.0)\n"
+        'with role("b", warps=1):\n'
+        "    arrive(turn)\n"
+        "    store(Y[1:1 + 1], load(X[1:1 + 1]) * 3.0)\n")
+    x = torch.tensor([1.0, 2.0])
+    for schedule in SCHEDULES:
+        assert interpret(prog, {"X": x}, schedule=schedule).outputs["Y"].tolist() == [2.0, 6.0]

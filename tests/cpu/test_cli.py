@@ -41,7 +41,7 @@ def test_verify_ir_one_shape_by_path_f16(capsys):
 
 def test_verify_ir_reports_a_broken_program(capsys, tmp_path):
     text = FA2_PATH.read_text()
-    old = "            wait_group(STAGES - 1)\n"
+    old = "            wait_group(STAGES - 2)\n"
     assert old in text
     bad = tmp_path / "bad.cuir"
     bad.write_text(text.replace(old, ""))

@@ -243,7 +243,7 @@ def test_if_branches_with_different_types():
 
 # ------------------------------------------------------------------ waits and barriers
 def test_fa2_missing_wait_group():
-    text = drop_line(FA2, "wait_group(STAGES - 1)")
+    text = drop_line(FA2, "wait_group(STAGES - 2)")
     check_fails(text, line=line_of(text, "s = mma(Qs, transpose(Ks[st]))"),
                 words=["before waiting for the asynchronous copy", "wait_group(n)"])
 

@@ -228,14 +228,14 @@ def test_grid_not_covering_output(name, new, missing, first):
 
 
 def test_fa2_wait_group_too_weak():
-    text = mutate(FA2, "wait_group(STAGES - 1)", "wait_group(STAGES)")
+    text = mutate(FA2, "wait_group(STAGES - 2)", "wait_group(STAGES - 1)")
     run_fails(text, Case(1, 2, 1, 130, 130, 16), line=line_of(text, "s = mma(Qs, transpose(Ks[st]))"),
-              words=["read of Qs[0] before its cp.async", f"(line {line_of(text, 'copy_async(Qs')})",
-                     "wait_group(n)"])
+              words=["read of Ks[0] before its cp.async",
+                     f"(line {line_of(text, 'copy_async(Ks[t]')})", "wait_group(n)"])
 
 
 def test_fa2_missing_wait_group():
-    text = drop_line(FA2, "wait_group(STAGES - 1)")
+    text = drop_line(FA2, "wait_group(STAGES - 2)")
     run_fails(text, Case(1, 1, 1, 70, 70, 16), line=line_of(text, "s = mma(Qs, transpose(Ks[st]))"),
               words=["before its cp.async"])
 
@@ -264,7 +264,7 @@ def test_mma_async_never_retired():
 
 
 def test_verify_reports_faults_instead_of_raising():
-    text = drop_line(FA2, "wait_group(STAGES - 1)")
+    text = drop_line(FA2, "wait_group(STAGES - 2)")
     rep = verify_program(parse(text, source="bad.cuir"), load_spec("causal"), cases=[Case(1, 1, 1, 70, 70, 16)],
                          static_check=False)
     assert not rep.passed

@@ -49,7 +49,7 @@ MUTATIONS = {   # name: (edit of the valid text, expected state, words of the re
     "import": (lambda t: "import os\n" + t, S.REJECTED_PARSE, "forbidden construct: Import"),
     "attribute": (lambda t: t.replace("s = s * sm_scale", "s = s.mul(sm_scale)"), S.REJECTED_PARSE, "method call"),
     "check": (lambda t: t.replace("row_max(s))", "row_max(s2))"), S.REJECTED_CHECK, "'s2' is not defined"),
-    "structure": (lambda t: t.replace("wait_group(STAGES - 1)", "wait_group(0)"), S.REJECTED_STRUCTURE,
+    "structure": (lambda t: t.replace("wait_group(STAGES - 2)", "wait_group(0)"), S.REJECTED_STRUCTURE,
                   "outside the regions the taxonomy lets a transfer rewrite"),
     "mask_flipped": (lambda t: t.replace("ik <= iq", "ik > iq"), S.WRONG_ANSWER, "exceeds bound"),
 }

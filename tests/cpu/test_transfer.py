@@ -145,8 +145,8 @@ def test_rules_candidates_keep_the_structure(refs):
 def test_structural_change_outside_regions_is_rejected(refs):
     ref = refs["fa2_sm80"]
     text = to_text(ref)
-    assert "wait_group(STAGES - 1)" in text
-    bad = parse(text.replace("wait_group(STAGES - 1)", "wait_group(0)"), source="bad.cuir")
+    assert "wait_group(STAGES - 2)" in text
+    bad = parse(text.replace("wait_group(STAGES - 2)", "wait_group(0)"), source="bad.cuir")
     with pytest.raises(StructureError) as e:
         check_structure(ref, bad)
     assert "bad.cuir:" in str(e.value) and "structure" in str(e.value)

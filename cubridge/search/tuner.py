@@ -120,17 +120,23 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
     pop = load_population(out)
     verdicts = {k: Outcome(TrialState(v["state"]), v["reason"]) for k, v in _read(out / "screen.json", {}).items()}
     proposers, notes = {}, []
+    # An LLM population also holds the rules transfer where the spec's hooks trace: the model's
+    # candidates compete with it rather than replace it.
+    kinds = [cfg.proposer.kind] + (["rules"] if cfg.proposer.kind in ("vllm", "openai") else [])
     if not pop:
         for ref in cfg.references:
             ctx = ScreenContext.build(ref, cfg.spec, spec_params=cfg.spec_params, quick=True,
                                       head_dims=(cfg.shapes.head_dim,))
-            proposers[ref] = make_proposer(cfg.proposer.kind, ctx, _proposer_options(cfg, out))
+            for kind in kinds:
+                options = _proposer_options(cfg, out) if kind == cfg.proposer.kind else {}
+                proposers[(ref, kind)] = make_proposer(kind, ctx, options)
     for round_ in range(PROPOSAL_ROUNDS if proposers else 1):
-        for ref, prop in proposers.items():
-            verified = sum(c.reference == ref and verdicts[c.id].state == TrialState.VERIFIED for c in pop)
+        for (ref, kind), prop in proposers.items():
+            verified = sum(c.reference == ref and c.id in verdicts and verdicts[c.id].state == TrialState.VERIFIED
+                           for c in pop)
             asked = prop.ask(cfg.proposer.population - verified) if verified < cfg.proposer.population else []
             if round_ == 0 and not asked:
-                notes.append(f"{cfg.proposer.kind} proposer for {ref}: no proposal "
+                notes.append(f"{kind} proposer for {ref}: no proposal "
                              f"({getattr(prop, 'error', None) or 'nothing to propose'})")
                 say(notes[-1])
             pop += [Candidate(p, ref) for p in asked if p.id not in {c.id for c in pop}]
@@ -143,8 +149,9 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
                                     for c in todo])
         for c in todo:
             verdicts[c.id] = results[c.id].outcome
-            if c.reference in proposers:
-                proposers[c.reference].tell(c.proposal, verdicts[c.id])
+            kind = "rules" if c.proposal.origin == "rules" else cfg.proposer.kind
+            if (c.reference, kind) in proposers:
+                proposers[(c.reference, kind)].tell(c.proposal, verdicts[c.id])
         artifacts.write_json(out / "screen.json", {k: v.to_json() for k, v in verdicts.items()})
     return pop, verdicts, notes
 

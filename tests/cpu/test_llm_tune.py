@@ -62,3 +62,35 @@ output: {out}
     log = [json.loads(line) for line in (out / "llm" / "llm-openai.jsonl").read_text().splitlines()]
     assert [e["state"] for e in log if e["event"] == "rejected"] == ["wrong_answer"]
     assert sum(e["event"] == "accepted" for e in log) == 2
+
+
+def test_llm_and_rules_candidates_share_one_population(tmp_path):
+    """With a traceable spec, the population holds the rules transfer beside the model's answers."""
+    prefixlm = RulesProposer(ScreenContext.build("fa2_sm80", "prefixlm")).ask(1)[0].text
+    good = inline_scalars(prefixlm, {"C0": "NK // 2"})
+    script = [{"choices": [completion(envelope(good))]}]
+    out = tmp_path / "run"
+    with ScriptedServer(tmp_path, script) as srv:
+        config = tmp_path / "mix.yaml"
+        config.write_text(f"""
+spec: prefixlm
+reference: fa2_sm80
+arch: sm_80
+dtype: bf16
+shapes: {{heads_q: 4, heads_kv: 2, head_dim: 64, lengths: [1024]}}
+proposer:
+  kind: openai
+  population: 2
+  options: {{base_url: "{srv.base_url}", samples: 1, max_retries: 0, backoff_s: 0.01}}
+runner: {{kind: local, timeout_s: 120}}
+budget: {{trials: 2, minutes: 1}}
+output: {out}
+""")
+        run = subprocess.run([sys.executable, "-m", "cubridge.cli", "tune", str(config), "--dry-run"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    population = json.loads((out / "population.json").read_text())
+    screened = json.loads((out / "screen.json").read_text())
+    assert sorted(c["origin"] for c in population) == ["openai", "rules"]
+    assert all(screened[c["id"]]["state"] == "verified" for c in population)
+    assert (out / "llm" / "llm-openai.jsonl").is_file()        # the log defaults to <output>/llm

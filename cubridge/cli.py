@@ -177,6 +177,50 @@ def cmd_lower(a) -> int:
     return 0 if r.returncode == 0 else 1
 
 
+def cmd_lift(a) -> int:
+    """Lift a user's CUDA kernel into CuIR with a local LLM; accepted only after the lift check
+    (the kernel, through the user's launcher, and the CuIR agree) on a runner worker."""
+    import torch
+    from cubridge.llm.lift import lift
+    from cubridge.llm.options import parse_options
+    from cubridge.llm.proposer import make_backend
+    from cubridge.search.lift_check import lift_acceptor
+    from cubridge.search.runners import make_runner
+    from cubridge.spec import load_spec
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise CubridgeError("the lift check runs your kernel: it needs a CUDA GPU",
+                            hint="run on a GPU machine, or --device cpu for a launcher that runs on CPU")
+    spec = load_spec(a.spec)
+    options = {k: _literal(v) for k, v in (item.partition("=")[::2] for item in a.llm_option or [])}
+    backend = make_backend(a.llm, parse_options(a.llm, options))
+    out = Path(a.out)
+    runner = make_runner("local")
+    try:
+        accept = lift_acceptor(runner, launcher=a.launcher, spec=a.spec, device=a.device)
+        sol = lift(Path(a.kernel).read_text(), backend, accept, out_dir=out.parent / f"{out.stem}_llm",
+                   name=a.name or Path(a.kernel).stem, arch=a.arch, spec=spec)
+    finally:
+        runner.close()
+    for r in sol.records:
+        print(f"  {r.state.value}: {(r.reason or '').splitlines()[0] if r.reason else ''}")
+    if not sol.accepted:
+        print("no lifted program passed the lift check", file=sys.stderr)
+        return 1
+    out.write_text(sol.candidate.cuir)
+    out.with_suffix(".cu").write_text(sol.candidate.annotated)
+    print(f"wrote {out} (CuIR) and {out.with_suffix('.cu')} (the kernel with its region markers)")
+    return 0
+
+
+def _literal(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cubridge", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -221,6 +265,18 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--compile", action="store_true", help="also compile it with nvcc and show registers / spills")
     lo.add_argument("--head-dim", type=int, default=128)
     lo.set_defaults(fn=cmd_lower)
+    li = sub.add_parser("lift", help="lift your CUDA attention kernel into CuIR with a local LLM (checked on GPU)")
+    li.add_argument("kernel", help="your kernel's .cu file")
+    li.add_argument("--launcher", required=True, help="a .py file defining launch(q, k, v) -> out for your kernel")
+    li.add_argument("--spec", required=True, help="what the kernel computes (a spec name or file)")
+    li.add_argument("--llm", required=True, choices=["openai", "vllm"], help="the model backend")
+    li.add_argument("--llm-option", action="append", metavar="KEY=VALUE",
+                    help="backend options, e.g. base_url=http://127.0.0.1:8000/v1 or model=/models/coder")
+    li.add_argument("--out", default="lifted.cuir", help="where the accepted CuIR goes (and the marked .cu beside it)")
+    li.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    li.add_argument("--name", help="the kernel's name in the prompt (default: the file stem)")
+    li.add_argument("--arch", default="sm_80")
+    li.set_defaults(fn=cmd_lift)
     s = sub.add_parser("specs", help="list the built-in variant specs, or show one")
     s.add_argument("name", nargs="?")
     s.add_argument("-n", type=int, default=24, help="size of the mask picture")

@@ -233,6 +233,13 @@ def compile_job(p: dict):
 
 
 # ------------------------------------------------------------------ measure and bench (GPU)
+@register("lift_check")
+def lift_job(p: dict):
+    """A lifted CuIR program against the user's kernel (cubridge/search/lift_check.py)."""
+    from cubridge.search.lift_check import lift_check_job
+    return lift_check_job(p)
+
+
 @register("measure")
 def measure_job(p: dict):
     try:

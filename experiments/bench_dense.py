@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cubridge.runtime.fa2_sm80 import Config, Fa2Sm80, default_config  # noqa: E402
-from cubridge.runtime.timing import attention_flops, bench, tflops  # noqa: E402
+from cubridge.runtime.timing import attention_flops, bench, compiled_flex_attention, tflops  # noqa: E402
 
 MODELS = {"llama2-7b": (32, 32), "qwen2.5-72b": (64, 8), "llama3.1-405b": (128, 8)}
 LENGTHS = [1024, 2048, 4096, 8192, 16384]
@@ -56,18 +56,6 @@ def versions() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             out[key] = None
     return out
-
-
-def setup_flex():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    import torch._dynamo
-    # One compiled graph per shape: without a high limit dynamo silently falls back to an unfused
-    # path 30-100x slower after 8 recompiles.
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 1 << 12)
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
 
 
 class Systems:
@@ -107,7 +95,7 @@ class Systems:
                 q, kk, vv, attn_mask=mask, enable_gqa=gqa)), k, v, group)]
         if system == "flex":
             if self._flex is None:
-                self._flex = setup_flex()
+                self._flex = compiled_flex_attention()
             flex, create_block_mask = self._flex
             n_q, n_k = q.shape[2], k.shape[2]
             block_mask = (create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n_q, n_k, device=q.device)

@@ -26,7 +26,7 @@ from cubridge.cuir.parser import parse_file
 from cubridge.lower import lower
 from cubridge.paths import ref_kernel_dir
 from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
-from cubridge.runtime.timing import bench, tflops
+from cubridge.runtime.timing import bench, compiled_flex_attention, tflops
 from cubridge.spec import builtin_specs, count_attended, load_spec
 from cubridge.transfer.rules import transfer
 
@@ -35,16 +35,6 @@ TOKENS = 16384
 D = 128
 NO_FLEX = ("relu", "sigmoid", "composite")
 EAGER_MAX_N = 8192          # the materialised fp32 score matrix beyond this does not fit
-
-
-def setup_flex():
-    import torch._dynamo
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 1 << 12)
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
 
 
 def versions() -> dict:
@@ -135,7 +125,7 @@ def main():
         if "flex" in args.systems and name not in NO_FLEX:
             def mk_flex():
                 if not flex:
-                    flex["fx"], flex["cbm"] = setup_flex()
+                    flex["fx"], flex["cbm"] = compiled_flex_attention()
                 fx, cbm = flex["fx"], flex["cbm"]
                 bm = cbm(hooks.mask_mod, None, None, n, n, device="cuda") if hooks.mask_mod else None
                 return lambda: fx(q, k, v, score_mod=hooks.score_mod, block_mask=bm, enable_gqa=hq != hkv)

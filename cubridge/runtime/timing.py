@@ -14,6 +14,7 @@ Example (GPU):
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -93,3 +94,17 @@ def attention_flops(batch: int, heads_q: int, head_dim: int, len_q: int, len_k: 
 
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_flex_attention():
+    """(torch.compile(flex_attention), create_block_mask), the FlexAttention baseline every
+    benchmark uses. Dynamo's recompile limits are raised first: past them (8 shapes by default)
+    FlexAttention silently falls back to an unfused path 30-100x slower (ANCHORS.md)."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 1 << 12))
+    return torch.compile(flex_attention, dynamic=False), create_block_mask

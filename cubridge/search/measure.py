@@ -231,15 +231,12 @@ def _softmax_hooks(spec, sp, q, k):
 
 
 def _flex(spec, sp, q, k, v):
-    import torch._dynamo
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from cubridge.runtime.timing import compiled_flex_attention
     hooks = _softmax_hooks(spec, sp, q, k)
-    # Past the recompile limit flex silently falls back to an unfused path 30-100x slower (ANCHORS.md).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    compiled, create_block_mask = compiled_flex_attention()
     block_mask = None
     if hooks.mask_mod is not None:
         block_mask = create_block_mask(hooks.mask_mod, q.shape[0], q.shape[1], q.shape[2], k.shape[2], device="cuda")
-    compiled = torch.compile(flex_attention)
     gqa = q.shape[1] != k.shape[1]
     return lambda: compiled(q, k, v, score_mod=hooks.score_mod, block_mask=block_mask, enable_gqa=gqa)
 

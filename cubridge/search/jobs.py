@@ -218,16 +218,24 @@ class _Unavailable(Exception):
     pass
 
 
+def _build_or_failure(p: dict):
+    """(lowered, CompileResult, None) or (None, None, (COMPILE_ERROR outcome, data))."""
+    try:
+        lowered, result = build(p)
+    except _Unavailable as e:
+        return None, None, (Outcome(TrialState.COMPILE_ERROR, str(e)), {"lowering": False})
+    except CubridgeError as e:
+        return None, None, (Outcome(TrialState.COMPILE_ERROR, str(e)[-4000:]), {})
+    return lowered, result, None
+
+
 @register("compile")
 def compile_job(p: dict):
     if shutil.which("nvcc") is None:
         return Outcome(TrialState.COMPILE_ERROR, "nvcc not found on PATH: install the CUDA toolkit"), {}
-    try:
-        lowered, result = build(p)
-    except _Unavailable as e:
-        return Outcome(TrialState.COMPILE_ERROR, str(e)), {"lowering": False}
-    except CubridgeError as e:
-        return Outcome(TrialState.COMPILE_ERROR, str(e)[-4000:]), {}
+    lowered, result, failure = _build_or_failure(p)
+    if failure:
+        return failure
     return (Outcome(TrialState.VERIFIED, f"compiled for {p['arch']} ({len(result.cubin)} B cubin)"),
             {"cubin_key": result.key, "cached": result.cached, "log": result.log[-2000:]})
 
@@ -242,12 +250,9 @@ def lift_job(p: dict):
 
 @register("measure")
 def measure_job(p: dict):
-    try:
-        lowered, result = build(p)
-    except _Unavailable as e:
-        return Outcome(TrialState.COMPILE_ERROR, str(e)), {"lowering": False}
-    except CubridgeError as e:
-        return Outcome(TrialState.COMPILE_ERROR, str(e)[-4000:]), {}
+    lowered, result, failure = _build_or_failure(p)
+    if failure:
+        return failure
     from cubridge.search import measure
     if not measure.gpu_available():
         return (Outcome(TrialState.VERIFIED, "compiled; timing needs a GPU (none visible to this worker)"),

@@ -3,6 +3,7 @@ after the lift check job (kernel through its launcher vs the CuIR in the interpr
 runner worker; here the 'kernel' is a CPU launcher so the whole flow runs without a GPU."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from cubridge.llm.regions import strip_markers
 from cubridge.paths import ref_kernel_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
-from scripted import ScriptedServer, completion  # noqa: E402
+from scripted import ScriptedServer, completion, lifting_map  # noqa: E402
 
 KERNEL_CU = (ref_kernel_dir("fa2_sm80") / "kernel.cu").read_text()
 KERNEL_CUIR = (ref_kernel_dir("fa2_sm80") / "kernel.cuir").read_text()
@@ -19,14 +20,7 @@ KERNEL_CUIR = (ref_kernel_dir("fa2_sm80") / "kernel.cuir").read_text()
 
 def _answer(cuir: str) -> str:
     """The model's answer: the CuIR and the regions as line ranges of the unmarked kernel."""
-    import json
-    from cubridge.llm.regions import find_regions
-    ranges, markers = {}, 0
-    for name, s in sorted(find_regions(KERNEL_CU).items(), key=lambda kv: kv[1].open):
-        lo = s.open - markers + 1
-        ranges[name] = [lo, lo + s.close - s.open - 2]
-        markers += 2
-    return json.dumps({"cuir": cuir, "regions": ranges, "notes": "lifted"})
+    return json.dumps({"cuir": cuir, "regions": lifting_map(KERNEL_CU), "notes": "lifted"})
 
 
 def test_lift_accepts_only_what_the_kernel_agrees_with(tmp_path, capsys):

@@ -24,7 +24,7 @@ from cubridge.transfer.rules import transfer
 from cubridge.verify import Case
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
-from scripted import ScriptedServer, completion  # noqa: E402
+from scripted import ScriptedServer, completion, lifting_map  # noqa: E402
 
 S = TrialState
 REF = "fa2_sm80"
@@ -124,14 +124,6 @@ def test_lower_patch_rejections_never_reach_the_gpu(tmp_path, programs, patch, w
 
 
 # ------------------------------------------------------------------ lift
-def _lifting_map(marked: str) -> dict:
-    """The regions of a marked kernel as line ranges of its unmarked text."""
-    ranges, markers = {}, 0
-    for name, s in sorted(find_regions(marked).items(), key=lambda kv: kv[1].open):
-        lo = s.open - markers + 1
-        ranges[name] = [lo, lo + s.close - s.open - 2]
-        markers += 2
-    return ranges
 
 
 def _lift_answer(cuir: str, ranges: dict) -> str:
@@ -140,7 +132,7 @@ def _lift_answer(cuir: str, ranges: dict) -> str:
 
 def test_lift_map_error_gpu_mismatch_then_accepted(tmp_path):
     cuda = strip_markers(KERNEL_CU)
-    ranges = _lifting_map(KERNEL_CU)
+    ranges = lifting_map(KERNEL_CU)
     partial = {k: v for k, v in ranges.items() if k != "pv"}
     second = KERNEL_CUIR.replace("as CuIR.", "as CuIR (lifted).")
     script = [{"choices": [completion(_lift_answer(KERNEL_CUIR, partial))]},
@@ -166,7 +158,7 @@ def test_lift_map_error_gpu_mismatch_then_accepted(tmp_path):
 def test_lift_verified_in_the_interpreter_before_the_gpu(tmp_path):
     """A lift that computes causal attention for a kernel said to compute full attention is caught on CPU."""
     accept = Acceptor()
-    script = [{"choices": [completion(_lift_answer(KERNEL_CUIR, _lifting_map(KERNEL_CU)))]}]
+    script = [{"choices": [completion(_lift_answer(KERNEL_CUIR, lifting_map(KERNEL_CU)))]}]
     with ScriptedServer(tmp_path, script) as srv:
         sol = _run(LiftTask(strip_markers(KERNEL_CU), spec="full", cases=CASES), srv, accept, tmp_path,
                    max_retries=0)
@@ -181,7 +173,7 @@ def test_lift_verified_in_the_interpreter_before_the_gpu(tmp_path):
     (lambda c, r: (c, {**r, "warp_tile": [1, 2]}), S.REJECTED_CHECK, "does not use"),
 ])
 def test_lift_rejections(tmp_path, edit, state, words):
-    cuir, ranges = edit(KERNEL_CUIR, _lifting_map(KERNEL_CU))
+    cuir, ranges = edit(KERNEL_CUIR, lifting_map(KERNEL_CU))
     accept = Acceptor()
     with ScriptedServer(tmp_path, [{"choices": [completion(_lift_answer(cuir, ranges))]}]) as srv:
         sol = _run(LiftTask(strip_markers(KERNEL_CU)), srv, accept, tmp_path, max_retries=0)

@@ -81,3 +81,15 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def lifting_map(marked: str) -> dict:
+    """The regions of a marked kernel as [first, last] line ranges of its unmarked text (what a
+    model's lift answer carries)."""
+    from cubridge.llm.regions import find_regions
+    ranges, markers = {}, 0
+    for name, s in sorted(find_regions(marked).items(), key=lambda kv: kv[1].open):
+        lo = s.open - markers + 1
+        ranges[name] = [lo, lo + s.close - s.open - 2]
+        markers += 2
+    return ranges

@@ -6,8 +6,8 @@ ctypes on the driver library (libcuda) that PyTorch has already loaded, and the 
 launched through the same driver API. Why ctypes and not cuda-python: six driver calls with plain C
 signatures need no extra dependency, behave the same under every cuda-python major version (their
 Python signatures changed between 12.x and 13.x), and the launch runs on PyTorch's current stream
-and primary context with no interop layer. The cubin is built by nvcc (cached by source hash,
-flags and compiler version).
+and primary context with no interop layer. The cubin is built by nvcc through the shared compile
+cache (cubridge.runtime.build.compile_cubin).
 
 Example (on an sm_90 GPU):
     >>> import torch
@@ -21,15 +21,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cubridge.errors import BuildError, LaunchError
+from cubridge.errors import LaunchError
+from cubridge.runtime.build import compile_cubin
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
@@ -115,46 +113,13 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
 
 
 # ------------------------------------------------------------------ build
-def _nvcc() -> str:
-    found = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    if not Path(found).exists():
-        raise BuildError("nvcc not found", hint="put the CUDA toolkit's bin/ on PATH")
-    return found
-
-
-def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip()
-
-
-def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str | None = None) -> Path:
+def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str | None = None) -> bytes:
     """Compile kernel.cu (or `source`, a lowered variant of it) for `config` to an sm_90a cubin,
-    cached by (source, flags, nvcc)."""
-    nvcc = _nvcc()
-    flags = [*NVCC_FLAGS, *config.defines(), f"-I{KERNEL_DIR}"]
-    text = KERNEL_SOURCE.read_bytes() if source is None else source.encode()
-    key = hashlib.sha256()
-    for part in (text, *(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.cuh")))):
-        key.update(part)                  # kernel.cu and the headers it includes
-    key.update(" ".join(flags).encode())
-    key.update(_nvcc_version(nvcc).encode())
-    out = cache_dir / f"{key.hexdigest()[:24]}.cubin"
-    if out.exists():
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    src_path = KERNEL_SOURCE
-    if source is not None:
-        src_path = out.with_suffix(f".tmp{os.getpid()}.cu")
-        src_path.write_text(source)
-    proc = subprocess.run([nvcc, *flags, "-o", str(tmp), str(src_path)],
-                          capture_output=True, text=True)
-    if source is not None:
-        src_path.unlink(missing_ok=True)
-    if proc.returncode != 0:
-        raise BuildError(f"nvcc failed for {config}:\n{proc.stderr[-4000:]}",
-                         where=str(KERNEL_SOURCE), hint="read the first error above")
-    tmp.replace(out)
-    return out
+    through the shared compile cache (key: source, flags, the included headers, nvcc version)."""
+    text = KERNEL_SOURCE.read_text() if source is None else source
+    options = ["-std=c++17", *config.defines(), f"-I{KERNEL_DIR}"]
+    return compile_cubin(text, arch="sm_90a", options=options, compiler="nvcc", cache_dir=cache_dir,
+                         name="kernel.cu").cubin
 
 
 # ------------------------------------------------------------------ driver API through ctypes
@@ -241,7 +206,7 @@ def _sm_count(device: torch.device) -> int:
 def _function(config: Fa3Config, device: torch.device, source: str | None = None) -> ctypes.c_void_p:
     key = (tuple(config.defines()), device.index, hashlib.sha256(source.encode()).hexdigest() if source else None)
     if key not in _FUNCTIONS:
-        cubin = build_cubin(config, source=source).read_bytes()
+        cubin = build_cubin(config, source=source)
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
             _FUNCTIONS[key] = _driver().load_function(cubin, config.smem_bytes)

@@ -11,9 +11,6 @@ from cubridge.cuir.values import BYTES, UNWRITTEN, GTensor, GView, SmemView, rou
 
 
 class MemoryMixin:
-    def check_written(self, g):
-        return self._check_written(g)
-
     def _check_written(self, g: GTensor):
         missing = ~g.written
         if bool(missing.any()):

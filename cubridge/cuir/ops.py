@@ -54,11 +54,6 @@ def _shape(it, v, e) -> tuple[int, ...]:
     return tuple(int(it._uniform(x, e.line)) for x in v)
 
 
-def _tile(it, v, e):
-    """A register value: a tensor, a scalar, or a shared-memory view read now."""
-    return v
-
-
 # ------------------------------------------------------------------ declarations inside the block
 def smem(it, e, args, ctx):
     dt, shape = _dtype(it, args[0], e), _shape(it, args[1], e)

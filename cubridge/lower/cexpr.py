@@ -10,7 +10,7 @@ Example:
     >>> from cubridge.cuir.parser import parse
     >>> e = parse("x = (ik <= iq) | (ik < C0)\\n").body[0].value
     >>> to_c(e, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "C0": ("va.C0", "int")})
-    '((kv_idx <= q_idx) || (kv_idx < va.C0))'
+    '((kv_idx <= q_idx) | (kv_idx < va.C0))'
 """
 from __future__ import annotations
 
@@ -81,8 +81,11 @@ class _Lower:
             (a, _), (b, _) = self.expr(e.left), self.expr(e.right)
             return f"({a} {e.op} {b})", "bool"
         if isinstance(e, N.BoolOp):
+            # Non-short-circuit & and | on bools: the operands are side-effect free (tables are
+            # read clamped), and per-element masks then compile to predicate logic (PLOP3)
+            # instead of a branch per element.
             parts = [self.expr(v)[0] for v in e.values]
-            return "(" + (" && " if e.op == "and" else " || ").join(parts) + ")", "bool"
+            return "(" + (" & " if e.op == "and" else " | ").join(parts) + ")", "bool"
         if isinstance(e, N.IfExp):
             (c, _), (a, ta), (b, tb) = self.expr(e.test), self.expr(e.body), self.expr(e.orelse)
             return f"({c} ? {a} : {b})", _join(ta, tb)
@@ -93,7 +96,7 @@ class _Lower:
     def binop(self, e):
         (a, ta), (b, tb) = self.expr(e.left), self.expr(e.right)
         if e.op in ("&", "|", "^") and ta == tb == "bool":
-            op = {"&": "&&", "|": "||", "^": "!="}[e.op]
+            op = {"&": "&", "|": "|", "^": "!="}[e.op]
             return f"({a} {op} {b})", "bool"
         if e.op in ("&", "|", "^"):
             return f"({a} {e.op} {b})", "int"

@@ -28,9 +28,11 @@ class Target:
     len_q: str          # sequence lengths
     len_k: str
     descending: bool    # visit order: highest KV tile first (fa3: masked tiles lead) or lowest
+    handover: str = ""  # C++ appended after KvRange (fa3: the producer hands the range over)
 
 
-FA3 = Target("kBlockM", "kBlockN", "m_block", "m0", "seqlen_q", "seqlen_k", descending=True)
+FA3 = Target("kBlockM", "kBlockN", "m_block", "m0", "seqlen_q", "seqlen_k", descending=True,
+             handover="constexpr bool kRangeViaSmem = true;   // a scan: computed once, by the producer\n")
 FA2 = Target("BLOCK_M", "BLOCK_N", "q_tile", "q_begin", "len_q", "len_k", descending=False)
 
 
@@ -46,22 +48,23 @@ def _tables(ir: VariantIR) -> dict:
     return {n: (f"va.{n}", [f"va.{n}_n{d}" for d in range(nd)], typ) for n, typ, nd in ir.tables}
 
 
-def predicates(ir: VariantIR, t: Target) -> tuple[str, str, str]:
-    """C++ of (tile may, tile must, chunk may)."""
+def predicates(ir: VariantIR, t: Target) -> tuple[str, str, str, str]:
+    """C++ of (tile class, tile may given its class `cls`, tile must, chunk may)."""
     names, tables = _names(ir, t), _tables(ir)
     if ir.table:
         idx = (f"((r.b * va.BLOCK_CLASS_n1 + r.h) * va.BLOCK_CLASS_n2 + r.{t.q_tile}) * va.BLOCK_CLASS_n3 + n"
                if ir.table_bh else f"r.{t.q_tile} * va.BLOCK_CLASS_n1 + n")
         cls = f"va.BLOCK_CLASS[{idx}]"
-        # the interval bound of the mask's index-only part first: no table read for those tiles
+        # the interval bound of the mask's index-only part as well: chunks it rules out are not read
         interval = to_c(ir.may, names, tables) if ir.may is not None else "true"
-        return f"{interval} && {cls} != 0", f"{cls} == 2", interval
+        return cls, f"{interval} & (cls != 0)", f"{cls} == 2", interval
     may = to_c(ir.may, names, tables)
-    return may, to_c(ir.must, names, tables), may      # interval analysis holds for any key range
+    # interval analysis holds for any key range; no class
+    return "1", may, to_c(ir.must, names, tables), may
 
 
 def kv_range_region(ir: VariantIR, t: Target) -> str:
-    may, must, chunk = predicates(ir, t)
+    cls, may, must, chunk = predicates(ir, t)
     R, bm, bn, lk = MAX_RUNS, t.block_m, t.block_n, t.len_k
     end = "hi" if t.descending else "lo"      # each run is [hi - len, hi) or [lo, lo + len)
     fields = " ".join(f"int {end}{k}, len{k};" for k in range(R))
@@ -75,10 +78,10 @@ def kv_range_region(ir: VariantIR, t: Target) -> str:
     tile_at = "\n".join(f"  if (i < r.len{k}) return {at.format(k=k)};\n  i -= r.len{k};" for k in range(R))
     if t.descending:
         chunks = "for (int c = (n_tiles + kScanChunk - 1) / kScanChunk - 1; c >= 0; --c)"
-        tiles = "for (int n = n1 - 1; n >= n0; --n)"
+        tiles = "for (int j = kScanChunk - 1; j >= 0; --j)"
     else:
         chunks = "for (int c = 0; c * kScanChunk < n_tiles; ++c)"
-        tiles = "for (int n = n0; n < n1; ++n)"
+        tiles = "for (int j = 0; j < kScanChunk; ++j)"
     order = "highest" if t.descending else "lowest"
     span = "[hi_k - len_k, hi_k)" if t.descending else "[lo_k, lo_k + len_k)"
     return f"""\
@@ -90,7 +93,12 @@ struct KvRange {{
   int b, h, {t.q_tile}, q_lo, q_hi, {t.len_q}, {lk};
   {fields}   // run k: tiles {span}
 }};
-__device__ __forceinline__ bool tile_may(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi) {{
+{t.handover}// A tile's class in the variant's block table (1 = partial when the variant has none).
+__device__ __forceinline__ int tile_class(const VariantArgs& va, const KvRange& r, int n) {{
+  return {cls};
+}}
+__device__ __forceinline__ bool tile_may(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi,
+                                         int cls) {{
   return {may};
 }}
 __device__ __forceinline__ bool tile_must(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi) {{
@@ -115,9 +123,15 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   {chunks} {{
     const int n0 = c * kScanChunk, n1 = min(n0 + kScanChunk, n_tiles);
     if (!chunk_may(va, r, n0 * {bn}, min(n1 * {bn}, {lk}) - 1)) {{ open = false; continue; }}
+    int cls[kScanChunk];                          // the chunk's classes, read all at once
+#pragma unroll
+    for (int j = 0; j < kScanChunk; ++j) cls[j] = n0 + j < n1 ? tile_class(va, r, n0 + j) : 0;
+#pragma unroll
     {tiles} {{
+      const int n = n0 + j;
+      if (n >= n1) continue;
       const int k_lo = n * {bn}, k_hi = min(k_lo + {bn}, {lk}) - 1;
-      if (!tile_may(va, r, n, k_lo, k_hi)) {{ open = false; continue; }}
+      if (!tile_may(va, r, n, k_lo, k_hi, cls[j])) {{ open = false; continue; }}
       if (!open && runs < {R}) ++runs;              // a new run, or the last one absorbs this one
       open = true;
 {extend}

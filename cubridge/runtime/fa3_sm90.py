@@ -44,7 +44,8 @@ PANEL_COLS = 64          # TMA box width: 128 bytes, the swizzle span
 WG_ROWS = 64             # rows of Q per consumer warpgroup (wgmma M)
 WG_THREADS = 128
 SUPPORTED_HEAD_DIMS = (64, 128)
-TILE_SLOTS = 2           # depth of the producer -> consumer tile-index ring
+TILE_SLOTS = 2           # depth of the producer -> consumer tile ring
+TILE_SLOT_BYTES = 128    # one TileMsg (tile index, heads, KV range)
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class Fa3Config:
         return 2 * self.stages * self.block_n * self.head_dim * ELEM_BYTES
 
     @property
-    def _barrier_bytes(self) -> int:   # q, 2 tile slots, k/v per stage (8 B each) + 2 tile ids
-        return 8 * (2 + 2 * TILE_SLOTS + 4 * self.stages) + 4 * TILE_SLOTS
+    def _barrier_bytes(self) -> int:   # q, 2 tile slots, k/v per stage (8 B each) + 2 tile messages
+        return 8 * (2 + 2 * TILE_SLOTS + 4 * self.stages) + TILE_SLOT_BYTES * TILE_SLOTS
 
 
 def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int = 8192) -> Fa3Config:

@@ -345,7 +345,7 @@ __device__ __forceinline__ void score_tile(const VariantArgs& va, float (&s)[M_T
         const int kv_idx = kv_col0 + nt * MMA_N + c % 2;
         float x = s[mt][nt][c];
         if (!SCORE_MOD_IS_IDENTITY) x = score_mod(va, x * sm_scale, b, h, q_idx, kv_idx);
-        if (PARTIAL && !(kv_idx < len_k && mask_pred(va, b, h, q_idx, kv_idx))) x = neg_inf();
+        if (PARTIAL && !((kv_idx < len_k) & mask_pred(va, b, h, q_idx, kv_idx))) x = neg_inf();
         s[mt][nt][c] = x;
       }
 }

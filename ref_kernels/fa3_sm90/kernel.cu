@@ -11,8 +11,8 @@
 //   tile            one (m_block, head, batch) work item. A CTA starts with tile blockIdx.x and
 //                   then takes gridDim.x + atomicAdd(tile_counter, 1) until past the last tile
 //                   (grid = #tiles: one tile each; grid = #SMs: persistent, dynamically balanced)
-//   tile_slot[2]    smem ring through which the producer hands tile indices to the consumers,
-//                   guarded by tile_full / tile_empty mbarriers
+//   tile_slot[2]    smem ring through which the producer hands each tile (index, heads and its
+//                   KV range, computed once) to the consumers, guarded by tile_full / tile_empty
 //   m_block         index of a query tile: rows [m0, m0 + BLOCK_M), m0 = m_block * BLOCK_M
 //   n               index of a key/value tile: keys [n * BLOCK_N, (n + 1) * BLOCK_N)
 //   WG              warpgroup: 4 consecutive warps, 128 threads, the unit that issues wgmma
@@ -120,13 +120,14 @@ constexpr int kWgQBytes = kWgRows * kSwizzleBytes;     // one consumer's rows in
 constexpr int kOffQ = 0;
 constexpr int kOffK = kOffQ + kQBytes;
 constexpr int kOffV = kOffK + kStages * kKVBytes;
-constexpr int kTileSlots = 2;                        // depth of the tile-index hand-over ring
+constexpr int kTileSlots = 2;                        // depth of the tile hand-over ring
+constexpr int kTileSlotBytes = 128;                  // one TileMsg (static_assert below)
 constexpr int kNumBarriers = 2 + 2 * kTileSlots + 4 * kStages;   // q, tile, k/v full/empty
 constexpr int kSmemAlign = 1024;
 constexpr int kSmemLimit = 227 * 1024;
 // O is staged for its TMA store in its own buffer when that fits, so the next tile's Q can load
 // during the epilogue; otherwise it reuses the Q tile and Q is released after the store drains.
-constexpr int kBarBytes = kNumBarriers * 8 + kTileSlots * 4;   // barriers, then tile_slot[]
+constexpr int kBarBytes = kNumBarriers * 8 + kTileSlots * kTileSlotBytes;   // barriers, tile_slot[]
 constexpr bool kSeparateO = kOffV + kStages * kKVBytes + kQBytes + kBarBytes + kSmemAlign <= kSmemLimit;
 constexpr int kOffO = kSeparateO ? kOffV + kStages * kKVBytes : kOffQ;
 constexpr int kOffBar = kOffV + kStages * kKVBytes + (kSeparateO ? kQBytes : 0);
@@ -172,6 +173,7 @@ constexpr bool kLongestFirst = false;
 // The skeleton only uses kv_count, tile_at (the i-th KV tile to visit; high n first: masked tiles
 // lead) and tile_partial, so a variant may replace the range by any set of tiles.
 struct KvRange { int n_begin; int n_end; int full_begin; int full_end; };
+constexpr bool kRangeViaSmem = false;   // consumers recompute this range (cheaper than a hand-over)
 __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int m_block, int m0,
                                             int seqlen_q, int seqlen_k) {
   const int kv_stop = kCausal ? min(seqlen_k, m0 + kBlockM) : seqlen_k;   // kv <= q (top-left)
@@ -222,7 +224,7 @@ __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)
         float& x = s[4 * j + 2 * half + e];
         const int q_idx = q_row0 + 8 * half, kv_idx = kv_col0 + 8 * j + e;
         x = score_mod(va, x * softmax_scale, hm.b, hm.h, q_idx, kv_idx);
-        if (kPartial && !(kv_idx < seqlen_k && mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
+        if (kPartial && !((kv_idx < seqlen_k) & mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
       }
 }
 
@@ -325,6 +327,32 @@ __device__ __forceinline__ Tile decode_tile(const VariantArgs& va, int t, int nu
   return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0, seqlen_q, seqlen_k)};
 }
 
+// What the producer hands the consumers for each tile. With kRangeViaSmem (set by the kv_range
+// region) the whole tile goes through shared memory: the range is computed once per tile (a
+// variant's range scans tiles, maybe a block table in global memory), not once per thread.
+// Otherwise only t does, and each consumer thread decodes the tile itself (a few integer ops).
+struct TileMsg { int t; Tile tl; };
+static_assert(sizeof(TileMsg) <= kTileSlotBytes, "a variant's KvRange is too large for a tile slot");
+static_assert(sizeof(TileMsg) % 4 == 0 && alignof(TileMsg) == 4, "a tile message is 32-bit words");
+constexpr int kTileMsgWords = sizeof(TileMsg) / 4;
+// Word-by-word copies through 32-bit shared-window addresses (no 64-bit generic pointer to hold).
+__device__ __forceinline__ void put_tile_msg(uint32_t addr, const TileMsg& m) {
+  uint32_t w[kTileMsgWords];
+  __builtin_memcpy(w, &m, sizeof(TileMsg));
+#pragma unroll
+  for (int i = 0; i < kTileMsgWords; ++i)
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr + 4 * i), "r"(w[i]) : "memory");
+}
+__device__ __forceinline__ TileMsg get_tile_msg(uint32_t addr) {
+  uint32_t w[kTileMsgWords];
+#pragma unroll
+  for (int i = 0; i < kTileMsgWords; ++i)
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[i]) : "r"(addr + 4 * i) : "memory");
+  TileMsg m;
+  __builtin_memcpy(&m, w, sizeof(TileMsg));
+  return m;
+}
+
 struct Problem {
   int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;
   int* tile_counter;
@@ -343,12 +371,18 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
   tma_prefetch_map(tm_v);
   int it = 0, q_iter = 0;
   for (int t = blockIdx.x, k = 0;; ++k) {
-    const int slot = k % kTileSlots;                       // hand t to the consumers
+    const int slot = k % kTileSlots;                       // hand tile t to the consumers
     mbar_wait(sm.tile_empty + 8 * slot, ((k / kTileSlots) & 1) ^ 1);
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(sm.tile_slot + 4 * slot), "r"(t) : "memory");
-    mbar_arrive(sm.tile_full + 8 * slot);
+    Tile tl{};
+    if constexpr (kRangeViaSmem) {
+      if (t < pb.num_tiles) tl = pb.tile(t);
+      put_tile_msg(sm.tile_slot + kTileSlotBytes * slot, TileMsg{t, tl});
+    } else {
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(sm.tile_slot + kTileSlotBytes * slot), "r"(t) : "memory");
+    }
+    mbar_arrive(sm.tile_full + 8 * slot);                  // release: the slot's stores first
     if (t >= pb.num_tiles) break;
-    const Tile tl = pb.tile(t);
+    if constexpr (!kRangeViaSmem) tl = pb.tile(t);
     const int tiles = kv_count(tl.r);
     for (int i = 0; i < tiles; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
@@ -464,10 +498,17 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     const int slot = k % kTileSlots;
     mbar_wait(sm.tile_full + 8 * slot, (k / kTileSlots) & 1);
     int t;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(t) : "r"(sm.tile_slot + 4 * slot) : "memory");
+    Tile tl;
+    if constexpr (kRangeViaSmem) {
+      const TileMsg msg = get_tile_msg(sm.tile_slot + kTileSlotBytes * slot);
+      t = msg.t;
+      tl = msg.tl;
+    } else {
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(t) : "r"(sm.tile_slot + kTileSlotBytes * slot) : "memory");
+    }
     mbar_arrive(sm.tile_empty + 8 * slot);                 // every reader arrives after its read
     if (t >= pb.num_tiles) break;
-    const Tile tl = pb.tile(t);
+    if constexpr (!kRangeViaSmem) tl = pb.tile(t);         // a cheap range: recomputed here
     const int tiles = kv_count(tl.r);
     float o[kORegs];
 #pragma unroll
@@ -479,8 +520,10 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       uint32_t p[kPRegs];
       float rescale[2];
       const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0;
-      auto process_scores = [&](int n) {
-        const bool partial = tile_partial(pb.va, tl.r, n);
+      // tile_partial of the next tile is asked one step ahead: for a block-table variant it is a
+      // global load, whose latency then hides behind this tile's GEMMs.
+      auto partial_at = [&](int i) { return i < tiles && tile_partial(pb.va, tl.r, tile_at(tl.r, i)); };
+      auto process_scores = [&](int n, bool partial) {
         if (partial) score_and_mask<true>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
         else score_and_mask<false>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
       };
@@ -492,10 +535,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       mbar_wait(sm.q_full, q_iter & 1);
       gemm_qk(s, q_rows, sm.k_tile(ring_stage(it)));
       cs.turn_pass();
+      bool partial = partial_at(0), partial_next = partial_at(1);
       wgmma_wait<0>();
       reg_fence(s);
       cs.release(sm.k_empty + 8 * ring_stage(it));
-      process_scores(tile_at(tl.r, 0));
+      process_scores(tile_at(tl.r, 0), partial);
       softmax_update(pb.va, s, st, rescale);
       convert_p(p, s);
 
@@ -508,10 +552,12 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
         mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
         gemm_pv(o, p, sm.v_tile(sv));
         cs.turn_pass();
+        partial = partial_next;
+        partial_next = partial_at(i + 1);
         wgmma_wait<1>();
         reg_fence(s);
         cs.release(sm.k_empty + 8 * sk);
-        process_scores(tile_at(tl.r, i));
+        process_scores(tile_at(tl.r, i), partial);
         softmax_update(pb.va, s, st, rescale);
         wgmma_wait<0>();
         reg_fence(o);

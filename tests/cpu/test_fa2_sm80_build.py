@@ -119,7 +119,7 @@ def test_full_tiles_have_no_mask_code():
     """The main loop is split: full tiles instantiate step<false>, whose score loop skips mask_pred."""
     text = KERNEL_PATH.read_text()
     assert "step<false>(i, tile" in text and "step<true>(i, tile_at(" in text
-    assert "if (PARTIAL && !(kv_idx < len_k && mask_pred(" in text
+    assert "if (PARTIAL && !((kv_idx < len_k) & mask_pred(" in text
 
 
 def test_every_macro_has_a_default():

@@ -21,7 +21,12 @@ struct KvRange {
   int b, h, q_tile, q_lo, q_hi, len_q, len_k;
   int lo0, len0; int lo1, len1; int lo2, len2;   // run k: tiles [lo_k, lo_k + len_k)
 };
-__device__ __forceinline__ bool tile_may(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi) {
+// A tile's class in the variant's block table (1 = partial when the variant has none).
+__device__ __forceinline__ int tile_class(const VariantArgs& va, const KvRange& r, int n) {
+  return 1;
+}
+__device__ __forceinline__ bool tile_may(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi,
+                                         int cls) {
   return (k_lo <= r.q_hi);
 }
 __device__ __forceinline__ bool tile_must(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi) {
@@ -46,9 +51,15 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   for (int c = 0; c * kScanChunk < n_tiles; ++c) {
     const int n0 = c * kScanChunk, n1 = min(n0 + kScanChunk, n_tiles);
     if (!chunk_may(va, r, n0 * BLOCK_N, min(n1 * BLOCK_N, len_k) - 1)) { open = false; continue; }
-    for (int n = n0; n < n1; ++n) {
+    int cls[kScanChunk];                          // the chunk's classes, read all at once
+#pragma unroll
+    for (int j = 0; j < kScanChunk; ++j) cls[j] = n0 + j < n1 ? tile_class(va, r, n0 + j) : 0;
+#pragma unroll
+    for (int j = 0; j < kScanChunk; ++j) {
+      const int n = n0 + j;
+      if (n >= n1) continue;
       const int k_lo = n * BLOCK_N, k_hi = min(k_lo + BLOCK_N, len_k) - 1;
-      if (!tile_may(va, r, n, k_lo, k_hi)) { open = false; continue; }
+      if (!tile_may(va, r, n, k_lo, k_hi, cls[j])) { open = false; continue; }
       if (!open && runs < 3) ++runs;              // a new run, or the last one absorbs this one
       open = true;
       if (runs == 1) { if (r.len0 == 0) r.lo0 = n; r.len0 = n + 1 - r.lo0; }

@@ -20,7 +20,13 @@ struct KvRange {
   int b, h, m_block, q_lo, q_hi, seqlen_q, seqlen_k;
   int hi0, len0; int hi1, len1; int hi2, len2;   // run k: tiles [hi_k - len_k, hi_k)
 };
-__device__ __forceinline__ bool tile_may(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi) {
+constexpr bool kRangeViaSmem = true;   // a scan: computed once, by the producer
+// A tile's class in the variant's block table (1 = partial when the variant has none).
+__device__ __forceinline__ int tile_class(const VariantArgs& va, const KvRange& r, int n) {
+  return 1;
+}
+__device__ __forceinline__ bool tile_may(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi,
+                                         int cls) {
   return true;
 }
 __device__ __forceinline__ bool tile_must(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi) {
@@ -45,9 +51,15 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   for (int c = (n_tiles + kScanChunk - 1) / kScanChunk - 1; c >= 0; --c) {
     const int n0 = c * kScanChunk, n1 = min(n0 + kScanChunk, n_tiles);
     if (!chunk_may(va, r, n0 * kBlockN, min(n1 * kBlockN, seqlen_k) - 1)) { open = false; continue; }
-    for (int n = n1 - 1; n >= n0; --n) {
+    int cls[kScanChunk];                          // the chunk's classes, read all at once
+#pragma unroll
+    for (int j = 0; j < kScanChunk; ++j) cls[j] = n0 + j < n1 ? tile_class(va, r, n0 + j) : 0;
+#pragma unroll
+    for (int j = kScanChunk - 1; j >= 0; --j) {
+      const int n = n0 + j;
+      if (n >= n1) continue;
       const int k_lo = n * kBlockN, k_hi = min(k_lo + kBlockN, seqlen_k) - 1;
-      if (!tile_may(va, r, n, k_lo, k_hi)) { open = false; continue; }
+      if (!tile_may(va, r, n, k_lo, k_hi, cls[j])) { open = false; continue; }
       if (!open && runs < 3) ++runs;              // a new run, or the last one absorbs this one
       open = true;
       if (runs == 1) { if (r.len0 == 0) r.hi0 = n + 1; r.len0 = r.hi0 - n; }

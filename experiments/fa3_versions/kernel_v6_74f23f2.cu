@@ -1,0 +1,599 @@
+// FlashAttention-3-class forward attention for Hopper (sm_90a): TMA + wgmma, warp-specialised.
+//
+// Build: nvcc -cubin -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I<this dir> \
+//        [-DHEAD_DIM=128 -DBLOCK_M=128 -DBLOCK_N=128 -DSTAGES=2 -DIS_CAUSAL=0 -DDTYPE_BF16=1] kernel.cu
+//
+// Glossary
+//   B, Hq, Hkv      batch, query heads, key/value heads (Hq % Hkv == 0; G = Hq / Hkv queries per kv head)
+//   Nq, Nk          query / key sequence lengths (any value >= 1; tails are zero-filled by TMA, masked)
+//   D               head dimension (HEAD_DIM)
+//   q, k, v, o      [B, H, N, D] contiguous 16-bit tensors; lse [B, Hq, Nq] float32, natural log
+//   tile            one (m_block, head, batch) work item. A CTA starts with tile blockIdx.x and
+//                   then takes gridDim.x + atomicAdd(tile_counter, 1) until past the last tile
+//                   (grid = #tiles: one tile each; grid = #SMs: persistent, dynamically balanced)
+//   tile_slot[2]    smem ring through which the producer hands tile indices to the consumers,
+//                   guarded by tile_full / tile_empty mbarriers
+//   m_block         index of a query tile: rows [m0, m0 + BLOCK_M), m0 = m_block * BLOCK_M
+//   n               index of a key/value tile: keys [n * BLOCK_N, (n + 1) * BLOCK_N)
+//   WG              warpgroup: 4 consecutive warps, 128 threads, the unit that issues wgmma
+//   producer        WG 0; one thread issues every TMA load
+//   consumer c      WG c + 1 (c = 0 .. kConsumers-1); owns query rows [m0 + 64c, m0 + 64c + 64)
+//   S, P, O         scores Q K^T (f32 regs), probabilities (16-bit regs, wgmma A operand), output acc
+//   row_max         running max of the scores of a row (natural units), row_sum the running sum
+//   stage           slot of the K/V ring in shared memory; phase = parity of the ring's lap
+//   full / empty    mbarriers: "a TMA filled this slot" / "every consumer warp is done reading it"
+//                   (q_full / q_empty for the Q tile, k_full[stage] ... v_empty[stage] for the ring)
+//   wg_turn[c]      named barrier: consumer c may issue its GEMMs (ping-pong between consumers)
+//   panel           64 columns of a tile (128 bytes, the 128B-swizzle span); D = 128 has two
+//
+// Lifting map (regions marked @cuir-region / @cuir-end): head_map, extra_io, kv_range, load_q,
+// load_kv, qk, score, mask, softmax, pv, epilogue. See README.md for what each region may be
+// replaced with; cubridge/lower regenerates extra_io, kv_range, score, mask, softmax, epilogue.
+#if defined(__CUDACC_RTC__)
+struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };
+#else
+#include <cuda.h>
+#endif
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "wgmma.cuh"
+
+// ------------------------------------------------------------------ compile-time parameters
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef BLOCK_M
+#define BLOCK_M 128
+#endif
+#ifndef BLOCK_N
+#define BLOCK_N 128
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+#ifndef IS_CAUSAL
+#define IS_CAUSAL 0
+#endif
+#ifndef DTYPE_BF16
+#define DTYPE_BF16 1
+#endif
+
+#include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
+
+namespace fa3 {
+
+constexpr int kHeadDim = HEAD_DIM;
+constexpr int kBlockM = BLOCK_M;
+constexpr int kBlockN = BLOCK_N;
+constexpr int kStages = STAGES;
+constexpr bool kCausal = IS_CAUSAL != 0;
+#if DTYPE_BF16
+using Elem = __nv_bfloat16;
+using MmaTag = TagBf16;
+#else
+using Elem = __half;
+using MmaTag = TagHalf;
+#endif
+
+constexpr int kElemBytes = 2;
+constexpr int kWarpSize = 32;
+constexpr int kWgThreads = 128;
+constexpr int kWarpsPerWg = kWgThreads / kWarpSize;
+constexpr int kWgRows = 64;                       // wgmma M: rows of Q per consumer warpgroup
+constexpr int kMmaK = 16;                         // wgmma K for 16-bit inputs
+constexpr int kConsumers = kBlockM / kWgRows;
+constexpr int kThreads = (kConsumers + 1) * kWgThreads;
+constexpr int kSwizzleBytes = 128;                // TMA / wgmma 128-byte swizzle span
+constexpr int kPanelCols = kSwizzleBytes / kElemBytes;
+constexpr int kPanels = kHeadDim / kPanelCols;
+constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;   // 8 rows x 128 B: the swizzle pattern repeat
+constexpr int kKStepsPerPanel = kPanelCols / kMmaK;
+constexpr int kKStepBytes = kMmaK * kElemBytes;        // advance along K inside a swizzled row
+
+// Register budget per thread after setmaxnreg; the producer gives its registers to the consumers.
+// setmaxnreg only moves registers inside the CTA's allocation, which __launch_bounds__(kThreads, 1)
+// fixes at kEntryRegs per thread: asking for more makes setmaxnreg.inc wait forever.
+constexpr int kRegFile = 65536;
+constexpr int kRegGranule = 8;
+constexpr int kEntryRegs = (kRegFile / ((kConsumers + 1) * kWgThreads)) / kRegGranule * kRegGranule;
+constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
+constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
+
+// Per-thread fragment sizes of a 64 x N f32 wgmma accumulator: N/2 floats.
+constexpr int kSRegs = kBlockN / 2;
+constexpr int kORegs = kHeadDim / 2;
+constexpr int kPRegs = kBlockN / 4;                // two 16-bit values per register
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -__builtin_huge_valf();
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Shared-memory layout (byte offsets from a 1024-aligned base). Tiles are stored as panels of
+// [rows][64 cols] in the 128B-swizzled layout that TMA writes and wgmma reads.
+constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
+constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;
+constexpr int kQPanelBytes = kBlockM * kSwizzleBytes;
+constexpr int kKVPanelBytes = kBlockN * kSwizzleBytes;
+constexpr int kWgQBytes = kWgRows * kSwizzleBytes;     // one consumer's rows inside a Q panel
+constexpr int kOffQ = 0;
+constexpr int kOffK = kOffQ + kQBytes;
+constexpr int kOffV = kOffK + kStages * kKVBytes;
+constexpr int kTileSlots = 2;                        // depth of the tile-index hand-over ring
+constexpr int kNumBarriers = 2 + 2 * kTileSlots + 4 * kStages;   // q, tile, k/v full/empty
+constexpr int kSmemAlign = 1024;
+constexpr int kSmemLimit = 227 * 1024;
+// O is staged for its TMA store in its own buffer when that fits, so the next tile's Q can load
+// during the epilogue; otherwise it reuses the Q tile and Q is released after the store drains.
+constexpr int kBarBytes = kNumBarriers * 8 + kTileSlots * 4;   // barriers, then tile_slot[]
+constexpr bool kSeparateO = kOffV + kStages * kKVBytes + kQBytes + kBarBytes + kSmemAlign <= kSmemLimit;
+constexpr int kOffO = kSeparateO ? kOffV + kStages * kKVBytes : kOffQ;
+constexpr int kOffBar = kOffV + kStages * kKVBytes + (kSeparateO ? kQBytes : 0);
+constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;   // + slack to align the base
+constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;             // one arrive per consumer warp
+
+// Named barriers (0 is __syncthreads).
+constexpr int kBarWgTurn0 = 1;                       // wg_turn[c] = kBarWgTurn0 + c
+constexpr int kBarEpilogue0 = kBarWgTurn0 + kConsumers;   // epilogue_sync[c], 128 threads
+constexpr int kMaxNamedBarriers = 16;
+
+static_assert(kHeadDim == 64 || kHeadDim == 128, "HEAD_DIM must be 64 or 128");
+static_assert(kBlockM == 128 || kBlockM == 192, "BLOCK_M must be 128 (2 consumers) or 192 (3)");
+static_assert(kBlockN % kMmaK == 0 && kBlockN >= kMmaK && kBlockN <= 256,
+              "BLOCK_N must be a multiple of 16 in [16, 256] (wgmma N, TMA box)");
+static_assert(kBlockM <= 256, "TMA box rows are at most 256");
+static_assert(kStages >= 2, "STAGES must be >= 2 so loads overlap compute");
+static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
+static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <=
+                  kEntryRegs * kThreads,
+              "setmaxnreg budgets exceed the CTA's register allocation (consumers would hang)");
+static_assert(kBarEpilogue0 + kConsumers <= kMaxNamedBarriers, "too many named barriers");
+
+// ------------------------------------------------------------------ regions
+// @cuir-region head_map
+struct HeadMap { int bh_q; int bh_kv; int b; int h; };
+__device__ __forceinline__ HeadMap head_map(int b, int h, int heads_q, int heads_kv) {
+  const int group = heads_q / heads_kv;          // MHA: 1, GQA: Hq / Hkv, MQA: Hq
+  return HeadMap{b * heads_q + h, b * heads_kv + h / group, b, h};
+}
+// @cuir-end head_map
+
+// @cuir-region extra_io
+// A variant's extra kernel arguments (captured tensors, shape-dependent scalars); none here.
+// kLongestFirst: schedule the query tiles with the most KV tiles first (short tail); causal does.
+struct VariantArgs { int unused; };
+constexpr bool kLongestFirst = false;
+// @cuir-end extra_io
+
+// @cuir-region kv_range
+// Key tiles [n_begin, n_end) may hold attended pairs for query rows [m0, m0 + kBlockM);
+// tiles in [full_begin, full_end) need no mask (every pair attended and in bounds).
+// The skeleton only uses kv_count, tile_at (the i-th KV tile to visit; high n first: masked tiles
+// lead) and tile_partial, so a variant may replace the range by any set of tiles.
+struct KvRange { int n_begin; int n_end; int full_begin; int full_end; };
+__device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int m_block, int m0,
+                                            int seqlen_q, int seqlen_k) {
+  const int kv_stop = kCausal ? min(seqlen_k, m0 + kBlockM) : seqlen_k;   // kv <= q (top-left)
+  const int n_end = (kv_stop + kBlockN - 1) / kBlockN;
+  int full_end = seqlen_k / kBlockN;                                       // ragged tail is partial
+  if (kCausal) full_end = min(full_end, (m0 + 1) / kBlockN);               // max kv <= min q
+  return KvRange{0, n_end, 0, max(0, min(full_end, n_end))};
+}
+__device__ __forceinline__ int kv_count(const KvRange& r) { return r.n_end - r.n_begin; }
+__device__ __forceinline__ int tile_at(const KvRange& r, int i) { return r.n_end - 1 - i; }
+__device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {
+  return n >= r.full_end || n < r.full_begin;
+}
+// @cuir-end kv_range
+
+// @cuir-region score
+__device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx,
+                                           int kv_idx) {
+  return s;
+}
+// @cuir-end score
+
+// @cuir-region mask
+__device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {
+  return !kCausal || kv_idx <= q_idx;
+}
+// @cuir-end mask
+
+// Fragment coordinates of a consumer thread: element s[4*j + 2*half + e] of a 64 x N accumulator
+// sits at row 16*warp + lane/4 + 8*half, column 8*j + 2*(lane%4) + e.
+struct Frag { int row0; int col0; };
+__device__ __forceinline__ Frag frag_coords(int wg_thread) {
+  const int warp = wg_thread / kWarpSize, lane = wg_thread % kWarpSize;
+  return Frag{16 * warp + lane / 4, 2 * (lane % 4)};
+}
+
+// Scale, score_mod and (on partial tiles) the mask, in one pass over S with each element's indices.
+template <bool kPartial>
+__device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)[kSRegs],
+                                               float softmax_scale, HeadMap hm, int q_row0,
+                                               int kv_col0, int seqlen_k) {
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        const int q_idx = q_row0 + 8 * half, kv_idx = kv_col0 + 8 * j + e;
+        x = score_mod(va, x * softmax_scale, hm.b, hm.h, q_idx, kv_idx);
+        if (kPartial && !(kv_idx < seqlen_k && mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
+      }
+}
+
+// @cuir-region softmax
+// Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S becomes
+// exp(s - row_max) in place; rescale[half] is what the O rows accumulated so far get multiplied by.
+struct SoftmaxState { float row_max[2]; float row_sum[2]; };
+__device__ __forceinline__ void softmax_init(SoftmaxState& st) {
+  st.row_max[0] = st.row_max[1] = kNegInf;
+  st.row_sum[0] = st.row_sum[1] = 0.f;
+}
+__device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
+                                               SoftmaxState& st, float (&rescale)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = st.row_max[half];
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+      mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    const float base = (mx == kNegInf ? 0.f : mx) * kLog2e;   // a row with nothing attended yet
+    rescale[half] = fast_exp2(st.row_max[half] * kLog2e - base);
+    st.row_max[half] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        x = fast_exp2(fmaf(x, kLog2e, -base));
+        sum += x;
+      }
+    st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum
+  }
+}
+__device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&rescale)[2]) {
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[4 * j + i] *= rescale[i / 2];
+}
+// @cuir-end softmax
+
+// @cuir-region qk
+// S(64 x kBlockN) = Q_c(64 x D) K_n^T; both operands K-major in swizzled panels.
+__device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uint32_t k_tile) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
+    const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
+    const uint64_t a = make_desc(q_rows + panel * kQPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t b = make_desc(k_tile + panel * kKVPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
+    WgmmaSS<kBlockN, MmaTag>::mma(s, a, b, kk > 0);
+  }
+  wgmma_commit();
+}
+// @cuir-end qk
+
+// @cuir-region pv
+// O(64 x D) += P(64 x kBlockN, registers) V_n(kBlockN x D); V is MN-major (D contiguous), its
+// panels of 64 columns kKVPanelBytes apart (leading offset), 8-row groups 1024 B apart (stride).
+__device__ __forceinline__ void gemm_pv(float (&o)[kORegs], const uint32_t (&p)[kPRegs],
+                                        uint32_t v_tile) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
+    const uint64_t b = make_desc(v_tile + kk * kMmaK * kSwizzleBytes, kKVPanelBytes, kSwizzleAtomBytes);
+    WgmmaRS<kHeadDim, MmaTag>::mma(o, &p[4 * kk], b);
+  }
+  wgmma_commit();
+}
+// @cuir-end pv
+
+__device__ __forceinline__ void convert_p(uint32_t (&p)[kPRegs], const float (&s)[kSRegs]) {
+#pragma unroll
+  for (int i = 0; i < kPRegs; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
+}
+
+struct Smem {
+  uint32_t q, k, v, o;            // tile bases (shared-window addresses)
+  uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty;   // barriers (arrays 8 bytes apart)
+  uint32_t tile_full, tile_empty, tile_slot;
+  __device__ __forceinline__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
+  __device__ __forceinline__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
+};
+// The K/V ring is shared by all tiles of a CTA: `it` counts KV tiles since the CTA started.
+__device__ __forceinline__ int ring_stage(int it) { return it % kStages; }
+__device__ __forceinline__ int ring_phase(int it) { return (it / kStages) & 1; }
+
+// A work tile: query block, head, batch; the query blocks of one head are consecutive so that
+// CTAs running at the same time share K/V in L2. Causal: the longest rows (last m_block) first.
+struct Tile { int m0; HeadMap hm; KvRange r; };
+__device__ __forceinline__ Tile decode_tile(const VariantArgs& va, int t, int num_m, int seqlen_q,
+                                            int seqlen_k, int heads_q, int heads_kv) {
+  const int m_idx = t % num_m, bh = t / num_m;
+  const int m_block = (kCausal || kLongestFirst) ? num_m - 1 - m_idx : m_idx;
+  const int m0 = m_block * kBlockM;
+  const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
+  return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0, seqlen_q, seqlen_k)};
+}
+
+struct Problem {
+  int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;
+  int* tile_counter;
+  VariantArgs va;
+  __device__ __forceinline__ Tile tile(int t) const {
+    return decode_tile(va, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
+  }
+};
+
+// ------------------------------------------------------------------ producer
+__device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q,
+                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+                                         const Problem& pb) {
+  tma_prefetch_map(tm_q);
+  tma_prefetch_map(tm_k);
+  tma_prefetch_map(tm_v);
+  int it = 0, q_iter = 0;
+  for (int t = blockIdx.x, k = 0;; ++k) {
+    const int slot = k % kTileSlots;                       // hand t to the consumers
+    mbar_wait(sm.tile_empty + 8 * slot, ((k / kTileSlots) & 1) ^ 1);
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(sm.tile_slot + 4 * slot), "r"(t) : "memory");
+    mbar_arrive(sm.tile_full + 8 * slot);
+    if (t >= pb.num_tiles) break;
+    const Tile tl = pb.tile(t);
+    const int tiles = kv_count(tl.r);
+    for (int i = 0; i < tiles; ++i, ++it) {
+      const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
+      // @cuir-region load_kv
+      mbar_wait(sm.k_empty + 8 * st, empty_parity);
+      mbar_expect_tx(sm.k_full + 8 * st, kKVBytes);
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p)
+        tma_load_3d(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
+                    n * kBlockN, tl.hm.bh_kv);
+      // @cuir-end load_kv
+      if (i == 0) {   // after the first K, so that K load overlaps the wait for the Q slot
+        // @cuir-region load_q
+        mbar_wait(sm.q_empty, (q_iter & 1) ^ 1);
+        mbar_expect_tx(sm.q_full, kQBytes);
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p)
+          tma_load_3d(sm.q + p * kQPanelBytes, tm_q, sm.q_full, p * kPanelCols, tl.m0, tl.hm.bh_q);
+        // @cuir-end load_q
+        ++q_iter;
+      }
+      mbar_wait(sm.v_empty + 8 * st, empty_parity);
+      mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p)
+        tma_load_3d(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
+                    n * kBlockN, tl.hm.bh_kv);
+    }
+    // Fetched after the loads (keeps the 24-register producer spill-free); its latency hides
+    // behind the STAGES tiles the ring holds ahead of the consumers.
+    t = gridDim.x + atomicAdd(pb.tile_counter, 1);
+  }
+}
+
+// ------------------------------------------------------------------ consumer
+struct Consumer {
+  int c;            // consumer index
+  int wg_thread;    // 0..127
+  int lane;
+  __device__ __forceinline__ void turn_wait() const { named_sync(kBarWgTurn0 + c, 2 * kWgThreads); }
+  __device__ __forceinline__ void turn_pass() const {
+    named_arrive(kBarWgTurn0 + (c + 1) % kConsumers, 2 * kWgThreads);
+  }
+  __device__ __forceinline__ void wg_sync() const { named_sync(kBarEpilogue0 + c, kWgThreads); }
+  __device__ __forceinline__ void release(uint32_t bar) const {
+    if (lane == 0) mbar_arrive(bar);
+  }
+};
+
+__device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
+                                         float* __restrict__ lse, float (&o)[kORegs],
+                                         const SoftmaxState& st, const Tile& tl, int seqlen_q,
+                                         bool holds_q) {
+  // @cuir-region epilogue
+  const Frag f = frag_coords(cs.wg_thread);
+  float inv[2], row_lse[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = st.row_sum[half];
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    const bool attended = sum > 0.f;                       // else: no key attended, O = 0, lse = -inf
+    inv[half] = attended ? 1.f / sum : 0.f;
+    row_lse[half] = attended ? st.row_max[half] + __logf(sum) : kNegInf;
+  }
+  const uint32_t o_rows = sm.o + cs.c * kWgQBytes;         // this consumer's rows of the O stage
+  if (cs.wg_thread == 0) tma_store_wait_read();            // the previous tile's store has read it
+  cs.wg_sync();                                            // ... and every warp's last QK is done
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+    const int panel = j / (kPanelCols / 8), chunk = j % (kPanelCols / 8);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = f.row0 + 8 * half;
+      const uint32_t addr = o_rows + panel * kQPanelBytes + row * kSwizzleBytes +
+                            ((chunk ^ (row % 8)) * 16) + f.col0 * kElemBytes;
+      const uint32_t val = pack2(o[4 * j + 2 * half] * inv[half], o[4 * j + 2 * half + 1] * inv[half]);
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(val) : "memory");
+    }
+  }
+  fence_async_smem();
+  cs.wg_sync();
+  const int q_base = tl.m0 + cs.c * kWgRows;
+  if (cs.wg_thread == 0) {
+#pragma unroll
+    for (int p = 0; p < kPanels; ++p)
+      tma_store_3d(tm_o, o_rows + p * kQPanelBytes, p * kPanelCols, q_base, tl.hm.bh_q);
+    tma_store_commit();
+  }
+  if (cs.lane % 4 == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q_idx = q_base + f.row0 + 8 * half;
+      if (q_idx < seqlen_q) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
+    }
+  }
+  if (!kSeparateO && holds_q) {                            // O was staged in Q: free it once read
+    if (cs.wg_thread == 0) tma_store_wait_read();
+    cs.wg_sync();
+    cs.release(sm.q_empty);
+  }
+  // @cuir-end epilogue
+}
+
+__device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
+                                         float* __restrict__ lse, const Problem& pb,
+                                         float softmax_scale) {
+  const Frag f = frag_coords(cs.wg_thread);
+  const uint32_t q_rows = sm.q + cs.c * kWgQBytes;
+  const bool last_consumer = cs.c == kConsumers - 1;
+  int it = 0, q_iter = 0;
+  for (int k = 0;; ++k) {
+    const int slot = k % kTileSlots;
+    mbar_wait(sm.tile_full + 8 * slot, (k / kTileSlots) & 1);
+    int t;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(t) : "r"(sm.tile_slot + 4 * slot) : "memory");
+    mbar_arrive(sm.tile_empty + 8 * slot);                 // every reader arrives after its read
+    if (t >= pb.num_tiles) break;
+    const Tile tl = pb.tile(t);
+    const int tiles = kv_count(tl.r);
+    float o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    SoftmaxState st;
+    softmax_init(st);
+    if (tiles > 0) {
+      float s[kSRegs];
+      uint32_t p[kPRegs];
+      float rescale[2];
+      const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0;
+      auto process_scores = [&](int n) {
+        const bool partial = tile_partial(pb.va, tl.r, n);
+        if (partial) score_and_mask<true>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
+        else score_and_mask<false>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
+      };
+      if (last_consumer) named_arrive(kBarWgTurn0, 2 * kWgThreads);   // consumer 0 goes first
+
+      // First KV tile: S only.
+      cs.turn_wait();
+      mbar_wait(sm.k_full + 8 * ring_stage(it), ring_phase(it));
+      mbar_wait(sm.q_full, q_iter & 1);
+      gemm_qk(s, q_rows, sm.k_tile(ring_stage(it)));
+      cs.turn_pass();
+      wgmma_wait<0>();
+      reg_fence(s);
+      cs.release(sm.k_empty + 8 * ring_stage(it));
+      process_scores(tile_at(tl.r, 0));
+      softmax_update(pb.va, s, st, rescale);
+      convert_p(p, s);
+
+      // Steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight while softmax(S_i) runs.
+      for (int i = 1; i < tiles; ++i) {
+        const int sk = ring_stage(it + i), sv = ring_stage(it + i - 1);
+        cs.turn_wait();
+        mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
+        gemm_qk(s, q_rows, sm.k_tile(sk));
+        mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
+        gemm_pv(o, p, sm.v_tile(sv));
+        cs.turn_pass();
+        wgmma_wait<1>();
+        reg_fence(s);
+        cs.release(sm.k_empty + 8 * sk);
+        process_scores(tile_at(tl.r, i));
+        softmax_update(pb.va, s, st, rescale);
+        wgmma_wait<0>();
+        reg_fence(o);
+        cs.release(sm.v_empty + 8 * sv);
+        rescale_o(o, rescale);
+        convert_p(p, s);
+      }
+      if (kSeparateO) cs.release(sm.q_empty);              // every QK of this tile is done
+
+      // Drain: the last P V.
+      const int sv = ring_stage(it + tiles - 1);
+      cs.turn_wait();
+      mbar_wait(sm.v_full + 8 * sv, ring_phase(it + tiles - 1));
+      gemm_pv(o, p, sm.v_tile(sv));
+      if (!last_consumer) cs.turn_pass();                    // keeps wg_turn arrivals balanced
+      wgmma_wait<0>();
+      reg_fence(o);
+      cs.release(sm.v_empty + 8 * sv);
+      it += tiles;
+    }
+    epilogue(cs, sm, tm_o, lse, o, st, tl, pb.seqlen_q, tiles > 0);
+    q_iter += tiles > 0;
+  }
+  if (cs.wg_thread == 0) tma_store_wait_read();            // smem must outlive the last store
+}
+
+}  // namespace fa3
+
+// ------------------------------------------------------------------ entry point
+// Grid: (G) with G <= number of tiles = ceil(Nq / BLOCK_M) * Hq * B; block: kThreads;
+// dynamic smem: kSmemBytes; *tile_counter must be 0 at launch.
+extern "C" __global__ void __launch_bounds__(fa3::kThreads, 1)
+fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+             const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+             float* __restrict__ lse, int* __restrict__ tile_counter, int seqlen_q, int seqlen_k,
+             int heads_q, int heads_kv, int batch, float softmax_scale,
+             const __grid_constant__ fa3::VariantArgs va) {
+  using namespace fa3;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
+  Smem sm;
+  sm.q = base + kOffQ;
+  sm.k = base + kOffK;
+  sm.v = base + kOffV;
+  sm.o = base + kOffO;
+  sm.q_full = base + kOffBar;
+  sm.q_empty = sm.q_full + 8;
+  sm.k_full = sm.q_empty + 8;
+  sm.k_empty = sm.k_full + 8 * kStages;
+  sm.v_full = sm.k_empty + 8 * kStages;
+  sm.v_empty = sm.v_full + 8 * kStages;
+  sm.tile_full = sm.v_empty + 8 * kStages;
+  sm.tile_empty = sm.tile_full + 8 * kTileSlots;
+  sm.tile_slot = sm.tile_empty + 8 * kTileSlots;
+  const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
+  const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_m * heads_q * batch,
+                   tile_counter, va};
+
+  const int wg = threadIdx.x / kWgThreads;
+  if (threadIdx.x == 0) {
+    mbar_init(sm.q_full, 1);
+    mbar_init(sm.q_empty, kEmptyArrivals);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(sm.k_full + 8 * s, 1);
+      mbar_init(sm.v_full + 8 * s, 1);
+      mbar_init(sm.k_empty + 8 * s, kEmptyArrivals);
+      mbar_init(sm.v_empty + 8 * s, kEmptyArrivals);
+    }
+    for (int s = 0; s < kTileSlots; ++s) {
+      mbar_init(sm.tile_full + 8 * s, 1);
+      mbar_init(sm.tile_empty + 8 * s, kConsumers * kWgThreads);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == 0) producer(sm, &tm_q, &tm_k, &tm_v, pb);
+  } else {
+    reg_alloc<kConsumerRegs>();
+    const Consumer cs{wg - 1, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
+    consumer(cs, sm, &tm_o, lse, pb, softmax_scale);
+  }
+}

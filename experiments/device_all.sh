@@ -44,4 +44,23 @@ B)
     rm -rf "$OUT/tune_$run/cache" "$OUT/tune_$run/kernel" "$OUT/tune_$run/candidates"
   done
   ;;
+C)
+  # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask
+  # variants against FlexAttention at every length, the normalisations at 8k, and fa3 vs cuDNN.
+  step gpu tests
+  timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
+  step sanitizer
+  for tool in memcheck racecheck; do
+    timeout 90 compute-sanitizer --print-limit 20 --error-exitcode 9 --tool $tool \
+      python3 experiments/bench_fa3.py --sanitize-case > "$OUT/fa3_$tool.log" 2>&1; echo "fa3 $tool rc=$?"
+  done
+  step variant benchmark
+  timeout 200 python3 experiments/bench_variants.py --out "$OUT/variants.json" --n 8192 16384 4096 1024 \
+    --variants causal prefixlm global_sliding_window causal_blockwise share_question relative_pos \
+    --systems ours flex --sweep-variants 2>&1 | tail -26
+  timeout 60 python3 experiments/bench_variants.py --out "$OUT/variants_norm.json" --n 8192 \
+    --variants relu sigmoid composite --systems ours ours_causal --sweep-variants 2>&1 | tail -4
+  step fa3 vs cuDNN
+  timeout 120 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench.json" 2>&1 | tail -22
+  ;;
 esac

@@ -59,6 +59,7 @@ class Launchable:
     source: str
     args: ctypes.Structure
     keep_alive: list
+    tile_orders: dict = field(default_factory=dict)   # fa3: longest-first tile order per shape
 
     def numpy(self):
         """The same bytes as a NumPy structured scalar (what CuPy kernel launches take)."""

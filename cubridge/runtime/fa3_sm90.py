@@ -33,6 +33,7 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 CACHE_DIR = Path(__file__).resolve().parents[2] / ".cubridge_cache" / "fa3_sm90"
 ENTRY = b"fa3_sm90_fwd"
+COUNTS_ENTRY = b"fa3_sm90_tile_counts"   # KV tiles per work tile, for the longest-first order
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)   # wgmma/setmaxnreg need sm_90a
 NVCC_FLAGS = ("-cubin", "-std=c++17", "-O3", *ARCH_FLAGS)
 
@@ -160,14 +161,17 @@ class _Driver:
             text = msg.value.decode() if msg.value else "unknown error"
             raise LaunchError(f"{what} failed: CUDA driver error {result} ({text})")
 
-    def load_function(self, cubin: bytes, smem_bytes: int) -> ctypes.c_void_p:
-        module, func = ctypes.c_void_p(), ctypes.c_void_p()
+    def load_function(self, cubin: bytes, smem_bytes: int) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+        """The attention entry (its dynamic shared memory set) and the tile-count entry."""
+        module, func, counts = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self.check(self.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
         self.check(self.lib.cuModuleGetFunction(ctypes.byref(func), module, ENTRY),
                    "cuModuleGetFunction")
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(counts), module, COUNTS_ENTRY),
+                   "cuModuleGetFunction")
         self.check(self.lib.cuFuncSetAttribute(
             func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes), "cuFuncSetAttribute")
-        return func
+        return func, counts
 
     def tensor_map(self, t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
         """3-D map over a [B, H, N, D] tensor seen as (D, N, B*H): zero fill stops at each head's N."""
@@ -190,7 +194,7 @@ class _Driver:
 
 
 _DRIVER: _Driver | None = None
-_FUNCTIONS: dict[tuple, ctypes.c_void_p] = {}
+_FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
 
 
 def _driver() -> _Driver:
@@ -204,7 +208,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _function(config: Fa3Config, device: torch.device, source: str | None = None) -> ctypes.c_void_p:
+def _function(config: Fa3Config, device: torch.device, source: str | None = None):
     key = (tuple(config.defines()), device.index, hashlib.sha256(source.encode()).hexdigest() if source else None)
     if key not in _FUNCTIONS:
         cubin = build_cubin(config, source=source)
@@ -284,14 +288,17 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
         lse.fill_(-math.inf)
         return out, lse
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    func = _function(config, q.device, variant.source if variant is not None else None)
+    func, counts_func = _function(config, q.device, variant.source if variant is not None else None)
     drv = _driver()
+    order = (tile_order(counts_func, config, variant, q.device, b, hq, hkv, nq, nk)
+             if variant is not None else None)
     maps = [drv.tensor_map(q, config.block_m), drv.tensor_map(k, config.block_n),
             drv.tensor_map(v, config.block_n), drv.tensor_map(out, WG_ROWS)]
     # The dynamic tile scheduler's counter; a fresh zero per launch keeps launches on different
     # streams independent (the caching allocator orders reuse after this kernel).
     counter = torch.zeros(1, device=q.device, dtype=torch.int32)
     scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),
+               ctypes.c_uint64(order.data_ptr() if order is not None else 0),
                ctypes.c_int32(nq), ctypes.c_int32(nk),
                ctypes.c_int32(hq), ctypes.c_int32(hkv), ctypes.c_int32(b), ctypes.c_float(scale),
                variant.args if variant is not None else ctypes.c_int32(0)]   # VariantArgs
@@ -303,3 +310,40 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     drv.check(drv.lib.cuLaunchKernel(func, *grid, config.threads, 1, 1, config.smem_bytes,
                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     return out, lse
+
+
+def lpt_order(counts: torch.Tensor) -> torch.Tensor:
+    """Work-tile order for the dynamic scheduler from counts [BH, num_m] (KV tiles per tile):
+    longest processing time first, by power-of-two buckets of the count; inside a bucket, head by
+    head (the tiles running at the same time then share K/V in L2), longest first. Entry t of the
+    result is bh * num_m + m_block.
+
+    >>> lpt_order(torch.tensor([[1, 2, 3], [9, 1, 1]])).tolist()   # head 1's long tile first
+    [3, 2, 1, 0, 4, 5]
+    """
+    bh, num_m = counts.shape
+    c = counts.to(torch.int64).clamp(min=0, max=(1 << 16) - 1)
+    bucket = torch.where(c > 0, torch.floor(torch.log2(c.clamp(min=1).double())).to(torch.int64) + 1, 0)
+    heads = torch.arange(bh, device=c.device).view(-1, 1).expand(bh, num_m)
+    ms = torch.arange(num_m, device=c.device).view(1, -1).expand(bh, num_m)
+    key = ((20 - bucket) << 52) | (heads << 32) | (((1 << 16) - 1 - c) << 16) | ms
+    return torch.argsort(key.reshape(-1), stable=True).to(torch.int32)
+
+
+def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, nk) -> torch.Tensor:
+    """The longest-first tile order of a lowered variant at one shape: its kv_range counted on the
+    GPU by the kernel's own fa3_sm90_tile_counts, ordered by lpt_order; cached on the variant."""
+    key = (config.block_m, config.block_n, b, hq, hkv, nq, nk, device.index)
+    cache = variant.tile_orders
+    if key not in cache:
+        num_m = math.ceil(nq / config.block_m)
+        counts = torch.empty(b * hq * num_m, device=device, dtype=torch.int32)
+        params = [ctypes.c_uint64(counts.data_ptr()), ctypes.c_int32(nq), ctypes.c_int32(nk), ctypes.c_int32(hq),
+                  ctypes.c_int32(hkv), ctypes.c_int32(b), variant.args]
+        argv = (ctypes.c_void_p * len(params))(*[ctypes.addressof(x) for x in params])
+        drv, threads = _driver(), 128
+        stream = torch.cuda.current_stream(device).cuda_stream
+        drv.check(drv.lib.cuLaunchKernel(counts_func, math.ceil(counts.numel() / threads), 1, 1, threads, 1, 1, 0,
+                                         ctypes.c_void_p(stream), argv, None), "cuLaunchKernel")
+        cache[key] = lpt_order(counts.view(b * hq, num_m))
+    return cache[key]

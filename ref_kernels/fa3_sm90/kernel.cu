@@ -317,11 +317,21 @@ __device__ __forceinline__ int ring_phase(int it) { return (it / kStages) & 1; }
 
 // A work tile: query block, head, batch; the query blocks of one head are consecutive so that
 // CTAs running at the same time share K/V in L2. Causal: the longest rows (last m_block) first.
+// A tile_order array (from fa3_sm90_tile_counts and the host) overrides this: entry t is
+// bh * num_m + m_block, longest tiles of every head first.
 struct Tile { int m0; HeadMap hm; KvRange r; };
-__device__ __forceinline__ Tile decode_tile(const VariantArgs& va, int t, int num_m, int seqlen_q,
-                                            int seqlen_k, int heads_q, int heads_kv) {
-  const int m_idx = t % num_m, bh = t / num_m;
-  const int m_block = (kCausal || kLongestFirst) ? num_m - 1 - m_idx : m_idx;
+__device__ __forceinline__ Tile decode_tile(const VariantArgs& va, const int* tile_order, int t, int num_m,
+                                            int seqlen_q, int seqlen_k, int heads_q, int heads_kv) {
+  int m_block, bh;
+  if (tile_order != nullptr) {
+    const int code = tile_order[t];
+    m_block = code % num_m;
+    bh = code / num_m;
+  } else {
+    const int m_idx = t % num_m;
+    bh = t / num_m;
+    m_block = (kCausal || kLongestFirst) ? num_m - 1 - m_idx : m_idx;
+  }
   const int m0 = m_block * kBlockM;
   const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
   return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0, seqlen_q, seqlen_k)};
@@ -356,9 +366,10 @@ __device__ __forceinline__ TileMsg get_tile_msg(uint32_t addr) {
 struct Problem {
   int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;
   int* tile_counter;
+  const int* tile_order;          // nullptr: the default order
   VariantArgs va;
   __device__ __forceinline__ Tile tile(int t) const {
-    return decode_tile(va, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
+    return decode_tile(va, tile_order, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
   }
 };
 
@@ -592,7 +603,8 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
 extern "C" __global__ void __launch_bounds__(fa3::kThreads, 1)
 fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
-             float* __restrict__ lse, int* __restrict__ tile_counter, int seqlen_q, int seqlen_k,
+             float* __restrict__ lse, int* __restrict__ tile_counter,
+             const int* __restrict__ tile_order, int seqlen_q, int seqlen_k,
              int heads_q, int heads_kv, int batch, float softmax_scale,
              const __grid_constant__ fa3::VariantArgs va) {
   using namespace fa3;
@@ -614,7 +626,7 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   sm.tile_slot = sm.tile_empty + 8 * kTileSlots;
   const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
   const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_m * heads_q * batch,
-                   tile_counter, va};
+                   tile_counter, tile_order, va};
 
   const int wg = threadIdx.x / kWgThreads;
   if (threadIdx.x == 0) {
@@ -642,4 +654,18 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     const Consumer cs{wg - 1, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
     consumer(cs, sm, &tm_o, lse, pb, softmax_scale);
   }
+}
+
+// KV tiles each work tile visits: counts[bh * num_m + m_block] = kv_count(kv_range(...)), one
+// thread per tile. The host orders the tiles by it (longest first) for the dynamic scheduler.
+extern "C" __global__ void fa3_sm90_tile_counts(int* __restrict__ counts, int seqlen_q, int seqlen_k,
+                                                int heads_q, int heads_kv, int batch,
+                                                const __grid_constant__ fa3::VariantArgs va) {
+  using namespace fa3;
+  const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= num_m * heads_q * batch) return;
+  const int m_block = t % num_m, bh = t / num_m;
+  const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
+  counts[t] = kv_count(kv_range(va, hm.b, hm.h, m_block, m_block * kBlockM, seqlen_q, seqlen_k));
 }

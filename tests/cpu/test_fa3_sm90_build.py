@@ -56,7 +56,9 @@ def test_hooks_live_in_their_regions():
     assert "struct VariantArgs" in flat("extra_io")
     for hook in ("KvRange kv_range(", "int kv_count(", "int tile_at(", "bool tile_partial("):
         assert hook in flat("kv_range")
-    assert text.count('extern "C" __global__') == 1
+    # the attention entry and the tile-count entry (the same kv_range, for the longest-first order)
+    assert text.count('extern "C" __global__') == 2
+    assert "fa3_sm90_fwd(" in text and "fa3_sm90_tile_counts(" in text
 
 
 def _compile(config: Fa3Config, out_dir: Path) -> tuple[Fa3Config, subprocess.CompletedProcess, Path]:

@@ -290,8 +290,12 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     func, counts_func = _function(config, q.device, variant.source if variant is not None else None)
     drv = _driver()
-    order = (tile_order(counts_func, config, variant, q.device, b, hq, hkv, nq, nk)
-             if variant is not None else None)
+    tiles = math.ceil(nq / config.block_m) * hq * b
+    ctas = min(tiles, _sm_count(q.device)) if config.persistent else tiles
+    grid = (min(ctas, max_ctas) if max_ctas else ctas, 1, 1)
+    # concurrent CTAs: the grid, or (one tile per CTA) as many as fit, one per SM
+    order = (tile_order(counts_func, config, variant, q.device, b, hq, hkv, nq, nk,
+                        min(grid[0], _sm_count(q.device))) if variant is not None else None)
     maps = [drv.tensor_map(q, config.block_m), drv.tensor_map(k, config.block_n),
             drv.tensor_map(v, config.block_n), drv.tensor_map(out, WG_ROWS)]
     # The dynamic tile scheduler's counter; a fresh zero per launch keeps launches on different
@@ -303,37 +307,39 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                ctypes.c_int32(hq), ctypes.c_int32(hkv), ctypes.c_int32(b), ctypes.c_float(scale),
                variant.args if variant is not None else ctypes.c_int32(0)]   # VariantArgs
     params = (ctypes.c_void_p * len(maps + scalars))(*[ctypes.addressof(x) for x in maps + scalars])
-    tiles = math.ceil(nq / config.block_m) * hq * b
-    ctas = min(tiles, _sm_count(q.device)) if config.persistent else tiles
-    grid = (min(ctas, max_ctas) if max_ctas else ctas, 1, 1)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     drv.check(drv.lib.cuLaunchKernel(func, *grid, config.threads, 1, 1, config.smem_bytes,
                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     return out, lse
 
 
-def lpt_order(counts: torch.Tensor) -> torch.Tensor:
-    """Work-tile order for the dynamic scheduler from counts [BH, num_m] (KV tiles per tile):
-    longest processing time first, by power-of-two buckets of the count; inside a bucket, head by
-    head (the tiles running at the same time then share K/V in L2), longest first. Entry t of the
-    result is bh * num_m + m_block.
+def lpt_order(counts: torch.Tensor, ctas: int) -> torch.Tensor:
+    """Work-tile order for the dynamic scheduler from counts [BH, num_m] (KV tiles per tile) and
+    the number of CTAs. A tile longer than half a CTA's fair share of the work would stretch the
+    tail if it started late: those go first, longest first. The rest keep the default order,
+    head by head (the tiles running at the same time then share K/V in L2), longest first inside
+    a head. Entry t of the result is bh * num_m + m_block.
 
-    >>> lpt_order(torch.tensor([[1, 2, 3], [9, 1, 1]])).tolist()   # head 1's long tile first
-    [3, 2, 1, 0, 4, 5]
+    >>> lpt_order(torch.tensor([[1, 2, 3], [9, 1, 1]]), ctas=4).tolist()   # 9 > 17 / 4 / 2
+    [3, 2, 1, 0, 5, 4]
+    >>> lpt_order(torch.tensor([[1, 2, 3], [3, 2, 1]]), ctas=2).tolist()   # none is long
+    [2, 1, 0, 3, 4, 5]
     """
     bh, num_m = counts.shape
     c = counts.to(torch.int64).clamp(min=0, max=(1 << 16) - 1)
-    bucket = torch.where(c > 0, torch.floor(torch.log2(c.clamp(min=1).double())).to(torch.int64) + 1, 0)
+    long = 2 * c * max(1, ctas) > c.sum()
     heads = torch.arange(bh, device=c.device).view(-1, 1).expand(bh, num_m)
     ms = torch.arange(num_m, device=c.device).view(1, -1).expand(bh, num_m)
-    key = ((20 - bucket) << 52) | (heads << 32) | (((1 << 16) - 1 - c) << 16) | ms
+    rank = (1 << 16) - 1 - c                      # longer first
+    key = torch.where(long, (rank << 40) | (heads << 20) | ms,
+                      (1 << 60) | (heads << 36) | (rank << 20) | (num_m - 1 - ms))
     return torch.argsort(key.reshape(-1), stable=True).to(torch.int32)
 
 
-def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, nk) -> torch.Tensor:
+def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, nk, ctas) -> torch.Tensor:
     """The longest-first tile order of a lowered variant at one shape: its kv_range counted on the
     GPU by the kernel's own fa3_sm90_tile_counts, ordered by lpt_order; cached on the variant."""
-    key = (config.block_m, config.block_n, b, hq, hkv, nq, nk, device.index)
+    key = (config.block_m, config.block_n, b, hq, hkv, nq, nk, device.index, ctas)
     cache = variant.tile_orders
     if key not in cache:
         num_m = math.ceil(nq / config.block_m)
@@ -345,5 +351,5 @@ def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, 
         stream = torch.cuda.current_stream(device).cuda_stream
         drv.check(drv.lib.cuLaunchKernel(counts_func, math.ceil(counts.numel() / threads), 1, 1, threads, 1, 1, 0,
                                          ctypes.c_void_p(stream), argv, None), "cuLaunchKernel")
-        cache[key] = lpt_order(counts.view(b * hq, num_m))
+        cache[key] = lpt_order(counts.view(b * hq, num_m), ctas)
     return cache[key]

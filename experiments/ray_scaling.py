@@ -4,8 +4,9 @@
 
 Runs experiments/configs/ray_scaling_prefixlm.yaml twice in fresh processes (CUDA_VISIBLE_DEVICES=0,
 then 0,1; each run has its own output directory, so both start with a cold compile cache) and
-reads each run's trials.jsonl: rate = (measured trials - 1) / (last finish - first finish), the
-steady-state rate of the search loop (setup, transfer and the final bench excluded). Also records
+reads each run's trials.jsonl: rate = (measured trials - workers) / (last finish - first finish),
+the steady-state rate of the search loop (setup, transfer and the final bench excluded; the first
+trial of each worker finishes together, so it is not counted). Also records
 which worker ran each trial, to show that both GPUs took work.
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ def one_run(gpus: str, out_dir: Path) -> dict:
     return {"gpus": len(gpus.split(",")), "rc": proc.returncode, "wall_s": round(wall, 1),
             "measured": len(measured), "states": dict(Counter(r["outcome"]["state"] for r in recs)),
             "workers": dict(Counter(r["worker"] for r in measured)), "span_s": round(span, 1),
-            "trials_per_min": round(60 * (len(measured) - 1) / span, 2) if span == span and span > 0 else None}
+            "trials_per_min": (round(60 * (len(measured) - len(gpus.split(","))) / span, 2)
+                               if span == span and span > 0 else None)}
 
 
 def main():

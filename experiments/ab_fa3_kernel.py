@@ -2,7 +2,10 @@
 bench_fa3's protocol (L2 flushed, median of 30), beside cuDNN. The older version is launched as
 a "variant" source (same VariantArgs, same launch), so nothing but the source differs.
 
-    python experiments/ab_fa3_kernel.py experiments/fa3_versions/kernel_v6_74f23f2.cu --out ab.json
+    python experiments/ab_fa3_kernel.py OTHER_kernel.cu --out ab.json
+
+OTHER must have the current entry-point signature (tile_order included). The committed
+ab_fa3_v7_vs_v6_h200.json compared kernel_v6_74f23f2.cu from a checkout of commit f771bc0.
 """
 from __future__ import annotations
 
@@ -36,7 +39,11 @@ def main():
     ap.add_argument("old", type=Path, help="the other kernel.cu (compiled with -I ref_kernels/fa3_sm90)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    old = Launchable(args.old.read_text(), _NoArgs(0), [])
+    text = args.old.read_text()
+    if "fa3_sm90_tile_counts" not in text:   # the launch passes tile_order since commit 7c9a782
+        sys.exit(f"{args.old}: its entry point predates the tile_order parameter this runtime passes; "
+                 "A/B it from a checkout of commit f771bc0 (where kernel_v6_74f23f2.cu was measured)")
+    old = Launchable(text, _NoArgs(0), [])
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     for hq, hkv, d, n in SHAPES:

@@ -207,23 +207,13 @@ def sanitize_case() -> None:
     for bn in (128, 176):   # separate O buffer / O staged in the Q buffer; 2 CTAs x 4 tiles each
         cfg = Fa3Config(head_dim=128, block_n=bn, causal=True, persistent=True)
         fa3_forward(q, k, v, causal=True, config=cfg, max_ctas=2)
-    # Lowered variants: a scanned KV range handed over through the tile slot (global_sliding_window)
-    # and a block table read in global memory (share_question), persistent with 2 CTAs.
-    from cubridge.cuir.parser import parse_file
-    from cubridge.lower import lower
-    from cubridge.paths import ref_kernel_dir
-    from cubridge.spec import load_spec
-    from cubridge.transfer.rules import transfer
-    ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
-    kq = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16)
+    # Lowered variants: a scanned KV range handed over through the tile slot and a longest-first
+    # tile order (global_sliding_window), a block table in global memory (share_question); 2 CTAs.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_variants import Ours
+    ours, qv = Ours(), torch.randn(1, 4, 333, 128, device="cuda", dtype=torch.bfloat16)
     for name in ("global_sliding_window", "share_question"):
-        cand = transfer(ref, load_spec(name))
-        kern = lower(cand.program, "fa3_sm90")
-        cfg = Fa3Config(head_dim=128, block_n=128, causal=False, persistent=True)
-        inputs = cand.bind(Nq=333, Nk=333, Hq=4, Hkv=2, B=1,
-                           params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device="cuda")
-        qv = torch.randn(1, 4, 333, 128, device="cuda", dtype=torch.bfloat16)
-        fa3_forward(qv, kq, kq, causal=False, config=cfg, max_ctas=2, variant=kern.args(inputs, qv.device))
+        ours.fn(name, qv, k, v, max_ctas=2)()
     torch.cuda.synchronize()
     print("sanitize case done")
 

@@ -51,7 +51,7 @@ class Ours:
         self.ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
         self.cache = {}
 
-    def fn(self, name, q, k, v, block_n=None):
+    def fn(self, name, q, k, v, block_n=None, max_ctas=None):
         if name not in self.cache:
             cand = transfer(self.ref, load_spec(name))
             self.cache[name] = (cand, lower(cand.program, "fa3_sm90"))
@@ -64,7 +64,7 @@ class Ours:
                            params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
         launch = kern.args(inputs, q.device)
         out = torch.empty_like(q)
-        return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
+        return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch, max_ctas=max_ctas)
 
 
 def causal_softmax(q, k, v):

@@ -290,12 +290,12 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     func, counts_func = _function(config, q.device, variant.source if variant is not None else None)
     drv = _driver()
-    tiles = math.ceil(nq / config.block_m) * hq * b
-    ctas = min(tiles, _sm_count(q.device)) if config.persistent else tiles
+    tiles, sms = math.ceil(nq / config.block_m) * hq * b, _sm_count(q.device)
+    ctas = min(tiles, sms) if config.persistent else tiles
     grid = (min(ctas, max_ctas) if max_ctas else ctas, 1, 1)
     # concurrent CTAs: the grid, or (one tile per CTA) as many as fit, one per SM
-    order = (tile_order(counts_func, config, variant, q.device, b, hq, hkv, nq, nk,
-                        min(grid[0], _sm_count(q.device))) if variant is not None else None)
+    order = (tile_order(counts_func, config, variant, q.device, b, hq, hkv, nq, nk, min(grid[0], sms))
+             if variant is not None else None)
     maps = [drv.tensor_map(q, config.block_m), drv.tensor_map(k, config.block_n),
             drv.tensor_map(v, config.block_n), drv.tensor_map(out, WG_ROWS)]
     # The dynamic tile scheduler's counter; a fresh zero per launch keeps launches on different

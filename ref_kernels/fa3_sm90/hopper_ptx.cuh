@@ -98,6 +98,30 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// A trivially copyable value stored / loaded word by word at a 32-bit shared-window address (no
+// 64-bit generic pointer to keep in registers). The "memory" clobbers order them against the
+// mbarrier arrive / wait that publish them.
+template <class T>
+__device__ __forceinline__ void st_shared_words(uint32_t addr, const T& value) {
+  static_assert(sizeof(T) % 4 == 0 && alignof(T) == 4, "32-bit words only");
+  uint32_t w[sizeof(T) / 4];
+  __builtin_memcpy(w, &value, sizeof(T));
+#pragma unroll
+  for (int i = 0; i < int(sizeof(T) / 4); ++i)
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr + 4 * i), "r"(w[i]) : "memory");
+}
+template <class T>
+__device__ __forceinline__ T ld_shared_words(uint32_t addr) {
+  static_assert(sizeof(T) % 4 == 0 && alignof(T) == 4, "32-bit words only");
+  uint32_t w[sizeof(T) / 4];
+#pragma unroll
+  for (int i = 0; i < int(sizeof(T) / 4); ++i)
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[i]) : "r"(addr + 4 * i) : "memory");
+  T value;
+  __builtin_memcpy(&value, w, sizeof(T));
+  return value;
+}
+
 // wgmma shared-memory descriptor, 128B swizzle. Address and offsets are encoded in 16-byte units.
 constexpr uint64_t kDescSwizzle128 = 1ull << 62;
 constexpr int kDescUnit = 16;

@@ -343,25 +343,6 @@ __device__ __forceinline__ Tile decode_tile(const VariantArgs& va, const int* ti
 // Otherwise only t does, and each consumer thread decodes the tile itself (a few integer ops).
 struct TileMsg { int t; Tile tl; };
 static_assert(sizeof(TileMsg) <= kTileSlotBytes, "a variant's KvRange is too large for a tile slot");
-static_assert(sizeof(TileMsg) % 4 == 0 && alignof(TileMsg) == 4, "a tile message is 32-bit words");
-constexpr int kTileMsgWords = sizeof(TileMsg) / 4;
-// Word-by-word copies through 32-bit shared-window addresses (no 64-bit generic pointer to hold).
-__device__ __forceinline__ void put_tile_msg(uint32_t addr, const TileMsg& m) {
-  uint32_t w[kTileMsgWords];
-  __builtin_memcpy(w, &m, sizeof(TileMsg));
-#pragma unroll
-  for (int i = 0; i < kTileMsgWords; ++i)
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr + 4 * i), "r"(w[i]) : "memory");
-}
-__device__ __forceinline__ TileMsg get_tile_msg(uint32_t addr) {
-  uint32_t w[kTileMsgWords];
-#pragma unroll
-  for (int i = 0; i < kTileMsgWords; ++i)
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[i]) : "r"(addr + 4 * i) : "memory");
-  TileMsg m;
-  __builtin_memcpy(&m, w, sizeof(TileMsg));
-  return m;
-}
 
 struct Problem {
   int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;
@@ -387,9 +368,9 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     Tile tl{};
     if constexpr (kRangeViaSmem) {
       if (t < pb.num_tiles) tl = pb.tile(t);
-      put_tile_msg(sm.tile_slot + kTileSlotBytes * slot, TileMsg{t, tl});
+      st_shared_words(sm.tile_slot + kTileSlotBytes * slot, TileMsg{t, tl});
     } else {
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(sm.tile_slot + kTileSlotBytes * slot), "r"(t) : "memory");
+      st_shared_words(sm.tile_slot + kTileSlotBytes * slot, t);
     }
     mbar_arrive(sm.tile_full + 8 * slot);                  // release: the slot's stores first
     if (t >= pb.num_tiles) break;
@@ -511,11 +492,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     int t;
     Tile tl;
     if constexpr (kRangeViaSmem) {
-      const TileMsg msg = get_tile_msg(sm.tile_slot + kTileSlotBytes * slot);
+      const TileMsg msg = ld_shared_words<TileMsg>(sm.tile_slot + kTileSlotBytes * slot);
       t = msg.t;
       tl = msg.tl;
     } else {
-      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(t) : "r"(sm.tile_slot + kTileSlotBytes * slot) : "memory");
+      t = ld_shared_words<int>(sm.tile_slot + kTileSlotBytes * slot);
     }
     mbar_arrive(sm.tile_empty + 8 * slot);                 // every reader arrives after its read
     if (t >= pb.num_tiles) break;

@@ -44,6 +44,24 @@ B)
     rm -rf "$OUT/tune_$run/cache" "$OUT/tune_$run/kernel" "$OUT/tune_$run/candidates"
   done
   ;;
+D)
+  # The normalisations' MUFU balance (share of sigmoids on the FMA pipe, verified then timed
+  # beside our causal softmax), and ncu of the dense kernel vs cuDNN at 1k (where it trails).
+  step "math helpers + sigmoid/composite on the GPU"
+  timeout 200 python3 -m pytest tests/gpu/test_cexpr_math.py tests/gpu/test_variants.py -q -p no:cacheprovider \
+    -k "cexpr or sigmoid or composite" 2>&1 | tail -4 | tee "$OUT/tests.log"
+  step "sigmoid FMA share"
+  timeout 300 python3 experiments/sigmoid_fma_share.py --out "$OUT/sigmoid_fma_share.json" 2>&1 | tail -45
+  step "ncu dense 1k: ours vs cuDNN"
+  NCU="ncu --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy"
+  for v in causal full; do
+    timeout 60 $NCU -k regex:fa3_sm90 --launch-skip 2 --launch-count 1 \
+      python3 experiments/profile_variant.py $v 1024 --dense > "$OUT/ncu_ours_${v}_1k.txt" 2>&1
+    timeout 60 $NCU -k regex:"sdpa|fmha|cudnn|sm90" --launch-skip 2 --launch-count 1 \
+      python3 experiments/profile_variant.py $v 1024 --cudnn > "$OUT/ncu_cudnn_${v}_1k.txt" 2>&1
+  done
+  for f in "$OUT"/ncu_*_1k.txt; do echo "-- $f"; grep -E "^  [a-z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Registers Per|Grid Size|Dynamic Shared" "$f" | head -14; done
+  ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask
   # variants against FlexAttention at every length, the normalisations at 8k, and fa3 vs cuDNN.

@@ -1,0 +1,145 @@
+"""How many sigmoids to run on the FMA pipe (cuir_sigmoid_fma) instead of MUFU tanh.approx, for the
+lowered sigmoid and composite variants on fa3_sm90: each share (eighths of every thread's score
+elements, the CUIR_SIGMOID_FMA_EIGHTHS define of the generated softmax region) is first verified
+on the GPU under the verification rule (ragged, GQA, large scores), then timed round-robin beside
+our causal softmax kernel at the same shape (bench_fa3's protocol: L2 flushed, median of 30).
+
+    python experiments/sigmoid_fma_share.py --out $OUT/sigmoid_fma_share.json [--n 4096 8192 16384]
+
+Also times "fold": composite with the softcap's 1/50 folded into the softmax scale by hand (what
+a score-scale fold in the lowering would give), to decide whether that is worth building.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
+from bench_variants import D, TOKENS, versions  # noqa: E402
+from cubridge import rule  # noqa: E402
+from cubridge.cuir.parser import parse_file  # noqa: E402
+from cubridge.lower import lower  # noqa: E402
+from cubridge.paths import ref_kernel_dir  # noqa: E402
+from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
+from cubridge.runtime.timing import tflops  # noqa: E402
+from cubridge.spec import count_attended, load_spec  # noqa: E402
+from cubridge.transfer.rules import transfer  # noqa: E402
+
+CHECK_SHAPES = [(1, 4, 4, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (1, 2, 2, 2500, 128)]
+FOLD = [("x * softmax_scale", "x * (softmax_scale * 0.02f)"), ("50.0f * cuir_tanh((s * 0.02f))", "50.0f * cuir_tanh(s)")]
+
+
+def with_share(source: str, eighths: int) -> str:
+    return f"#define CUIR_SIGMOID_FMA_EIGHTHS {eighths}\n" + source
+
+
+def folded(source: str) -> str:
+    for a, b in FOLD:
+        assert a in source, f"fold pattern {a!r} not in the lowered source"
+        source = source.replace(a, b)
+    return source
+
+
+class Variant:
+    def __init__(self, name, source_fn):
+        ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+        self.name, self.spec = name, load_spec(name)
+        self.cand = transfer(ref, self.spec)
+        self.kern = lower(self.cand.program, "fa3_sm90")
+        self.source = source_fn(self.kern.source)
+
+    def fn(self, q, k, v, out):
+        B, Hq, N, Dh = q.shape
+        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N)
+        inputs = self.cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
+                                params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
+        launch = replace(self.kern.args(inputs, q.device), source=self.source)
+        return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
+
+
+def check(var: Variant) -> list[str]:
+    """The verification rule at the GPU test shapes, plus scores scaled 4x (softcap and sigmoid
+    saturation exercised)."""
+    failures = []
+    for shape in CHECK_SHAPES:
+        for scale in (1.0, 4.0):
+            B, Hq, Hkv, N, Dh = shape
+            g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{var.name}{shape}{scale}".encode()))
+            dtype = torch.float16 if N == 300 else torch.bfloat16
+            q = (torch.randn(B, Hq, N, Dh, device="cuda", generator=g) * scale).to(dtype)
+            k = (torch.randn(B, Hkv, N, Dh, device="cuda", generator=g) * scale).to(dtype)
+            v = torch.randn(B, Hkv, N, Dh, device="cuda", generator=g).to(dtype)
+            out = torch.full_like(q, float("nan"))
+            var.fn(q, k, v, out)()
+            torch.cuda.synchronize()
+            golden = var.spec.run_reference(q.double(), k.double(), v.double())
+            verdict = rule.compare(out, golden, var.spec.run_reference(q, k, v))
+            if torch.isnan(out).any() or not verdict.passed:
+                failures.append(f"{shape} x{scale}: {verdict}")
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--composite", type=int, nargs="+", default=[0, 2, 3, 4, 5])
+    ap.add_argument("--sigmoid", type=int, nargs="+", default=[0, 1, 2])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    systems = {}
+    for e in args.composite:
+        systems[f"composite e={e}"] = Variant("composite", lambda s, e=e: with_share(s, e))
+    systems["composite e=3 fold"] = Variant("composite", lambda s: with_share(folded(s), 3))
+    systems["composite e=0 fold"] = Variant("composite", lambda s: with_share(folded(s), 0))
+    for e in args.sigmoid:
+        systems[f"sigmoid e={e}"] = Variant("sigmoid", lambda s, e=e: with_share(s, e))
+    result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
+              "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
+              "baseline": "cubridge/fa3_sm90 causal softmax, same shape, same run", "checks": {}, "rows": []}
+    # every (source, config) compiled up front, in parallel (nvcc runs outside the GIL)
+    configs = {default_config(dh, False, True, n) for (_, _, _, n, dh) in CHECK_SHAPES}
+    configs |= {default_config(D, False, True, n) for n in args.n}
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda job: build_cubin(job[0], source=job[1]),
+                      [(c, var.source) for var in systems.values() for c in configs]))
+    for label, var in systems.items():
+        failures = check(var)
+        result["checks"][label] = failures or "passed"
+        print(f"check {label:<22} {'passed' if not failures else failures}", flush=True)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    hq = 32
+    for n in args.n:
+        b = max(1, TOKENS // n)
+        q, k, v = (torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = torch.empty_like(q)
+        cfg = default_config(D, True, True, n)
+        fns = {"causal softmax": lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out)}
+        for label, var in systems.items():
+            fns[label] = var.fn(q, k, v, out)
+        ms = time_ms_interleaved(list(fns.values()), flush)
+        base = None
+        for (label, t) in zip(fns, ms):
+            name = "causal" if label == "causal softmax" else label.split()[0]
+            pairs = count_attended(load_spec(name).hooks_for(n, n, hq, hq, "cuda"), b, hq, n, n, device="cuda")
+            tf = tflops(4.0 * D * pairs, t)
+            base = tf if base is None else base
+            row = {"system": label, "N": n, "B": b, "Hq": hq, "D": D, "ms": round(t, 4), "tflops": round(tf, 1),
+                   "vs_causal_softmax": round(tf / base, 3)}
+            result["rows"].append(row)
+            print(f"{n:>6} {label:<22} {t:8.3f} ms {tf:7.1f} TFLOPS {tf / base:6.3f}x causal", flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,8 @@ a "variant" source (same VariantArgs, same launch), so nothing but the source di
 
     python experiments/ab_fa3_kernel.py OTHER_kernel.cu --out ab.json
 
-OTHER must have the current entry-point signature (tile_order included). The committed
+OTHER must have the current entry-point signature (tile_order included) and reset the tile
+counter when done (release_tile_counter). The committed
 ab_fa3_v7_vs_v6_h200.json compared kernel_v6_74f23f2.cu from a checkout of commit f771bc0.
 """
 from __future__ import annotations
@@ -43,6 +44,9 @@ def main():
     if "fa3_sm90_tile_counts" not in text:   # the launch passes tile_order since commit 7c9a782
         sys.exit(f"{args.old}: its entry point predates the tile_order parameter this runtime passes; "
                  "A/B it from a checkout of commit f771bc0 (where kernel_v6_74f23f2.cu was measured)")
+    if "release_tile_counter" not in text:   # the runtime keeps one counter per stream since then
+        sys.exit(f"{args.old}: it does not reset the tile counter after a launch, which the runtime now "
+                 "expects (one zeroed counter per stream); add release_tile_counter or A/B from an older checkout")
     old = Launchable(text, _NoArgs(0), [])
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []

@@ -62,6 +62,27 @@ D)
   done
   for f in "$OUT"/ncu_*_1k.txt; do echo "-- $f"; grep -E "^  [a-z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Registers Per|Grid Size|Dynamic Shared" "$f" | head -14; done
   ;;
+E)
+  # After a change to the fa3 launch path: its GPU tests, the host cost per call, fa3 vs cuDNN.
+  step "fa3 GPU tests"
+  timeout 240 python3 -m pytest tests/gpu/test_fa3_sm90.py tests/gpu/test_cexpr_math.py -q -p no:cacheprovider \
+    2>&1 | tail -4 | tee "$OUT/tests.log"
+  step "host cost per call"
+  timeout 60 python3 experiments/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -8
+  step "fa3 vs cuDNN"
+  timeout 260 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench.json" 2>&1 | tail -25
+  ;;
+F)
+  # Where composite's time goes beside sigmoid's (pipe utilisation, stalls, per-instruction samples).
+  for v in composite sigmoid; do
+    timeout 120 ncu --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats \
+      --section SourceCounters --section SpeedOfLight -k regex:fa3_sm90_fwd --launch-skip 2 --launch-count 1 \
+      -o "$OUT/ncu_$v" python3 experiments/profile_variant.py $v 8192 > "$OUT/ncu_${v}_run.txt" 2>&1
+    ncu -i "$OUT/ncu_$v.ncu-rep" --page details --print-details all > "$OUT/ncu_$v.txt" 2>&1
+    ncu -i "$OUT/ncu_$v.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${v}_sass.csv" 2>&1 || true
+    grep -E "Duration|Issue Slots Busy|Pipe|Stall|Warp Cycles Per Issued" "$OUT/ncu_$v.txt" | head -30
+  done
+  ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask
   # variants against FlexAttention at every length, the normalisations at 8k, and fa3 vs cuDNN.

@@ -19,8 +19,10 @@ Example (on an sm_90 GPU):
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,12 +206,56 @@ def _driver() -> _Driver:
     return _DRIVER
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+# Host-path caches: a launch of a short sequence takes a few hundred microseconds on the GPU, so
+# the per-call Python work (tensor-map encoding, a zeroed counter) showed in 1k timings.
+_TENSOR_MAPS: OrderedDict = OrderedDict()
+TENSOR_MAP_CACHE = 256
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
+    """The TMA descriptor of t, cached: it depends only on the address, shape and dtype (t is
+    contiguous), so a reused buffer, or the same tensor again, gets the same bytes."""
+    key = (t.data_ptr(), tuple(t.shape), t.dtype, rows_per_box, t.device.index)
+    view = _TENSOR_MAPS.get(key)
+    if view is None:
+        view = _driver().tensor_map(t, rows_per_box)
+        _TENSOR_MAPS[key] = view
+        if len(_TENSOR_MAPS) > TENSOR_MAP_CACHE:
+            _TENSOR_MAPS.popitem(last=False)
+    else:
+        _TENSOR_MAPS.move_to_end(key)
+    return view
+
+
+def _tile_counter(device: torch.device, stream: int) -> torch.Tensor:
+    """The scheduler's counter pair for launches on `stream`: zeroed once; every launch leaves it
+    zero again (the kernel's last producer resets it), and launches on one stream run in order.
+    Separate streams get separate pairs, so concurrent launches stay independent."""
+    key = (device.index, stream)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(2, device=device, dtype=torch.int32)
+    return counter
 
 
 def _function(config: Fa3Config, device: torch.device, source: str | None = None):
-    key = (tuple(config.defines()), device.index, hashlib.sha256(source.encode()).hexdigest() if source else None)
+    key = (config, device.index, _digest(source) if source else None)
     if key not in _FUNCTIONS:
         cubin = build_cubin(config, source=source)
         with torch.cuda.device(device):
@@ -248,7 +294,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3
     if d not in SUPPORTED_HEAD_DIMS or d != config.head_dim:
         raise LaunchError(f"head dim {d} (config built for {config.head_dim})",
                           hint=f"D must be one of {SUPPORTED_HEAD_DIMS} and match the config")
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _capability(q.device.index) != (9, 0):
         raise LaunchError(f"{torch.cuda.get_device_name(q.device)} is not sm_90",
                           hint="this kernel needs a Hopper GPU (H100/H200)")
 
@@ -290,24 +336,22 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     func, counts_func = _function(config, q.device, variant.source if variant is not None else None)
     drv = _driver()
-    tiles, sms = math.ceil(nq / config.block_m) * hq * b, _sm_count(q.device)
+    tiles, sms = math.ceil(nq / config.block_m) * hq * b, _sm_count(q.device.index)
     ctas = min(tiles, sms) if config.persistent else tiles
     grid = (min(ctas, max_ctas) if max_ctas else ctas, 1, 1)
     # concurrent CTAs: the grid, or (one tile per CTA) as many as fit, one per SM
     order = (tile_order(counts_func, config, variant, q.device, b, hq, hkv, nq, nk, min(grid[0], sms))
              if variant is not None else None)
-    maps = [drv.tensor_map(q, config.block_m), drv.tensor_map(k, config.block_n),
-            drv.tensor_map(v, config.block_n), drv.tensor_map(out, WG_ROWS)]
-    # The dynamic tile scheduler's counter; a fresh zero per launch keeps launches on different
-    # streams independent (the caching allocator orders reuse after this kernel).
-    counter = torch.zeros(1, device=q.device, dtype=torch.int32)
+    maps = [_tensor_map(q, config.block_m), _tensor_map(k, config.block_n),
+            _tensor_map(v, config.block_n), _tensor_map(out, WG_ROWS)]
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    counter = _tile_counter(q.device, stream)
     scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),
                ctypes.c_uint64(order.data_ptr() if order is not None else 0),
                ctypes.c_int32(nq), ctypes.c_int32(nk),
                ctypes.c_int32(hq), ctypes.c_int32(hkv), ctypes.c_int32(b), ctypes.c_float(scale),
                variant.args if variant is not None else ctypes.c_int32(0)]   # VariantArgs
     params = (ctypes.c_void_p * len(maps + scalars))(*[ctypes.addressof(x) for x in maps + scalars])
-    stream = torch.cuda.current_stream(q.device).cuda_stream
     drv.check(drv.lib.cuLaunchKernel(func, *grid, config.threads, 1, 1, config.smem_bytes,
                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     return out, lse

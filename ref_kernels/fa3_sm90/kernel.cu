@@ -10,6 +10,7 @@
 //   q, k, v, o      [B, H, N, D] contiguous 16-bit tensors; lse [B, Hq, Nq] float32, natural log
 //   tile            one (m_block, head, batch) work item. A CTA starts with tile blockIdx.x and
 //                   then takes gridDim.x + atomicAdd(tile_counter, 1) until past the last tile
+//                   (the last producer done resets the counter to 0 for the next launch)
 //                   (grid = #tiles: one tile each; grid = #SMs: persistent, dynamically balanced)
 //   tile_slot[2]    smem ring through which the producer hands each tile (index, heads and its
 //                   KV range, computed once) to the consumers, guarded by tile_full / tile_empty
@@ -355,6 +356,18 @@ struct Problem {
 };
 
 // ------------------------------------------------------------------ producer
+// tile_counter[0] is the dynamic scheduler's next-tile counter, tile_counter[1] counts producers
+// past their last atomicAdd on it. The last producer out resets both, so the host keeps one
+// zeroed pair per stream instead of zeroing one before every launch (a memset kernel and an
+// allocation per call, which short sequences pay for).
+__device__ __forceinline__ void release_tile_counter(int* tile_counter) {
+  __threadfence();                                   // our last atomicAdd on [0] before [1]
+  if (atomicAdd(tile_counter + 1, 1) == int(gridDim.x) - 1) {
+    tile_counter[0] = 0;                             // every CTA is past [0]: none reads it again
+    tile_counter[1] = 0;
+  }
+}
+
 __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q,
                                          const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                          const Problem& pb) {
@@ -373,7 +386,10 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       st_shared_words(sm.tile_slot + kTileSlotBytes * slot, t);
     }
     mbar_arrive(sm.tile_full + 8 * slot);                  // release: the slot's stores first
-    if (t >= pb.num_tiles) break;
+    if (t >= pb.num_tiles) {
+      release_tile_counter(pb.tile_counter);
+      break;
+    }
     if constexpr (!kRangeViaSmem) tl = pb.tile(t);
     const int tiles = kv_count(tl.r);
     for (int i = 0; i < tiles; ++i, ++it) {
@@ -580,7 +596,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
 
 // ------------------------------------------------------------------ entry point
 // Grid: (G) with G <= number of tiles = ceil(Nq / BLOCK_M) * Hq * B; block: kThreads;
-// dynamic smem: kSmemBytes; *tile_counter must be 0 at launch.
+// dynamic smem: kSmemBytes; tile_counter[0..1] must be 0 at launch, and are 0 again after it.
 extern "C" __global__ void __launch_bounds__(fa3::kThreads, 1)
 fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,

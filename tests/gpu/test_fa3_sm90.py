@@ -114,6 +114,46 @@ def test_separate_lengths(nq, nk, causal):
     run_case(2, 4, 2, nq, nk, 128, torch.bfloat16, causal)
 
 
+def test_tile_counter_is_zero_after_every_launch():
+    """The kernel's last producer resets the per-stream scheduler counter; grids of different
+    sizes back to back on one stream then all see a zero counter (else tiles would be skipped and
+    their outputs left NaN, which run_case catches)."""
+    from cubridge.runtime.fa3_sm90 import _tile_counter
+    for max_ctas in (1, 5, None, 2):
+        run_case(1, 4, 2, 900, 900, 128, torch.bfloat16, True, persistent=True, max_ctas=max_ctas)
+        stream = torch.cuda.current_stream().cuda_stream
+        assert _tile_counter(torch.device("cuda", torch.cuda.current_device()), stream).tolist() == [0, 0]
+
+
+def test_streams_have_their_own_counters():
+    """Launches on two streams at once use separate counters and both finish correctly."""
+    from cubridge.runtime.fa3_sm90 import _tile_counter
+    side = torch.cuda.Stream()
+    q, k, v = (torch.randn(2, 8, 1500, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    outs = [torch.full_like(q, math.nan) for _ in range(2)]
+    torch.cuda.synchronize()
+    fa3_forward(q, k, v, causal=True, out=outs[0], max_ctas=3)
+    with torch.cuda.stream(side):
+        fa3_forward(q, k, v, causal=True, out=outs[1], max_ctas=5)
+    torch.cuda.synchronize()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert _tile_counter(dev, side.cuda_stream).data_ptr() != _tile_counter(dev, torch.cuda.current_stream().cuda_stream).data_ptr()
+    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
+
+
+def test_cached_tensor_maps_follow_new_data():
+    """Tensor maps are cached by address and shape: new values at a reused address, and a new
+    tensor at a new address, must both be read afresh."""
+    q, k, v = (torch.randn(1, 4, 300, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    first = fa3_forward(q, k, v)[0].clone()
+    q.mul_(0.5)
+    k2 = torch.randn_like(k)
+    second = fa3_forward(q, k2, v)[0]
+    golden, _ = attention(q.double(), k2.double(), v.double(), False)
+    ref, _ = attention(q, k2, v, False)
+    assert compare(second, golden, ref).passed and not torch.equal(first, second)
+
+
 def test_llama_heads_bf16():
     run_case(1, 32, 32, 2048, 2048, 128, torch.bfloat16, True, seed=3)
 

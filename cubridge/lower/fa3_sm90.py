@@ -30,7 +30,10 @@ EPILOGUE_NORMALISE = """\
 """
 
 # Eighths of the sigmoids on the FMA pipe, by the number of MUFU calls in score_mod (0, 1, 2+).
-SIGMOID_FMA_EIGHTHS = (1, 3, 4)
+# All 0: on H100 every share measured slower (NOTES.md v11; sigmoid_fma_share_v11_h100.json:
+# composite at 8k 0.831x our causal softmax with none, 0.772 / 0.745 / 0.697 / 0.663 with 2-5
+# eighths; sigmoid 1.019 / 0.960 / 0.910 with 0-2). The knob stays for other GPUs and the tuner.
+SIGMOID_FMA_EIGHTHS = (0, 0, 0)
 
 
 def kv_range(ir: VariantIR) -> str:
@@ -43,10 +46,8 @@ def softmax(ir: VariantIR, reference_body: str) -> str:
     arg = to_c(ir.norm_arg, _names(ir, {}), _tables(ir))
     if ir.norm == "sigmoid":
         p = f"cuir_sigmoid(s[i] + {arg})"
-        # MUFU balance: tanh.approx costs one MUFU op (8 cycles a warp on sm_90, 16 lanes per SM)
-        # against ~18 FP32/INT issue slots for cuir_sigmoid_fma; the softmax phase runs at the
-        # slower of the two, so a share of the sigmoids (eighths of each thread's elements, fixed
-        # at compile time) goes to the FMA pipe. NOTES.md v11 has the measurements.
+        # MUFU balance: a share of the sigmoids (eighths of each thread's elements, fixed at
+        # compile time) may run as cuir_sigmoid_fma (~18 FP32/INT issue slots, no MUFU op).
         share = f"""#ifndef CUIR_SIGMOID_FMA_EIGHTHS
 #define CUIR_SIGMOID_FMA_EIGHTHS {sigmoid_fma_eighths(ir)}
 #endif

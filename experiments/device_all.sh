@@ -83,6 +83,22 @@ F)
     grep -E "Duration|Issue Slots Busy|Pipe|Stall|Warp Cycles Per Issued" "$OUT/ncu_$v.txt" | head -30
   done
   ;;
+G)
+  # After a change to the fa3 kernel's softmax path: every GPU test, the fa3 sanitizer case, fa3
+  # vs cuDNN, and the normalisations round-robin beside our causal softmax.
+  step gpu tests
+  timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
+  step sanitizer
+  for tool in memcheck racecheck; do
+    timeout 90 compute-sanitizer --print-limit 20 --error-exitcode 9 --tool $tool \
+      python3 experiments/bench_fa3.py --sanitize-case > "$OUT/fa3_$tool.log" 2>&1; echo "fa3 $tool rc=$?"
+  done
+  step "fa3 vs cuDNN"
+  timeout 200 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench.json" 2>&1 | tail -22
+  step "normalisations vs our causal softmax"
+  timeout 150 python3 experiments/sigmoid_fma_share.py --out "$OUT/norms.json" --composite 0 --sigmoid 0 --relu \
+    --n 8192 4096 16384 2>&1 | tail -16
+  ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask
   # variants against FlexAttention at every length, the normalisations at 8k, and fa3 vs cuDNN.

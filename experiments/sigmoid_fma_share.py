@@ -6,7 +6,7 @@ our causal softmax kernel at the same shape (bench_fa3's protocol: L2 flushed, m
 
     python experiments/sigmoid_fma_share.py --out $OUT/sigmoid_fma_share.json [--n 4096 8192 16384]
 
-Also times "fold": composite with the softcap's 1/50 folded into the softmax scale by hand (what
+With --relu also relu; with --fold also "fold": composite with the softcap's 1/50 folded into the softmax scale by hand (what
 a score-scale fold in the lowering would give), to decide whether that is worth building.
 """
 from __future__ import annotations
@@ -95,15 +95,20 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--composite", type=int, nargs="+", default=[0, 2, 3, 4, 5])
     ap.add_argument("--sigmoid", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--fold", action="store_true", help="also composite with the softcap scale folded by hand")
+    ap.add_argument("--relu", action="store_true", help="also relu (no sigmoid: the third normalisation)")
     args = ap.parse_args()
     torch.manual_seed(0)
     systems = {}
     for e in args.composite:
         systems[f"composite e={e}"] = Variant("composite", lambda s, e=e: with_share(s, e))
-    systems["composite e=3 fold"] = Variant("composite", lambda s: with_share(folded(s), 3))
-    systems["composite e=0 fold"] = Variant("composite", lambda s: with_share(folded(s), 0))
+    if args.fold:
+        systems["composite e=3 fold"] = Variant("composite", lambda s: with_share(folded(s), 3))
+        systems["composite e=0 fold"] = Variant("composite", lambda s: with_share(folded(s), 0))
     for e in args.sigmoid:
         systems[f"sigmoid e={e}"] = Variant("sigmoid", lambda s, e=e: with_share(s, e))
+    if args.relu:
+        systems["relu"] = Variant("relu", lambda s: s)
     result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
               "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
               "baseline": "cubridge/fa3_sm90 causal softmax, same shape, same run", "checks": {}, "rows": []}

@@ -334,6 +334,10 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
         lse.fill_(-math.inf)
         return out, lse
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not (scale > 0 and math.isfinite(scale)):
+        raise LaunchError(f"softmax_scale={softmax_scale!r} is not a positive finite number",
+                          hint="the kernel takes row maxima of unscaled scores, which needs scale > 0; "
+                               "the default is 1/sqrt(D)")
     func, counts_func = _function(config, q.device, variant.source if variant is not None else None)
     drv = _driver()
     tiles, sms = math.ceil(nq / config.block_m) * hq * b, _sm_count(q.device.index)

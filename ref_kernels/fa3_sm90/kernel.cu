@@ -191,6 +191,9 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 // @cuir-end kv_range
 
 // @cuir-region score
+// kScoreModIdentity: score_mod returns s unchanged, so the scores stay raw (unscaled) and the
+// softmax region applies softmax_scale inside its exp2 FFMA (one FMUL per score less).
+constexpr bool kScoreModIdentity = true;
 __device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx,
                                            int kv_idx) {
   return s;
@@ -211,7 +214,8 @@ __device__ __forceinline__ Frag frag_coords(int wg_thread) {
   return Frag{16 * warp + lane / 4, 2 * (lane % 4)};
 }
 
-// Scale, score_mod and (on partial tiles) the mask, in one pass over S with each element's indices.
+// Scale and score_mod (skipped for an identity score_mod: the softmax scales), and on partial
+// tiles the mask, in one pass over S with each element's indices.
 template <bool kPartial>
 __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)[kSRegs],
                                                float softmax_scale, HeadMap hm, int q_row0,
@@ -224,29 +228,35 @@ __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];
         const int q_idx = q_row0 + 8 * half, kv_idx = kv_col0 + 8 * j + e;
-        x = score_mod(va, x * softmax_scale, hm.b, hm.h, q_idx, kv_idx);
+        if constexpr (!kScoreModIdentity) x = score_mod(va, x * softmax_scale, hm.b, hm.h, q_idx, kv_idx);
         if (kPartial && !((kv_idx < seqlen_k) & mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
       }
 }
 
 // @cuir-region softmax
-// Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S becomes
-// exp(s - row_max) in place; rescale[half] is what the O rows accumulated so far get multiplied by.
+// Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds
+// scores / score_scale (raw q.k when score_mod is the identity, else score_scale = 1) and becomes
+// exp(score - row_max) in place, the scale folded into the exp2 FFMA; row_max is in natural units
+// (score_scale > 0, so the max of raw scores scales to the max of scores). rescale[half] is what
+// the O rows accumulated so far get multiplied by.
 struct SoftmaxState { float row_max[2]; float row_sum[2]; };
 __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
   st.row_max[0] = st.row_max[1] = kNegInf;
   st.row_sum[0] = st.row_sum[1] = 0.f;
 }
 __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
-                                               SoftmaxState& st, float (&rescale)[2]) {
+                                               SoftmaxState& st, float (&rescale)[2],
+                                               float score_scale) {
+  const float scale_log2 = score_scale * kLog2e;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float mx = st.row_max[half];
+    float mx = kNegInf;
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j)
       mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    mx = fmaxf(st.row_max[half], mx * score_scale);
     const float base = (mx == kNegInf ? 0.f : mx) * kLog2e;   // a row with nothing attended yet
     rescale[half] = fast_exp2(st.row_max[half] * kLog2e - base);
     st.row_max[half] = mx;
@@ -256,7 +266,7 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];
-        x = fast_exp2(fmaf(x, kLog2e, -base));
+        x = fast_exp2(fmaf(x, scale_log2, -base));
         sum += x;
       }
     st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum
@@ -500,6 +510,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
                                          float softmax_scale) {
   const Frag f = frag_coords(cs.wg_thread);
   const uint32_t q_rows = sm.q + cs.c * kWgQBytes;
+  const float score_scale = kScoreModIdentity ? softmax_scale : 1.f;   // what S still needs
   const bool last_consumer = cs.c == kConsumers - 1;
   int it = 0, q_iter = 0;
   for (int k = 0;; ++k) {
@@ -548,7 +559,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       reg_fence(s);
       cs.release(sm.k_empty + 8 * ring_stage(it));
       process_scores(tile_at(tl.r, 0), partial);
-      softmax_update(pb.va, s, st, rescale);
+      softmax_update(pb.va, s, st, rescale, score_scale);
       convert_p(p, s);
 
       // Steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight while softmax(S_i) runs.
@@ -566,7 +577,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
         reg_fence(s);
         cs.release(sm.k_empty + 8 * sk);
         process_scores(tile_at(tl.r, i), partial);
-        softmax_update(pb.va, s, st, rescale);
+        softmax_update(pb.va, s, st, rescale, score_scale);
         wgmma_wait<0>();
         reg_fence(o);
         cs.release(sm.v_empty + 8 * sv);

@@ -154,6 +154,25 @@ def test_cached_tensor_maps_follow_new_data():
     assert compare(second, golden, ref).passed and not torch.equal(first, second)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("factor", [0.25, 3.0])
+def test_softmax_scale(factor, causal):
+    """A non-default softmax_scale (folded into the exp2 FFMA, the max taken on raw scores)."""
+    q, k, v = (torch.randn(1, 4, 700, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = fa3_forward(q, k, v, causal=causal, softmax_scale=factor / math.sqrt(128))
+    golden, golden_lse = attention(q.double() * factor, k.double(), v.double(), causal)
+    ref, _ = attention((q.float() * factor).to(q.dtype), k, v, causal)
+    assert compare(out, golden, ref).passed
+    assert (lse.double() - golden_lse).abs().max().item() <= 1e-3 * max(1.0, factor)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.1, float("inf"), float("nan")])
+def test_softmax_scale_must_be_positive(scale):
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(LaunchError, match="softmax_scale"):
+        fa3_forward(q, q, q, softmax_scale=scale)
+
+
 def test_llama_heads_bf16():
     run_case(1, 32, 32, 2048, 2048, 128, torch.bfloat16, True, seed=3)
 

@@ -104,6 +104,7 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
   return k_lo + kBlockN > r.seqlen_k || !tile_must(va, r, n, k_lo, k_hi);
 }
 // ===== region score
+constexpr bool kScoreModIdentity = true;
 __device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx,
                                            int kv_idx) {
   return s;
@@ -113,23 +114,29 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
   return (kv_idx <= q_idx);
 }
 // ===== region softmax
-// Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S becomes
-// exp(s - row_max) in place; rescale[half] is what the O rows accumulated so far get multiplied by.
+// Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds
+// scores / score_scale (raw q.k when score_mod is the identity, else score_scale = 1) and becomes
+// exp(score - row_max) in place, the scale folded into the exp2 FFMA; row_max is in natural units
+// (score_scale > 0, so the max of raw scores scales to the max of scores). rescale[half] is what
+// the O rows accumulated so far get multiplied by.
 struct SoftmaxState { float row_max[2]; float row_sum[2]; };
 __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
   st.row_max[0] = st.row_max[1] = kNegInf;
   st.row_sum[0] = st.row_sum[1] = 0.f;
 }
 __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
-                                               SoftmaxState& st, float (&rescale)[2]) {
+                                               SoftmaxState& st, float (&rescale)[2],
+                                               float score_scale) {
+  const float scale_log2 = score_scale * kLog2e;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float mx = st.row_max[half];
+    float mx = kNegInf;
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j)
       mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    mx = fmaxf(st.row_max[half], mx * score_scale);
     const float base = (mx == kNegInf ? 0.f : mx) * kLog2e;   // a row with nothing attended yet
     rescale[half] = fast_exp2(st.row_max[half] * kLog2e - base);
     st.row_max[half] = mx;
@@ -139,7 +146,7 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];
-        x = fast_exp2(fmaf(x, kLog2e, -base));
+        x = fast_exp2(fmaf(x, scale_log2, -base));
         sum += x;
       }
     st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum

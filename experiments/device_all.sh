@@ -99,6 +99,15 @@ G)
   timeout 150 python3 experiments/sigmoid_fma_share.py --out "$OUT/norms.json" --composite 0 --sigmoid 0 --relu \
     --n 8192 4096 16384 2>&1 | tail -16
   ;;
+H)
+  # The variant benchmark after a kernel change (ours vs FlexAttention, SDPA + mask, eager,
+  # compiled reference, our causal softmax; GQA prefixlm), then the fa3 tile sweep beside cuDNN.
+  step variant benchmark
+  timeout 330 python3 experiments/bench_variants.py --out "$OUT/variants.json" --n 8192 4096 16384 1024 \
+    --models llama2-7b qwen2.5-72b llama3.1-405b --sweep-variants 2>&1 | tail -40
+  step "fa3 tile sweep"
+  timeout 220 python3 experiments/bench_fa3.py --sweep --out "$OUT/fa3_sweep.json" 2>&1 | tail -14
+  ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask
   # variants against FlexAttention at every length, the normalisations at 8k, and fa3 vs cuDNN.

@@ -57,7 +57,7 @@ class Ours:
             self.cache[name] = (cand, lower(cand.program, "fa3_sm90"))
         cand, kern = self.cache[name]
         B, Hq, N, _ = q.shape
-        cfg = default_config(D, False, True, N)
+        cfg = default_config(D, False, True, N, variant=True)
         if block_n:
             cfg = replace(cfg, block_n=block_n)
         inputs = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=k.shape[1], B=B,

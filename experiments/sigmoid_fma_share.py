@@ -60,7 +60,7 @@ class Variant:
 
     def fn(self, q, k, v, out):
         B, Hq, N, Dh = q.shape
-        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N)
+        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N, variant=True)
         inputs = self.cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
                                 params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
         launch = replace(self.kern.args(inputs, q.device), source=self.source)
@@ -113,8 +113,8 @@ def main():
               "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
               "baseline": "cubridge/fa3_sm90 causal softmax, same shape, same run", "checks": {}, "rows": []}
     # every (source, config) compiled up front, in parallel (nvcc runs outside the GIL)
-    configs = {default_config(dh, False, True, n) for (_, _, _, n, dh) in CHECK_SHAPES}
-    configs |= {default_config(D, False, True, n) for n in args.n}
+    configs = {default_config(dh, False, True, n, variant=True) for (_, _, _, n, dh) in CHECK_SHAPES}
+    configs |= {default_config(D, False, True, n, variant=True) for n in args.n}
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda job: build_cubin(job[0], source=job[1]),
                       [(c, var.source) for var in systems.values() for c in configs]))

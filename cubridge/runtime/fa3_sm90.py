@@ -95,24 +95,34 @@ class Fa3Config:
         return 8 * (2 + 2 * TILE_SLOTS + 4 * self.stages) + TILE_SLOT_BYTES * TILE_SLOTS
 
 
-def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int = 8192) -> Fa3Config:
+def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int = 8192,
+                   variant: bool = False) -> Fa3Config:
     """Tile sizes and grid mode for a shape class. Pure; each branch cites its measurement
-    (H100, bf16, 16k tokens, experiments/results/fa3_sm90_v3_sweep_h100.json; P = persistent with
-    the dynamic tile scheduler, G = one tile per CTA).
+    (H100, bf16, 16k tokens; experiments/results/fa3_sm90_v3_sweep_h100.json, then
+    fa3_sm90_v11_sweep_h100.json after the scale fold; P = persistent with the dynamic tile
+    scheduler, G = one tile per CTA). `variant`: a lowered variant (its own mask) runs with the
+    pre-v11 tiles, the ones its benchmarks measured; the tuner searches the rest.
 
-    >>> default_config(128, causal=True).block_n
+    >>> default_config(128, causal=True, seqlen=1024).block_n
     128
+    >>> default_config(128, causal=False, seqlen=8192).block_n, default_config(128, False, variant=True).block_n
+    (176, 128)
     """
     if head_dim == 64:
         if causal and seqlen <= 2048:
-            # d64 causal 1k: 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226
-            return Fa3Config(64, 128, 128, 2, causal, bf16, persistent=True)
+            # d64 causal 1k: v11 128x128 3 stages 264 vs 2 stages 247 (192x128 240);
+            # v3: 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226
+            return Fa3Config(64, 128, 128, 2 if variant else 3, causal, bf16, persistent=True)
         # d64 8k: 192x128 (3 consumers) causal P 445 / full P 503 vs 128x128 408 / 441;
-        # full 1k: 192x128 P 391 vs 128x128 P 387
+        # full 1k: 192x128 P 391 vs 128x128 P 387 (v11: 361 vs 335; 3 stages 361)
         return Fa3Config(64, 192, 128, 2, causal, bf16, persistent=True)
     # d128: 128x128, 2 stages (160 KB + 32 KB O stage), persistent. Causal P vs G: 1k 444 vs 383,
-    # 8k 570 vs 535, 16k 596 vs 582; full 1k 584 vs 528, 8k 623 vs 597. BLOCK_N 176 (FA3's
-    # non-causal choice) was not better except causal 16k (621, within this machine's noise).
+    # 8k 570 vs 535, 16k 596 vs 582; full 1k 584 vs 528, 8k 623 vs 597 (v3).
+    # v11 (softmax scale in the exp2 FFMA): 128x176 wins full at 8k (646 vs 614; GQA 64/8 656 vs
+    # 618, 128/8 648 vs 610) and causal at 8k (587 vs 574; 615 vs 599; 611 vs 599); at 1k 128x128
+    # stays (causal 457 vs 396, full 519 vs 523).
+    if not variant and seqlen >= (8192 if causal else 2048):
+        return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True)
     return Fa3Config(head_dim, 128, 128, 2, causal, bf16, persistent=True)
 
 
@@ -313,7 +323,8 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     """
     if config is None:
         config = default_config(q.shape[-1] if q.dim() == 4 else -1, causal,
-                                q.dtype == torch.bfloat16, q.shape[2] if q.dim() == 4 else 0)
+                                q.dtype == torch.bfloat16, q.shape[2] if q.dim() == 4 else 0,
+                                variant=variant is not None)
     if config.causal != causal or config.bf16 != (q.dtype == torch.bfloat16):
         raise LaunchError(f"config {config} does not match causal={causal}, dtype={q.dtype}")
     _check_inputs(q, k, v, config)

@@ -34,7 +34,7 @@ def _run(ref, kern, cand, q, k, v, D):
     out = torch.full_like(q, float("nan"))
     if ref == "fa3_sm90":
         from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
-        cfg = default_config(D, False, q.dtype == torch.bfloat16, N)
+        cfg = default_config(D, False, q.dtype == torch.bfloat16, N, variant=True)
         bm, bn = cfg.block_m, cfg.block_n
     else:
         from cubridge.runtime.fa2_sm80 import Fa2Sm80, default_config

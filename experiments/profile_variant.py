@@ -28,15 +28,18 @@ def main():
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--dense", action="store_true", help="the reference kernel (causal or full)")
     ap.add_argument("--cudnn", action="store_true", help="cuDNN SDPA (causal or full)")
+    ap.add_argument("--head-dim", type=int, default=D, help="64 or 128 (--dense / --cudnn only)")
     args = ap.parse_args()
-    b, h = max(1, TOKENS // args.n), 32
-    q, k, v = (torch.randn(b, h, args.n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    b, h, d = max(1, TOKENS // args.n), 32, args.head_dim
+    if d != D and not (args.dense or args.cudnn):
+        ap.error("lowered variants are profiled at D = 128")
+    q, k, v = (torch.randn(b, h, args.n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     if (args.dense or args.cudnn) and args.variant not in ("causal", "full"):
         ap.error("--dense / --cudnn run causal or full only")
     causal = args.variant == "causal"
     if args.dense:
         from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
-        cfg, out = default_config(D, causal, True, args.n), torch.empty_like(q)
+        cfg, out = default_config(d, causal, True, args.n), torch.empty_like(q)
         def run():
             fa3_forward(q, k, v, causal=causal, config=cfg, out=out)
     elif args.cudnn:

@@ -15,6 +15,13 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 step() { echo; echo "== $* ($(date +%T))"; }
+sanitize_fa3() {   # memcheck + racecheck of the fa3 case (dense GQA ragged; lowered variants, 2 CTAs)
+  step sanitizer
+  for tool in memcheck racecheck; do
+    timeout 90 compute-sanitizer --print-limit 20 --error-exitcode 9 --tool $tool \
+      python3 experiments/bench_fa3.py --sanitize-case > "$OUT/fa3_$tool.log" 2>&1; echo "fa3 $tool rc=$?"
+  done
+}
 case "${1:-A}" in
 A)
   step gpu tests
@@ -88,11 +95,7 @@ G)
   # vs cuDNN, and the normalisations round-robin beside our causal softmax.
   step gpu tests
   timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
-  step sanitizer
-  for tool in memcheck racecheck; do
-    timeout 90 compute-sanitizer --print-limit 20 --error-exitcode 9 --tool $tool \
-      python3 experiments/bench_fa3.py --sanitize-case > "$OUT/fa3_$tool.log" 2>&1; echo "fa3 $tool rc=$?"
-  done
+  sanitize_fa3
   step "fa3 vs cuDNN"
   timeout 200 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench.json" 2>&1 | tail -22
   step "normalisations vs our causal softmax"
@@ -113,11 +116,7 @@ C)
   # variants against FlexAttention at every length, the normalisations at 8k, and fa3 vs cuDNN.
   step gpu tests
   timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
-  step sanitizer
-  for tool in memcheck racecheck; do
-    timeout 90 compute-sanitizer --print-limit 20 --error-exitcode 9 --tool $tool \
-      python3 experiments/bench_fa3.py --sanitize-case > "$OUT/fa3_$tool.log" 2>&1; echo "fa3 $tool rc=$?"
-  done
+  sanitize_fa3
   step variant benchmark
   timeout 200 python3 experiments/bench_variants.py --out "$OUT/variants.json" --n 8192 16384 4096 1024 \
     --variants causal prefixlm global_sliding_window causal_blockwise share_question relative_pos \

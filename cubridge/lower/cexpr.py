@@ -26,11 +26,15 @@ __device__ __forceinline__ int cuir_clamp(int i, int n) { return i < 0 ? 0 : (i 
 // tanh.approx (sm_75+): one MUFU op, relative error about 2^-11, far under a 16-bit P's rounding.
 __device__ __forceinline__ float cuir_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 __device__ __forceinline__ float cuir_sigmoid(float x) { return __fmaf_rn(0.5f, cuir_tanh(0.5f * x), 0.5f); }
+"""
+# Emitted only where a generated softmax region runs a share of its sigmoids through it.
+SIGMOID_FMA = """\
 // sigmoid without the MUFU pipe (about 18 FP32/INT ops, relative error under 2^-13.6 for every x;
 // exactly 0 at -inf): exp(-z) = 2^(j + f) with j an integer (rounded by the 1.5 * 2^23 trick) and
 // 2^f, |f| <= 1/2, a degree-3 minimax polynomial (relative error 2^-13.7) whose exponent field
 // gets j added; then 1 / (1 + exp(-z)) by two Newton steps from the integer-subtraction guess.
-// Lowered kernels whose softmax phase is MUFU-bound run a share of their sigmoids through it.
+// A lowered sigmoid region may run a share of its sigmoids through it (CUIR_SIGMOID_FMA_EIGHTHS;
+// none by default: every share measured slower on H100, cubridge/lower/NOTES.md v11).
 __device__ __forceinline__ float cuir_sigmoid_fma(float x) {
   const float kMinusLog2e = -1.4426950408889634f, kRound = 12582912.f;
   const float z = fminf(fmaxf(x, -80.f), 80.f);

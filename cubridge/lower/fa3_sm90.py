@@ -13,7 +13,7 @@ from __future__ import annotations
 from cubridge.cuir import nodes as N
 from cubridge.lower import itspace, regions
 from cubridge.lower.hooks import _names, _tables, extra_io, mask, score
-from cubridge.lower.cexpr import LowerError, to_c
+from cubridge.lower.cexpr import SIGMOID_FMA, LowerError, to_c
 from cubridge.lower.variant import VariantIR
 
 EPILOGUE_NORMALISE = """\
@@ -51,7 +51,7 @@ def softmax(ir: VariantIR, reference_body: str) -> str:
         share = f"""#ifndef CUIR_SIGMOID_FMA_EIGHTHS
 #define CUIR_SIGMOID_FMA_EIGHTHS {sigmoid_fma_eighths(ir)}
 #endif
-"""
+{SIGMOID_FMA}"""
         z = f"fmaf(s[i], score_scale, {arg})"
         body = f"s[i] = i % 8 < CUIR_SIGMOID_FMA_EIGHTHS ? cuir_sigmoid_fma({z}) : cuir_sigmoid({z});"
     else:

@@ -1,4 +1,4 @@
-"""The math helpers lowered kernels use (cexpr.PRELUDE), run on the GPU over dense input ranges and
+"""The math helpers lowered kernels use (cexpr.PRELUDE, SIGMOID_FMA), run on the GPU over dense input ranges and
 the special values, against float64: cuir_sigmoid_fma must hold its stated relative error (2^-13)
 everywhere, give exactly 0 at -inf and 1 at +inf, and stay within a bf16 P's rounding of the MUFU
 sigmoid it stands in for."""
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from cubridge.lower.cexpr import PRELUDE
+from cubridge.lower.cexpr import PRELUDE, SIGMOID_FMA
 from cubridge.runtime.build import compile_cubin
 from cubridge.runtime.launch import LoadedKernel, arg_i32, arg_ptr, device_arch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-SOURCE = PRELUDE + """
+SOURCE = PRELUDE + SIGMOID_FMA + """
 extern "C" __global__ void sigmoids(const float* x, float* fma_out, float* mufu_out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) { fma_out[i] = cuir_sigmoid_fma(x[i]); mufu_out[i] = cuir_sigmoid(x[i]); }

@@ -147,21 +147,24 @@ def print_table(rows) -> None:
 # d64 192x176 do not); persistent grid only (it won every shape in the v3 sweep).
 SWEEP_TILES = {128: [(128, 128, 2), (128, 176, 2), (128, 128, 3), (128, 96, 3)],
                64: [(128, 128, 2), (192, 128, 2), (128, 176, 2), (128, 128, 3), (192, 128, 3), (192, 96, 2),
-                    (128, 64, 2)]}
+                    (128, 64, 2), (128, 128, 4), (128, 96, 4)]}
 SWEEP_SHAPES = [("llama2-7b", 32, 32, 128, 1024), ("llama2-7b", 32, 32, 128, 8192),
                 ("llama2-7b-d64", 32, 32, 64, 1024), ("llama2-7b-d64", 32, 32, 64, 8192),
                 ("qwen2.5-72b", 64, 8, 128, 8192), ("llama3.1-405b", 128, 8, 128, 8192)]
 
 
-def sweep(out_path: Path | None) -> None:
-    """Time our kernel over tile configs and grid modes, with cuDNN beside each shape."""
+def sweep(out_path: Path | None, only: list[str] | None = None) -> None:
+    """Time our kernel over tile configs, with cuDNN beside each shape; `only`: "model:N" filters."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     every = {Fa3Config(head_dim=d, block_m=bm, block_n=bn, stages=st, causal=causal, persistent=True)
-             for d, tiles in SWEEP_TILES.items() for bm, bn, st in tiles for _, causal in VARIANTS}
+             for d, tiles in SWEEP_TILES.items() for bm, bn, st in tiles for _, causal in VARIANTS
+             if not only or any(m.split(":")[0].endswith("d64") == (d == 64) for m in only)}
     with ThreadPoolExecutor(max_workers=16) as pool:       # nvcc runs outside the GIL
         list(pool.map(build_cubin, every))
     for model, hq, hkv, d, n in SWEEP_SHAPES:
+        if only and f"{model}:{n}" not in only:
+            continue
         b = TOKENS // n
         q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
@@ -236,9 +239,10 @@ if __name__ == "__main__":
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--sanitize-case", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", nargs="*", help="with --sweep: shapes as MODEL:N (e.g. llama2-7b-d64:1024)")
     args = ap.parse_args()
     if args.sweep:
-        sweep(args.out)
+        sweep(args.out, args.only)
     elif args.smoke:
         smoke()
     elif args.sanitize_case:

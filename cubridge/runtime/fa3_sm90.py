@@ -110,9 +110,9 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     """
     if head_dim == 64:
         if causal and seqlen <= 2048:
-            # d64 causal 1k: v11 128x128 3 stages 264 vs 2 stages 247 (192x128 240);
-            # v3: 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226
-            return Fa3Config(64, 128, 128, 2 if variant else 3, causal, bf16, persistent=True)
+            # d64 causal 1k: v3 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226. Stages: 3 vs 2
+            # measured 264 vs 247 in one sweep (v11) and 300 vs 307 in the next (v12; 4: 310): noise.
+            return Fa3Config(64, 128, 128, 2, causal, bf16, persistent=True)
         # d64 8k: 192x128 (3 consumers) causal P 445 / full P 503 vs 128x128 408 / 441;
         # full 1k: 192x128 P 391 vs 128x128 P 387 (v11: 361 vs 335; 3 stages 361)
         return Fa3Config(64, 192, 128, 2, causal, bf16, persistent=True)

@@ -5,6 +5,14 @@
 #           SDPA + mask, eager, compiled reference, our causal softmax; GQA prefixlm);
 #   part B: the Hopper kernel against cuDNN / flash (experiments/bench_fa3.py) and the main job,
 #           cubridge-tune configs/h100_prefixlm.yaml, twice (cold, then warm compile cache).
+# Narrower parts, one question each (each under ~4 minutes):
+#   C: after a kernel change (GPU tests, fa3 sanitizer, mask variants vs Flex, normalisations);
+#   D: the sigmoid FMA-share sweep and ncu of the dense kernel vs cuDNN at 1k;
+#   E: after a launch-path change (fa3 tests, host cost per call, fa3 vs cuDNN);
+#   F: ncu of composite beside sigmoid (pipes, stalls, per-instruction samples);
+#   G: after a softmax-path change (all GPU tests, sanitizer, fa3 vs cuDNN, normalisations
+#      round-robin beside our causal softmax);
+#   H: the variant benchmark and the fa3 tile sweep.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B

@@ -93,14 +93,13 @@ constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;   // 8 rows x 128 B: the sw
 constexpr int kKStepsPerPanel = kPanelCols / kMmaK;
 constexpr int kKStepBytes = kMmaK * kElemBytes;        // advance along K inside a swizzled row
 
-// Register budget per thread after setmaxnreg; the producer gives its registers to the consumers.
-// setmaxnreg only moves registers inside the CTA's allocation, which __launch_bounds__(kThreads, 1)
-// fixes at kEntryRegs per thread: asking for more makes setmaxnreg.inc wait forever.
+// Register budget per thread after setmaxnreg (kProducerRegs / kConsumerRegs, set after the
+// regions): the producer gives its registers to the consumers. setmaxnreg only moves registers
+// inside the CTA's allocation, which __launch_bounds__(kThreads, 1) fixes at kEntryRegs per
+// thread: asking for more makes setmaxnreg.inc wait forever.
 constexpr int kRegFile = 65536;
 constexpr int kRegGranule = 8;
 constexpr int kEntryRegs = (kRegFile / ((kConsumers + 1) * kWgThreads)) / kRegGranule * kRegGranule;
-constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
-constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
 
 // Per-thread fragment sizes of a 64 x N f32 wgmma accumulator: N/2 floats.
 constexpr int kSRegs = kBlockN / 2;
@@ -147,9 +146,6 @@ static_assert(kBlockN % kMmaK == 0 && kBlockN >= kMmaK && kBlockN <= 256,
 static_assert(kBlockM <= 256, "TMA box rows are at most 256");
 static_assert(kStages >= 2, "STAGES must be >= 2 so loads overlap compute");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
-static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <=
-                  kEntryRegs * kThreads,
-              "setmaxnreg budgets exceed the CTA's register allocation (consumers would hang)");
 static_assert(kBarEpilogue0 + kConsumers <= kMaxNamedBarriers, "too many named barriers");
 
 // ------------------------------------------------------------------ regions
@@ -175,6 +171,7 @@ constexpr bool kLongestFirst = false;
 // lead) and tile_partial, so a variant may replace the range by any set of tiles.
 struct KvRange { int n_begin; int n_end; int full_begin; int full_end; };
 constexpr bool kRangeViaSmem = false;   // consumers recompute this range (cheaper than a hand-over)
+constexpr bool kProducerReadsTable = false;   // true: the range comes from a block table in global memory
 __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int m_block, int m0,
                                             int seqlen_q, int seqlen_k) {
   const int kv_stop = kCausal ? min(seqlen_k, m0 + kBlockM) : seqlen_k;   // kv <= q (top-left)
@@ -364,6 +361,18 @@ struct Problem {
     return decode_tile(va, tile_order, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
   }
 };
+
+// ------------------------------------------------------------------ register budgets
+// Two consumers: 40 / 232. A producer that scans a block table for the consumers
+// (kProducerReadsTable, set by a generated kv_range region) spilled under 40 (share_question, 62
+// bytes); up to BLOCK_N 128 it takes 56 and the consumers 224, spill-free there (176-column
+// consumers spill under 224). Every other kernel keeps 40 / 232.
+constexpr bool kScanningProducer = kProducerReadsTable && kConsumers == 2 && kBlockN <= 128;
+constexpr int kProducerRegs = kConsumers == 2 ? (kScanningProducer ? 56 : 40) : 32;
+constexpr int kConsumerRegs = kConsumers == 2 ? (kScanningProducer ? 224 : 232) : 160;
+static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <=
+                  kEntryRegs * kThreads,
+              "setmaxnreg budgets exceed the CTA's register allocation (consumers would hang)");
 
 // ------------------------------------------------------------------ producer
 // tile_counter[0] is the dynamic scheduler's next-tile counter, tile_counter[1] counts producers

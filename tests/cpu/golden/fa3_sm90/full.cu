@@ -21,6 +21,7 @@ struct KvRange {
   int hi0, len0; int hi1, len1; int hi2, len2;   // run k: tiles [hi_k - len_k, hi_k)
 };
 constexpr bool kRangeViaSmem = true;   // a scan: computed once, by the producer
+constexpr bool kProducerReadsTable = false;
 // A tile's class in the variant's block table (1 = partial when the variant has none).
 __device__ __forceinline__ int tile_class(const VariantArgs& va, const KvRange& r, int n) {
   return 1;

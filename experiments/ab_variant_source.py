@@ -1,0 +1,71 @@
+"""A/B of two sources of one lowered variant on fa3_sm90, in one process: the current lowering
+(A) and the same source with text replacements (B), both verified under the rule on the GPU
+(sigmoid_fma_share.check), then timed round-robin (bench_fa3's protocol), Llama2-7B heads.
+
+    python experiments/ab_variant_source.py share_question --replace OLD NEW [--replace ...] \\
+        --n 8192 1024 --out $OUT/ab.json
+
+B is "what the kernel did before" when the replacements undo a change, e.g. the producer's
+register budget: --replace "(kScanningProducer ? 56 : 40)" 40 --replace "(kScanningProducer ? 224 : 232)" 232
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
+from bench_variants import D, TOKENS, versions  # noqa: E402
+from sigmoid_fma_share import Variant, check  # noqa: E402
+from cubridge.runtime.timing import tflops  # noqa: E402
+from cubridge.spec import count_attended, load_spec  # noqa: E402
+
+
+def replaced(pairs):
+    def fn(source: str) -> str:
+        for old, new in pairs:
+            if old not in source:
+                raise SystemExit(f"--replace {old!r}: not in the lowered source")
+            source = source.replace(old, new)
+        return source
+    return fn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variant")
+    ap.add_argument("--replace", nargs=2, action="append", required=True, metavar=("OLD", "NEW"))
+    ap.add_argument("--n", type=int, nargs="+", default=[8192, 1024])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    systems = {"A (current)": Variant(args.variant, lambda s: s), "B (replaced)": Variant(args.variant, replaced(args.replace))}
+    result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
+              "variant": args.variant, "replace": args.replace, "checks": {}, "rows": [],
+              "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)"}
+    for label, var in systems.items():
+        failures = check(var)
+        result["checks"][label] = failures or "passed"
+        print(f"check {label}: {'passed' if not failures else failures}", flush=True)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    for n in args.n:
+        b, hq = max(1, TOKENS // n), 32
+        q, k, v = (torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = torch.empty_like(q)
+        pairs = count_attended(load_spec(args.variant).hooks_for(n, n, hq, hq, "cuda"), b, hq, n, n, device="cuda")
+        ms = time_ms_interleaved([var.fn(q, k, v, out) for var in systems.values()], flush)
+        for label, t in zip(systems, ms):
+            tf = tflops(4.0 * D * pairs, t)
+            result["rows"].append({"system": label, "N": n, "B": b, "ms": round(t, 4), "tflops": round(tf, 1)})
+            print(f"{n:>6} {label:<14} {t:8.3f} ms {tf:7.1f} TFLOPS", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

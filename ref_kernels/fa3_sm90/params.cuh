@@ -1,0 +1,92 @@
+// Compile-time constants of kernel.cu: tile sizes from its -D macros, fragment sizes, the
+// shared-memory layout, named barriers, and the static checks on them. kernel.cu includes this
+// after the macros (and after wgmma.cuh / hopper_ptx.cuh, whose tags and helpers it names).
+// The register budgets per role sit in kernel.cu after the regions: they read region flags.
+#pragma once
+
+namespace fa3 {
+
+constexpr int kHeadDim = HEAD_DIM;
+constexpr int kBlockM = BLOCK_M;
+constexpr int kBlockN = BLOCK_N;
+constexpr int kStages = STAGES;
+constexpr bool kCausal = IS_CAUSAL != 0;
+#if DTYPE_BF16
+using Elem = __nv_bfloat16;
+using MmaTag = TagBf16;
+#else
+using Elem = __half;
+using MmaTag = TagHalf;
+#endif
+
+constexpr int kElemBytes = 2;
+constexpr int kWarpSize = 32;
+constexpr int kWgThreads = 128;
+constexpr int kWarpsPerWg = kWgThreads / kWarpSize;
+constexpr int kWgRows = 64;                       // wgmma M: rows of Q per consumer warpgroup
+constexpr int kMmaK = 16;                         // wgmma K for 16-bit inputs
+constexpr int kConsumers = kBlockM / kWgRows;
+constexpr int kThreads = (kConsumers + 1) * kWgThreads;
+constexpr int kSwizzleBytes = 128;                // TMA / wgmma 128-byte swizzle span
+constexpr int kPanelCols = kSwizzleBytes / kElemBytes;
+constexpr int kPanels = kHeadDim / kPanelCols;
+constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;   // 8 rows x 128 B: the swizzle pattern repeat
+constexpr int kKStepsPerPanel = kPanelCols / kMmaK;
+constexpr int kKStepBytes = kMmaK * kElemBytes;        // advance along K inside a swizzled row
+
+// Register budget per thread after setmaxnreg (kProducerRegs / kConsumerRegs, set after the
+// regions): the producer gives its registers to the consumers. setmaxnreg only moves registers
+// inside the CTA's allocation, which __launch_bounds__(kThreads, 1) fixes at kEntryRegs per
+// thread: asking for more makes setmaxnreg.inc wait forever.
+constexpr int kRegFile = 65536;
+constexpr int kRegGranule = 8;
+constexpr int kEntryRegs = (kRegFile / ((kConsumers + 1) * kWgThreads)) / kRegGranule * kRegGranule;
+
+// Per-thread fragment sizes of a 64 x N f32 wgmma accumulator: N/2 floats.
+constexpr int kSRegs = kBlockN / 2;
+constexpr int kORegs = kHeadDim / 2;
+constexpr int kPRegs = kBlockN / 4;                // two 16-bit values per register
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -__builtin_huge_valf();
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Shared-memory layout (byte offsets from a 1024-aligned base). Tiles are stored as panels of
+// [rows][64 cols] in the 128B-swizzled layout that TMA writes and wgmma reads.
+constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
+constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;
+constexpr int kQPanelBytes = kBlockM * kSwizzleBytes;
+constexpr int kKVPanelBytes = kBlockN * kSwizzleBytes;
+constexpr int kWgQBytes = kWgRows * kSwizzleBytes;     // one consumer's rows inside a Q panel
+constexpr int kOffQ = 0;
+constexpr int kOffK = kOffQ + kQBytes;
+constexpr int kOffV = kOffK + kStages * kKVBytes;
+constexpr int kTileSlots = 2;                        // depth of the tile hand-over ring
+constexpr int kTileSlotBytes = 128;                  // one TileMsg (static_assert below)
+constexpr int kNumBarriers = 2 + 2 * kTileSlots + 4 * kStages;   // q, tile, k/v full/empty
+constexpr int kSmemAlign = 1024;
+constexpr int kSmemLimit = 227 * 1024;
+// O is staged for its TMA store in its own buffer when that fits, so the next tile's Q can load
+// during the epilogue; otherwise it reuses the Q tile and Q is released after the store drains.
+constexpr int kBarBytes = kNumBarriers * 8 + kTileSlots * kTileSlotBytes;   // barriers, tile_slot[]
+constexpr bool kSeparateO = kOffV + kStages * kKVBytes + kQBytes + kBarBytes + kSmemAlign <= kSmemLimit;
+constexpr int kOffO = kSeparateO ? kOffV + kStages * kKVBytes : kOffQ;
+constexpr int kOffBar = kOffV + kStages * kKVBytes + (kSeparateO ? kQBytes : 0);
+constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;   // + slack to align the base
+constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;             // one arrive per consumer warp
+
+// Named barriers (0 is __syncthreads).
+constexpr int kBarWgTurn0 = 1;                       // wg_turn[c] = kBarWgTurn0 + c
+constexpr int kBarEpilogue0 = kBarWgTurn0 + kConsumers;   // epilogue_sync[c], 128 threads
+constexpr int kMaxNamedBarriers = 16;
+
+static_assert(kHeadDim == 64 || kHeadDim == 128, "HEAD_DIM must be 64 or 128");
+static_assert(kBlockM == 128 || kBlockM == 192, "BLOCK_M must be 128 (2 consumers) or 192 (3)");
+static_assert(kBlockN % kMmaK == 0 && kBlockN >= kMmaK && kBlockN <= 256,
+              "BLOCK_N must be a multiple of 16 in [16, 256] (wgmma N, TMA box)");
+static_assert(kBlockM <= 256, "TMA box rows are at most 256");
+static_assert(kStages >= 2, "STAGES must be >= 2 so loads overlap compute");
+static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
+static_assert(kBarEpilogue0 + kConsumers <= kMaxNamedBarriers, "too many named barriers");
+
+}  // namespace fa3

@@ -71,6 +71,27 @@ def check_arch(arch: str) -> None:
                          hint="use the form 'sm_80', 'sm_90' (or 'sm_90a')")
 
 
+def default_compiler() -> str:
+    """nvcc where it is on PATH (the toolkit's own optimiser flags, what CI compiles with), else
+    NVRTC (a GPU box with the driver and the pip NVRTC library but no toolkit)."""
+    return "nvcc" if shutil.which("nvcc") else "nvrtc"
+
+
+def available_compiler() -> str | None:
+    """default_compiler() where it can run on this machine, else None (no nvcc, no NVRTC)."""
+    if shutil.which("nvcc"):
+        return "nvcc"
+    try:
+        _nvrtc()
+    except BuildError:
+        return None
+    return "nvrtc"
+
+
+NO_COMPILER = ("no CUDA compiler here: nvcc is not on PATH and NVRTC is not importable; install the CUDA "
+               "toolkit, or cupy-cuda13x with the NVRTC library (pip package nvidia-cuda-nvrtc)")
+
+
 @functools.lru_cache(maxsize=None)
 def compiler_version(compiler: str) -> str:
     """A string naming the compiler build, part of the cache key."""
@@ -145,9 +166,10 @@ def _compile_nvcc(source: str, options: tuple[str, ...], arch: str, name: str) -
 def _nvrtc():
     try:
         from cupy_backends.cuda.libs import nvrtc
-    except ImportError as e:   # cupy missing, or it cannot find libnvrtc
-        raise BuildError(f"NVRTC is not available through CuPy: {e}",
-                         hint="pip install cupy-cuda13x (with the NVRTC library), or use compiler='nvcc'") from e
+        nvrtc.getVersion()       # loads libnvrtc: a missing library fails here, not mid-build
+    except Exception as e:   # noqa: BLE001 - cupy missing, or it cannot find libnvrtc (any error type)
+        raise BuildError(f"NVRTC is not available through CuPy: {str(e).splitlines()[0]}",
+                         hint="pip install cupy-cuda13x nvidia-cuda-nvrtc, or use compiler='nvcc'") from e
     return nvrtc
 
 

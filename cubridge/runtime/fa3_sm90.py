@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.runtime.build import compile_cubin
+from cubridge.runtime.build import compile_cubin, default_compiler
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
@@ -127,13 +127,15 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
 
 
 # ------------------------------------------------------------------ build
-def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str | None = None) -> bytes:
+def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str | None = None,
+                compiler: str | None = None) -> bytes:
     """Compile kernel.cu (or `source`, a lowered variant of it) for `config` to an sm_90a cubin,
-    through the shared compile cache (key: source, flags, the included headers, nvcc version)."""
+    through the shared compile cache (key: source, flags, the included headers, compiler and its
+    version). `compiler`: "nvcc", "nvrtc", or None for build.default_compiler() (nvcc if on PATH)."""
     text = KERNEL_SOURCE.read_text() if source is None else source
     options = ["-std=c++17", *config.defines(), f"-I{KERNEL_DIR}"]
-    return compile_cubin(text, arch="sm_90a", options=options, compiler="nvcc", cache_dir=cache_dir,
-                         name="kernel.cu").cubin
+    return compile_cubin(text, arch="sm_90a", options=options, compiler=compiler or default_compiler(),
+                         cache_dir=cache_dir, name="kernel.cu").cubin
 
 
 # ------------------------------------------------------------------ driver API through ctypes
@@ -264,10 +266,11 @@ def _tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     return counter
 
 
-def _function(config: Fa3Config, device: torch.device, source: str | None = None):
-    key = (config, device.index, _digest(source) if source else None)
+def _function(config: Fa3Config, device: torch.device, source: str | None = None, compiler: str | None = None):
+    compiler = compiler or default_compiler()
+    key = (config, device.index, _digest(source) if source else None, compiler)
     if key not in _FUNCTIONS:
-        cubin = build_cubin(config, source=source)
+        cubin = build_cubin(config, source=source, compiler=compiler)
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
             _FUNCTIONS[key] = _driver().load_function(cubin, config.smem_bytes)
@@ -312,7 +315,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3
 def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                 softmax_scale: float | None = None, config: Fa3Config | None = None,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                max_ctas: int | None = None, variant=None) -> tuple[torch.Tensor, torch.Tensor]:
+                max_ctas: int | None = None, variant=None,
+                compiler: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns (o [B, Hq, Nq, D], lse [B, Hq, Nq] float32, natural log).
 
     causal means kv_idx <= q_idx with absolute indices (top-left aligned, also when Nq != Nk).
@@ -320,6 +324,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     the grid (each CTA then loops over several tiles); tests use it to exercise tile hand-over.
     `variant` (a cubridge.lower.Launchable) runs a lowered variant of the kernel: its CUDA source
     and its VariantArgs (captured tensors, scalars), which must stay alive until the kernel ran.
+    `compiler` picks nvcc or NVRTC for the first build of a config (default: nvcc if on PATH).
     """
     if config is None:
         config = default_config(q.shape[-1] if q.dim() == 4 else -1, causal,
@@ -349,7 +354,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
         raise LaunchError(f"softmax_scale={softmax_scale!r} is not a positive finite number",
                           hint="the kernel takes row maxima of unscaled scores, which needs scale > 0; "
                                "the default is 1/sqrt(D)")
-    func, counts_func = _function(config, q.device, variant.source if variant is not None else None)
+    func, counts_func = _function(config, q.device, variant.source if variant is not None else None, compiler)
     drv = _driver()
     tiles, sms = math.ceil(nq / config.block_m) * hq * b, _sm_count(q.device.index)
     ctas = min(tiles, sms) if config.persistent else tiles

@@ -27,7 +27,7 @@ def compile_population(cfg, verified, runner, say) -> dict:
         point = (valid or space.points(cfg.shapes.head_dim, cfg.arch))[0]
         labels[c.id] = space.label(point)
         jobs.append(Job("compile", _payload(cfg, c, point), cfg.runner.timeout_s, needs_gpu=False))
-    say(f"compiling {len(jobs)} verified candidate(s) at one config each (nvcc)")
+    say(f"compiling {len(jobs)} verified candidate(s) at one config each")
     done = run_jobs(runner, jobs)
     out = {}
     for cid, res in done.items():
@@ -151,6 +151,11 @@ def _versions() -> dict:
         v["nvcc"] = compiler_version("nvcc")
     except Exception as e:   # noqa: BLE001 - informative only
         v["nvcc"] = f"not available ({str(e).splitlines()[0]})"
+    try:
+        from cubridge.runtime.build import available_compiler, compiler_version
+        v["compiler"] = compiler_version(available_compiler() or "nvcc")
+    except Exception as e:   # noqa: BLE001 - informative only
+        v["compiler"] = f"not available ({str(e).splitlines()[0]})"
     return v
 
 

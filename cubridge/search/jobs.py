@@ -6,7 +6,7 @@ job (a fault that kills the process is the runner's business: it restarts the wo
 
 Built-in kinds (payloads are built by cubridge.search.tuner):
 - screen  (CPU): parse -> check -> taxonomy -> interpreter verification of one candidate;
-- compile (CPU): lower one candidate at one tile config and compile it (nvcc, cached);
+- compile (CPU): lower one candidate at one tile config and compile it (nvcc, else NVRTC; cached);
 - measure (GPU): compile + GPU check (the verification rule) + time at every target shape;
 - bench   (GPU): the chosen kernels timed beside the baselines (FlexAttention, SDPA, eager).
 
@@ -33,7 +33,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import shutil
 import tempfile
 import traceback
 from pathlib import Path
@@ -163,15 +162,15 @@ def screen_job(p: dict):
 def build(p: dict):
     """Lower and compile one candidate at one config: (lowered, CompileResult). Raises
     _Unavailable where lowering is missing, BuildError (or any CubridgeError) on failure."""
-    from cubridge.runtime.build import compile_cubin
+    from cubridge.runtime.build import compile_cubin, default_compiler
     lowered, options = lower_kernel(p)
-    result = compile_cubin(lowered.source, arch=p["arch"], options=options, compiler="nvcc",
+    result = compile_cubin(lowered.source, arch=p["arch"], options=options, compiler=default_compiler(),
                            cache_dir=p.get("cache_dir"), name=f"{p['candidate']}.cu")
     return lowered, result
 
 
 def lower_kernel(p: dict):
-    """(lowered kernel, nvcc options) for the payload's candidate at its tile config.
+    """(lowered kernel, compiler options) for the payload's candidate at its tile config.
 
     Takes the agreed interface (lower(program, ref, config=, head_dim=, dtype=) with `defines` on
     the result) where the lowering offers it, else today's lower(program, ref), with the tile
@@ -231,8 +230,9 @@ def _build_or_failure(p: dict):
 
 @register("compile")
 def compile_job(p: dict):
-    if shutil.which("nvcc") is None:
-        return Outcome(TrialState.COMPILE_ERROR, "nvcc not found on PATH: install the CUDA toolkit"), {}
+    from cubridge.runtime.build import NO_COMPILER, available_compiler
+    if available_compiler() is None:
+        return Outcome(TrialState.COMPILE_ERROR, NO_COMPILER), {}
     lowered, result, failure = _build_or_failure(p)
     if failure:
         return failure

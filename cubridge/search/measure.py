@@ -38,8 +38,8 @@ def device_info() -> dict:
     info = {"name": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
             "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "driver": _driver_version()}
     try:
-        from cubridge.runtime.build import compiler_version
-        info["nvcc"] = compiler_version("nvcc")
+        from cubridge.runtime.build import compiler_version, default_compiler
+        info["nvcc" if default_compiler() == "nvcc" else "nvrtc"] = compiler_version(default_compiler())
     except Exception as e:   # noqa: BLE001 - informative only
         info["nvcc"] = f"unknown ({e})"
     return info
@@ -89,7 +89,8 @@ def launcher(p: dict, lowered, cubin: bytes):
             return fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
     elif ref == "fa2_sm80":
         from cubridge.runtime.fa2_sm80 import Fa2Sm80
-        kernel = Fa2Sm80(fa2_config(point), compiler="nvcc")
+        from cubridge.runtime.build import default_compiler
+        kernel = Fa2Sm80(fa2_config(point), compiler=default_compiler())
 
         def run(q, k, v, out, launch):
             return kernel(q, k, v, causal=False, out=out, variant=launch)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 import warnings
 from collections import Counter
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cubridge.config import ConfigError, TuneConfig
+from cubridge.runtime.build import available_compiler
 from cubridge.search import artifacts
 from cubridge.search.api import Job, Outcome, Proposal, TrialRecord, TrialState
 from cubridge.search.space import SPACES
@@ -377,7 +377,7 @@ def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = 
             return finish_run(cfg, out, pop, verdicts, status="nothing_verified", runner=runner, say=say, notes=notes,
                               message="no candidate passed the CPU stages: nothing to tune")
         if dry_run or runner.num_gpus == 0:
-            compiled = compile_population(cfg, verified, runner, say) if shutil.which("nvcc") else {}
+            compiled = compile_population(cfg, verified, runner, say) if available_compiler() else {}
             why = "--dry-run: stopped after screening and compiling on purpose" if dry_run else \
                 "timing needs a GPU: this runner has none, so nothing was timed or tuned"
             return finish_run(cfg, out, pop, verdicts, compiled=compiled, runner=runner, say=say,

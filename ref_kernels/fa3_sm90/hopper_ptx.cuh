@@ -4,10 +4,10 @@
 // Included by kernel.cu after its parameter macros (pack2 reads DTYPE_BF16), with -I
 // ref_kernels/fa3_sm90; no variant-specific code lives here.
 #pragma once
+#if !defined(__CUDACC_RTC__)   // NVRTC: kernel.cu declares CUtensorMap and the fixed-width types
 #include <cuda.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+#endif
 
 namespace fa3 {
 
@@ -89,37 +89,39 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+// Two floats -> one register of two 16-bit values (lo in the low half), round to nearest even.
+// cvt packs its first source into the upper half. Plain PTX: no cuda_bf16.h, so NVRTC needs no
+// toolkit headers.
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
 #if DTYPE_BF16
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #else
-  __half2 v = __floats2half2_rn(lo, hi);
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #endif
-  return *reinterpret_cast<uint32_t*>(&v);
+  return r;
 }
 
 // A trivially copyable value stored / loaded word by word at a 32-bit shared-window address (no
 // 64-bit generic pointer to keep in registers). The "memory" clobbers order them against the
 // mbarrier arrive / wait that publish them.
+template <int kN> struct Words { uint32_t w[kN]; };
 template <class T>
 __device__ __forceinline__ void st_shared_words(uint32_t addr, const T& value) {
   static_assert(sizeof(T) % 4 == 0 && alignof(T) == 4, "32-bit words only");
-  uint32_t w[sizeof(T) / 4];
-  __builtin_memcpy(w, &value, sizeof(T));
+  const auto words = __builtin_bit_cast(Words<sizeof(T) / 4>, value);
 #pragma unroll
   for (int i = 0; i < int(sizeof(T) / 4); ++i)
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr + 4 * i), "r"(w[i]) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr + 4 * i), "r"(words.w[i]) : "memory");
 }
 template <class T>
 __device__ __forceinline__ T ld_shared_words(uint32_t addr) {
   static_assert(sizeof(T) % 4 == 0 && alignof(T) == 4, "32-bit words only");
-  uint32_t w[sizeof(T) / 4];
+  Words<sizeof(T) / 4> words;
 #pragma unroll
   for (int i = 0; i < int(sizeof(T) / 4); ++i)
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[i]) : "r"(addr + 4 * i) : "memory");
-  T value;
-  __builtin_memcpy(&value, w, sizeof(T));
-  return value;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(words.w[i]) : "r"(addr + 4 * i) : "memory");
+  return __builtin_bit_cast(T, words);
 }
 
 // wgmma shared-memory descriptor, 128B swizzle. Address and offsets are encoded in 16-byte units.

@@ -30,14 +30,15 @@
 // Lifting map (regions marked @cuir-region / @cuir-end): head_map, extra_io, kv_range, load_q,
 // load_kv, qk, score, mask, softmax, pv, epilogue. See README.md for what each region may be
 // replaced with; cubridge/lower regenerates extra_io, kv_range, score, mask, softmax, epilogue.
-#if defined(__CUDACC_RTC__)
+#if defined(__CUDACC_RTC__)   // NVRTC: no toolkit headers; the few types the kernel names
 struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };
+typedef unsigned char uint8_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
 #else
 #include <cuda.h>
-#endif
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+#endif
 
 #include "wgmma.cuh"
 

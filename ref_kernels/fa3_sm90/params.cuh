@@ -12,10 +12,8 @@ constexpr int kBlockN = BLOCK_N;
 constexpr int kStages = STAGES;
 constexpr bool kCausal = IS_CAUSAL != 0;
 #if DTYPE_BF16
-using Elem = __nv_bfloat16;
 using MmaTag = TagBf16;
 #else
-using Elem = __half;
 using MmaTag = TagHalf;
 #endif
 
@@ -48,7 +46,7 @@ constexpr int kORegs = kHeadDim / 2;
 constexpr int kPRegs = kBlockN / 4;                // two 16-bit values per register
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNegInf = -__builtin_huge_valf();
+constexpr float kNegInf = __builtin_bit_cast(float, 0xff800000u);   // -inf (nvcc and NVRTC)
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // Shared-memory layout (byte offsets from a 1024-aligned base). Tiles are stored as panels of

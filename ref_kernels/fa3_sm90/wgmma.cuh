@@ -2,7 +2,9 @@
 // WgmmaSS<N, T>::mma: D(64xN, f32) (+)= A(64x16, smem desc) * B(16xN, smem desc, K-major).
 // WgmmaRS<N, T>::mma: D(64xN, f32) += A(64x16, registers) * B(16xN, smem desc, MN-major).
 #pragma once
+#if !defined(__CUDACC_RTC__)   // NVRTC: kernel.cu typedefs the fixed-width types
 #include <stdint.h>
+#endif
 struct TagHalf {};
 struct TagBf16 {};
 template <int N, class T> struct WgmmaSS;

@@ -84,3 +84,34 @@ def test_configs_compile_for_sm90a(tmp_path):
             sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
             assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass, f"{config}: SASS"
             assert not re.search(r"\b(LDL|STL)\b", sass), f"{config}: local memory in SASS"
+
+
+def _nvrtc_or_skip():
+    from cubridge.errors import CubridgeError
+    from cubridge.runtime.build import _nvrtc
+    try:
+        _nvrtc()
+    except CubridgeError as e:
+        pytest.skip(f"NVRTC is not importable here ({str(e).splitlines()[0]}); the test extra installs it")
+
+
+@pytest.mark.parametrize("variant", [None, "share_question", "composite", "relative_pos"],
+                         ids=lambda v: v or "dense")
+def test_nvrtc_compiles_the_kernel(variant, tmp_path):
+    """The run-time path of a machine without nvcc: kernel.cu and its headers need no toolkit
+    header under NVRTC, for the dense kernel and for lowered variants (block table, score_mod,
+    normalisation)."""
+    _nvrtc_or_skip()
+    from cubridge.runtime.fa3_sm90 import build_cubin, default_config
+    source, config = None, Fa3Config(head_dim=128, causal=True, bf16=True)
+    if variant:
+        from cubridge.cuir.parser import parse_file
+        from cubridge.lower import lower
+        from cubridge.paths import ref_kernel_dir
+        from cubridge.spec import load_spec
+        from cubridge.transfer.rules import transfer
+        ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+        source = lower(transfer(ref, load_spec(variant)).program, "fa3_sm90").source
+        config = default_config(128, False, True, 8192, variant=True)
+    cubin = build_cubin(config, cache_dir=tmp_path, source=source, compiler="nvrtc")
+    assert b"fa3_sm90_fwd" in cubin and b"fa3_sm90_tile_counts" in cubin

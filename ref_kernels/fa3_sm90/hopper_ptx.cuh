@@ -105,23 +105,26 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 // A trivially copyable value stored / loaded word by word at a 32-bit shared-window address (no
 // 64-bit generic pointer to keep in registers). The "memory" clobbers order them against the
 // mbarrier arrive / wait that publish them.
-template <int kN> struct Words { uint32_t w[kN]; };
+// (memcpy: a device builtin under nvcc and NVRTC alike; __builtin_memcpy is not one under NVRTC.)
 template <class T>
 __device__ __forceinline__ void st_shared_words(uint32_t addr, const T& value) {
   static_assert(sizeof(T) % 4 == 0 && alignof(T) == 4, "32-bit words only");
-  const auto words = __builtin_bit_cast(Words<sizeof(T) / 4>, value);
+  uint32_t w[sizeof(T) / 4];
+  memcpy(w, &value, sizeof(T));
 #pragma unroll
   for (int i = 0; i < int(sizeof(T) / 4); ++i)
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr + 4 * i), "r"(words.w[i]) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr + 4 * i), "r"(w[i]) : "memory");
 }
 template <class T>
 __device__ __forceinline__ T ld_shared_words(uint32_t addr) {
   static_assert(sizeof(T) % 4 == 0 && alignof(T) == 4, "32-bit words only");
-  Words<sizeof(T) / 4> words;
+  uint32_t w[sizeof(T) / 4];
 #pragma unroll
   for (int i = 0; i < int(sizeof(T) / 4); ++i)
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(words.w[i]) : "r"(addr + 4 * i) : "memory");
-  return __builtin_bit_cast(T, words);
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[i]) : "r"(addr + 4 * i) : "memory");
+  T value;
+  memcpy(&value, w, sizeof(T));
+  return value;
 }
 
 // wgmma shared-memory descriptor, 128B swizzle. Address and offsets are encoded in 16-byte units.

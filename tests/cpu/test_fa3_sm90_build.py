@@ -115,3 +115,22 @@ def test_nvrtc_compiles_the_kernel(variant, tmp_path):
         config = default_config(128, False, True, 8192, variant=True)
     cubin = build_cubin(config, cache_dir=tmp_path, source=source, compiler="nvrtc")
     assert b"fa3_sm90_fwd" in cubin and b"fa3_sm90_tile_counts" in cubin
+
+
+def test_without_nvcc_the_build_falls_back_to_nvrtc(monkeypatch, tmp_path):
+    """A GPU box with the driver and the pip NVRTC library but no toolkit: default_compiler()
+    and build_cubin(compiler=None) take NVRTC; with neither, available_compiler() says so."""
+    _nvrtc_or_skip()
+    from cubridge.runtime import build
+    from cubridge.runtime.fa3_sm90 import build_cubin
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    assert build.default_compiler() == "nvrtc" and build.available_compiler() == "nvrtc"
+    cubin = build_cubin(Fa3Config(head_dim=64, causal=False, bf16=False), cache_dir=tmp_path)
+    assert b"fa3_sm90_fwd" in cubin
+    [entry] = list(tmp_path.glob("*.cubin"))
+    assert entry.read_bytes() == cubin
+
+    def no_nvrtc():
+        raise build.BuildError("NVRTC is not available through CuPy: test")
+    monkeypatch.setattr(build, "_nvrtc", no_nvrtc)
+    assert build.available_compiler() is None and "nvcc is not on PATH" in build.NO_COMPILER

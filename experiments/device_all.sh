@@ -12,7 +12,8 @@
 #   F: ncu of composite beside sigmoid (pipes, stalls, per-instruction samples);
 #   G: after a softmax-path change (all GPU tests, sanitizer, fa3 vs cuDNN, normalisations
 #      round-robin beside our causal softmax);
-#   H: the variant benchmark and the fa3 tile sweep.
+#   H: the variant benchmark and the fa3 tile sweep;
+#   I: the NVRTC build on the GPU, and the D = 64 1k sweep.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -118,6 +119,15 @@ H)
     --models llama2-7b qwen2.5-72b llama3.1-405b --sweep-variants 2>&1 | tail -40
   step "fa3 tile sweep"
   timeout 220 python3 experiments/bench_fa3.py --sweep --out "$OUT/fa3_sweep.json" 2>&1 | tail -14
+  ;;
+I)
+  # The NVRTC build on the GPU (bitwise equal to nvcc's, dense and a lowered variant), then D = 64
+  # at 1k beside cuDNN (the one Hopper bar still open).
+  step "nvcc vs NVRTC"
+  timeout 150 python3 -m pytest tests/gpu/test_fa3_sm90.py -q -p no:cacheprovider -k nvrtc 2>&1 | tail -3
+  step "d64 1k sweep"
+  timeout 200 python3 experiments/bench_fa3.py --sweep --only llama2-7b-d64:1024 --out "$OUT/sweep_d64_1k.json" \
+    2>&1 | tail -4
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

@@ -10,7 +10,6 @@ run as partial, fully masked: correct, a little slower). Full tiles skip the mas
 """
 from __future__ import annotations
 
-from cubridge.cuir import nodes as N
 from cubridge.lower import itspace, regions
 from cubridge.lower.hooks import _names, _tables, extra_io, mask, score
 from cubridge.lower.cexpr import SIGMOID_FMA, LowerError, to_c
@@ -29,12 +28,6 @@ EPILOGUE_NORMALISE = """\
   }
 """
 
-# Eighths of the sigmoids on the FMA pipe, by the number of MUFU calls in score_mod (0, 1, 2+).
-# All 0: on H100 every share measured slower (NOTES.md v11; sigmoid_fma_share_v11_h100.json:
-# composite at 8k 0.831x our causal softmax with none, 0.772 / 0.745 / 0.697 / 0.663 with 2-5
-# eighths; sigmoid 1.019 / 0.960 / 0.910 with 0-2). The knob stays for other GPUs and the tuner.
-SIGMOID_FMA_EIGHTHS = (0, 0, 0)
-
 
 def kv_range(ir: VariantIR) -> str:
     return itspace.kv_range_region(ir, itspace.FA3)
@@ -46,10 +39,11 @@ def softmax(ir: VariantIR, reference_body: str) -> str:
     arg = to_c(ir.norm_arg, _names(ir, {}), _tables(ir))
     if ir.norm == "sigmoid":
         p = f"cuir_sigmoid(s[i] + {arg})"
-        # MUFU balance: a share of the sigmoids (eighths of each thread's elements, fixed at
-        # compile time) may run as cuir_sigmoid_fma (~18 FP32/INT issue slots, no MUFU op).
+        # A share of the sigmoids (eighths of each thread's elements, fixed at compile time) may
+        # run as cuir_sigmoid_fma (no MUFU op). None by default: every share measured slower on
+        # H100 (NOTES.md v11, sigmoid_fma_share_v11_h100.json); experiments set the define.
         share = f"""#ifndef CUIR_SIGMOID_FMA_EIGHTHS
-#define CUIR_SIGMOID_FMA_EIGHTHS {sigmoid_fma_eighths(ir)}
+#define CUIR_SIGMOID_FMA_EIGHTHS 0
 #endif
 {SIGMOID_FMA}"""
         z = f"fmaf(s[i], score_scale, {arg})"
@@ -77,17 +71,6 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
 }}
 __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&rescale)[2]) {{}}
 """
-
-
-_MUFU_FNS = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt")
-
-
-def sigmoid_fma_eighths(ir: VariantIR) -> int:
-    """Eighths of the sigmoids to run on the FMA pipe: more when score_mod already spends MUFU ops
-    (composite's softcap tanh), which leaves the MUFU pipe the phase's bottleneck."""
-    mufu = 0 if ir.score is None else sum(
-        1 for e in N.walk_expr(ir.score) if isinstance(e, N.Call) and e.op in _MUFU_FNS)
-    return SIGMOID_FMA_EIGHTHS[min(mufu, len(SIGMOID_FMA_EIGHTHS) - 1)]
 
 
 def epilogue(ir: VariantIR, reference_body: str) -> str:

@@ -79,13 +79,13 @@ def default_compiler() -> str:
 
 def available_compiler() -> str | None:
     """default_compiler() where it can run on this machine, else None (no nvcc, no NVRTC)."""
-    if shutil.which("nvcc"):
-        return "nvcc"
-    try:
-        _nvrtc()
-    except BuildError:
-        return None
-    return "nvrtc"
+    compiler = default_compiler()
+    if compiler == "nvrtc":
+        try:
+            _nvrtc()
+        except BuildError:
+            return None
+    return compiler
 
 
 NO_COMPILER = ("no CUDA compiler here: nvcc is not on PATH and NVRTC is not importable; install the CUDA "

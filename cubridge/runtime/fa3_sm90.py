@@ -267,8 +267,7 @@ def _tile_counter(device: torch.device, stream: int) -> torch.Tensor:
 
 
 def _function(config: Fa3Config, device: torch.device, source: str | None = None, compiler: str | None = None):
-    compiler = compiler or default_compiler()
-    key = (config, device.index, _digest(source) if source else None, compiler)
+    key = (config, device.index, _digest(source) if source else None, compiler)   # None: the default
     if key not in _FUNCTIONS:
         cubin = build_cubin(config, source=source, compiler=compiler)
         with torch.cuda.device(device):

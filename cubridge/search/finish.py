@@ -151,11 +151,9 @@ def _versions() -> dict:
         v["nvcc"] = compiler_version("nvcc")
     except Exception as e:   # noqa: BLE001 - informative only
         v["nvcc"] = f"not available ({str(e).splitlines()[0]})"
-    try:
-        from cubridge.runtime.build import available_compiler, compiler_version
-        v["compiler"] = compiler_version(available_compiler() or "nvcc")
-    except Exception as e:   # noqa: BLE001 - informative only
-        v["compiler"] = f"not available ({str(e).splitlines()[0]})"
+    from cubridge.runtime.build import available_compiler, compiler_version
+    if available_compiler() == "nvrtc":      # no nvcc: the compile jobs build with NVRTC
+        v["nvrtc"] = compiler_version("nvrtc")
     return v
 
 

@@ -37,11 +37,12 @@ def device_info() -> dict:
     props = torch.cuda.get_device_properties(0)
     info = {"name": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
             "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "driver": _driver_version()}
+    from cubridge.runtime.build import compiler_version, default_compiler
+    compiler = default_compiler()            # the one measure jobs build with: "nvcc" or "nvrtc"
     try:
-        from cubridge.runtime.build import compiler_version, default_compiler
-        info["nvcc" if default_compiler() == "nvcc" else "nvrtc"] = compiler_version(default_compiler())
+        info[compiler] = compiler_version(compiler)
     except Exception as e:   # noqa: BLE001 - informative only
-        info["nvcc"] = f"unknown ({e})"
+        info[compiler] = f"unknown ({e})"
     return info
 
 

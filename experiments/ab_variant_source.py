@@ -1,6 +1,6 @@
 """A/B of two sources of one lowered variant on fa3_sm90, in one process: the current lowering
 (A) and the same source with text replacements (B), both verified under the rule on the GPU
-(sigmoid_fma_share.check), then timed round-robin (bench_fa3's protocol), Llama2-7B heads.
+(sigmoid_fma_share.check_all), then timed round-robin (bench_fa3's protocol), Llama2-7B heads.
 
     python experiments/ab_variant_source.py share_question --replace OLD NEW [--replace ...] \\
         --n 8192 1024 --out $OUT/ab.json
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
 
@@ -23,8 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
 from bench_variants import D, TOKENS, versions  # noqa: E402
-from sigmoid_fma_share import CHECK_SHAPES, Variant, check  # noqa: E402
-from cubridge.runtime.fa3_sm90 import build_cubin, default_config  # noqa: E402
+from sigmoid_fma_share import Variant, check_all  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
 
@@ -50,15 +48,7 @@ def main():
     result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
               "variant": args.variant, "replace": args.replace, "checks": {}, "rows": [],
               "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)"}
-    configs = {default_config(dh, False, True, n, variant=True) for (_, _, _, n, dh) in CHECK_SHAPES}
-    configs |= {default_config(D, False, True, n, variant=True) for n in args.n}
-    with ThreadPoolExecutor(max_workers=16) as pool:       # nvcc runs outside the GIL
-        list(pool.map(lambda job: build_cubin(job[0], source=job[1]),
-                      [(c, var.source) for var in systems.values() for c in configs]))
-    for label, var in systems.items():
-        failures = check(var)
-        result["checks"][label] = failures or "passed"
-        print(f"check {label}: {'passed' if not failures else failures}", flush=True)
+    result["checks"] = check_all(systems, args.n)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for n in args.n:
         b, hq = max(1, TOKENS // n), 32

@@ -47,23 +47,33 @@ def versions() -> dict:
 
 
 class Ours:
-    def __init__(self):
+    """Variants transferred by the rules proposer and lowered onto fa3_sm90, launched as the
+    tuner would. `transform` edits each lowered source before it is built (experiments A/B
+    source changes through it)."""
+
+    def __init__(self, transform=None):
         self.ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+        self.transform = transform
         self.cache = {}
 
-    def fn(self, name, q, k, v, block_n=None, max_ctas=None):
+    def lowered(self, name):
+        """(candidate, lowered kernel, the source that runs) of one variant."""
         if name not in self.cache:
             cand = transfer(self.ref, load_spec(name))
-            self.cache[name] = (cand, lower(cand.program, "fa3_sm90"))
-        cand, kern = self.cache[name]
-        B, Hq, N, _ = q.shape
-        cfg = default_config(D, False, True, N, variant=True)
+            kern = lower(cand.program, "fa3_sm90")
+            self.cache[name] = (cand, kern, self.transform(kern.source) if self.transform else kern.source)
+        return self.cache[name]
+
+    def fn(self, name, q, k, v, block_n=None, max_ctas=None, out=None):
+        cand, kern, source = self.lowered(name)
+        B, Hq, N, Dh = q.shape
+        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N, variant=True)
         if block_n:
             cfg = replace(cfg, block_n=block_n)
-        inputs = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=k.shape[1], B=B,
+        inputs = cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
                            params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
-        launch = kern.args(inputs, q.device)
-        out = torch.empty_like(q)
+        launch = replace(kern.args(inputs, q.device), source=source)
+        out = torch.empty_like(q) if out is None else out
         return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch, max_ctas=max_ctas)
 
 

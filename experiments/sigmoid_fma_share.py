@@ -16,7 +16,6 @@ import json
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -25,15 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
-from bench_variants import D, TOKENS, versions  # noqa: E402
+from bench_variants import D, TOKENS, Ours, versions  # noqa: E402
 from cubridge import rule  # noqa: E402
-from cubridge.cuir.parser import parse_file  # noqa: E402
-from cubridge.lower import lower  # noqa: E402
-from cubridge.paths import ref_kernel_dir  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
-from cubridge.transfer.rules import transfer  # noqa: E402
 
 CHECK_SHAPES = [(1, 4, 4, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (1, 2, 2, 2500, 128)]
 FOLD = [("x * softmax_scale", "x * (softmax_scale * 0.02f)"), ("50.0f * cuir_tanh((s * 0.02f))", "50.0f * cuir_tanh(s)")]
@@ -51,20 +46,29 @@ def folded(source: str) -> str:
 
 
 class Variant:
+    """One lowered variant with an edited source (bench_variants.Ours does the lowering and launch)."""
+
     def __init__(self, name, source_fn):
-        ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
-        self.name, self.spec = name, load_spec(name)
-        self.cand = transfer(ref, self.spec)
-        self.kern = lower(self.cand.program, "fa3_sm90")
-        self.source = source_fn(self.kern.source)
+        self.name, self.spec, self.ours = name, load_spec(name), Ours(source_fn)
+        self.source = self.ours.lowered(name)[2]
 
     def fn(self, q, k, v, out):
-        B, Hq, N, Dh = q.shape
-        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N, variant=True)
-        inputs = self.cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
-                                params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
-        launch = replace(self.kern.args(inputs, q.device), source=self.source)
-        return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
+        return self.ours.fn(self.name, q, k, v, out=out)
+
+
+def check_all(systems: dict, lengths) -> dict:
+    """Build every (source, config) up front, in parallel (nvcc runs outside the GIL), then the
+    verification rule for each system: {label: "passed" or its failures}, printed as it goes."""
+    configs = {default_config(dh, False, True, n, variant=True) for (_, _, _, n, dh) in CHECK_SHAPES}
+    configs |= {default_config(D, False, True, n, variant=True) for n in lengths}
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda job: build_cubin(job[0], source=job[1]),
+                      [(c, var.source) for var in systems.values() for c in configs]))
+    checks = {}
+    for label, var in systems.items():
+        checks[label] = check(var) or "passed"
+        print(f"check {label:<22} {checks[label]}", flush=True)
+    return checks
 
 
 def check(var: Variant) -> list[str]:
@@ -112,16 +116,7 @@ def main():
     result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
               "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
               "baseline": "cubridge/fa3_sm90 causal softmax, same shape, same run", "checks": {}, "rows": []}
-    # every (source, config) compiled up front, in parallel (nvcc runs outside the GIL)
-    configs = {default_config(dh, False, True, n, variant=True) for (_, _, _, n, dh) in CHECK_SHAPES}
-    configs |= {default_config(D, False, True, n, variant=True) for n in args.n}
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(lambda job: build_cubin(job[0], source=job[1]),
-                      [(c, var.source) for var in systems.values() for c in configs]))
-    for label, var in systems.items():
-        failures = check(var)
-        result["checks"][label] = failures or "passed"
-        print(f"check {label:<22} {'passed' if not failures else failures}", flush=True)
+    result["checks"] = check_all(systems, args.n)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     hq = 32
     for n in args.n:

@@ -123,14 +123,6 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
 }
 // @cuir-end mask
 
-// Fragment coordinates of a consumer thread: element s[4*j + 2*half + e] of a 64 x N accumulator
-// sits at row 16*warp + lane/4 + 8*half, column 8*j + 2*(lane%4) + e.
-struct Frag { int row0; int col0; };
-__device__ __forceinline__ Frag frag_coords(int wg_thread) {
-  const int warp = wg_thread / kWarpSize, lane = wg_thread % kWarpSize;
-  return Frag{16 * warp + lane / 4, 2 * (lane % 4)};
-}
-
 // Scale and score_mod (skipped for an identity score_mod: the softmax scales), and on partial
 // tiles the mask, in one pass over S with each element's indices.
 template <bool kPartial>

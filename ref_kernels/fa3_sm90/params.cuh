@@ -1,6 +1,7 @@
-// Compile-time constants of kernel.cu: tile sizes from its -D macros, fragment sizes, the
-// shared-memory layout, named barriers, and the static checks on them. kernel.cu includes this
-// after the macros (and after wgmma.cuh / hopper_ptx.cuh, whose tags and helpers it names).
+// Compile-time constants of kernel.cu: tile sizes from its -D macros, the accumulator fragment
+// sizes and layout, the shared-memory layout, named barriers, and the static checks on them.
+// kernel.cu includes this after the macros (and after wgmma.cuh / hopper_ptx.cuh, whose tags and
+// helpers it names).
 // The register budgets per role sit in kernel.cu after the regions: they read region flags.
 #pragma once
 
@@ -44,6 +45,14 @@ constexpr int kEntryRegs = (kRegFile / ((kConsumers + 1) * kWgThreads)) / kRegGr
 constexpr int kSRegs = kBlockN / 2;
 constexpr int kORegs = kHeadDim / 2;
 constexpr int kPRegs = kBlockN / 4;                // two 16-bit values per register
+
+// Fragment coordinates of a consumer thread: element s[4*j + 2*half + e] of a 64 x N accumulator
+// sits at row 16*warp + lane/4 + 8*half, column 8*j + 2*(lane%4) + e.
+struct Frag { int row0; int col0; };
+__device__ __forceinline__ Frag frag_coords(int wg_thread) {
+  const int warp = wg_thread / kWarpSize, lane = wg_thread % kWarpSize;
+  return Frag{16 * warp + lane / 4, 2 * (lane % 4)};
+}
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = __builtin_bit_cast(float, 0xff800000u);   // -inf (nvcc and NVRTC)

@@ -157,14 +157,12 @@ def sweep(out_path: Path | None, only: list[str] | None = None) -> None:
     """Time our kernel over tile configs, with cuDNN beside each shape; `only`: "model:N" filters."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
+    shapes = [s for s in SWEEP_SHAPES if not only or f"{s[0]}:{s[4]}" in only]
     every = {Fa3Config(head_dim=d, block_m=bm, block_n=bn, stages=st, causal=causal, persistent=True)
-             for d, tiles in SWEEP_TILES.items() for bm, bn, st in tiles for _, causal in VARIANTS
-             if not only or any(m.split(":")[0].endswith("d64") == (d == 64) for m in only)}
+             for d in {s[3] for s in shapes} for bm, bn, st in SWEEP_TILES[d] for _, causal in VARIANTS}
     with ThreadPoolExecutor(max_workers=16) as pool:       # nvcc runs outside the GIL
         list(pool.map(build_cubin, every))
-    for model, hq, hkv, d, n in SWEEP_SHAPES:
-        if only and f"{model}:{n}" not in only:
-            continue
+    for model, hq, hkv, d, n in shapes:
         b = TOKENS // n
         q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)

@@ -153,13 +153,30 @@ SWEEP_SHAPES = [("llama2-7b", 32, 32, 128, 1024), ("llama2-7b", 32, 32, 128, 819
                 ("qwen2.5-72b", 64, 8, 128, 8192), ("llama3.1-405b", 128, 8, 128, 8192)]
 
 
-def sweep(out_path: Path | None, only: list[str] | None = None) -> None:
-    """Time our kernel over tile configs, with cuDNN beside each shape; `only`: "model:N" filters."""
+def _label(cfg: Fa3Config) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}"
+            + (f"q{cfg.q_slots}" if cfg.q_slots != 2 else ""))
+
+
+def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str] | None = None,
+          q_slots: tuple[int, ...] = (2,)) -> None:
+    """Time our kernel over tile configs, with cuDNN beside each shape. `only`: "model:N" filters
+    (SWEEP_SHAPES, or any shape of SHAPES named); `tiles`: "BMxBNsS" filters; `q_slots`: each tile
+    with each Q-slot limit."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
-    shapes = [s for s in SWEEP_SHAPES if not only or f"{s[0]}:{s[4]}" in only]
-    every = {Fa3Config(head_dim=d, block_m=bm, block_n=bn, stages=st, causal=causal, persistent=True)
-             for d in {s[3] for s in shapes} for bm, bn, st in SWEEP_TILES[d] for _, causal in VARIANTS}
+    if only:
+        shapes = [(m, hq, hkv, d, n) for m, hq, hkv, d, lengths in SHAPES for n in lengths
+                  if f"{m}:{n}" in only]
+    else:
+        shapes = SWEEP_SHAPES
+
+    def tile_configs(d, causal):
+        return [Fa3Config(head_dim=d, block_m=bm, block_n=bn, stages=st, causal=causal, persistent=True,
+                          q_slots=qs)
+                for bm, bn, st in SWEEP_TILES[d] if not tiles or f"{bm}x{bn}s{st}" in tiles
+                for qs in q_slots]
+    every = {cfg for d in {s[3] for s in shapes} for _, causal in VARIANTS for cfg in tile_configs(d, causal)}
     with ThreadPoolExecutor(max_workers=16) as pool:       # nvcc runs outside the GIL
         list(pool.map(build_cubin, every))
     for model, hq, hkv, d, n in shapes:
@@ -172,9 +189,7 @@ def sweep(out_path: Path | None, only: list[str] | None = None) -> None:
         for variant, causal in VARIANTS:
             flops = 4 * b * hq * d * attended_pairs(n, causal)
             _, cudnn, _ = systems(q, k, v, causal)
-            configs = [Fa3Config(head_dim=d, block_m=bm, block_n=bn, stages=stages, causal=causal,
-                                 persistent=True)
-                       for bm, bn, stages in SWEEP_TILES[d]]
+            configs = tile_configs(d, causal)
             fns = [cudnn[1]] + [
                 (lambda cfg=cfg: fa3_forward(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
                 for cfg in configs]
@@ -183,11 +198,12 @@ def sweep(out_path: Path | None, only: list[str] | None = None) -> None:
             line = []
             for cfg, ms in zip(configs, medians[1:]):
                 tf = flops / ms / 1e9
-                rows.append(dict(model=model, variant=variant, N=n, D=d, block_m=cfg.block_m,
-                                 block_n=cfg.block_n, stages=cfg.stages, persistent=cfg.persistent,
-                                 tflops=round(tf, 1), cudnn_tflops=round(base, 1)))
-                line.append(f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}"
-                            f"{'P' if cfg.persistent else 'G'}={tf:.0f}")
+                rows.append(dict(model=model, variant=variant, N=n, Hq=hq, Hkv=hkv, D=d,
+                                 block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages,
+                                 persistent=cfg.persistent, q_slots=cfg.q_slots,
+                                 q_slots_used=cfg.q_slots_used, tflops=round(tf, 1),
+                                 cudnn_tflops=round(base, 1)))
+                line.append(f"{_label(cfg)}={tf:.0f}")
             print(f"{model:14s} {variant:6s} N={n:5d} cudnn={base:.0f} | " + " ".join(line), flush=True)
     if out_path:
         out_path.write_text(json.dumps(dict(
@@ -238,9 +254,11 @@ if __name__ == "__main__":
     ap.add_argument("--sanitize-case", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", nargs="*", help="with --sweep: shapes as MODEL:N (e.g. llama2-7b-d64:1024)")
+    ap.add_argument("--tiles", nargs="*", help="with --sweep: tiles as BMxBNsS (e.g. 128x128s2)")
+    ap.add_argument("--q-slots", nargs="*", type=int, default=[2], help="with --sweep: Q-slot limits to cross")
     args = ap.parse_args()
     if args.sweep:
-        sweep(args.out, args.only)
+        sweep(args.out, args.only, args.tiles, tuple(args.q_slots))
     elif args.smoke:
         smoke()
     elif args.sanitize_case:

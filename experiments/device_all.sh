@@ -13,7 +13,9 @@
 #   G: after a softmax-path change (all GPU tests, sanitizer, fa3 vs cuDNN, normalisations
 #      round-robin beside our causal softmax);
 #   H: the variant benchmark and the fa3 tile sweep;
-#   I: the NVRTC build on the GPU, and the D = 64 1k sweep.
+#   I: the NVRTC build on the GPU, and the D = 64 1k sweep;
+#   J: the Q-slot A/B (one vs two Q tiles in shared memory) at 1k and D = 64 8k, after the fa3 GPU
+#      tests and the sanitizer, and the MUFU rate microbenchmark.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -128,6 +130,17 @@ I)
   step "d64 1k sweep"
   timeout 200 python3 experiments/bench_fa3.py --sweep --only llama2-7b-d64:1024 --out "$OUT/sweep_d64_1k.json" \
     2>&1 | tail -4
+  ;;
+J)
+  step fa3 gpu tests
+  timeout 240 python3 -m pytest tests/gpu/test_fa3_sm90.py -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
+  sanitize_fa3
+  step MUFU rates
+  timeout 60 python3 experiments/mufu_rates.py --out "$OUT/mufu_rates.json" 2>&1 | tail -26
+  step Q-slot sweep
+  timeout 300 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_q_slots.json" --q-slots 1 2 \
+    --only llama2-7b-d64:1024 llama2-7b:1024 qwen2.5-72b:1024 llama2-7b-d64:8192 \
+    --tiles 128x128s2 128x128s4 192x128s2 128x176s2 2>&1 | tail -12
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

@@ -61,26 +61,39 @@ class Fa3Config:
     causal: bool = False
     bf16: bool = True
     persistent: bool = False   # launch-time only: grid = #SMs (each CTA loops over tiles) vs #tiles
+    q_slots: int = 2           # at most this many Q tiles in shared memory (2 where they fit)
 
     def defines(self) -> list[str]:
-        """The -D flags; `persistent` is not one (it only changes the grid)."""
-        return [f"-DHEAD_DIM={self.head_dim}", f"-DBLOCK_M={self.block_m}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}",
-                f"-DIS_CAUSAL={int(self.causal)}", f"-DDTYPE_BF16={int(self.bf16)}"]
+        """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
+        the kernel check that its shared-memory layout is the size this class launches with."""
+        flags = [f"-DHEAD_DIM={self.head_dim}", f"-DBLOCK_M={self.block_m}",
+                 f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}",
+                 f"-DIS_CAUSAL={int(self.causal)}", f"-DDTYPE_BF16={int(self.bf16)}"]
+        if self.q_slots != 2:
+            flags.append(f"-DQ_SLOTS={self.q_slots}")
+        return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property
     def threads(self) -> int:
         return (self.block_m // WG_ROWS + 1) * WG_THREADS
 
     @property
+    def q_slots_used(self) -> int:
+        """Q tiles in shared memory (kQSlots in params.cuh): two, beside a separate O stage, where
+        they fit and q_slots allows; else one."""
+        two = 3 * self._q_bytes + self._kv_bytes + self._barrier_bytes_for(2) + SMEM_ALIGN <= SMEM_LIMIT
+        return 2 if self.q_slots >= 2 and two else 1
+
+    @property
     def separate_o(self) -> bool:
-        """O gets its own staging buffer when it fits (kSeparateO in kernel.cu)."""
-        return 2 * self._q_bytes + self._kv_bytes + self._barrier_bytes + SMEM_ALIGN <= SMEM_LIMIT
+        """O gets its own staging buffer when it fits (kSeparateO in params.cuh)."""
+        return (self.q_slots_used == 2 or 2 * self._q_bytes + self._kv_bytes + self._barrier_bytes
+                + SMEM_ALIGN <= SMEM_LIMIT)
 
     @property
     def smem_bytes(self) -> int:
         o = self._q_bytes if self.separate_o else 0
-        return self._q_bytes + self._kv_bytes + o + self._barrier_bytes + SMEM_ALIGN
+        return self.q_slots_used * self._q_bytes + self._kv_bytes + o + self._barrier_bytes + SMEM_ALIGN
 
     @property
     def _q_bytes(self) -> int:
@@ -91,8 +104,13 @@ class Fa3Config:
         return 2 * self.stages * self.block_n * self.head_dim * ELEM_BYTES
 
     @property
-    def _barrier_bytes(self) -> int:   # q, 2 tile slots, k/v per stage (8 B each) + 2 tile messages
-        return 8 * (2 + 2 * TILE_SLOTS + 4 * self.stages) + TILE_SLOT_BYTES * TILE_SLOTS
+    def _barrier_bytes(self) -> int:
+        return self._barrier_bytes_for(self.q_slots_used)
+
+    def _barrier_bytes_for(self, q_slots: int) -> int:
+        """q full/empty per Q slot, tile full/empty per tile slot, k/v full/empty per stage (8 B
+        each), and the tile messages (bar_bytes in params.cuh)."""
+        return 8 * (2 * q_slots + 2 * TILE_SLOTS + 4 * self.stages) + TILE_SLOT_BYTES * TILE_SLOTS
 
 
 def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int = 8192,

@@ -23,7 +23,10 @@
 //   row_max         running max of the scores of a row (natural units), row_sum the running sum
 //   stage           slot of the K/V ring in shared memory; phase = parity of the ring's lap
 //   full / empty    mbarriers: "a TMA filled this slot" / "every consumer warp is done reading it"
-//                   (q_full / q_empty for the Q tile, k_full[stage] ... v_empty[stage] for the ring)
+//                   (q_full[slot] / q_empty[slot] for the Q tiles, k_full[stage] ... v_empty[stage]
+//                   for the K/V ring)
+//   Q slot          kQSlots (1 or 2) Q tiles in shared memory; tile k of a CTA (counting tiles
+//                   with KV work) uses slot k % kQSlots, so with two the next tile's Q loads early
 //   wg_turn[c]      named barrier: consumer c may issue its GEMMs (ping-pong between consumers)
 //   panel           64 columns of a tile (128 bytes, the 128B-swizzle span); D = 128 has two
 //
@@ -228,6 +231,7 @@ struct Smem {
   uint32_t q, k, v, o;            // tile bases (shared-window addresses)
   uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty;   // barriers (arrays 8 bytes apart)
   uint32_t tile_full, tile_empty, tile_slot;
+  __device__ __forceinline__ uint32_t q_tile(int s) const { return q + s * kQBytes; }
   __device__ __forceinline__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
   __device__ __forceinline__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
 };
@@ -323,6 +327,21 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     }
     if constexpr (!kRangeViaSmem) tl = pb.tile(t);
     const int tiles = kv_count(tl.r);
+    auto load_q = [&]() {
+      const int qs = q_iter % kQSlots;
+      // @cuir-region load_q
+      mbar_wait(sm.q_empty + 8 * qs, ((q_iter / kQSlots) & 1) ^ 1);
+      mbar_expect_tx(sm.q_full + 8 * qs, kQBytes);
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p)
+        tma_load_3d(sm.q_tile(qs) + p * kQPanelBytes, tm_q, sm.q_full + 8 * qs, p * kPanelCols, tl.m0,
+                    tl.hm.bh_q);
+      // @cuir-end load_q
+      ++q_iter;
+    };
+    // Two Q slots: this tile's Q goes first (its slot was freed by the tile before last, long
+    // done), hiding its latency behind the tiles still in the ring.
+    if (kQSlots > 1 && tiles > 0) load_q();
     for (int i = 0; i < tiles; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
       // @cuir-region load_kv
@@ -333,16 +352,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
         tma_load_3d(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
                     n * kBlockN, tl.hm.bh_kv);
       // @cuir-end load_kv
-      if (i == 0) {   // after the first K, so that K load overlaps the wait for the Q slot
-        // @cuir-region load_q
-        mbar_wait(sm.q_empty, (q_iter & 1) ^ 1);
-        mbar_expect_tx(sm.q_full, kQBytes);
-#pragma unroll
-        for (int p = 0; p < kPanels; ++p)
-          tma_load_3d(sm.q + p * kQPanelBytes, tm_q, sm.q_full, p * kPanelCols, tl.m0, tl.hm.bh_q);
-        // @cuir-end load_q
-        ++q_iter;
-      }
+      // One Q slot: after the first K, so that the K load overlaps the wait for the slot.
+      if (kQSlots == 1 && i == 0) load_q();
       mbar_wait(sm.v_empty + 8 * st, empty_parity);
       mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
 #pragma unroll
@@ -418,7 +429,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
       if (q_idx < seqlen_q) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
     }
   }
-  if (!kSeparateO && holds_q) {                            // O was staged in Q: free it once read
+  if (!kSeparateO && holds_q) {      // O was staged in Q (one Q slot, slot 0): free it once read
     if (cs.wg_thread == 0) tma_store_wait_read();
     cs.wg_sync();
     cs.release(sm.q_empty);
@@ -430,7 +441,6 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
   const Frag f = frag_coords(cs.wg_thread);
-  const uint32_t q_rows = sm.q + cs.c * kWgQBytes;
   const float score_scale = kScoreModIdentity ? softmax_scale : 1.f;   // what S still needs
   const bool last_consumer = cs.c == kConsumers - 1;
   int it = 0, q_iter = 0;
@@ -455,7 +465,9 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
     SoftmaxState st;
     softmax_init(st);
+    const int qs = q_iter % kQSlots;                        // this tile's Q slot
     if (tiles > 0) {
+      const uint32_t q_rows = sm.q_tile(qs) + cs.c * kWgQBytes;
       float s[kSRegs];
       uint32_t p[kPRegs];
       float rescale[2];
@@ -472,7 +484,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       // First KV tile: S only.
       cs.turn_wait();
       mbar_wait(sm.k_full + 8 * ring_stage(it), ring_phase(it));
-      mbar_wait(sm.q_full, q_iter & 1);
+      mbar_wait(sm.q_full + 8 * qs, (q_iter / kQSlots) & 1);
       gemm_qk(s, q_rows, sm.k_tile(ring_stage(it)));
       cs.turn_pass();
       bool partial = partial_at(0), partial_next = partial_at(1);
@@ -505,7 +517,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
         rescale_o(o, rescale);
         convert_p(p, s);
       }
-      if (kSeparateO) cs.release(sm.q_empty);              // every QK of this tile is done
+      if (kSeparateO) cs.release(sm.q_empty + 8 * qs);     // every QK of this tile is done
 
       // Drain: the last P V.
       const int sv = ring_stage(it + tiles - 1);
@@ -545,8 +557,8 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   sm.v = base + kOffV;
   sm.o = base + kOffO;
   sm.q_full = base + kOffBar;
-  sm.q_empty = sm.q_full + 8;
-  sm.k_full = sm.q_empty + 8;
+  sm.q_empty = sm.q_full + 8 * kQSlots;
+  sm.k_full = sm.q_empty + 8 * kQSlots;
   sm.k_empty = sm.k_full + 8 * kStages;
   sm.v_full = sm.k_empty + 8 * kStages;
   sm.v_empty = sm.v_full + 8 * kStages;
@@ -559,8 +571,10 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
 
   const int wg = threadIdx.x / kWgThreads;
   if (threadIdx.x == 0) {
-    mbar_init(sm.q_full, 1);
-    mbar_init(sm.q_empty, kEmptyArrivals);
+    for (int s = 0; s < kQSlots; ++s) {
+      mbar_init(sm.q_full + 8 * s, 1);
+      mbar_init(sm.q_empty + 8 * s, kEmptyArrivals);
+    }
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.k_full + 8 * s, 1);
       mbar_init(sm.v_full + 8 * s, 1);

@@ -65,20 +65,33 @@ constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;
 constexpr int kQPanelBytes = kBlockM * kSwizzleBytes;
 constexpr int kKVPanelBytes = kBlockN * kSwizzleBytes;
 constexpr int kWgQBytes = kWgRows * kSwizzleBytes;     // one consumer's rows inside a Q panel
-constexpr int kOffQ = 0;
-constexpr int kOffK = kOffQ + kQBytes;
-constexpr int kOffV = kOffK + kStages * kKVBytes;
 constexpr int kTileSlots = 2;                        // depth of the tile hand-over ring
 constexpr int kTileSlotBytes = 128;                  // one TileMsg (static_assert below)
-constexpr int kNumBarriers = 2 + 2 * kTileSlots + 4 * kStages;   // q, tile, k/v full/empty
 constexpr int kSmemAlign = 1024;
 constexpr int kSmemLimit = 227 * 1024;
+constexpr int kRingBytes = kStages * kKVBytes;           // the K ring; the V ring the same
+// Barriers and the tile_slot ring with q_slots Q slots: q full/empty per slot, tile full/empty
+// per slot, k/v full/empty per stage.
+__host__ __device__ constexpr int bar_bytes(int q_slots) {
+  return (2 * q_slots + 2 * kTileSlots + 4 * kStages) * 8 + kTileSlots * kTileSlotBytes;
+}
+// Q slots: with two, the producer loads the next tile's Q while this tile's GEMMs run (one slot:
+// the load waits for this tile's last QK and its latency shows at short lengths). Two only with
+// a separate O stage beside them, when that fits; Q_SLOTS=1 forces one (A/B, the tuner).
+#ifndef Q_SLOTS
+#define Q_SLOTS 2
+#endif
+constexpr bool kTwoQ = Q_SLOTS >= 2 && 3 * kQBytes + 2 * kRingBytes + bar_bytes(2) + kSmemAlign <= kSmemLimit;
+constexpr int kQSlots = kTwoQ ? 2 : 1;
+constexpr int kBarBytes = bar_bytes(kQSlots);
+constexpr int kOffQ = 0;
+constexpr int kOffK = kOffQ + kQSlots * kQBytes;
+constexpr int kOffV = kOffK + kRingBytes;
 // O is staged for its TMA store in its own buffer when that fits, so the next tile's Q can load
-// during the epilogue; otherwise it reuses the Q tile and Q is released after the store drains.
-constexpr int kBarBytes = kNumBarriers * 8 + kTileSlots * kTileSlotBytes;   // barriers, tile_slot[]
-constexpr bool kSeparateO = kOffV + kStages * kKVBytes + kQBytes + kBarBytes + kSmemAlign <= kSmemLimit;
-constexpr int kOffO = kSeparateO ? kOffV + kStages * kKVBytes : kOffQ;
-constexpr int kOffBar = kOffV + kStages * kKVBytes + (kSeparateO ? kQBytes : 0);
+// during the epilogue; otherwise it reuses the (only) Q slot and Q is released after the store.
+constexpr bool kSeparateO = kTwoQ || kOffV + kRingBytes + kQBytes + kBarBytes + kSmemAlign <= kSmemLimit;
+constexpr int kOffO = kSeparateO ? kOffV + kRingBytes : kOffQ;
+constexpr int kOffBar = kOffV + kRingBytes + (kSeparateO ? kQBytes : 0);
 constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;   // + slack to align the base
 constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;             // one arrive per consumer warp
 
@@ -93,7 +106,13 @@ static_assert(kBlockN % kMmaK == 0 && kBlockN >= kMmaK && kBlockN <= 256,
               "BLOCK_N must be a multiple of 16 in [16, 256] (wgmma N, TMA box)");
 static_assert(kBlockM <= 256, "TMA box rows are at most 256");
 static_assert(kStages >= 2, "STAGES must be >= 2 so loads overlap compute");
+static_assert(Q_SLOTS == 1 || Q_SLOTS == 2, "Q_SLOTS must be 1 or 2");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
+#ifdef HOST_SMEM_BYTES   // the launcher's size (Fa3Config.smem_bytes): a layout change must reach it
+static_assert(kSmemBytes == HOST_SMEM_BYTES,
+              "the host launches with another shared-memory size than this layout needs: update "
+              "Fa3Config (cubridge/runtime/fa3_sm90.py) with params.cuh");
+#endif
 static_assert(kBarEpilogue0 + kConsumers <= kMaxNamedBarriers, "too many named barriers");
 
 }  // namespace fa3

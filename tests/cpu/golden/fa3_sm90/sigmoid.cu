@@ -170,7 +170,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
       if (q_idx < seqlen_q) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
     }
   }
-  if (!kSeparateO && holds_q) {                            // O was staged in Q: free it once read
+  if (!kSeparateO && holds_q) {      // O was staged in Q (one Q slot, slot 0): free it once read
     if (cs.wg_thread == 0) tma_store_wait_read();
     cs.wg_sync();
     cs.release(sm.q_empty);

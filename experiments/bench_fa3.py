@@ -153,16 +153,37 @@ SWEEP_SHAPES = [("llama2-7b", 32, 32, 128, 1024), ("llama2-7b", 32, 32, 128, 819
                 ("qwen2.5-72b", 64, 8, 128, 8192), ("llama3.1-405b", 128, 8, 128, 8192)]
 
 
+def rule_check(cfg: Fa3Config) -> str:
+    """The verification rule (DESIGN.md) for one config at ragged GQA shapes (N = 300 and 1000,
+    Hq / Hkv = 4 / 2, seed fixed): "passed" or the first failure. Outputs are NaN-poisoned first."""
+    for n in (300, 1000):
+        g = torch.Generator(device="cuda").manual_seed(n + cfg.head_dim)
+        q = torch.randn(1, 4, n, cfg.head_dim, device="cuda", generator=g).bfloat16()
+        k = torch.randn(1, 2, n, cfg.head_dim, device="cuda", generator=g).bfloat16()
+        v = torch.randn(1, 2, n, cfg.head_dim, device="cuda", generator=g).bfloat16()
+        out = torch.full_like(q, float("nan"))
+        fa3_forward(q, k, v, causal=cfg.causal, config=cfg, out=out, max_ctas=8)
+        with sdpa_kernel(SDPBackend.MATH):
+            golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                    is_causal=cfg.causal, enable_gqa=True)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal, enable_gqa=True)
+        err = (out.double() - golden).abs().max().item()
+        bound = 2 * (ref.double() - golden).abs().max().item() + 1e-5
+        if not err <= bound:   # NaN fails too
+            return f"N={n}: max err {err:.3e} > bound {bound:.3e}"
+    return "passed"
+
+
 def _label(cfg: Fa3Config) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}"
-            + (f"q{cfg.q_slots}" if cfg.q_slots != 2 else ""))
+            + (f"q{cfg.q_slots}" if cfg.q_slots != 2 else "") + "".join(f"+{k}" for k in cfg.knobs))
 
 
 def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str] | None = None,
-          q_slots: tuple[int, ...] = (2,)) -> None:
+          q_slots: tuple[int, ...] = (2,), knobs: tuple[tuple[str, ...], ...] = ((),)) -> None:
     """Time our kernel over tile configs, with cuDNN beside each shape. `only`: "model:N" filters
     (SWEEP_SHAPES, or any shape of SHAPES named); `tiles`: "BMxBNsS" filters; `q_slots`: each tile
-    with each Q-slot limit."""
+    with each Q-slot limit; `knobs`: each tile with each set of kernel.cu experiment macros."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     if only:
@@ -173,9 +194,9 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
 
     def tile_configs(d, causal):
         return [Fa3Config(head_dim=d, block_m=bm, block_n=bn, stages=st, causal=causal, persistent=True,
-                          q_slots=qs)
+                          q_slots=qs, knobs=kn)
                 for bm, bn, st in SWEEP_TILES[d] if not tiles or f"{bm}x{bn}s{st}" in tiles
-                for qs in q_slots]
+                for qs in q_slots for kn in knobs]
     every = {cfg for d in {s[3] for s in shapes} for _, causal in VARIANTS for cfg in tile_configs(d, causal)}
     with ThreadPoolExecutor(max_workers=16) as pool:       # nvcc runs outside the GIL
         list(pool.map(build_cubin, every))
@@ -190,6 +211,10 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
             flops = 4 * b * hq * d * attended_pairs(n, causal)
             _, cudnn, _ = systems(q, k, v, causal)
             configs = tile_configs(d, causal)
+            checks = {cfg: rule_check(cfg) for cfg in configs}
+            for cfg, verdict in checks.items():
+                if verdict != "passed":
+                    print(f"# {_label(cfg)} causal={causal}: verification FAILED: {verdict}", flush=True)
             fns = [cudnn[1]] + [
                 (lambda cfg=cfg: fa3_forward(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
                 for cfg in configs]
@@ -200,8 +225,8 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
                 tf = flops / ms / 1e9
                 rows.append(dict(model=model, variant=variant, N=n, Hq=hq, Hkv=hkv, D=d,
                                  block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages,
-                                 persistent=cfg.persistent, q_slots=cfg.q_slots,
-                                 q_slots_used=cfg.q_slots_used, tflops=round(tf, 1),
+                                 persistent=cfg.persistent, q_slots=cfg.q_slots, knobs=list(cfg.knobs),
+                                 q_slots_used=cfg.q_slots_used, check=checks[cfg], tflops=round(tf, 1),
                                  cudnn_tflops=round(base, 1)))
                 line.append(f"{_label(cfg)}={tf:.0f}")
             print(f"{model:14s} {variant:6s} N={n:5d} cudnn={base:.0f} | " + " ".join(line), flush=True)
@@ -256,9 +281,12 @@ if __name__ == "__main__":
     ap.add_argument("--only", nargs="*", help="with --sweep: shapes as MODEL:N (e.g. llama2-7b-d64:1024)")
     ap.add_argument("--tiles", nargs="*", help="with --sweep: tiles as BMxBNsS (e.g. 128x128s2)")
     ap.add_argument("--q-slots", nargs="*", type=int, default=[2], help="with --sweep: Q-slot limits to cross")
+    ap.add_argument("--knobs", nargs="*", default=[""],
+                    help='with --sweep: sets of kernel.cu macros to cross, each "A=1,B=2" ("" = none)')
     args = ap.parse_args()
     if args.sweep:
-        sweep(args.out, args.only, args.tiles, tuple(args.q_slots))
+        sweep(args.out, args.only, args.tiles, tuple(args.q_slots),
+              tuple(tuple(k for k in ks.split(",") if k) for ks in args.knobs))
     elif args.smoke:
         smoke()
     elif args.sanitize_case:

@@ -15,7 +15,9 @@
 #   H: the variant benchmark and the fa3 tile sweep;
 #   I: the NVRTC build on the GPU, and the D = 64 1k sweep;
 #   J: the Q-slot A/B (one vs two Q tiles in shared memory) at 1k and D = 64 8k, after the fa3 GPU
-#      tests and the sanitizer, and the MUFU rate microbenchmark.
+#      tests and the sanitizer, and the MUFU rate microbenchmark;
+#   K: the kernel.cu experiment knobs (early next-tile fetch, ascending KV order, a share of the
+#      exponentials on the FMA pipe) at 1k and D = 64 8k, each config verified first.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -141,6 +143,13 @@ J)
   timeout 300 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_q_slots.json" --q-slots 1 2 \
     --only llama2-7b-d64:1024 llama2-7b:1024 qwen2.5-72b:1024 llama2-7b-d64:8192 \
     --tiles 128x128s2 128x128s4 192x128s2 128x176s2 2>&1 | tail -12
+  ;;
+K)
+  step knob sweep
+  timeout 420 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_knobs.json" \
+    --only llama2-7b-d64:1024 llama2-7b:1024 llama2-7b-d64:8192 --tiles 128x128s2 128x128s4 192x128s2 \
+    --knobs "" EARLY_NEXT_TILE=1 KV_ASCENDING=1 EXP2_FMA_SIXTEENTHS=1 EXP2_FMA_SIXTEENTHS=2 \
+    EXP2_FMA_SIXTEENTHS=4 EARLY_NEXT_TILE=1,KV_ASCENDING=1 2>&1 | tail -12
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

@@ -17,9 +17,7 @@
 #   J: the Q-slot A/B (one vs two Q tiles in shared memory) at 1k and D = 64 8k, after the fa3 GPU
 #      tests and the sanitizer, and the MUFU rate microbenchmark;
 #   K: the kernel.cu experiment knobs (early next-tile fetch, ascending KV order, a share of the
-#      exponentials on the FMA pipe) at 1k and D = 64 8k, each config verified first;
-#   L: the half diagonal tile (D = 64 causal) A/B after the fa3 GPU tests and the sanitizer, then
-#      fa3 vs cuDNN at every shape (bench_fa3) with the defaults.
+#      exponentials on the FMA pipe) at 1k and D = 64 8k, each config verified first.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -152,17 +150,6 @@ K)
     --only llama2-7b-d64:1024 llama2-7b:1024 llama2-7b-d64:8192 --tiles 128x128s2 128x128s4 192x128s2 \
     --knobs "" EARLY_NEXT_TILE=1 KV_ASCENDING=1 EXP2_FMA_SIXTEENTHS=1 EXP2_FMA_SIXTEENTHS=2 \
     EXP2_FMA_SIXTEENTHS=4 EARLY_NEXT_TILE=1,KV_ASCENDING=1 2>&1 | tail -12
-  ;;
-L)
-  step fa3 gpu tests
-  timeout 240 python3 -m pytest tests/gpu/test_fa3_sm90.py -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
-  sanitize_fa3
-  step half-diagonal sweep
-  timeout 200 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_half_diagonal.json" \
-    --only llama2-7b-d64:1024 llama2-7b-d64:8192 --tiles 128x128s2 128x128s4 192x128s2 \
-    --knobs "" HALF_DIAGONAL=0 KV_ASCENDING=1 2>&1 | tail -6
-  step fa3 vs cuDNN
-  timeout 150 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench.json" 2>&1 | tail -22
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

@@ -63,13 +63,12 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {{
   st.row_max[0] = st.row_max[1] = 0.f;
   st.row_sum[0] = st.row_sum[1] = 0.f;
 }}
-template <int kCols = kBlockN>   // the tile's first kCols columns (a half diagonal tile)
 __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
                                                SoftmaxState& st, float (&rescale)[2],
                                                float score_scale) {{
   rescale[0] = rescale[1] = 1.f;{setup}
 #pragma unroll
-  for (int i = 0; i < kCols / 2; ++i) {body}
+  for (int i = 0; i < kSRegs; ++i) {body}
 }}
 __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&rescale)[2]) {{}}
 """

@@ -104,6 +104,9 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   return KvRange{0, n_end, 0, max(0, min(full_end, n_end))};
 }
 __device__ __forceinline__ int kv_count(const KvRange& r) { return r.n_end - r.n_begin; }
+#ifndef KV_ASCENDING   // experiment knob: 1 visits low n first (the causal diagonal tile last)
+#define KV_ASCENDING 0
+#endif
 __device__ __forceinline__ int tile_at(const KvRange& r, int i) {
   return KV_ASCENDING ? r.n_begin + i : r.n_end - 1 - i;
 }
@@ -130,13 +133,12 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
 
 // Scale and score_mod (skipped for an identity score_mod: the softmax scales), and on partial
 // tiles the mask, in one pass over S with each element's indices.
-// kCols: the first kCols columns of the tile (all of them but on a half diagonal tile).
-template <bool kPartial, int kCols = kBlockN>
+template <bool kPartial>
 __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)[kSRegs],
                                                float softmax_scale, HeadMap hm, int q_row0,
                                                int kv_col0, int seqlen_k) {
 #pragma unroll
-  for (int j = 0; j < kCols / 8; ++j)
+  for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -153,8 +155,7 @@ __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)
 // scores / score_scale (raw q.k when score_mod is the identity, else score_scale = 1) and becomes
 // exp(score - row_max) in place, the scale folded into the exp2 FFMA; row_max is in natural units
 // (score_scale > 0, so the max of raw scores scales to the max of scores). rescale[half] is what
-// the O rows accumulated so far get multiplied by. kCols: only the tile's first kCols columns
-// are scores (a half diagonal tile); the rest of S is not read.
+// the O rows accumulated so far get multiplied by.
 // EXP2_FMA_SIXTEENTHS (experiment knob, default 0): that share of each thread's exponentials runs
 // on the FMA pipe (exp2_fma) instead of MUFU.
 #ifndef EXP2_FMA_SIXTEENTHS
@@ -165,7 +166,6 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
   st.row_max[0] = st.row_max[1] = kNegInf;
   st.row_sum[0] = st.row_sum[1] = 0.f;
 }
-template <int kCols = kBlockN>
 __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
                                                SoftmaxState& st, float (&rescale)[2],
                                                float score_scale) {
@@ -174,7 +174,7 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
   for (int half = 0; half < 2; ++half) {
     float mx = kNegInf;
 #pragma unroll
-    for (int j = 0; j < kCols / 8; ++j)
+    for (int j = 0; j < kBlockN / 8; ++j)
       mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
@@ -184,7 +184,7 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
     st.row_max[half] = mx;
     float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < kCols / 8; ++j)
+    for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];
@@ -204,18 +204,15 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
 // @cuir-end softmax
 
 // @cuir-region qk
-// S(64 x kCols) = Q_c(64 x D) K_n^T (the first kCols keys of the tile: all but on a half
-// diagonal tile); both operands K-major in swizzled panels.
-template <int kCols = kBlockN>
+// S(64 x kBlockN) = Q_c(64 x D) K_n^T; both operands K-major in swizzled panels.
 __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uint32_t k_tile) {
-  float (&acc)[kCols / 2] = *reinterpret_cast<float (*)[kCols / 2]>(&s[0]);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
     const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
     const uint64_t a = make_desc(q_rows + panel * kQPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
     const uint64_t b = make_desc(k_tile + panel * kKVPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
-    WgmmaSS<kCols, MmaTag>::mma(acc, a, b, kk > 0);
+    WgmmaSS<kBlockN, MmaTag>::mma(s, a, b, kk > 0);
   }
   wgmma_commit();
 }
@@ -224,13 +221,11 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uin
 // @cuir-region pv
 // O(64 x D) += P(64 x kBlockN, registers) V_n(kBlockN x D); V is MN-major (D contiguous), its
 // panels of 64 columns kKVPanelBytes apart (leading offset), 8-row groups 1024 B apart (stride).
-// kCols: P's first kCols columns (V's first kCols rows) only, on a half diagonal tile.
-template <int kCols = kBlockN>
 __device__ __forceinline__ void gemm_pv(float (&o)[kORegs], const uint32_t (&p)[kPRegs],
                                         uint32_t v_tile) {
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kCols / kMmaK; ++kk) {
+  for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
     const uint64_t b = make_desc(v_tile + kk * kMmaK * kSwizzleBytes, kKVPanelBytes, kSwizzleAtomBytes);
     WgmmaRS<kHeadDim, MmaTag>::mma(o, &p[4 * kk], b);
   }
@@ -238,22 +233,10 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kORegs], const uint32_t (&p)[
 }
 // @cuir-end pv
 
-template <int kCols = kBlockN>
 __device__ __forceinline__ void convert_p(uint32_t (&p)[kPRegs], const float (&s)[kSRegs]) {
 #pragma unroll
-  for (int i = 0; i < kCols / 4; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
+  for (int i = 0; i < kPRegs; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
 }
-
-// Dense causal: the first tile a consumer visits is the diagonal one (high n first), and when
-// the consumer's last row ends in its first half, the second half is all masked: the mask, the
-// softmax and P V run on kHalfCols columns there (QK stays full width: an N = kHalfCols QK made
-// ptxas serialise the wgmma pipeline, C7511). HALF_DIAGONAL=0 turns it off (A/B).
-#ifndef HALF_DIAGONAL
-#define HALF_DIAGONAL 1
-#endif
-constexpr int kHalfCols = kBlockN / 2;
-constexpr bool kHalfDiagonal = HALF_DIAGONAL && kCausal && !KV_ASCENDING && kBlockN % 32 == 0 &&
-                              kHeadDim == 64;   // D = 128: measured separately (not yet)
 
 struct Smem {
   uint32_t q, k, v, o;            // tile bases (shared-window addresses)
@@ -513,30 +496,20 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
         else score_and_mask<false>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
       };
       if (last_consumer) named_arrive(kBarWgTurn0, 2 * kWgThreads);   // consumer 0 goes first
-      // This consumer's rows end in the first half of its first tile (kHalfDiagonal above).
-      const bool half0 = kHalfDiagonal &&
-                         tl.m0 + (cs.c + 1) * kWgRows - tile_at(tl.r, 0) * kBlockN <= kHalfCols;
 
       // First KV tile: S only.
       cs.turn_wait();
       mbar_wait(sm.k_full + 8 * ring_stage(it), ring_phase(it));
       mbar_wait(sm.q_full + 8 * qs, (q_iter / kQSlots) & 1);
-      gemm_qk(s, q_rows, sm.k_tile(ring_stage(it)));   // full width: an N = 64 QK here serialises wgmma
+      gemm_qk(s, q_rows, sm.k_tile(ring_stage(it)));
       cs.turn_pass();
       bool partial = partial_at(0), partial_next = partial_at(1);
       wgmma_wait<0>();
       reg_fence(s);
       cs.release(sm.k_empty + 8 * ring_stage(it));
-      if (half0) {   // the diagonal tile is partial
-        const int n = tile_at(tl.r, 0);
-        score_and_mask<true, kHalfCols>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
-        softmax_update<kHalfCols>(pb.va, s, st, rescale, score_scale);
-        convert_p<kHalfCols>(p, s);
-      } else {
-        process_scores(tile_at(tl.r, 0), partial);
-        softmax_update(pb.va, s, st, rescale, score_scale);
-        convert_p(p, s);
-      }
+      process_scores(tile_at(tl.r, 0), partial);
+      softmax_update(pb.va, s, st, rescale, score_scale);
+      convert_p(p, s);
 
       // Steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight while softmax(S_i) runs.
       for (int i = 1; i < tiles; ++i) {
@@ -545,8 +518,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
         mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
         gemm_qk(s, q_rows, sm.k_tile(sk));
         mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
-        if (i == 1 && half0) gemm_pv<kHalfCols>(o, p, sm.v_tile(sv));
-        else gemm_pv(o, p, sm.v_tile(sv));
+        gemm_pv(o, p, sm.v_tile(sv));
         cs.turn_pass();
         partial = partial_next;
         partial_next = partial_at(i + 1);
@@ -567,8 +539,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       const int sv = ring_stage(it + tiles - 1);
       cs.turn_wait();
       mbar_wait(sm.v_full + 8 * sv, ring_phase(it + tiles - 1));
-      if (tiles == 1 && half0) gemm_pv<kHalfCols>(o, p, sm.v_tile(sv));
-      else gemm_pv(o, p, sm.v_tile(sv));
+      gemm_pv(o, p, sm.v_tile(sv));
       if (!last_consumer) cs.turn_pass();                    // keeps wg_turn arrivals balanced
       wgmma_wait<0>();
       reg_fence(o);

@@ -7,10 +7,6 @@
 
 namespace fa3 {
 
-#ifndef KV_ASCENDING   // experiment knob: 1 visits low n first (the causal diagonal tile last)
-#define KV_ASCENDING 0
-#endif
-
 constexpr int kHeadDim = HEAD_DIM;
 constexpr int kBlockM = BLOCK_M;
 constexpr int kBlockN = BLOCK_N;

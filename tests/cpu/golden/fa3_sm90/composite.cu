@@ -128,13 +128,12 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
   st.row_max[0] = st.row_max[1] = 0.f;
   st.row_sum[0] = st.row_sum[1] = 0.f;
 }
-template <int kCols = kBlockN>   // the tile's first kCols columns (a half diagonal tile)
 __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
                                                SoftmaxState& st, float (&rescale)[2],
                                                float score_scale) {
   rescale[0] = rescale[1] = 1.f;
 #pragma unroll
-  for (int i = 0; i < kCols / 2; ++i) s[i] = i % 8 < CUIR_SIGMOID_FMA_EIGHTHS ? cuir_sigmoid_fma(fmaf(s[i], score_scale, va.C1)) : cuir_sigmoid(fmaf(s[i], score_scale, va.C1));
+  for (int i = 0; i < kSRegs; ++i) s[i] = i % 8 < CUIR_SIGMOID_FMA_EIGHTHS ? cuir_sigmoid_fma(fmaf(s[i], score_scale, va.C1)) : cuir_sigmoid(fmaf(s[i], score_scale, va.C1));
 }
 __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&rescale)[2]) {}
 // ===== region epilogue

@@ -100,8 +100,7 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
 // scores / score_scale (raw q.k when score_mod is the identity, else score_scale = 1) and becomes
 // exp(score - row_max) in place, the scale folded into the exp2 FFMA; row_max is in natural units
 // (score_scale > 0, so the max of raw scores scales to the max of scores). rescale[half] is what
-// the O rows accumulated so far get multiplied by. kCols: only the tile's first kCols columns
-// are scores (a half diagonal tile); the rest of S is not read.
+// the O rows accumulated so far get multiplied by.
 // EXP2_FMA_SIXTEENTHS (experiment knob, default 0): that share of each thread's exponentials runs
 // on the FMA pipe (exp2_fma) instead of MUFU.
 #ifndef EXP2_FMA_SIXTEENTHS
@@ -112,7 +111,6 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
   st.row_max[0] = st.row_max[1] = kNegInf;
   st.row_sum[0] = st.row_sum[1] = 0.f;
 }
-template <int kCols = kBlockN>
 __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
                                                SoftmaxState& st, float (&rescale)[2],
                                                float score_scale) {
@@ -121,7 +119,7 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
   for (int half = 0; half < 2; ++half) {
     float mx = kNegInf;
 #pragma unroll
-    for (int j = 0; j < kCols / 8; ++j)
+    for (int j = 0; j < kBlockN / 8; ++j)
       mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
@@ -131,7 +129,7 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
     st.row_max[half] = mx;
     float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < kCols / 8; ++j)
+    for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];

@@ -103,14 +103,13 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
   st.row_max[0] = st.row_max[1] = 0.f;
   st.row_sum[0] = st.row_sum[1] = 0.f;
 }
-template <int kCols = kBlockN>   // the tile's first kCols columns (a half diagonal tile)
 __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)[kSRegs],
                                                SoftmaxState& st, float (&rescale)[2],
                                                float score_scale) {
   rescale[0] = rescale[1] = 1.f;
   const float p_scale = score_scale * va.C0;
 #pragma unroll
-  for (int i = 0; i < kCols / 2; ++i) s[i] = fmaxf(s[i], 0.f) * p_scale;    // score_scale > 0 commutes with relu
+  for (int i = 0; i < kSRegs; ++i) s[i] = fmaxf(s[i], 0.f) * p_scale;    // score_scale > 0 commutes with relu
 }
 __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&rescale)[2]) {}
 // ===== region epilogue

@@ -17,7 +17,9 @@
 #   J: the Q-slot A/B (one vs two Q tiles in shared memory) at 1k and D = 64 8k, after the fa3 GPU
 #      tests and the sanitizer, and the MUFU rate microbenchmark;
 #   K: the kernel.cu experiment knobs (early next-tile fetch, ascending KV order, a share of the
-#      exponentials on the FMA pipe) at 1k and D = 64 8k, each config verified first.
+#      exponentials on the FMA pipe) at 1k and D = 64 8k, each config verified first;
+#   M: after the cross-tile overlap (a tile's last P V and epilogue under the next tile's first
+#      QK): every GPU test, the sanitizer, the OVERLAP_TILES A/B, fa3 vs cuDNN with the defaults.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -150,6 +152,17 @@ K)
     --only llama2-7b-d64:1024 llama2-7b:1024 llama2-7b-d64:8192 --tiles 128x128s2 128x128s4 192x128s2 \
     --knobs "" EARLY_NEXT_TILE=1 KV_ASCENDING=1 EXP2_FMA_SIXTEENTHS=1 EXP2_FMA_SIXTEENTHS=2 \
     EXP2_FMA_SIXTEENTHS=4 EARLY_NEXT_TILE=1,KV_ASCENDING=1 2>&1 | tail -12
+  ;;
+M)
+  step gpu tests
+  timeout 260 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
+  sanitize_fa3
+  step overlap sweep
+  timeout 200 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_overlap.json" \
+    --only llama2-7b-d64:1024 llama2-7b:1024 qwen2.5-72b:1024 llama2-7b-d64:8192 llama2-7b:8192 \
+    --tiles 128x128s2 192x128s2 128x176s2 --knobs "" OVERLAP_TILES=0 2>&1 | tail -10
+  step fa3 vs cuDNN
+  timeout 150 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench.json" 2>&1 | tail -22
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

@@ -19,7 +19,9 @@
 #   K: the kernel.cu experiment knobs (early next-tile fetch, ascending KV order, a share of the
 #      exponentials on the FMA pipe) at 1k and D = 64 8k, each config verified first;
 #   M: after the cross-tile overlap (a tile's last P V and epilogue under the next tile's first
-#      QK): every GPU test, the sanitizer, the OVERLAP_TILES A/B, fa3 vs cuDNN with the defaults.
+#      QK): every GPU test, the sanitizer, the OVERLAP_TILES A/B, fa3 vs cuDNN with the defaults;
+#   N: the bars after M, measured again: fa3 vs cuDNN twice (a spread), the mask variants vs
+#      FlexAttention at every length, the normalisations round-robin beside our causal softmax.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -163,6 +165,19 @@ M)
     --tiles 128x128s2 192x128s2 128x176s2 --knobs "" OVERLAP_TILES=0 2>&1 | tail -10
   step fa3 vs cuDNN
   timeout 150 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench.json" 2>&1 | tail -22
+  ;;
+N)
+  for rep in 1 2; do
+    step "fa3 vs cuDNN ($rep)"
+    timeout 150 python3 experiments/bench_fa3.py --out "$OUT/fa3_bench_$rep.json" 2>&1 | tail -21
+  done
+  step variant benchmark
+  timeout 240 python3 experiments/bench_variants.py --out "$OUT/variants.json" --n 8192 16384 4096 1024 \
+    --variants causal prefixlm global_sliding_window causal_blockwise share_question relative_pos \
+    --systems ours flex --sweep-variants 2>&1 | tail -26
+  step normalisations round-robin
+  timeout 120 python3 experiments/sigmoid_fma_share.py --out "$OUT/norms.json" --composite 0 --sigmoid 0 --relu \
+    --n 8192 4096 16384 2>&1 | tail -12
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

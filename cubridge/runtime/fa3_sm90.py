@@ -132,6 +132,7 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
         if causal and seqlen <= 2048:
             # d64 causal 1k: v3 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226. Stages: 3 vs 2
             # measured 264 vs 247 in one sweep (v11) and 300 vs 307 in the next (v12; 4: 310): noise.
+            # v15 (two Q slots, tiles overlapped): 0.96-1.01x cuDNN over three runs.
             return Fa3Config(64, 128, 128, 2, causal, bf16, persistent=True)
         # d64 8k: 192x128 (3 consumers) causal P 445 / full P 503 vs 128x128 408 / 441;
         # full 1k: 192x128 P 391 vs 128x128 P 387 (v11: 361 vs 335; 3 stages 361)

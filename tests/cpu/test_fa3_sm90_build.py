@@ -134,3 +134,19 @@ def test_without_nvcc_the_build_falls_back_to_nvrtc(monkeypatch, tmp_path):
         raise build.BuildError("NVRTC is not available through CuPy: test")
     monkeypatch.setattr(build, "_nvrtc", no_nvrtc)
     assert build.available_compiler() is None and "nvcc is not on PATH" in build.NO_COMPILER
+
+
+def test_q_slots_and_shared_memory_follow_the_layout():
+    """Two Q slots where three Q tiles (two slots, a separate O stage) fit beside the rings, one
+    otherwise; the kernel static_asserts its size against HOST_SMEM_BYTES from these numbers."""
+    d128 = Fa3Config(head_dim=128, block_m=128, block_n=128, stages=2)
+    assert d128.q_slots_used == 2 and d128.separate_o
+    assert d128.smem_bytes == 3 * 32768 + 2 * 2 * 32768 + 8 * (4 + 4 + 8) + 256 + 1024
+    wide = Fa3Config(head_dim=128, block_m=128, block_n=176, stages=2)
+    assert wide.q_slots_used == 1 and not wide.separate_o       # O staged in the only Q slot
+    one = Fa3Config(head_dim=64, q_slots=1)
+    assert one.q_slots_used == 1 and one.separate_o and "-DQ_SLOTS=1" in one.defines()
+    assert f"-DHOST_SMEM_BYTES={one.smem_bytes}" in one.defines()
+    assert "-DQ_SLOTS=1" not in Fa3Config(head_dim=64).defines()
+    knobbed = Fa3Config(head_dim=64, knobs=("OVERLAP_TILES=0",))
+    assert "-DOVERLAP_TILES=0" in knobbed.defines() and knobbed != Fa3Config(head_dim=64)

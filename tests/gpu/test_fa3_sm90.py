@@ -88,12 +88,22 @@ TILE_CONFIGS = [dict(d=128, block_m=128, block_n=176, stages=2),
                 dict(d=128, block_m=128, block_n=128, stages=3),
                 dict(d=64, block_m=192, block_n=128, stages=2),
                 dict(d=64, block_m=128, block_n=192, stages=2),
-                dict(d=128, block_m=128, block_n=64, stages=4)]
+                dict(d=128, block_m=128, block_n=64, stages=4),
+                # one Q slot beside a separate O stage (tiles still overlap); the serial tile order
+                # where two slots fit; the experiment knobs of kernel.cu together
+                dict(d=64, block_m=128, block_n=128, stages=2, q_slots=1),
+                dict(d=128, block_m=128, block_n=128, stages=2, knobs=("OVERLAP_TILES=0",)),
+                dict(d=64, block_m=128, block_n=128, stages=2,
+                     knobs=("KV_ASCENDING=1", "EARLY_NEXT_TILE=1", "EXP2_FMA_SIXTEENTHS=4"))]
+
+
+def _cfg_id(cfg: dict) -> str:
+    return "_".join(f"{k}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("n", [17, 1000, 2500], ids=lambda n: f"n{n}")
-@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=lambda c: "_".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=_cfg_id)
 def test_tile_configs(cfg, n, causal):
     cfg = dict(cfg)
     d = cfg.pop("d")

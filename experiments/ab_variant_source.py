@@ -40,13 +40,19 @@ def replaced(pairs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("variant")
-    ap.add_argument("--replace", nargs=2, action="append", required=True, metavar=("OLD", "NEW"))
+    ap.add_argument("--replace", nargs=2, action="append", default=[], metavar=("OLD", "NEW"))
+    ap.add_argument("--b-config", nargs="*", default=[], metavar="FIELD=INT",
+                    help="Fa3Config fields B runs with instead of the variant default (e.g. stages=3)")
     ap.add_argument("--n", type=int, nargs="+", default=[8192, 1024])
     ap.add_argument("--out")
     args = ap.parse_args()
-    systems = {"A (current)": Variant(args.variant, lambda s: s), "B (replaced)": Variant(args.variant, replaced(args.replace))}
+    overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.b_config}
+    if not args.replace and not overrides:
+        ap.error("give B something to differ by: --replace OLD NEW and / or --b-config FIELD=INT")
+    systems = {"A (current)": Variant(args.variant, lambda s: s),
+               "B (replaced)": Variant(args.variant, replaced(args.replace), overrides)}
     result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
-              "variant": args.variant, "replace": args.replace, "checks": {}, "rows": [],
+              "variant": args.variant, "replace": args.replace, "b_config": overrides, "checks": {}, "rows": [],
               "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)"}
     result["checks"] = check_all(systems, args.n)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")

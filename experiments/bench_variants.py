@@ -64,12 +64,15 @@ class Ours:
             self.cache[name] = (cand, kern, self.transform(kern.source) if self.transform else kern.source)
         return self.cache[name]
 
-    def fn(self, name, q, k, v, block_n=None, max_ctas=None, out=None):
+    def fn(self, name, q, k, v, block_n=None, max_ctas=None, out=None, overrides=None):
+        """overrides: Fa3Config fields to replace in the variant default (e.g. stages)."""
         cand, kern, source = self.lowered(name)
         B, Hq, N, Dh = q.shape
         cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N, variant=True)
         if block_n:
             cfg = replace(cfg, block_n=block_n)
+        if overrides:
+            cfg = replace(cfg, **overrides)
         inputs = cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
                            params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
         launch = replace(kern.args(inputs, q.device), source=source)

@@ -48,12 +48,13 @@ def folded(source: str) -> str:
 class Variant:
     """One lowered variant with an edited source (bench_variants.Ours does the lowering and launch)."""
 
-    def __init__(self, name, source_fn):
+    def __init__(self, name, source_fn, overrides=None):
         self.name, self.spec, self.ours = name, load_spec(name), Ours(source_fn)
         self.source = self.ours.lowered(name)[2]
+        self.overrides = overrides or {}
 
     def fn(self, q, k, v, out):
-        return self.ours.fn(self.name, q, k, v, out=out)
+        return self.ours.fn(self.name, q, k, v, out=out, overrides=self.overrides)
 
 
 def check_all(systems: dict, lengths) -> dict:

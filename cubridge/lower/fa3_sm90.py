@@ -10,9 +10,13 @@ run as partial, fully masked: correct, a little slower). Full tiles skip the mas
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
+from cubridge.cuir import nodes as N
 from cubridge.lower import itspace, regions
-from cubridge.lower.hooks import _names, _tables, extra_io, mask, score
-from cubridge.lower.cexpr import SIGMOID_FMA, LowerError, to_c
+from cubridge.lower.hooks import _names, _tables, extra_io, mask
+from cubridge.lower.cexpr import SIGMOID_FMA, LowerError, _literal, to_c
 from cubridge.lower.variant import VariantIR
 
 EPILOGUE_NORMALISE = """\
@@ -47,8 +51,10 @@ def softmax(ir: VariantIR, reference_body: str) -> str:
 #endif
 {SIGMOID_FMA}"""
         z = f"fmaf(s[i], score_scale, {arg})"
-        setup = ""
-        body = f"s[i] = i % 8 < CUIR_SIGMOID_FMA_EIGHTHS ? cuir_sigmoid_fma({z}) : cuir_sigmoid({z});"
+        # sigmoid(z) = 0.5 tanh(z / 2) + 0.5: the halving rides in the argument's FFMA.
+        setup = f"\n  const float half_scale = 0.5f * score_scale, half_bias = 0.5f * {arg};"
+        body = (f"s[i] = i % 8 < CUIR_SIGMOID_FMA_EIGHTHS ? cuir_sigmoid_fma({z})\n"
+                "                                                : cuir_sigmoid_half(fmaf(s[i], half_scale, half_bias));")
     else:
         p = f"fmaxf(s[i], 0.f) * {arg}"
         share = ""
@@ -86,10 +92,85 @@ def epilogue(ir: VariantIR, reference_body: str) -> str:
                                   "  float inv[2] = {1.f, 1.f}, row_lse[2] = {kNegInf, kNegInf};\n")
 
 
+def _positive_const(e) -> float | None:
+    if isinstance(e, N.Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool) \
+            and e.value > 0 and math.isfinite(e.value):
+        return float(e.value)
+    return None
+
+
+def split_factor(e) -> tuple[float, object]:
+    """score = factor * rest, factor a positive constant taken off the top of the expression
+    (c * g, g * c, g / c, nested); (1.0, e) when there is none. A positive factor commutes with
+    every normalisation's use of the score: the row max, the -inf of a masked pair, relu."""
+    if isinstance(e, N.BinOp) and e.op == "*":
+        for c, rest in ((e.left, e.right), (e.right, e.left)):
+            v = _positive_const(c)
+            if v is not None:
+                f, inner = split_factor(rest)
+                return v * f, inner
+    if isinstance(e, N.BinOp) and e.op == "/":
+        v = _positive_const(e.right)
+        if v is not None:
+            f, inner = split_factor(e.left)
+            return f / v, inner
+    return 1.0, e
+
+
+def _is_expr(v) -> bool:
+    return dataclasses.is_dataclass(v) and not isinstance(v, type)
+
+
+def _map_children(e, fn):
+    """e with fn applied to each child expression (also inside tuples: args, (name, expr) kwargs)."""
+    def item(v):
+        if _is_expr(v):
+            return fn(v)
+        if isinstance(v, tuple):
+            return tuple(item(x) for x in v)
+        return v
+    return dataclasses.replace(e, **{f.name: item(getattr(e, f.name)) for f in dataclasses.fields(e)
+                                     if f.compare})
+
+
+def _fold_input_scale(e, bound: dict):
+    """Rewrites the uses of s (= x * scale): s * c, c * s and s / c (c a positive constant) become
+    one name bound to x * (scale * c), whose product of two uniforms nvcc computes once, not per
+    score; any other s becomes x * scale. `bound` collects the new names' C text."""
+    if isinstance(e, N.BinOp) and e.op in ("*", "/"):
+        pairs = ((e.left, e.right), (e.right, e.left)) if e.op == "*" else ((e.left, e.right),)
+        for s_side, c_side in pairs:
+            c = _positive_const(c_side)
+            if isinstance(s_side, N.Name) and s_side.id == "s" and c is not None:
+                name = f"__s{len(bound)}"
+                bound[name] = (f"(x * (scale * {_literal(c if e.op == '*' else 1.0 / c)}))", "float")
+                return N.Name(name)
+    if isinstance(e, N.Name):
+        return N.Name("__sx") if e.id == "s" else e
+    return _map_children(e, lambda child: _fold_input_scale(child, bound)) if _is_expr(e) else e
+
+
+SCORE_SIGNATURE = ("__device__ __forceinline__ float score_mod(const VariantArgs& va, float x, float scale, int b, int h,\n"
+                   "                                           int q_idx, int kv_idx) {\n")
+
+
 def score_region(ir: VariantIR) -> str:
-    """score_mod, and whether it is the identity (then the softmax region applies the scale)."""
-    return (f"constexpr bool kScoreModIdentity = {'true' if ir.score is None else 'false'};\n"
-            + score(ir))
+    """score_mod(x, scale, ...) with kScoreFactor (its positive constant factor, which the
+    normalisation folds into its first FFMA) and kScoreModIdentity (no score_mod: the softmax
+    region applies the scale to raw scores)."""
+    if ir.score is None:
+        return ("constexpr bool kScoreModIdentity = true;\nconstexpr float kScoreFactor = 1.f;\n"
+                + SCORE_SIGNATURE + "  return x * scale;\n}\n")
+    factor, inner = split_factor(ir.score)
+    bound = {"__sx": ("(x * scale)", "float")}
+    inner = _fold_input_scale(inner, bound)
+    names = _names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int"),
+                        **bound})
+    expr = to_c(inner, names, _tables(ir))
+    return ("// Generated by cubridge.lower: score = kScoreFactor * score_mod(va, x, scale, ...), x the raw\n"
+            "// q.k; the factor is folded into the normalisation's first FFMA.\n"
+            f"constexpr bool kScoreModIdentity = false;\nconstexpr float kScoreFactor = {_literal(factor)};\n"
+            + SCORE_SIGNATURE + f"  return {expr};\n}}\n")
 
 
 def lower_source(reference: str, ir: VariantIR) -> str:

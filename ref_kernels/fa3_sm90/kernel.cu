@@ -116,12 +116,16 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 // @cuir-end kv_range
 
 // @cuir-region score
-// kScoreModIdentity: score_mod returns s unchanged, so the scores stay raw (unscaled) and the
-// softmax region applies softmax_scale inside its exp2 FFMA (one FMUL per score less).
+// score = kScoreFactor * score_mod(va, x, scale, ...), x the raw q.k and scale the softmax scale
+// (the score before any transform is x * scale). kScoreModIdentity: score_mod is x * scale
+// itself, so the scores stay raw and the softmax region applies softmax_scale inside its exp2
+// FFMA (one FMUL per score less); a generated score_mod leaves a positive constant factor of its
+// result to kScoreFactor, which the normalisation folds into its first FFMA the same way.
 constexpr bool kScoreModIdentity = true;
-__device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx,
-                                           int kv_idx) {
-  return s;
+constexpr float kScoreFactor = 1.f;
+__device__ __forceinline__ float score_mod(const VariantArgs& va, float x, float scale, int b, int h,
+                                           int q_idx, int kv_idx) {
+  return x * scale;
 }
 // @cuir-end score
 
@@ -145,17 +149,17 @@ __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];
         const int q_idx = q_row0 + 8 * half, kv_idx = kv_col0 + 8 * j + e;
-        if constexpr (!kScoreModIdentity) x = score_mod(va, x * softmax_scale, hm.b, hm.h, q_idx, kv_idx);
+        if constexpr (!kScoreModIdentity) x = score_mod(va, x, softmax_scale, hm.b, hm.h, q_idx, kv_idx);
         if (kPartial && !((kv_idx < seqlen_k) & mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
       }
 }
 
 // @cuir-region softmax
 // Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds
-// scores / score_scale (raw q.k when score_mod is the identity, else score_scale = 1) and becomes
-// exp(score - row_max) in place, the scale folded into the exp2 FFMA; row_max is in natural units
-// (score_scale > 0, so the max of raw scores scales to the max of scores). rescale[half] is what
-// the O rows accumulated so far get multiplied by.
+// scores / score_scale (raw q.k when score_mod is the identity, else score_mod's results with
+// score_scale = kScoreFactor) and becomes exp(score - row_max) in place, the scale folded into
+// the exp2 FFMA; row_max is in natural units (score_scale > 0, so the max of S scales to the max
+// of scores). rescale[half] is what the O rows accumulated so far get multiplied by.
 // EXP2_FMA_SIXTEENTHS (experiment knob, default 0): that share of each thread's exponentials runs
 // on the FMA pipe (exp2_fma) instead of MUFU.
 #ifndef EXP2_FMA_SIXTEENTHS
@@ -466,7 +470,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
   const Frag f = frag_coords(cs.wg_thread);
-  const float score_scale = kScoreModIdentity ? softmax_scale : 1.f;   // what S still needs
+  const float score_scale = kScoreModIdentity ? softmax_scale : kScoreFactor;   // what S still needs
   const bool last_consumer = cs.c == kConsumers - 1;
   // Turns (wg_turn): the consumers issue their GEMMs round-robin. The last consumer owes consumer
   // 0 the first turn, and after a turn that may be the CTA's last (a drain on its own) it defers

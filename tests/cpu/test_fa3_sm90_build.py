@@ -51,7 +51,8 @@ def test_hooks_live_in_their_regions():
     text = KERNEL_SOURCE.read_text()
     body = lambda name: text.split(f"// @cuir-region {name}\n")[1].split(f"// @cuir-end {name}")[0]
     flat = lambda name: " ".join(body(name).split())
-    assert "float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx, int kv_idx)" in flat("score")
+    assert "float score_mod(const VariantArgs& va, float x, float scale, int b, int h, int q_idx, int kv_idx)" in flat("score")
+    assert "constexpr float kScoreFactor" in flat("score")
     assert "bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx)" in flat("mask")
     assert "struct VariantArgs" in flat("extra_io")
     for hook in ("KvRange kv_range(", "int kv_count(", "int tile_at(", "bool tile_partial("):

@@ -7,6 +7,8 @@ __device__ __forceinline__ int cuir_clamp(int i, int n) { return i < 0 ? 0 : (i 
 // tanh.approx (sm_75+): one MUFU op, relative error about 2^-11, far under a 16-bit P's rounding.
 __device__ __forceinline__ float cuir_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 __device__ __forceinline__ float cuir_sigmoid(float x) { return __fmaf_rn(0.5f, cuir_tanh(0.5f * x), 0.5f); }
+// sigmoid(2 h), for a caller that has folded the halving into the FFMA computing h.
+__device__ __forceinline__ float cuir_sigmoid_half(float h) { return __fmaf_rn(0.5f, cuir_tanh(h), 0.5f); }
 struct VariantArgs {
   const float* SLOPES;
   int SLOPES_n0;

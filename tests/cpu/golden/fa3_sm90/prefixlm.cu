@@ -7,6 +7,8 @@ __device__ __forceinline__ int cuir_clamp(int i, int n) { return i < 0 ? 0 : (i 
 // tanh.approx (sm_75+): one MUFU op, relative error about 2^-11, far under a 16-bit P's rounding.
 __device__ __forceinline__ float cuir_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 __device__ __forceinline__ float cuir_sigmoid(float x) { return __fmaf_rn(0.5f, cuir_tanh(0.5f * x), 0.5f); }
+// sigmoid(2 h), for a caller that has folded the halving into the FFMA computing h.
+__device__ __forceinline__ float cuir_sigmoid_half(float h) { return __fmaf_rn(0.5f, cuir_tanh(h), 0.5f); }
 struct VariantArgs {
   int C0;
 };
@@ -86,9 +88,10 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 }
 // ===== region score
 constexpr bool kScoreModIdentity = true;
-__device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx,
-                                           int kv_idx) {
-  return s;
+constexpr float kScoreFactor = 1.f;
+__device__ __forceinline__ float score_mod(const VariantArgs& va, float x, float scale, int b, int h,
+                                           int q_idx, int kv_idx) {
+  return x * scale;
 }
 // ===== region mask
 __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {
@@ -96,10 +99,10 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
 }
 // ===== region softmax
 // Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds
-// scores / score_scale (raw q.k when score_mod is the identity, else score_scale = 1) and becomes
-// exp(score - row_max) in place, the scale folded into the exp2 FFMA; row_max is in natural units
-// (score_scale > 0, so the max of raw scores scales to the max of scores). rescale[half] is what
-// the O rows accumulated so far get multiplied by.
+// scores / score_scale (raw q.k when score_mod is the identity, else score_mod's results with
+// score_scale = kScoreFactor) and becomes exp(score - row_max) in place, the scale folded into
+// the exp2 FFMA; row_max is in natural units (score_scale > 0, so the max of S scales to the max
+// of scores). rescale[half] is what the O rows accumulated so far get multiplied by.
 // EXP2_FMA_SIXTEENTHS (experiment knob, default 0): that share of each thread's exponentials runs
 // on the FMA pipe (exp2_fma) instead of MUFU.
 #ifndef EXP2_FMA_SIXTEENTHS

@@ -7,6 +7,8 @@ __device__ __forceinline__ int cuir_clamp(int i, int n) { return i < 0 ? 0 : (i 
 // tanh.approx (sm_75+): one MUFU op, relative error about 2^-11, far under a 16-bit P's rounding.
 __device__ __forceinline__ float cuir_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 __device__ __forceinline__ float cuir_sigmoid(float x) { return __fmaf_rn(0.5f, cuir_tanh(0.5f * x), 0.5f); }
+// sigmoid(2 h), for a caller that has folded the halving into the FFMA computing h.
+__device__ __forceinline__ float cuir_sigmoid_half(float h) { return __fmaf_rn(0.5f, cuir_tanh(h), 0.5f); }
 struct VariantArgs {
   float C0;
 };
@@ -86,9 +88,10 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 }
 // ===== region score
 constexpr bool kScoreModIdentity = true;
-__device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx,
-                                           int kv_idx) {
-  return s;
+constexpr float kScoreFactor = 1.f;
+__device__ __forceinline__ float score_mod(const VariantArgs& va, float x, float scale, int b, int h,
+                                           int q_idx, int kv_idx) {
+  return x * scale;
 }
 // ===== region mask
 __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {

@@ -387,6 +387,39 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
   }
 }
 
+// ------------------------------------------------------------------ timeline (experiments only)
+// experiments/timeline.py builds the kernel with CUIR_TIMELINE_PTR (a device address compiled in)
+// to see where a consumer's time goes: thread 0 of each consumer warpgroup of the first
+// CUIR_TIMELINE_CTAS CTAs writes clock64() << 8 | event into its own stretch of that buffer.
+// Product builds leave it undefined, and every mark compiles to nothing.
+enum TimelineEvent { kTlTile = 1, kTlTurnWait, kTlTurnGot, kTlIssued, kTlScores, kTlSoftmax, kTlPv,
+                     kTlEpilogue, kTlEpilogueDone };
+#ifdef CUIR_TIMELINE_PTR
+#ifndef CUIR_TIMELINE_CTAS
+#define CUIR_TIMELINE_CTAS 4
+#endif
+#ifndef CUIR_TIMELINE_LEN
+#define CUIR_TIMELINE_LEN 4096
+#endif
+struct TimelineMark {
+  unsigned long long* out;
+  int n;
+  __device__ __forceinline__ void operator()(int ev) {
+    if (out != nullptr && n < CUIR_TIMELINE_LEN) out[n++] = (static_cast<unsigned long long>(clock64()) << 8) | ev;
+  }
+};
+__device__ __forceinline__ TimelineMark timeline_for(int c, int wg_thread) {
+  const bool on = wg_thread == 0 && blockIdx.x < CUIR_TIMELINE_CTAS;
+  unsigned long long* base = reinterpret_cast<unsigned long long*>(CUIR_TIMELINE_PTR);
+  return TimelineMark{on ? base + (size_t(blockIdx.x) * kConsumers + c) * CUIR_TIMELINE_LEN : nullptr, 0};
+}
+#else
+struct TimelineMark {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+__device__ __forceinline__ TimelineMark timeline_for(int, int) { return TimelineMark{}; }
+#endif
+
 // ------------------------------------------------------------------ consumer
 struct Consumer {
   int c;            // consumer index
@@ -476,14 +509,18 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   // 0 the first turn, and after a turn that may be the CTA's last (a drain on its own) it defers
   // that pass to the start of its next turn, so that no arrival is left pending at exit.
   bool owe_turn = last_consumer;
+  TimelineMark mark = timeline_for(cs.c, cs.wg_thread);
   auto turn_begin = [&]() {
+    mark(kTlTurnWait);
     if (owe_turn) named_arrive(kBarWgTurn0, 2 * kWgThreads);
     owe_turn = false;
     cs.turn_wait();
+    mark(kTlTurnGot);
   };
   auto turn_end = [&](bool maybe_last) {
     if (last_consumer && maybe_last) owe_turn = true;
     else cs.turn_pass();
+    mark(kTlIssued);
   };
   float o[kORegs];
   uint32_t p[kPRegs];
@@ -496,7 +533,9 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   auto finish_prev = [&]() {                               // its last P V has completed
     reg_fence(o);
     cs.release(sm.v_empty + 8 * prev_sv);
+    mark(kTlEpilogue);
     epilogue(cs, sm, tm_o, lse, o, st, Tile{prev_m0, prev_hm, KvRange{}}, pb.seqlen_q, true);
+    mark(kTlEpilogueDone);
     pending = false;
   };
   auto drain_alone = [&]() {
@@ -522,6 +561,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     }
     mbar_arrive(sm.tile_empty + 8 * slot);                 // every reader arrives after its read
     if (t >= pb.num_tiles) break;
+    mark(kTlTile);
     if constexpr (!kRangeViaSmem) tl = pb.tile(t);         // a cheap range: recomputed here
     const int tiles = kv_count(tl.r);
     if (tiles == 0) {                                      // nothing attended: O = 0, lse = -inf
@@ -576,9 +616,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     softmax_init(st);
     bool partial = partial_at(0), partial_next = partial_at(1);
     reg_fence(s);
+    mark(kTlScores);
     cs.release(sm.k_empty + 8 * ring_stage(it));
     process_scores(tile_at(tl.r, 0), partial);
     softmax_update(pb.va, s, st, rescale, score_scale);
+    mark(kTlSoftmax);
     convert_p(p, s);
 
     // Steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight while softmax(S_i) runs.
@@ -594,11 +636,14 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       partial_next = partial_at(i + 1);
       wgmma_wait<1>();
       reg_fence(s);
+      mark(kTlScores);
       cs.release(sm.k_empty + 8 * sk);
       process_scores(tile_at(tl.r, i), partial);
       softmax_update(pb.va, s, st, rescale, score_scale);
+      mark(kTlSoftmax);
       wgmma_wait<0>();
       reg_fence(o);
+      mark(kTlPv);
       cs.release(sm.v_empty + 8 * sv);
       rescale_o(o, rescale);
       convert_p(p, s);

@@ -27,9 +27,11 @@ from cubridge.runtime.fa3_sm90 import KERNEL_SOURCE, default_config, fa3_forward
 
 CTAS, LEN = 4, 4096      # CUIR_TIMELINE_CTAS / CUIR_TIMELINE_LEN of kernel.cu
 EVENTS = {1: "tile", 2: "turn_wait", 3: "turn_got", 4: "issued", 5: "scores", 6: "softmax", 7: "pv",
-          8: "epilogue", 9: "epilogue_done"}
+          8: "epilogue", 9: "epilogue_done", 10: "k_ready", 11: "qk_issued", 12: "v_ready"}
 # What the time between two marks is (from -> to).
-PHASES = {("turn_wait", "turn_got"): "wait for the turn", ("turn_got", "issued"): "issue GEMMs",
+PHASES = {("turn_wait", "turn_got"): "wait for the turn", ("turn_got", "issued"): "issue GEMMs (first tile)",
+          ("turn_got", "k_ready"): "wait for K (TMA)", ("k_ready", "qk_issued"): "issue QK wgmma",
+          ("qk_issued", "v_ready"): "wait for V (TMA)", ("v_ready", "issued"): "issue P V wgmma",
           ("issued", "scores"): "wait for S (QK)", ("scores", "softmax"): "mask + softmax",
           ("softmax", "pv"): "wait for P V", ("pv", "turn_wait"): "rescale O, convert P",
           ("softmax", "turn_wait"): "convert P (first tile)", ("issued", "epilogue"): "wait for last P V",
@@ -63,6 +65,20 @@ def run(system: str, n: int) -> dict:
     torch.cuda.synchronize()
     stamps = buf.view(CTAS * 3, LEN)[: CTAS * consumers].cpu().tolist()
     totals, counts, span = defaultdict(int), defaultdict(int), 0
+    # Softmax phases ("scores" -> "softmax") of the consumers of one CTA (one SM clock): how much
+    # of them runs while another consumer of the same CTA is in its softmax too (ping-pong wants 0).
+    overlap = shared = 0
+    for cta in range(CTAS):
+        phases = []
+        for c in range(consumers):
+            marks = [(s >> 8, EVENTS.get(s & 0xFF, "?")) for s in stamps[cta * consumers + c] if s]
+            phases.append([(t0, t1) for (t0, e0), (t1, e1) in zip(marks, marks[1:])
+                           if (e0, e1) == ("scores", "softmax")])
+        for c, mine in enumerate(phases):
+            others = [iv for o, ivs in enumerate(phases) if o != c for iv in ivs]
+            for a0, a1 in mine:
+                shared += a1 - a0
+                overlap += sum(max(0, min(a1, b1) - max(a0, b0)) for b0, b1 in others)
     for row in stamps:
         marks = [(s >> 8, EVENTS.get(s & 0xFF, "?")) for s in row if s]
         if len(marks) < 2:
@@ -73,6 +89,7 @@ def run(system: str, n: int) -> dict:
             totals[name] += t1 - t0
             counts[name] += 1
     return {"system": system, "N": n, "span_cycles": span,
+            "softmax_overlap": round(overlap / shared, 4) if shared else 0.0,
             "phases": {name: {"cycles": totals[name], "share": round(totals[name] / span, 4) if span else 0.0,
                               "mean": round(totals[name] / counts[name], 1), "count": counts[name]}
                        for name in sorted(totals, key=lambda x: -totals[x])}}
@@ -93,6 +110,8 @@ def main():
             p = r["phases"].get(name)
             cells.append(f"{p['mean']:>12.0f} / {p['share']:5.1%}" if p else f"{'-':>24s}")
         print(f"{name:40s}" + "".join(f"{c:>24s}" for c in cells))
+    print(f"{'softmax while another consumer is in its softmax':40s}"
+          + "".join(f"{r['softmax_overlap']:>24.1%}" for r in rows))
     if args.out:
         Path(args.out).write_text(json.dumps({
             "gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),

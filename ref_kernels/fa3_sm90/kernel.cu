@@ -393,7 +393,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 // CUIR_TIMELINE_CTAS CTAs writes clock64() << 8 | event into its own stretch of that buffer.
 // Product builds leave it undefined, and every mark compiles to nothing.
 enum TimelineEvent { kTlTile = 1, kTlTurnWait, kTlTurnGot, kTlIssued, kTlScores, kTlSoftmax, kTlPv,
-                     kTlEpilogue, kTlEpilogueDone };
+                     kTlEpilogue, kTlEpilogueDone, kTlKReady, kTlQkIssued, kTlVReady };
 #ifdef CUIR_TIMELINE_PTR
 #ifndef CUIR_TIMELINE_CTAS
 #define CUIR_TIMELINE_CTAS 4
@@ -498,6 +498,12 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
 #define OVERLAP_TILES 1
 #endif
 constexpr bool kOverlapTiles = OVERLAP_TILES && kSeparateO;
+// SOFTMAX_TURNS=1 (experiment knob): the consumers also take turns for their softmax phases
+// (named barriers softmax_turn[c]), so that two softmax phases never share an SM sub-partition's
+// MUFU and issue slots; consumer 0 absorbs the last consumer's final hand-over at exit.
+#ifndef SOFTMAX_TURNS
+#define SOFTMAX_TURNS 0
+#endif
 
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
@@ -530,6 +536,13 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   bool pending = false;
   int prev_m0 = 0, prev_sv = 0, prev_phase = 0;           // its rows, the ring slot of its last V
   HeadMap prev_hm{};
+  auto softmax_begin = [&]() {
+    if (SOFTMAX_TURNS && kConsumers > 1) named_sync(kBarSoftmax0 + cs.c, 2 * kWgThreads);
+  };
+  auto softmax_end = [&]() {
+    if (SOFTMAX_TURNS && kConsumers > 1) named_arrive(kBarSoftmax0 + (cs.c + 1) % kConsumers, 2 * kWgThreads);
+  };
+  if (SOFTMAX_TURNS && kConsumers > 1 && last_consumer) named_arrive(kBarSoftmax0, 2 * kWgThreads);
   auto finish_prev = [&]() {                               // its last P V has completed
     reg_fence(o);
     cs.release(sm.v_empty + 8 * prev_sv);
@@ -618,8 +631,10 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     reg_fence(s);
     mark(kTlScores);
     cs.release(sm.k_empty + 8 * ring_stage(it));
+    softmax_begin();
     process_scores(tile_at(tl.r, 0), partial);
     softmax_update(pb.va, s, st, rescale, score_scale);
+    softmax_end();
     mark(kTlSoftmax);
     convert_p(p, s);
 
@@ -628,8 +643,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       const int sk = ring_stage(it + i), sv = ring_stage(it + i - 1);
       turn_begin();
       mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
+      mark(kTlKReady);
       gemm_qk(s, q_rows, sm.k_tile(sk));
+      mark(kTlQkIssued);
       mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
+      mark(kTlVReady);
       gemm_pv(o, p, sm.v_tile(sv));
       turn_end(false);
       partial = partial_next;
@@ -638,8 +656,10 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       reg_fence(s);
       mark(kTlScores);
       cs.release(sm.k_empty + 8 * sk);
+      softmax_begin();
       process_scores(tile_at(tl.r, i), partial);
       softmax_update(pb.va, s, st, rescale, score_scale);
+      softmax_end();
       mark(kTlSoftmax);
       wgmma_wait<0>();
       reg_fence(o);
@@ -661,6 +681,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     if (!kOverlapTiles) drain_alone();
   }
   if (kOverlapTiles && pending) drain_alone();
+  if (SOFTMAX_TURNS && kConsumers > 1 && cs.c == 0) named_sync(kBarSoftmax0, 2 * kWgThreads);
   if (cs.wg_thread == 0) tma_store_wait_read();            // smem must outlive the last store
 }
 

@@ -16,8 +16,8 @@
 #   I: the NVRTC build on the GPU, and the D = 64 1k sweep;
 #   J: the Q-slot A/B (one vs two Q tiles in shared memory) at 1k and D = 64 8k, after the fa3 GPU
 #      tests and the sanitizer, and the MUFU rate microbenchmark;
-#   K: the kernel.cu experiment knobs (early next-tile fetch, ascending KV order, a share of the
-#      exponentials on the FMA pipe) at 1k and D = 64 8k, each config verified first;
+#   K: the kernel.cu experiment knobs (ascending KV order; the early next-tile fetch and a share of
+#      the exponentials on the FMA pipe were measured here and then removed) at 1k and D = 64 8k;
 #   M: after the cross-tile overlap (a tile's last P V and epilogue under the next tile's first
 #      QK): every GPU test, the sanitizer, the OVERLAP_TILES A/B, fa3 vs cuDNN with the defaults;
 #   N: the bars after M, measured again: fa3 vs cuDNN twice (a spread), the mask variants vs
@@ -155,8 +155,7 @@ K)
   step knob sweep
   timeout 420 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_knobs.json" \
     --only llama2-7b-d64:1024 llama2-7b:1024 llama2-7b-d64:8192 --tiles 128x128s2 128x128s4 192x128s2 \
-    --knobs "" EARLY_NEXT_TILE=1 KV_ASCENDING=1 EXP2_FMA_SIXTEENTHS=1 EXP2_FMA_SIXTEENTHS=2 \
-    EXP2_FMA_SIXTEENTHS=4 EARLY_NEXT_TILE=1,KV_ASCENDING=1 2>&1 | tail -12
+    --knobs "" KV_ASCENDING=1 2>&1 | tail -12
   ;;
 M)
   step gpu tests

@@ -89,20 +89,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// 2^y without the MUFU unit (about 9 FMA-pipe ops): y = j + f, j = round(y) by the 1.5 * 2^23
-// trick, 2^f for |f| <= 1/2 by a degree-3 minimax polynomial (relative error 2^-13.7, far under a
-// 16-bit P's rounding), j added to the exponent field. y <= -128 (and -inf) give exactly 0
-// (the exponent underflows into the sign bit, which the max clears); meant for y <= 0.
-__device__ __forceinline__ float exp2_fma(float y) {
-  const float kRound = 12582912.f;
-  y = fmaxf(y, -128.f);
-  const float t = __fadd_rn(y, kRound);
-  const float f = __fsub_rn(y, __fsub_rn(t, kRound));
-  float p = __fmaf_rn(0.0551716685f, f, 0.2426111400f);
-  p = __fmaf_rn(p, f, 0.6932609677f);
-  p = __fmaf_rn(p, f, 0.9999280572f);
-  return __int_as_float(max(__float_as_int(p) + (__float_as_int(t) << 23), 0));
-}
 // Two floats -> one register of two 16-bit values (lo in the low half), round to nearest even.
 // cvt packs its first source into the upper half. Plain PTX: no cuda_bf16.h, so NVRTC needs no
 // toolkit headers.

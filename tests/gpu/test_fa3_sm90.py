@@ -90,11 +90,11 @@ TILE_CONFIGS = [dict(d=128, block_m=128, block_n=176, stages=2),
                 dict(d=64, block_m=128, block_n=192, stages=2),
                 dict(d=128, block_m=128, block_n=64, stages=4),
                 # one Q slot beside a separate O stage (tiles still overlap); the serial tile order
-                # where two slots fit; the experiment knobs of kernel.cu together
+                # where two slots fit; the diagonal tile visited last
                 dict(d=64, block_m=128, block_n=128, stages=2, q_slots=1),
                 dict(d=128, block_m=128, block_n=128, stages=2, knobs=("OVERLAP_TILES=0",)),
                 dict(d=64, block_m=128, block_n=128, stages=2,
-                     knobs=("KV_ASCENDING=1", "EARLY_NEXT_TILE=1", "EXP2_FMA_SIXTEENTHS=4")),
+                     knobs=("KV_ASCENDING=1",)),
                 # softmax phases in turns too: two consumers with the tile overlap, three without
                 dict(d=128, block_m=128, block_n=128, stages=2, knobs=("SOFTMAX_TURNS=1",)),
                 dict(d=64, block_m=192, block_n=128, stages=2, knobs=("SOFTMAX_TURNS=1", "OVERLAP_TILES=0"))]

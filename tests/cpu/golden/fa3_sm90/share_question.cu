@@ -107,11 +107,6 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
 // score_scale = kScoreFactor) and becomes exp(score - row_max) in place, the scale folded into
 // the exp2 FFMA; row_max is in natural units (score_scale > 0, so the max of S scales to the max
 // of scores). rescale[half] is what the O rows accumulated so far get multiplied by.
-// EXP2_FMA_SIXTEENTHS (experiment knob, default 0): that share of each thread's exponentials runs
-// on the FMA pipe (exp2_fma) instead of MUFU.
-#ifndef EXP2_FMA_SIXTEENTHS
-#define EXP2_FMA_SIXTEENTHS 0
-#endif
 struct SoftmaxState { float row_max[2]; float row_sum[2]; };
 __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
   st.row_max[0] = st.row_max[1] = kNegInf;
@@ -139,8 +134,7 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];
-        const float y = fmaf(x, scale_log2, -base);
-        x = (4 * j + 2 * half + e) % 16 < EXP2_FMA_SIXTEENTHS ? exp2_fma(y) : fast_exp2(y);
+        x = fast_exp2(fmaf(x, scale_log2, -base));
         sum += x;
       }
     st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum

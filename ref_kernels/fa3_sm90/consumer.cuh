@@ -1,0 +1,202 @@
+// The consumer warpgroups' loop of kernel.cu: tiles from the producer, the KV loop with its
+// GEMM turns (ping-pong), and the epilogue. kernel.cu includes this inside namespace fa3 after
+// its regions and epilogue(), which it calls; it holds no region itself.
+#pragma once
+
+#include "timeline.cuh"
+
+// Tiles overlap where O has its own staging buffer (kSeparateO): a tile's last P V is issued in
+// the same turn as the next tile's first QK, and its epilogue runs while that QK is on the tensor
+// cores. With O staged in the (only) Q slot, the next tile's Q waits for that epilogue's store, so
+// there each tile drains before the next one starts. OVERLAP_TILES=0 turns it off (A/B).
+#ifndef OVERLAP_TILES
+#define OVERLAP_TILES 1
+#endif
+constexpr bool kOverlapTiles = OVERLAP_TILES && kSeparateO;
+// SOFTMAX_TURNS=1 (experiment knob): the consumers also take turns for their softmax phases
+// (named barriers softmax_turn[c]), so that two softmax phases never share an SM sub-partition's
+// MUFU and issue slots; consumer 0 absorbs the last consumer's final hand-over at exit.
+#ifndef SOFTMAX_TURNS
+#define SOFTMAX_TURNS 0
+#endif
+constexpr bool kSoftmaxTurns = SOFTMAX_TURNS && kConsumers > 1;
+
+__device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
+                                         float* __restrict__ lse, const Problem& pb,
+                                         float softmax_scale) {
+  const Frag f = frag_coords(cs.wg_thread);
+  const float score_scale = kScoreModIdentity ? softmax_scale : kScoreFactor;   // what S still needs
+  const bool last_consumer = cs.c == kConsumers - 1;
+  // Turns (wg_turn): the consumers issue their GEMMs round-robin. The last consumer owes consumer
+  // 0 the first turn, and after a turn that may be the CTA's last (a drain on its own) it defers
+  // that pass to the start of its next turn, so that no arrival is left pending at exit.
+  bool owe_turn = last_consumer;
+  TimelineMark mark = timeline_for(cs.c, cs.wg_thread);
+  auto turn_begin = [&]() {
+    mark(kTlTurnWait);
+    if (owe_turn) named_arrive(kBarWgTurn0, 2 * kWgThreads);
+    owe_turn = false;
+    cs.turn_wait();
+    mark(kTlTurnGot);
+  };
+  auto turn_end = [&](bool maybe_last) {
+    if (last_consumer && maybe_last) owe_turn = true;
+    else cs.turn_pass();
+    mark(kTlIssued);
+  };
+  float o[kORegs];
+  uint32_t p[kPRegs];
+  float s[kSRegs];
+  SoftmaxState st;
+  // The previous tile, while its last P V and epilogue are owed (pending).
+  bool pending = false;
+  int prev_m0 = 0, prev_sv = 0, prev_phase = 0;           // its rows, the ring slot of its last V
+  HeadMap prev_hm{};
+  auto softmax_begin = [&]() {
+    if (kSoftmaxTurns) named_sync(kBarSoftmax0 + cs.c, 2 * kWgThreads);
+  };
+  auto softmax_end = [&]() {
+    if (kSoftmaxTurns) named_arrive(kBarSoftmax0 + (cs.c + 1) % kConsumers, 2 * kWgThreads);
+  };
+  if (kSoftmaxTurns && last_consumer) named_arrive(kBarSoftmax0, 2 * kWgThreads);   // c0 goes first
+  auto finish_prev = [&]() {                               // its last P V has completed
+    reg_fence(o);
+    cs.release(sm.v_empty + 8 * prev_sv);
+    mark(kTlEpilogue);
+    epilogue(cs, sm, tm_o, lse, o, st, Tile{prev_m0, prev_hm, KvRange{}}, pb.seqlen_q, true);
+    mark(kTlEpilogueDone);
+    pending = false;
+  };
+  auto drain_alone = [&]() {
+    turn_begin();
+    mbar_wait(sm.v_full + 8 * prev_sv, prev_phase);
+    gemm_pv(o, p, sm.v_tile(prev_sv));
+    turn_end(true);
+    wgmma_wait<0>();
+    finish_prev();
+  };
+  int it = 0, q_iter = 0;
+  for (int k = 0;; ++k) {
+    const int slot = k % kTileSlots;
+    mbar_wait(sm.tile_full + 8 * slot, (k / kTileSlots) & 1);
+    int t;
+    Tile tl;
+    if constexpr (kRangeViaSmem) {
+      const TileMsg msg = ld_shared_words<TileMsg>(sm.tile_slot + kTileSlotBytes * slot);
+      t = msg.t;
+      tl = msg.tl;
+    } else {
+      t = ld_shared_words<int>(sm.tile_slot + kTileSlotBytes * slot);
+    }
+    mbar_arrive(sm.tile_empty + 8 * slot);                 // every reader arrives after its read
+    if (t >= pb.num_tiles) break;
+    mark(kTlTile);
+    if constexpr (!kRangeViaSmem) tl = pb.tile(t);         // a cheap range: recomputed here
+    const int tiles = kv_count(tl.r);
+    if (tiles == 0) {                                      // nothing attended: O = 0, lse = -inf
+      if (kOverlapTiles && pending) drain_alone();       // (without overlap none is pending here)
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+      softmax_init(st);
+      epilogue(cs, sm, tm_o, lse, o, st, tl, pb.seqlen_q, false);
+      continue;
+    }
+    const int qs = q_iter % kQSlots;                        // this tile's Q slot
+    const uint32_t q_rows = sm.q_tile(qs) + cs.c * kWgQBytes;
+    float rescale[2];
+    const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0;
+    // tile_partial of the next tile is asked one step ahead: for a block-table variant it is a
+    // global load, whose latency then hides behind this tile's GEMMs.
+    auto partial_at = [&](int i) { return i < tiles && tile_partial(pb.va, tl.r, tile_at(tl.r, i)); };
+    auto process_scores = [&](int n, bool partial) {
+      if (partial) score_and_mask<true>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
+      else score_and_mask<false>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
+    };
+
+    // First KV tile: S only, with the previous tile's last P V in the same turn (then its
+    // epilogue, while this QK runs).
+    // (Each branch retires its own wgmma groups: ptxas serialises wgmma when a group in flight
+    // crosses the join.)
+    auto first_qk = [&]() {
+      mbar_wait(sm.k_full + 8 * ring_stage(it), ring_phase(it));
+      mbar_wait(sm.q_full + 8 * qs, (q_iter / kQSlots) & 1);
+      gemm_qk(s, q_rows, sm.k_tile(ring_stage(it)));
+    };
+    auto fresh_o = [&]() {
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    };
+    turn_begin();
+    if (kOverlapTiles && pending) {
+      mbar_wait(sm.v_full + 8 * prev_sv, prev_phase);
+      gemm_pv(o, p, sm.v_tile(prev_sv));
+      first_qk();
+      turn_end(false);
+      wgmma_wait<1>();                                     // the P V (the older group) is done
+      finish_prev();
+      fresh_o();
+      wgmma_wait<0>();
+    } else {
+      first_qk();
+      turn_end(false);
+      fresh_o();
+      wgmma_wait<0>();
+    }
+    softmax_init(st);
+    bool partial = partial_at(0), partial_next = partial_at(1);
+    reg_fence(s);
+    mark(kTlScores);
+    cs.release(sm.k_empty + 8 * ring_stage(it));
+    softmax_begin();
+    process_scores(tile_at(tl.r, 0), partial);
+    softmax_update(pb.va, s, st, rescale, score_scale);
+    softmax_end();
+    mark(kTlSoftmax);
+    convert_p(p, s);
+
+    // Steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight while softmax(S_i) runs.
+    for (int i = 1; i < tiles; ++i) {
+      const int sk = ring_stage(it + i), sv = ring_stage(it + i - 1);
+      turn_begin();
+      mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
+      mark(kTlKReady);
+      gemm_qk(s, q_rows, sm.k_tile(sk));
+      mark(kTlQkIssued);
+      mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
+      mark(kTlVReady);
+      gemm_pv(o, p, sm.v_tile(sv));
+      turn_end(false);
+      partial = partial_next;
+      partial_next = partial_at(i + 1);
+      wgmma_wait<1>();
+      reg_fence(s);
+      mark(kTlScores);
+      cs.release(sm.k_empty + 8 * sk);
+      softmax_begin();
+      process_scores(tile_at(tl.r, i), partial);
+      softmax_update(pb.va, s, st, rescale, score_scale);
+      softmax_end();
+      mark(kTlSoftmax);
+      wgmma_wait<0>();
+      reg_fence(o);
+      mark(kTlPv);
+      cs.release(sm.v_empty + 8 * sv);
+      rescale_o(o, rescale);
+      convert_p(p, s);
+    }
+    if (kSeparateO) cs.release(sm.q_empty + 8 * qs);     // every QK of this tile is done
+
+    // The last P V and the epilogue are owed: issued with the next tile's first QK, or here.
+    pending = true;
+    prev_m0 = tl.m0;
+    prev_hm = tl.hm;
+    prev_sv = ring_stage(it + tiles - 1);
+    prev_phase = ring_phase(it + tiles - 1);
+    it += tiles;
+    ++q_iter;
+    if (!kOverlapTiles) drain_alone();
+  }
+  if (kOverlapTiles && pending) drain_alone();
+  if (kSoftmaxTurns && cs.c == 0) named_sync(kBarSoftmax0, 2 * kWgThreads);   // the final hand-over
+  if (cs.wg_thread == 0) tma_store_wait_read();            // smem must outlive the last store
+}

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cubridge import rule  # noqa: E402
 from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin, default_config, fa3_forward  # noqa: E402
 
 TOKENS = 16384
@@ -167,10 +168,9 @@ def rule_check(cfg: Fa3Config) -> str:
             golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                                     is_causal=cfg.causal, enable_gqa=True)
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal, enable_gqa=True)
-        err = (out.double() - golden).abs().max().item()
-        bound = 2 * (ref.double() - golden).abs().max().item() + 1e-5
-        if not err <= bound:   # NaN fails too
-            return f"N={n}: max err {err:.3e} > bound {bound:.3e}"
+        verdict = rule.compare(out, golden, ref)
+        if not verdict.passed:
+            return f"N={n}: {verdict}"
     return "passed"
 
 

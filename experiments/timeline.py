@@ -10,7 +10,6 @@ side, at the same tile config (128 x 128, the variants' default), so the phases 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 from collections import defaultdict
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_fa3_kernel import _NoArgs  # noqa: E402
 from bench_variants import D, TOKENS, Ours, versions  # noqa: E402
 from cubridge.lower import Launchable  # noqa: E402
 from cubridge.runtime.fa3_sm90 import KERNEL_SOURCE, default_config, fa3_forward  # noqa: E402
@@ -37,10 +37,6 @@ PHASES = {("turn_wait", "turn_got"): "wait for the turn", ("turn_got", "issued")
           ("softmax", "turn_wait"): "convert P (first tile)", ("issued", "epilogue"): "wait for last P V",
           ("epilogue", "epilogue_done"): "epilogue", ("epilogue_done", "scores"): "zero O, wait for S",
           ("tile", "turn_wait"): "tile start", ("epilogue_done", "tile"): "to next tile"}
-
-
-class _NoArgs(ctypes.Structure):
-    _fields_ = [("unused", ctypes.c_int32)]
 
 
 def with_timeline(buf: torch.Tensor):

@@ -11,12 +11,11 @@ run as partial, fully masked: correct, a little slower). Full tiles skip the mas
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from cubridge.cuir import nodes as N
 from cubridge.lower import itspace, regions
 from cubridge.lower.hooks import _names, _tables, extra_io, mask
-from cubridge.lower.cexpr import SIGMOID_FMA, LowerError, _literal, to_c
+from cubridge.lower.cexpr import SIGMOID_FMA, LowerError, _float_const, _literal, to_c
 from cubridge.lower.variant import VariantIR
 
 EPILOGUE_NORMALISE = """\
@@ -93,10 +92,8 @@ def epilogue(ir: VariantIR, reference_body: str) -> str:
 
 
 def _positive_const(e) -> float | None:
-    if isinstance(e, N.Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool) \
-            and e.value > 0 and math.isfinite(e.value):
-        return float(e.value)
-    return None
+    c = _float_const(e)
+    return c if c is not None and c > 0 else None
 
 
 def split_factor(e) -> tuple[float, object]:

@@ -200,6 +200,11 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
     every = {cfg for d in {s[3] for s in shapes} for _, causal in VARIANTS for cfg in tile_configs(d, causal)}
     with ThreadPoolExecutor(max_workers=16) as pool:       # nvcc runs outside the GIL
         list(pool.map(build_cubin, every))
+    checks = {}                                            # per config (its shapes are fixed)
+    for cfg in every:
+        checks[cfg] = rule_check(cfg)
+        if checks[cfg] != "passed":
+            print(f"# {_label(cfg)} causal={cfg.causal}: verification FAILED: {checks[cfg]}", flush=True)
     for model, hq, hkv, d, n in shapes:
         b = TOKENS // n
         q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16)
@@ -211,10 +216,6 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
             flops = 4 * b * hq * d * attended_pairs(n, causal)
             _, cudnn, _ = systems(q, k, v, causal)
             configs = tile_configs(d, causal)
-            checks = {cfg: rule_check(cfg) for cfg in configs}
-            for cfg, verdict in checks.items():
-                if verdict != "passed":
-                    print(f"# {_label(cfg)} causal={causal}: verification FAILED: {verdict}", flush=True)
             fns = [cudnn[1]] + [
                 (lambda cfg=cfg: fa3_forward(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
                 for cfg in configs]

@@ -146,7 +146,7 @@ def print_table(rows) -> None:
 # Tile configurations tried by --sweep, per head dim: (block_m, block_n, stages).
 # (block_m, block_n, stages): every one compiles without spills or serialised wgmma (128x192 and
 # d64 192x176 do not); persistent grid only (it won every shape in the v3 sweep).
-SWEEP_TILES = {128: [(128, 128, 2), (128, 176, 2), (128, 128, 3), (128, 96, 3)],
+SWEEP_TILES = {128: [(128, 128, 2), (128, 176, 2), (128, 128, 3), (128, 96, 3), (192, 64, 2), (192, 80, 2)],
                64: [(128, 128, 2), (192, 128, 2), (128, 176, 2), (128, 128, 3), (192, 128, 3), (192, 96, 2),
                     (128, 64, 2), (128, 128, 4), (128, 96, 4)]}
 SWEEP_SHAPES = [("llama2-7b", 32, 32, 128, 1024), ("llama2-7b", 32, 32, 128, 8192),

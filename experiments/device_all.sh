@@ -22,9 +22,10 @@
 #      QK): every GPU test, the sanitizer, the OVERLAP_TILES A/B, fa3 vs cuDNN with the defaults;
 #   N: the bars after M, measured again: fa3 vs cuDNN twice (a spread), the mask variants vs
 #      FlexAttention at every length, the normalisations round-robin beside our causal softmax;
-#   O: SOFTMAX_TURNS (softmax phases in turns, written in session 4, never run): its GPU tile
-#      cases first (a hang shows as the timeout), then the A/B on composite and on the dense
-#      kernel at 8k and 1k, then the timeline with it.
+#   O, P (session 5): SOFTMAX_TURNS (softmax phases in turns; =2 also covering convert_p) and
+#      composite's tile configs; the knob measured no faster and was removed (fa3 NOTES v16);
+#   Q: three consumers at D = 128: GPU cases, every variant's tiles beside our causal softmax,
+#      the dense sweep with them.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -181,16 +182,19 @@ N)
   timeout 120 python3 experiments/sigmoid_fma_share.py --out "$OUT/norms.json" --composite 0 --sigmoid 0 --relu \
     --n 8192 4096 16384 2>&1 | tail -12
   ;;
-O)
-  step "SOFTMAX_TURNS GPU cases"
-  timeout 120 python3 -m pytest tests/gpu/test_fa3_sm90.py -q -p no:cacheprovider -k "SOFTMAX" 2>&1 | tail -3
-  step "composite A/B"
-  timeout 200 python3 experiments/ab_variant_source.py composite --replace "#define SOFTMAX_TURNS 0" \
-    "#define SOFTMAX_TURNS 1" --n 8192 4096 --out "$OUT/ab_composite_softmax_turns.json" 2>&1 | tail -6
-  step "dense A/B"
-  timeout 200 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_softmax_turns.json" \
-    --only llama2-7b:8192 llama2-7b:1024 llama2-7b-d64:1024 --tiles 128x128s2 128x176s2 192x128s2 \
-    --knobs "" SOFTMAX_TURNS=1 2>&1 | tail -8
+Q)
+  # Three consumers at D = 128 (192 x 64 / 192 x 80): their GPU cases, every lowered variant at
+  # 128x128 / 192x80 / 192x64 beside our causal softmax, the dense kernel's sweep with them.
+  step "three-consumer GPU cases"
+  timeout 100 python3 -m pytest tests/gpu/test_fa3_sm90.py -q -p no:cacheprovider -k "d128_block_m192" 2>&1 | tail -2
+  for v in composite sigmoid relu prefixlm causal global_sliding_window causal_blockwise share_question relative_pos; do
+    step "tiles: $v"
+    timeout 100 python3 experiments/variant_tiles.py $v --out "$OUT/tiles_$v.json" --n 8192 1024 \
+      --configs 128x128s2 192x80s2 192x64s2 2>&1 | grep -v "^check .*passed" | tail -8
+  done
+  step "dense sweep"
+  timeout 150 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_192.json" \
+    --only llama2-7b:8192 llama2-7b:1024 qwen2.5-72b:8192 --tiles 128x128s2 128x176s2 192x64s2 192x80s2 2>&1 | tail -6
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

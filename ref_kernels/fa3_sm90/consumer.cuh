@@ -13,13 +13,6 @@
 #define OVERLAP_TILES 1
 #endif
 constexpr bool kOverlapTiles = OVERLAP_TILES && kSeparateO;
-// SOFTMAX_TURNS=1 (experiment knob): the consumers also take turns for their softmax phases
-// (named barriers softmax_turn[c]), so that two softmax phases never share an SM sub-partition's
-// MUFU and issue slots; consumer 0 absorbs the last consumer's final hand-over at exit.
-#ifndef SOFTMAX_TURNS
-#define SOFTMAX_TURNS 0
-#endif
-constexpr bool kSoftmaxTurns = SOFTMAX_TURNS && kConsumers > 1;
 
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
@@ -52,13 +45,6 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   bool pending = false;
   int prev_m0 = 0, prev_sv = 0, prev_phase = 0;           // its rows, the ring slot of its last V
   HeadMap prev_hm{};
-  auto softmax_begin = [&]() {
-    if (kSoftmaxTurns) named_sync(kBarSoftmax0 + cs.c, 2 * kWgThreads);
-  };
-  auto softmax_end = [&]() {
-    if (kSoftmaxTurns) named_arrive(kBarSoftmax0 + (cs.c + 1) % kConsumers, 2 * kWgThreads);
-  };
-  if (kSoftmaxTurns && last_consumer) named_arrive(kBarSoftmax0, 2 * kWgThreads);   // c0 goes first
   auto finish_prev = [&]() {                               // its last P V has completed
     reg_fence(o);
     cs.release(sm.v_empty + 8 * prev_sv);
@@ -147,10 +133,8 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     reg_fence(s);
     mark(kTlScores);
     cs.release(sm.k_empty + 8 * ring_stage(it));
-    softmax_begin();
     process_scores(tile_at(tl.r, 0), partial);
     softmax_update(pb.va, s, st, rescale, score_scale);
-    softmax_end();
     mark(kTlSoftmax);
     convert_p(p, s);
 
@@ -172,18 +156,16 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       reg_fence(s);
       mark(kTlScores);
       cs.release(sm.k_empty + 8 * sk);
-      softmax_begin();
-      process_scores(tile_at(tl.r, i), partial);
+        process_scores(tile_at(tl.r, i), partial);
       softmax_update(pb.va, s, st, rescale, score_scale);
-      softmax_end();
-      mark(kTlSoftmax);
+        mark(kTlSoftmax);
       wgmma_wait<0>();
       reg_fence(o);
       mark(kTlPv);
       cs.release(sm.v_empty + 8 * sv);
       rescale_o(o, rescale);
       convert_p(p, s);
-    }
+      }
     if (kSeparateO) cs.release(sm.q_empty + 8 * qs);     // every QK of this tile is done
 
     // The last P V and the epilogue are owed: issued with the next tile's first QK, or here.
@@ -197,6 +179,5 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     if (!kOverlapTiles) drain_alone();
   }
   if (kOverlapTiles && pending) drain_alone();
-  if (kSoftmaxTurns && cs.c == 0) named_sync(kBarSoftmax0, 2 * kWgThreads);   // the final hand-over
   if (cs.wg_thread == 0) tma_store_wait_read();            // smem must outlive the last store
 }

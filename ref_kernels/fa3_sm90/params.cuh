@@ -98,7 +98,6 @@ constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;             // one arri
 // Named barriers (0 is __syncthreads).
 constexpr int kBarWgTurn0 = 1;                       // wg_turn[c] = kBarWgTurn0 + c
 constexpr int kBarEpilogue0 = kBarWgTurn0 + kConsumers;   // epilogue_sync[c], 128 threads
-constexpr int kBarSoftmax0 = kBarEpilogue0 + kConsumers;  // softmax_turn[c] (SOFTMAX_TURNS), 256 threads
 constexpr int kMaxNamedBarriers = 16;
 
 static_assert(kHeadDim == 64 || kHeadDim == 128, "HEAD_DIM must be 64 or 128");
@@ -114,6 +113,6 @@ static_assert(kSmemBytes == HOST_SMEM_BYTES,
               "the host launches with another shared-memory size than this layout needs: update "
               "Fa3Config (cubridge/runtime/fa3_sm90.py) with params.cuh");
 #endif
-static_assert(kBarSoftmax0 + kConsumers <= kMaxNamedBarriers, "too many named barriers");
+static_assert(kBarEpilogue0 + kConsumers <= kMaxNamedBarriers, "too many named barriers");
 
 }  // namespace fa3

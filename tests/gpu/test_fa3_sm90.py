@@ -95,9 +95,9 @@ TILE_CONFIGS = [dict(d=128, block_m=128, block_n=176, stages=2),
                 dict(d=128, block_m=128, block_n=128, stages=2, knobs=("OVERLAP_TILES=0",)),
                 dict(d=64, block_m=128, block_n=128, stages=2,
                      knobs=("KV_ASCENDING=1",)),
-                # softmax phases in turns too: two consumers with the tile overlap, three without
-                dict(d=128, block_m=128, block_n=128, stages=2, knobs=("SOFTMAX_TURNS=1",)),
-                dict(d=64, block_m=192, block_n=128, stages=2, knobs=("SOFTMAX_TURNS=1", "OVERLAP_TILES=0"))]
+                # three consumers at D 128 (narrow KV tiles), the second serial
+                dict(d=128, block_m=192, block_n=80, stages=2),
+                dict(d=128, block_m=192, block_n=64, stages=2, knobs=("OVERLAP_TILES=0",))]
 
 
 def _cfg_id(cfg: dict) -> str:

@@ -1,0 +1,111 @@
+"""Tile configs and kernel knobs for one lowered variant on fa3_sm90, each beside our causal softmax
+kernel (its default config) in one round-robin: every config is first verified on the GPU under
+the verification rule (sigmoid_fma_share.check: ragged, GQA, fp16, scores scaled 4x), then all
+are timed together (bench_fa3's protocol: L2 flushed, median of 30), Llama2-7B heads, bf16.
+
+    python experiments/variant_tiles.py composite --configs 128x128s2 192x80s2 128x128s2+KV_ASCENDING=1 \\
+        --n 8192 4096 --out $OUT/composite_tiles.json
+
+A config is BMxBNsS, optionally followed by +NAME=VALUE kernel knobs (Fa3Config.knobs) and
++q=1 (one Q slot). The first config is the reference the others are compared with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
+from bench_variants import D, TOKENS, versions  # noqa: E402
+from sigmoid_fma_share import CHECK_SHAPES, Variant, check  # noqa: E402
+from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
+from cubridge.runtime.timing import tflops  # noqa: E402
+from cubridge.spec import count_attended, load_spec  # noqa: E402
+
+CONFIG = re.compile(r"^(\d+)x(\d+)s(\d+)((?:\+[A-Za-z_][A-Za-z0-9_]*=\d+)*)$")
+
+
+def parse_config(text: str) -> dict:
+    """'192x64s2+KV_ASCENDING=1+q=1' -> Fa3Config overrides."""
+    m = CONFIG.match(text)
+    if not m:
+        raise SystemExit(f"config {text!r}: expected BMxBNsS[+NAME=VALUE...], e.g. 128x128s2+KV_ASCENDING=1")
+    out = {"block_m": int(m.group(1)), "block_n": int(m.group(2)), "stages": int(m.group(3))}
+    knobs = [k for k in m.group(4).split("+") if k]
+    for k in [k for k in knobs if k.startswith("q=")]:
+        out["q_slots"] = int(k[2:])
+        knobs.remove(k)
+    out["knobs"] = tuple(knobs)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variant")
+    ap.add_argument("--configs", nargs="+", required=True)
+    ap.add_argument("--n", type=int, nargs="+", default=[8192, 4096])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    systems = {c: Variant(args.variant, lambda s: s, parse_config(c)) for c in args.configs}
+    result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
+              "variant": args.variant, "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
+              "baseline": "cubridge/fa3_sm90 causal softmax (its default config), same shape, same run",
+              "checks": {}, "rows": []}
+    # Build every (config, check shape) up front in parallel, then verify each config.
+    jobs = []
+    for var in systems.values():
+        for n, dh in {(n, dh) for (_, _, _, n, dh) in CHECK_SHAPES} | {(n, D) for n in args.n}:
+            cfg = default_config(dh, False, True, n, variant=True)
+            jobs.append((replace(cfg, **var.overrides), var.source))
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        errors = [e for e in pool.map(lambda j: _try_build(*j), jobs) if e]
+    for e in errors:
+        print("build:", e, flush=True)
+    for label, var in systems.items():
+        try:
+            result["checks"][label] = check(var) or "passed"
+        except Exception as e:    # a config that does not build or launch is reported, not fatal
+            result["checks"][label] = f"error: {type(e).__name__}: {str(e)[:300]}"
+        print(f"check {label:<36} {result['checks'][label]}", flush=True)
+    ok = {label: var for label, var in systems.items() if result["checks"][label] == "passed"}
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    hq = 32
+    for n in args.n:
+        b = max(1, TOKENS // n)
+        q, k, v = (torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = torch.empty_like(q)
+        cfg = default_config(D, True, True, n)
+        fns = {"causal softmax": lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out)}
+        fns.update({label: var.fn(q, k, v, out) for label, var in ok.items()})
+        ms = time_ms_interleaved(list(fns.values()), flush)
+        pairs = {name: count_attended(load_spec(name).hooks_for(n, n, hq, hq, "cuda"), b, hq, n, n, device="cuda")
+                 for name in ("causal", args.variant)}
+        base = tflops(4.0 * D * pairs["causal"], ms[0])
+        for label, t in zip(fns, ms):
+            tf = tflops(4.0 * D * pairs["causal" if label == "causal softmax" else args.variant], t)
+            result["rows"].append({"system": label, "N": n, "B": b, "Hq": hq, "D": D, "ms": round(t, 4),
+                                   "tflops": round(tf, 1), "vs_causal_softmax": round(tf / base, 3)})
+            print(f"{n:>6} {label:<36} {t:8.3f} ms {tf:7.1f} TFLOPS {tf / base:6.3f}x causal", flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def _try_build(cfg, source):
+    try:
+        build_cubin(cfg, source=source)
+    except Exception as e:
+        return f"{cfg}: {str(e)[-300:]}"
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -259,8 +259,9 @@ def sanitize_case() -> None:
     k = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16)
     fa3_forward(q, k, v, causal=True)
-    for bn in (128, 176):   # separate O buffer / O staged in the Q buffer; 2 CTAs x 4 tiles each
-        cfg = Fa3Config(head_dim=128, block_n=bn, causal=True, persistent=True)
+    # separate O buffer / O staged in the Q buffer / three consumers; 2 CTAs x several tiles each
+    for bm, bn in ((128, 128), (128, 176), (192, 80)):
+        cfg = Fa3Config(head_dim=128, block_m=bm, block_n=bn, causal=True, persistent=True)
         fa3_forward(q, k, v, causal=True, config=cfg, max_ctas=2)
     # Lowered variants: a scanned KV range handed over through the tile slot and a longest-first
     # tile order (global_sliding_window), a block table in global memory (share_question); 2 CTAs.

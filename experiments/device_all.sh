@@ -25,7 +25,8 @@
 #   O, P (session 5): SOFTMAX_TURNS (softmax phases in turns; =2 also covering convert_p) and
 #      composite's tile configs; the knob measured no faster and was removed (fa3 NOTES v16);
 #   Q: three consumers at D = 128: GPU cases, every variant's tiles beside our causal softmax,
-#      the dense sweep with them.
+#      the dense sweep with them (at most 8 files come back from a call: keep each part under);
+#   R: session 5's close: every GPU test, the sanitizer, the normalisations beside causal.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -195,6 +196,20 @@ Q)
   step "dense sweep"
   timeout 150 python3 experiments/bench_fa3.py --sweep --out "$OUT/sweep_192.json" \
     --only llama2-7b:8192 llama2-7b:1024 qwen2.5-72b:8192 --tiles 128x128s2 128x176s2 192x64s2 192x80s2 2>&1 | tail -6
+  ;;
+R)
+  # Session 5 close: every GPU test, the sanitizer (now with a three-consumer D = 128 config), the
+  # normalisations beside our causal softmax (composite also at 192x80 and with two knobs).
+  step gpu tests
+  timeout 260 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
+  sanitize_fa3
+  step normalisations
+  timeout 120 python3 experiments/variant_tiles.py composite --out "$OUT/norm_composite.json" --n 8192 4096 16384 \
+    --configs 128x128s2 192x80s2 192x80s2+KV_ASCENDING=1 192x80s2+OVERLAP_TILES=0 2>&1 | grep -v "^check .*passed"
+  for v in sigmoid relu; do
+    timeout 80 python3 experiments/variant_tiles.py $v --out "$OUT/norm_$v.json" --n 8192 4096 16384 \
+      --configs 128x128s2 2>&1 | grep -v "^check .*passed"
+  done
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

@@ -6,8 +6,11 @@ are timed together (bench_fa3's protocol: L2 flushed, median of 30), Llama2-7B h
     python experiments/variant_tiles.py composite --configs 128x128s2 192x80s2 128x128s2+KV_ASCENDING=1 \\
         --n 8192 4096 --out $OUT/composite_tiles.json
 
-A config is BMxBNsS, optionally followed by +NAME=VALUE kernel knobs (Fa3Config.knobs) and
-+q=1 (one Q slot). The first config is the reference the others are compared with.
+A config is BMxBNsS, optionally followed by +NAME=VALUE kernel knobs (Fa3Config.knobs), +q=1
+(one Q slot) and +g (one tile per CTA instead of the persistent grid: the tuner's labels without
+their "p"). --causal-configs times our dense causal softmax kernel at more configs in the same
+round-robin (each checked against the default config's output first), so a variant's ratio can
+also be read against the best causal config of the run.
 """
 from __future__ import annotations
 
@@ -31,20 +34,22 @@ from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
 
-CONFIG = re.compile(r"^(\d+)x(\d+)s(\d+)((?:\+[A-Za-z_][A-Za-z0-9_]*=\d+)*)$")
+CONFIG = re.compile(r"^(\d+)x(\d+)s(\d+)((?:\+[A-Za-z_][A-Za-z0-9_]*=\d+)*)(\+g)?$")
 
 
 def parse_config(text: str) -> dict:
     """'192x64s2+KV_ASCENDING=1+q=1' -> Fa3Config overrides."""
     m = CONFIG.match(text)
     if not m:
-        raise SystemExit(f"config {text!r}: expected BMxBNsS[+NAME=VALUE...], e.g. 128x128s2+KV_ASCENDING=1")
+        raise SystemExit(f"config {text!r}: expected BMxBNsS[+NAME=VALUE...][+g], e.g. 128x128s2+KV_ASCENDING=1")
     out = {"block_m": int(m.group(1)), "block_n": int(m.group(2)), "stages": int(m.group(3))}
     knobs = [k for k in m.group(4).split("+") if k]
     for k in [k for k in knobs if k.startswith("q=")]:
         out["q_slots"] = int(k[2:])
         knobs.remove(k)
     out["knobs"] = tuple(knobs)
+    if m.group(5):
+        out["persistent"] = False
     return out
 
 
@@ -53,6 +58,7 @@ def main():
     ap.add_argument("variant")
     ap.add_argument("--configs", nargs="+", required=True)
     ap.add_argument("--n", type=int, nargs="+", default=[8192, 4096])
+    ap.add_argument("--causal-configs", nargs="*", default=[], help="more configs of the dense causal kernel")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -86,13 +92,23 @@ def main():
         out = torch.empty_like(q)
         cfg = default_config(D, True, True, n)
         fns = {"causal softmax": lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out)}
+        if args.causal_configs:
+            want = fa3_forward(q, k, v, causal=True, config=cfg)[0]
+        for c in args.causal_configs:
+            ccfg = replace(cfg, **parse_config(c))
+            got = fa3_forward(q, k, v, causal=True, config=ccfg)[0]
+            err = (got.float() - want.float()).abs().max().item()
+            if not err < 2e-2:   # both bf16 outputs of the same attention: rounding-level apart
+                print(f"causal softmax {c}: max |diff| to the default config {err:.3g}: not timed", flush=True)
+                continue
+            fns[f"causal softmax {c}"] = (lambda ccfg=ccfg: fa3_forward(q, k, v, causal=True, config=ccfg, out=out))
         fns.update({label: var.fn(q, k, v, out) for label, var in ok.items()})
         ms = time_ms_interleaved(list(fns.values()), flush)
         pairs = {name: count_attended(load_spec(name).hooks_for(n, n, hq, hq, "cuda"), b, hq, n, n, device="cuda")
                  for name in ("causal", args.variant)}
         base = tflops(4.0 * D * pairs["causal"], ms[0])
         for label, t in zip(fns, ms):
-            tf = tflops(4.0 * D * pairs["causal" if label == "causal softmax" else args.variant], t)
+            tf = tflops(4.0 * D * pairs["causal" if label.startswith("causal softmax") else args.variant], t)
             result["rows"].append({"system": label, "N": n, "B": b, "Hq": hq, "D": D, "ms": round(t, 4),
                                    "tflops": round(tf, 1), "vs_causal_softmax": round(tf / base, 3)})
             print(f"{n:>6} {label:<36} {t:8.3f} ms {tf:7.1f} TFLOPS {tf / base:6.3f}x causal", flush=True)

@@ -50,13 +50,36 @@ def _bench(cfg, pop, dispatch, runner, say) -> dict:
     return {"outcome": res.outcome.to_json(), **res.data}
 
 
+def _race(cfg, pop, front, runner, say) -> dict:
+    """The final race (artifacts.finalists): one GPU job times each shape's finalists round-robin.
+    {} where no shape has two finalists; on failure the search's own times decide (said here and
+    in the report)."""
+    from cubridge.search.tuner import _payload, run_jobs
+    by_shape = artifacts.finalists(front, cfg.shapes.targets)
+    raced = [k for k, v in by_shape.items() if len(v) >= 2]
+    if not raced:
+        return {}
+    by_id, by_num = {c.id: c for c in pop}, {r["number"]: r for r in front}
+    nums = sorted({n for k in raced for n in by_shape[k]})
+    fin = {str(n): _payload(cfg, by_id[by_num[n]["proposal_id"]], by_num[n]["config"]["point"]) for n in nums}
+    payload = {**_payload(cfg, by_id[by_num[nums[0]]["proposal_id"]]), "candidate": "race", "finalists": fin,
+               "by_shape": {k: by_shape[k] for k in raced}}
+    say(f"final race: {len(nums)} finalist config(s) timed round-robin at {len(raced)} shape(s)")
+    res = run_jobs(runner, [Job("race", payload, 2 * cfg.runner.timeout_s, needs_gpu=True)])["race"]
+    if res.outcome.state != TrialState.OK:
+        say(f"final race: {res.outcome.state.value}: {_first(res.outcome.reason)}; the search's own times decide")
+        return {"outcome": res.outcome.to_json(), "by_shape": by_shape, "shapes": {}}
+    return {"outcome": res.outcome.to_json(), "by_shape": by_shape, **res.data}
+
+
 def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=None, status=None, message="",
                stop_reason="", notes=(), say=print):
     from cubridge.search.tuner import TuneResult
     records = sorted(records, key=lambda r: r["number"])
     targets = cfg.shapes.targets
     front = artifacts.pareto_front(records, [t.key for t in targets])
-    dispatch = artifacts.choose_dispatch(front, targets)
+    race = _race(cfg, pop, front, runner, say) if status is None and front else {}
+    dispatch = artifacts.choose_dispatch(front, targets, race.get("shapes"))
     bench = {}
     if status is None:
         if dispatch:
@@ -72,13 +95,14 @@ def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=No
         or getattr(runner, "device", None) or None
     if dispatch:
         artifacts.write_json(out / "dispatch.json", _dispatch_doc(cfg, dispatch, files))
-    manifest = _manifest(cfg, pop, verdicts, records, front, compiled, bench, rows, device, status, message,
-                         stop_reason, files)
+    manifest = _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status,
+                         message, stop_reason, files)
+    manifest["race"] = race or None
     manifest["proposer_notes"] = list(notes)
     artifacts.write_json(out / "manifest.json", manifest)
     plot_note = artifacts.plot_tflops(rows, out / "tflops.png", f"{cfg.name} ({cfg.dtype}, D={cfg.shapes.head_dim})")
     report = _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, status, message,
-                     stop_reason, plot_note, device)
+                     stop_reason, plot_note, device, race)
     if notes:
         report += "\n## Proposers\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     (out / "report.md").write_text(report)
@@ -157,7 +181,8 @@ def _versions() -> dict:
     return v
 
 
-def _manifest(cfg, pop, verdicts, records, front, compiled, bench, rows, device, status, message, stop_reason, files):
+def _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status, message,
+              stop_reason, files):
     from cubridge.paths import ref_kernel_dir
     from cubridge.spec import load_spec
     spec = load_spec(cfg.spec)
@@ -170,13 +195,36 @@ def _manifest(cfg, pop, verdicts, records, front, compiled, bench, rows, device,
                             "notes": list(c.proposal.notes), **verdicts[c.id].to_json()} for c in pop],
             "compile": compiled or {},
             "gpu_checks": {str(e["trial"]): next((r.get("gpu_check") for r in records if r["number"] == e["trial"]), None)
-                           for e in artifacts.choose_dispatch(front, cfg.shapes.targets)},
+                           for e in dispatch},
             "trials": {"total": len(records), "by_state": dict(Counter(r["outcome"]["state"] for r in records)),
                        "pareto": [r["number"] for r in front], "stop_reason": stop_reason, "log": "trials.jsonl"},
             "dispatch": "dispatch.json" if front else None,
             "timings": {"protocol": "CUDA events, warm-up, median, L2 flushed; ours and baselines in one job",
                         "bench_outcome": bench.get("outcome"), "rows": rows},
             "kernels": {f"{c}_{lab}": v for (c, lab), v in files.items()}}
+
+
+def _race_section(race: dict, records, dispatch) -> str:
+    by_num = {r["number"]: r for r in records}
+    chosen = {e["shape"]: e["trial"] for e in dispatch}
+    lines = [f"Each shape's finalists (front trials within {artifacts.RACE_WINDOW:.0%} of its best search time, at "
+             f"most {artifacts.RACE_MAX}) timed again round-robin in one job; the race decides among them."]
+    outcome = race.get("outcome") or {}
+    if outcome.get("state") not in (None, TrialState.OK.value):
+        lines.append(f"The race did not run ({outcome.get('state')}: {_first(outcome.get('reason') or '', 200)}); "
+                     "the search's own times decided.")
+    lines += ["", "| shape | trial | config | search ms | race ms | chosen |", "| --- | --- | --- | --- | --- | --- |"]
+    for key, nums in (race.get("by_shape") or {}).items():
+        times = (race.get("shapes") or {}).get(key, {})
+        errs = (race.get("errors") or {}).get(key, {})
+        for n in nums:
+            r = by_num.get(n, {})
+            rt = times.get(str(n))
+            cell = f"{rt:.3f}" if rt is not None else (_first(errs.get(str(n), "-"), 80))
+            lines.append(f"| {key} | #{n} | {r.get('config', {}).get('label', '?')} | "
+                         f"{r.get('outcome', {}).get('times_ms', {}).get(key, float('nan')):.3f} | {cell} | "
+                         f"{'yes' if chosen.get(key) == n else ''} |")
+    return "\n".join(lines)
 
 
 STATUS_LINES = {
@@ -190,7 +238,7 @@ STATUS_LINES = {
 
 
 def _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, status, message, stop_reason,
-            plot_note, device) -> str:
+            plot_note, device, race=None) -> str:
     title = f"cubridge-tune {cfg.name}: spec {Path(cfg.spec).stem}, {', '.join(cfg.references)} -> {cfg.arch} {cfg.dtype}"
     dev = f"Device: {device.get('name', device)}." if isinstance(device, dict) and device else "Device: none (CPU only)."
     status_line = f"{STATUS_LINES.get(status, status)} {message}. {dev}"
@@ -208,10 +256,15 @@ def _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, s
               f"Pareto front: {', '.join('#' + str(r['number']) for r in front) or 'empty'}."
               + (f" Stopped: {stop_reason}." if stop_reason else "")]
     search += [f"- {n} x {s}: {why}" for (s, why), n in reasons.most_common(8)]
-    table = ["| N from | N to | config | candidate | trial | search time (ms) |", "| --- | --- | --- | --- | --- | --- |"]
+    raced = any("race_ms" in e for e in dispatch)
+    table = ["| N from | N to | config | candidate | trial | search time (ms) |" + (" race time (ms) |" if raced else ""),
+             "| --- | --- | --- | --- | --- | --- |" + (" --- |" if raced else "")]
     table += [f"| {e['min_seqlen']} | {e['max_seqlen'] or 'any'} | {e['label']} | {e['candidate']} | #{e['trial']} | "
-              f"{e['time_ms']:.3f} |" for e in dispatch]
+              f"{e['time_ms']:.3f} |" + (f" {e['race_ms']:.3f} |" if "race_ms" in e else (" - |" if raced else ""))
+              for e in dispatch]
     sections = [("Candidates", "\n".join(cands)), ("Search", "\n".join(search))]
+    if race:
+        sections.append(("Final race", _race_section(race, records, dispatch)))
     if dispatch:
         sections.append(("Dispatch table (dispatch.json)", "\n".join(table)))
     sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; "

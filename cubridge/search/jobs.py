@@ -8,6 +8,7 @@ Built-in kinds (payloads are built by cubridge.search.tuner):
 - screen  (CPU): parse -> check -> taxonomy -> interpreter verification of one candidate;
 - compile (CPU): lower one candidate at one tile config and compile it (nvcc, else NVRTC; cached);
 - measure (GPU): compile + GPU check (the verification rule) + time at every target shape;
+- race    (GPU): each shape's finalist configs timed again round-robin (the tuner's last choice);
 - bench   (GPU): the chosen kernels timed beside the baselines (FlexAttention, SDPA, eager).
 
 Lowering (`cubridge.lower`) is imported lazily; where it is missing, compile / measure / bench
@@ -266,6 +267,14 @@ def bench_job(p: dict):
     if not measure.gpu_available():
         return Outcome(TrialState.VERIFIED, "timing needs a GPU (none visible to this worker)"), {}
     return measure.bench_side_by_side(p)
+
+
+@register("race")
+def race_job(p: dict):
+    from cubridge.search import measure
+    if not measure.gpu_available():
+        return Outcome(TrialState.VERIFIED, "the final race needs a GPU (none visible to this worker)"), {}
+    return measure.race(p)
 
 
 def cubin_path(cache_dir: str | Path, key: str) -> Path:

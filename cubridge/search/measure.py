@@ -212,6 +212,44 @@ def bench_side_by_side(p: dict):
     return Outcome(TrialState.OK, f"{len(rows)} shapes timed beside baselines"), {"shapes": rows, "device": device_info()}
 
 
+def race(p: dict):
+    """The tuner's finalists, shape by shape, timed round-robin in one process (drift hits them
+    alike; single trials timed minutes apart are not comparable to a few %). p["finalists"]:
+    {trial number: kernel payload}; p["by_shape"]: {shape key: [trial numbers]}; p["shapes"]: the
+    targets. Returns {"shapes": {key: {trial: median ms}}, "errors": {key: {trial: error}}}."""
+    from cubridge.runtime.timing import bench_round_robin
+    from cubridge.search.jobs import binder_for, build
+    from cubridge.search.space import SPACES
+    dtype, hq, hkv, d = DTYPES[p["dtype"]], p["heads_q"], p["heads_kv"], p["head_dim"]
+    built, shapes, errors = {}, {}, {}
+    for t in p["shapes"]:
+        trials = p["by_shape"].get(t["key"]) or []
+        if len(trials) < 2:
+            continue
+        n, b = t["seqlen"], t["batch"]
+        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=13)
+        out = torch.empty_like(q)
+        calls = {}
+        for num in trials:
+            entry = p["finalists"][str(num)]
+            try:
+                if num not in built:
+                    lowered, result = build(entry)
+                    built[num] = launcher(entry, lowered, result.cubin)
+                    if built[num] is None:
+                        raise RuntimeError(NO_LAUNCHER)
+                cuir = SPACES[entry["reference"]].to_cuir(entry["config"])
+                calls[num] = built[num](_extras(binder_for(entry), cuir, b, hq, hkv, n), "cuda")
+            except Exception as e:   # noqa: BLE001 - this finalist drops out of the race
+                errors.setdefault(t["key"], {})[str(num)] = f"{type(e).__name__}: {str(e)[:300]}"
+        if len(calls) < 2:
+            continue
+        timings = bench_round_robin([lambda c=c: c(q, k, v, out) for c in calls.values()])
+        shapes[t["key"]] = {str(num): tm.median_ms for num, tm in zip(calls, timings)}
+    return (Outcome(TrialState.OK, f"{len(shapes)} shape(s) raced"),
+            {"shapes": shapes, "errors": errors, "device": device_info()})
+
+
 def _flops(spec, sp, B, Hq, Hkv, N, D) -> float:
     from cubridge.spec import count_attended
     if not spec.has_hooks:

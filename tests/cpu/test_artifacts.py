@@ -72,6 +72,28 @@ def test_dispatch_buckets_cover_every_length_and_prefer_shared_configs():
     assert artifacts.select_bucket(table, 10 ** 6)["seqlen"] == 4096
 
 
+def test_final_race_decides_among_each_shapes_finalists():
+    targets = [Target(1, 8, 2, 1024, 128), Target(1, 8, 2, 4096, 128)]
+    k1, k4 = targets[0].key, targets[1].key
+    front = [{**rec(n, 0, 0), "outcome": {"state": "ok", "times_ms": {k1: a, k4: b}}}
+             for n, a, b in [(0, 1.00, 2.00), (1, 1.05, 2.30), (2, 1.50, 1.95)]]
+    fin = artifacts.finalists(front, targets)
+    assert fin == {k1: [0, 1], k4: [2, 0]}              # within 10% of each shape's best search time
+    # Round-robin, trial 1 beats trial 0 at 1k by more than the sharing tolerance; 4k was not raced.
+    table = artifacts.choose_dispatch(front, targets, {k1: {"0": 1.10, "1": 1.02}})
+    assert [e["trial"] for e in table] == [1, 2]
+    assert table[0]["race_ms"] == 1.02 and table[0]["time_ms"] == 1.05 and "race_ms" not in table[1]
+    assert [e["trial"] for e in artifacts.choose_dispatch(front, targets, {})] == [0, 2]
+
+
+def test_report_says_the_race_did_not_run_on_a_replay_without_one(run_dir):
+    # The synthetic recording has no race record: the search's own times decide, and both say so.
+    report = (run_dir / "report.md").read_text()
+    assert "## Final race" in report and "the search's own times decided" in report
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["race"]["outcome"]["state"] == "crash" and manifest["race"]["shapes"] == {}
+
+
 def test_trial_log_survives_a_torn_last_line(tmp_path):
     log = artifacts.TrialLog(tmp_path / "trials.jsonl")
     log.append({"number": 0})

@@ -6,8 +6,9 @@ our causal softmax kernel at the same shape (bench_fa3's protocol: L2 flushed, m
 
     python experiments/sigmoid_fma_share.py --out $OUT/sigmoid_fma_share.json [--n 4096 8192 16384]
 
-With --relu also relu; with --fold also "fold": composite with the softcap's 1/50 folded into the softmax scale by hand (what
-a score-scale fold in the lowering would give), to decide whether that is worth building.
+With --relu also relu. (A --fold option, composite with the softcap's 1/50 folded by hand, decided
+whether to build that fold into the lowering; the lowering does it now, cubridge/lower/NOTES.md v14,
+so the option is gone.)
 """
 from __future__ import annotations
 
@@ -31,18 +32,10 @@ from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
 
 CHECK_SHAPES = [(1, 4, 4, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (1, 2, 2, 2500, 128)]
-FOLD = [("x * softmax_scale", "x * (softmax_scale * 0.02f)"), ("50.0f * cuir_tanh((s * 0.02f))", "50.0f * cuir_tanh(s)")]
 
 
 def with_share(source: str, eighths: int) -> str:
     return f"#define CUIR_SIGMOID_FMA_EIGHTHS {eighths}\n" + source
-
-
-def folded(source: str) -> str:
-    for a, b in FOLD:
-        assert a in source, f"fold pattern {a!r} not in the lowered source"
-        source = source.replace(a, b)
-    return source
 
 
 class Variant:
@@ -100,16 +93,12 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--composite", type=int, nargs="+", default=[0, 2, 3, 4, 5])
     ap.add_argument("--sigmoid", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--fold", action="store_true", help="also composite with the softcap scale folded by hand")
     ap.add_argument("--relu", action="store_true", help="also relu (no sigmoid: the third normalisation)")
     args = ap.parse_args()
     torch.manual_seed(0)
     systems = {}
     for e in args.composite:
         systems[f"composite e={e}"] = Variant("composite", lambda s, e=e: with_share(s, e))
-    if args.fold:
-        systems["composite e=3 fold"] = Variant("composite", lambda s: with_share(folded(s), 3))
-        systems["composite e=0 fold"] = Variant("composite", lambda s: with_share(folded(s), 0))
     for e in args.sigmoid:
         systems[f"sigmoid e={e}"] = Variant("sigmoid", lambda s, e=e: with_share(s, e))
     if args.relu:

@@ -38,6 +38,17 @@ def with_share(source: str, eighths: int) -> str:
     return f"#define CUIR_SIGMOID_FMA_EIGHTHS {eighths}\n" + source
 
 
+def causal_baseline(n: int, hq: int = 32):
+    """Llama2-7B-head bf16 inputs at N (16k tokens per shape), an output buffer, our causal softmax
+    kernel's default config there, and {"causal softmax": its call}: the baseline every
+    normalisation is read against. Returns (b, q, k, v, out, cfg, fns)."""
+    b = max(1, TOKENS // n)
+    q, k, v = (torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    cfg = default_config(D, True, True, n)
+    return b, q, k, v, out, cfg, {"causal softmax": lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out)}
+
+
 class Variant:
     """One lowered variant with an edited source (bench_variants.Ours does the lowering and launch)."""
 
@@ -110,11 +121,7 @@ def main():
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     hq = 32
     for n in args.n:
-        b = max(1, TOKENS // n)
-        q, k, v = (torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        out = torch.empty_like(q)
-        cfg = default_config(D, True, True, n)
-        fns = {"causal softmax": lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out)}
+        b, q, k, v, out, _, fns = causal_baseline(n, hq)
         for label, var in systems.items():
             fns[label] = var.fn(q, k, v, out)
         ms = time_ms_interleaved(list(fns.values()), flush)

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
-from bench_variants import D, TOKENS, versions  # noqa: E402
-from sigmoid_fma_share import CHECK_SHAPES, Variant, check  # noqa: E402
+from bench_variants import D, versions  # noqa: E402
+from sigmoid_fma_share import CHECK_SHAPES, Variant, causal_baseline, check  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
@@ -87,11 +87,7 @@ def main():
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     hq = 32
     for n in args.n:
-        b = max(1, TOKENS // n)
-        q, k, v = (torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        out = torch.empty_like(q)
-        cfg = default_config(D, True, True, n)
-        fns = {"causal softmax": lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out)}
+        b, q, k, v, out, cfg, fns = causal_baseline(n, hq)
         if args.causal_configs:
             want = fa3_forward(q, k, v, causal=True, config=cfg)[0]
         for c in args.causal_configs:

@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fa3 import FLUSH_BYTES, REPEATS, TOKENS, WARMUP, attended_pairs, time_ms_interleaved  # noqa: E402
+from bench_fa3 import REPEATS, TOKENS, WARMUP, attended_pairs, time_ms_interleaved  # noqa: E402
 from cubridge.lower import Launchable  # noqa: E402
 from cubridge.runtime.fa3_sm90 import default_config, fa3_forward  # noqa: E402
 
@@ -48,7 +48,6 @@ def main():
         sys.exit(f"{args.old}: it does not reset the tile counter after a launch, which the runtime now "
                  "expects (one zeroed counter per stream); add release_tile_counter or A/B from an older checkout")
     old = Launchable(text, _NoArgs(0), [])
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     for hq, hkv, d, n in SHAPES:
         b = TOKENS // n
@@ -72,7 +71,7 @@ def main():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
             names = ("new", "old", "cudnn")
-            ms = time_ms_interleaved([new_fn, old_fn, cudnn], flush)
+            ms = time_ms_interleaved([new_fn, old_fn, cudnn])
             flops = 4 * b * hq * d * attended_pairs(n, causal)
             row = dict(Hq=hq, Hkv=hkv, D=d, N=n, B=b, causal=causal,
                        **{f"{s}_tflops": round(flops / t / 1e9, 1) for s, t in zip(names, ms)})

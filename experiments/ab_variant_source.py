@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
+from bench_fa3 import time_ms_interleaved  # noqa: E402
 from bench_variants import D, TOKENS, versions  # noqa: E402
 from sigmoid_fma_share import Variant, check_all  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
@@ -55,13 +55,12 @@ def main():
               "variant": args.variant, "replace": args.replace, "b_config": overrides, "checks": {}, "rows": [],
               "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)"}
     result["checks"] = check_all(systems, args.n)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for n in args.n:
         b, hq = max(1, TOKENS // n), 32
         q, k, v = (torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = torch.empty_like(q)
         pairs = count_attended(load_spec(args.variant).hooks_for(n, n, hq, hq, "cuda"), b, hq, n, n, device="cuda")
-        ms = time_ms_interleaved([var.fn(q, k, v, out) for var in systems.values()], flush)
+        ms = time_ms_interleaved([var.fn(q, k, v, out) for var in systems.values()])
         for label, t in zip(systems, ms):
             tf = tflops(4.0 * D * pairs, t)
             result["rows"].append({"system": label, "N": n, "B": b, "ms": round(t, 4), "tflops": round(tf, 1)})

@@ -1,7 +1,7 @@
 """Benchmark the Hopper reference kernel against SDPA (cuDNN and flash backends), same run.
 
 TFLOPS = 4 * B * Hq * D * (attended pairs) / time; causal pairs = N (N + 1) / 2. Timing: CUDA
-events around each call, warm-up first, L2 flushed (a 256 MB write) before every timed call,
+events around each call, warm-up first, L2 flushed (twice its size rewritten) before every timed call,
 median of the repeats. Writes JSON (gpu, date, versions, rows) and prints a table.
 
     python experiments/bench_fa3.py --out out/fa3_bench.json
@@ -15,7 +15,6 @@ import datetime
 import json
 import math
 import platform
-import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,9 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cubridge import rule  # noqa: E402
 from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin, default_config, fa3_forward  # noqa: E402
+from cubridge.runtime.timing import bench_round_robin  # noqa: E402
 
 TOKENS = 16384
-FLUSH_BYTES = 256 << 20
 WARMUP = 5
 REPEATS = 30
 SMOKE_TOLERANCE = 0.05   # bf16 output error bound for a quick go / no-go
@@ -45,28 +44,10 @@ def attended_pairs(n: int, causal: bool) -> int:
     return n * (n + 1) // 2 if causal else n * n
 
 
-def time_ms_interleaved(fns, flush: torch.Tensor) -> list[float]:
-    """Median ms of each callable, timed round-robin (a, b, c, a, b, c, ...) so that clock and
-    temperature drift hits every system alike: timed one after the other, whichever ran first
-    after a pause measured up to 10% faster (NOTES.md, v3)."""
-    for fn in fns:
-        for _ in range(WARMUP):
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(REPEATS):
-        for i, fn in enumerate(fns):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[i].append(start.elapsed_time(end))
-    return [statistics.median(t) for t in times]
-
-
-def time_ms(fn, flush: torch.Tensor) -> float:
-    return time_ms_interleaved([fn], flush)[0]
+def time_ms_interleaved(fns) -> list[float]:
+    """Median ms of each callable, timed round-robin with L2 flushed before each call
+    (cubridge.runtime.timing.bench_round_robin: drift hits every system alike)."""
+    return [t.median_ms for t in bench_round_robin(fns, warmup=WARMUP, reps=REPEATS)]
 
 
 def systems(q, k, v, causal):
@@ -99,7 +80,6 @@ def systems(q, k, v, causal):
 
 
 def bench(out_path: Path | None) -> None:
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     for model, hq, hkv, d, lengths in SHAPES:
         for n in lengths:
@@ -116,7 +96,7 @@ def bench(out_path: Path | None) -> None:
                         runnable.append((system, fn, note))
                     except RuntimeError as err:   # a backend that refuses the shape
                         print(f"# {system} {model} {variant} N={n}: {str(err).splitlines()[0]}")
-                medians = time_ms_interleaved([fn for _, fn, _ in runnable], flush)
+                medians = time_ms_interleaved([fn for _, fn, _ in runnable])
                 for (system, _, note), ms in zip(runnable, medians):
                     rows.append(dict(system=system, variant=variant, model=model, N=n, B=b, Hq=hq,
                                      Hkv=hkv, D=d, dtype="bf16", ms=round(ms, 4),
@@ -184,7 +164,6 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
     """Time our kernel over tile configs, with cuDNN beside each shape. `only`: "model:N" filters
     (SWEEP_SHAPES, or any shape of SHAPES named); `tiles`: "BMxBNsS" filters; `q_slots`: each tile
     with each Q-slot limit; `knobs`: each tile with each set of kernel.cu experiment macros."""
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     if only:
         shapes = [(m, hq, hkv, d, n) for m, hq, hkv, d, lengths in SHAPES for n in lengths
@@ -219,7 +198,7 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
             fns = [cudnn[1]] + [
                 (lambda cfg=cfg: fa3_forward(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
                 for cfg in configs]
-            medians = time_ms_interleaved(fns, flush)
+            medians = time_ms_interleaved(fns)
             base = flops / medians[0] / 1e9
             line = []
             for cfg, ms in zip(configs, medians[1:]):

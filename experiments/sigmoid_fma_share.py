@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
+from bench_fa3 import time_ms_interleaved  # noqa: E402
 from bench_variants import D, TOKENS, Ours, versions  # noqa: E402
 from cubridge import rule  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
@@ -118,13 +118,12 @@ def main():
               "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
               "baseline": "cubridge/fa3_sm90 causal softmax, same shape, same run", "checks": {}, "rows": []}
     result["checks"] = check_all(systems, args.n)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     hq = 32
     for n in args.n:
         b, q, k, v, out, _, fns = causal_baseline(n, hq)
         for label, var in systems.items():
             fns[label] = var.fn(q, k, v, out)
-        ms = time_ms_interleaved(list(fns.values()), flush)
+        ms = time_ms_interleaved(list(fns.values()))
         base = None
         for (label, t) in zip(fns, ms):
             name = "causal" if label == "causal softmax" else label.split()[0]

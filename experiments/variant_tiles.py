@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fa3 import FLUSH_BYTES, time_ms_interleaved  # noqa: E402
+from bench_fa3 import time_ms_interleaved  # noqa: E402
 from bench_variants import D, versions  # noqa: E402
 from sigmoid_fma_share import CHECK_SHAPES, Variant, causal_baseline, check  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
@@ -84,7 +84,6 @@ def main():
             result["checks"][label] = f"error: {type(e).__name__}: {str(e)[:300]}"
         print(f"check {label:<36} {result['checks'][label]}", flush=True)
     ok = {label: var for label, var in systems.items() if result["checks"][label] == "passed"}
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     hq = 32
     for n in args.n:
         b, q, k, v, out, cfg, fns = causal_baseline(n, hq)
@@ -99,7 +98,7 @@ def main():
                 continue
             fns[f"causal softmax {c}"] = (lambda ccfg=ccfg: fa3_forward(q, k, v, causal=True, config=ccfg, out=out))
         fns.update({label: var.fn(q, k, v, out) for label, var in ok.items()})
-        ms = time_ms_interleaved(list(fns.values()), flush)
+        ms = time_ms_interleaved(list(fns.values()))
         pairs = {name: count_attended(load_spec(name).hooks_for(n, n, hq, hq, "cuda"), b, hq, n, n, device="cuda")
                  for name in ("causal", args.variant)}
         base = tflops(4.0 * D * pairs["causal"], ms[0])

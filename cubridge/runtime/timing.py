@@ -84,29 +84,27 @@ def bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, budget_m
 def bench_round_robin(fns: list[Callable[[], object]], *, warmup: int = 5, reps: int = 30,
                       device: torch.device | str | None = None) -> list[Timing]:
     """Median time of each callable, timed round-robin (a, b, c, a, b, c, ...) with L2 flushed
-    before every call, so clock and temperature drift hit every callable alike: timed one after
-    the other, the same kernel moved 5-15% between trials on H100 (tuner finalists, session 5)."""
+    before every call and each call waited for, so clock and temperature drift hit every callable
+    alike: timed one after the other, the same kernel moved 5-15% between tuner trials on H100 and
+    whichever system ran first after a pause measured up to 10% faster (fa3 NOTES v3). The
+    experiments' side-by-side benchmarks time through this too."""
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     for fn in fns:
         for _ in range(max(1, warmup)):
             fn()
     torch.cuda.synchronize(device)
     flush = _flush_buffer(device)
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-              for _ in fns]
+    times: list[list[float]] = [[] for _ in fns]
     for r in range(reps):
         for i, fn in enumerate(fns):
             flush.fill_(r & 0xFF)
-            s, e = events[i][r]
-            s.record()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             fn()
-            e.record()
-    torch.cuda.synchronize(device)
-    out = []
-    for ev in events:
-        times = [s.elapsed_time(e) for s, e in ev]
-        out.append(Timing(statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), reps))
-    return out
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end))
+    return [Timing(statistics.median(t), _quantile(t, 0.2), _quantile(t, 0.8), reps) for t in times]
 
 
 def attention_flops(batch: int, heads_q: int, head_dim: int, len_q: int, len_k: int, causal: bool) -> float:

@@ -116,19 +116,19 @@ def choose_dispatch(front: list[dict], targets, race: dict | None = None) -> lis
         return []
     race = {k: v for k, v in (race or {}).items() if v}
 
-    def time(r, key):
+    def ms(r, key):
         if key in race:
             return race[key].get(str(r["number"]), math.inf)
         return r["outcome"]["times_ms"][key]
     lengths = [t.seqlen for t in targets]
-    picks = [min(front, key=lambda r: (time(r, t.key), r["number"])) for t in targets]
+    picks = [min(front, key=lambda r: (ms(r, t.key), r["number"])) for t in targets]
     entries = []
     for i, t in enumerate(targets):
-        best = time(picks[i], t.key)
-        near = [r for r in front if time(r, t.key) <= best * (1 + SHARE_TOLERANCE)]
+        best = ms(picks[i], t.key)
+        near = [r for r in front if ms(r, t.key) <= best * (1 + SHARE_TOLERANCE)]
         # votes: how many other shapes picked this trial outright
         rec = max(near, key=lambda r: (sum(p["number"] == r["number"] for j, p in enumerate(picks) if j != i),
-                                       -time(r, t.key), -r["number"]))
+                                       -ms(r, t.key), -r["number"]))
         lo = 1 if i == 0 else math.floor(math.sqrt(lengths[i - 1] * lengths[i])) + 1
         hi = None if i == len(targets) - 1 else math.floor(math.sqrt(lengths[i] * lengths[i + 1]))
         entry = {"shape": t.key, "seqlen": t.seqlen, "batch": t.batch, "min_seqlen": lo, "max_seqlen": hi,

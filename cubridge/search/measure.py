@@ -178,10 +178,26 @@ def time_ms(fn, args: tuple = ()) -> float:
     return bench(lambda: fn(*args)).median_ms
 
 
+def _built(entry: dict):
+    """prepare(extra, device) of one kernel payload (lowered and compiled through the cache)."""
+    from cubridge.search.jobs import build
+    lowered, result = build(entry)
+    prepare = launcher(entry, lowered, result.cubin)
+    if prepare is None:
+        raise RuntimeError(NO_LAUNCHER)
+    return prepare
+
+
+def _shape_call(prepare, entry: dict, b: int, hq: int, hkv: int, n: int):
+    """The call(q, k, v, out) of a prepared kernel at one shape (its extra inputs bound)."""
+    from cubridge.search.jobs import binder_for
+    from cubridge.search.space import SPACES
+    cuir = SPACES[entry["reference"]].to_cuir(entry["config"])
+    return prepare(_extras(binder_for(entry), cuir, b, hq, hkv, n), "cuda")
+
+
 def bench_side_by_side(p: dict):
     """Ours (the dispatch table's kernel per shape) and every baseline, shape by shape."""
-    from cubridge.search.jobs import binder_for, build
-    from cubridge.search.space import SPACES
     spec, sp = _spec(p), p.get("spec_params") or {}
     dtype, hq, hkv, d = DTYPES[p["dtype"]], p["heads_q"], p["heads_kv"], p["head_dim"]
     rows = {}
@@ -191,12 +207,7 @@ def bench_side_by_side(p: dict):
         row = {"flops": _flops(spec, sp, b, hq, hkv, n, d), "baselines_ms": {}, "baseline_errors": {}}
         q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=11)
         try:
-            lowered, result = build(entry)
-            prepare = launcher(entry, lowered, result.cubin)
-            if prepare is None:
-                raise RuntimeError(NO_LAUNCHER)
-            cuir = SPACES[entry["reference"]].to_cuir(entry["config"])
-            call = prepare(_extras(binder_for(entry), cuir, b, hq, hkv, n), "cuda")
+            call = _shape_call(_built(entry), entry, b, hq, hkv, n)
             row["ours_ms"] = time_ms(call, (q, k, v, torch.empty_like(q)))
         except Exception as e:   # noqa: BLE001 - reported beside the baselines
             row["ours_error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -218,8 +229,6 @@ def race(p: dict):
     {trial number: kernel payload}; p["by_shape"]: {shape key: [trial numbers]}; p["shapes"]: the
     targets. Returns {"shapes": {key: {trial: median ms}}, "errors": {key: {trial: error}}}."""
     from cubridge.runtime.timing import bench_round_robin
-    from cubridge.search.jobs import binder_for, build
-    from cubridge.search.space import SPACES
     dtype, hq, hkv, d = DTYPES[p["dtype"]], p["heads_q"], p["heads_kv"], p["head_dim"]
     built, shapes, errors = {}, {}, {}
     for t in p["shapes"]:
@@ -234,12 +243,8 @@ def race(p: dict):
             entry = p["finalists"][str(num)]
             try:
                 if num not in built:
-                    lowered, result = build(entry)
-                    built[num] = launcher(entry, lowered, result.cubin)
-                    if built[num] is None:
-                        raise RuntimeError(NO_LAUNCHER)
-                cuir = SPACES[entry["reference"]].to_cuir(entry["config"])
-                calls[num] = built[num](_extras(binder_for(entry), cuir, b, hq, hkv, n), "cuda")
+                    built[num] = _built(entry)
+                calls[num] = _shape_call(built[num], entry, b, hq, hkv, n)
             except Exception as e:   # noqa: BLE001 - this finalist drops out of the race
                 errors.setdefault(t["key"], {})[str(num)] = f"{type(e).__name__}: {str(e)[:300]}"
         if len(calls) < 2:

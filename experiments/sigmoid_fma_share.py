@@ -1,6 +1,6 @@
 """How many sigmoids to run on the FMA pipe (cuir_sigmoid_fma) instead of MUFU tanh.approx, for the
 lowered sigmoid and composite variants on fa3_sm90: each share (eighths of every thread's score
-elements, the CUIR_SIGMOID_FMA_EIGHTHS define of the generated softmax region) is first verified
+elements, spliced into the generated softmax region by with_share) is first verified
 on the GPU under the verification rule (ragged, GQA, large scores), then timed round-robin beside
 our causal softmax kernel at the same shape (bench_fa3's protocol: L2 flushed, median of 30).
 
@@ -13,6 +13,7 @@ so the option is gone.)
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import sys
 import zlib
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fa3 import time_ms_interleaved  # noqa: E402
 from bench_variants import D, TOKENS, Ours, versions  # noqa: E402
 from cubridge import rule  # noqa: E402
+from cubridge.lower.cexpr import SIGMOID_FMA  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
@@ -34,8 +36,20 @@ from cubridge.spec import count_attended, load_spec  # noqa: E402
 CHECK_SHAPES = [(1, 4, 4, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (1, 2, 2, 2500, 128)]
 
 
+PLAIN = "s[i] = cuir_sigmoid_half(fmaf(s[i], half_scale, half_bias));"
+BIAS = re.compile(r"half_bias = 0\.5f \* (.+?);")
+
+
 def with_share(source: str, eighths: int) -> str:
-    return f"#define CUIR_SIGMOID_FMA_EIGHTHS {eighths}\n" + source
+    """The lowered source with `eighths` of each thread's sigmoids (i % 8 < eighths) through
+    cexpr.SIGMOID_FMA instead of MUFU tanh (the lowering emits the MUFU form only)."""
+    if eighths == 0:
+        return source
+    bias = BIAS.search(source)
+    assert PLAIN in source and bias and "struct SoftmaxState" in source, "not a lowered sigmoid region"
+    shared = (f"s[i] = i % 8 < {eighths} ? cuir_sigmoid_fma(fmaf(s[i], score_scale, {bias.group(1)}))"
+              f" : cuir_sigmoid_half(fmaf(s[i], half_scale, half_bias));")
+    return source.replace(PLAIN, shared).replace("struct SoftmaxState", SIGMOID_FMA + "struct SoftmaxState", 1)
 
 
 def causal_baseline(n: int, hq: int = 32):

@@ -29,14 +29,13 @@ __device__ __forceinline__ float cuir_sigmoid(float x) { return __fmaf_rn(0.5f, 
 // sigmoid(2 h), for a caller that has folded the halving into the FFMA computing h.
 __device__ __forceinline__ float cuir_sigmoid_half(float h) { return __fmaf_rn(0.5f, cuir_tanh(h), 0.5f); }
 """
-# Emitted only where a generated softmax region runs a share of its sigmoids through it.
+# Not emitted by the lowering (every share of FMA-pipe sigmoids measured slower on H100, NOTES.md
+# v11): experiments/sigmoid_fma_share.py splices it into a lowered source; tests/gpu checks it.
 SIGMOID_FMA = """\
 // sigmoid without the MUFU pipe (about 18 FP32/INT ops, relative error under 2^-13.6 for every x;
 // exactly 0 at -inf): exp(-z) = 2^(j + f) with j an integer (rounded by the 1.5 * 2^23 trick) and
 // 2^f, |f| <= 1/2, a degree-3 minimax polynomial (relative error 2^-13.7) whose exponent field
 // gets j added; then 1 / (1 + exp(-z)) by two Newton steps from the integer-subtraction guess.
-// A lowered sigmoid region may run a share of its sigmoids through it (CUIR_SIGMOID_FMA_EIGHTHS;
-// none by default: every share measured slower on H100, cubridge/lower/NOTES.md v11).
 __device__ __forceinline__ float cuir_sigmoid_fma(float x) {
   const float kMinusLog2e = -1.4426950408889634f, kRound = 12582912.f;
   const float z = fminf(fmaxf(x, -80.f), 80.f);

@@ -1,4 +1,4 @@
-"""The math helpers lowered kernels use (cexpr.PRELUDE, SIGMOID_FMA), run on the GPU over dense input ranges and
+"""The math helpers of lowered kernels (cexpr.PRELUDE, and SIGMOID_FMA that experiments splice in), run on the GPU over dense input ranges and
 the special values, against float64: cuir_sigmoid_fma must hold its stated relative error (2^-13)
 everywhere, give exactly 0 at -inf and 1 at +inf, and stay within a bf16 P's rounding of the MUFU
 sigmoid it stands in for."""

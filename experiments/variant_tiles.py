@@ -11,6 +11,10 @@ A config is BMxBNsS, optionally followed by +NAME=VALUE kernel knobs (Fa3Config.
 their "p"). --causal-configs times our dense causal softmax kernel at more configs in the same
 round-robin (each checked against the default config's output first), so a variant's ratio can
 also be read against the best causal config of the run.
+
+--replace OLD NEW (repeatable) edits every config's lowered source the same way (an experiment
+guarded by a knob macro, so configs with and without +NAME=1 run side by side); each OLD must
+occur in the source.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_variant_source import replaced  # noqa: E402
 from bench_fa3 import time_ms_interleaved  # noqa: E402
 from bench_variants import D, versions  # noqa: E402
 from sigmoid_fma_share import CHECK_SHAPES, Variant, causal_baseline, check  # noqa: E402
@@ -59,12 +64,15 @@ def main():
     ap.add_argument("--configs", nargs="+", required=True)
     ap.add_argument("--n", type=int, nargs="+", default=[8192, 4096])
     ap.add_argument("--causal-configs", nargs="*", default=[], help="more configs of the dense causal kernel")
+    ap.add_argument("--replace", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
+                    help="text replacement applied to every config's lowered source")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
-    systems = {c: Variant(args.variant, lambda s: s, parse_config(c)) for c in args.configs}
+    edit = replaced(args.replace) if args.replace else (lambda s: s)
+    systems = {c: Variant(args.variant, edit, parse_config(c)) for c in args.configs}
     result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
-              "variant": args.variant, "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
+              "variant": args.variant, "replace": args.replace, "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
               "baseline": "cubridge/fa3_sm90 causal softmax (its default config), same shape, same run",
               "checks": {}, "rows": []}
     # Build every (config, check shape) up front in parallel, then verify each config.

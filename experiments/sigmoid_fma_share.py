@@ -8,7 +8,9 @@ our causal softmax kernel at the same shape (bench_fa3's protocol: L2 flushed, m
 
 With --relu also relu. (A --fold option, composite with the softcap's 1/50 folded by hand, decided
 whether to build that fold into the lowering; the lowering does it now, cubridge/lower/NOTES.md v14,
-so the option is gone.)
+so the option is gone. Composite's sigmoid is now fused with its softcap, cubridge/lower/fusion.py,
+and has no PLAIN line to share: --composite is empty by default and only the sigmoid variant takes
+a share.)
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def with_share(source: str, eighths: int) -> str:
     if eighths == 0:
         return source
     bias = BIAS.search(source)
-    assert PLAIN in source and bias and "struct SoftmaxState" in source, "not a lowered sigmoid region"
+    assert PLAIN in source and bias and "struct SoftmaxState" in source, \
+        "not a plain lowered sigmoid region (composite's is fused with its softcap: lower/fusion.py)"
     shared = (f"s[i] = i % 8 < {eighths} ? cuir_sigmoid_fma(fmaf(s[i], score_scale, {bias.group(1)}))"
               f" : cuir_sigmoid_half(fmaf(s[i], half_scale, half_bias));")
     return source.replace(PLAIN, shared).replace("struct SoftmaxState", SIGMOID_FMA + "struct SoftmaxState", 1)
@@ -116,7 +119,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
-    ap.add_argument("--composite", type=int, nargs="+", default=[0, 2, 3, 4, 5])
+    ap.add_argument("--composite", type=int, nargs="*", default=[])
     ap.add_argument("--sigmoid", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--relu", action="store_true", help="also relu (no sigmoid: the third normalisation)")
     args = ap.parse_args()

@@ -73,3 +73,32 @@ def test_variant_on_gpu(reference, name, shape):
     assert verdict.passed, f"{name} {shape}: {verdict}"
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs changed"
     assert torch.equal(out, _run(ref_name, kern, cand, q, k, v, D)), "second run differs"
+
+
+# Composite's softcap fused into its sigmoid (cubridge/lower/fusion.py) takes a polynomial where
+# |bias| <= its bound (14.79 at softcap 50, 5.54 at 30) and the tanh elsewhere: both paths, with
+# scores scaled up so the softcap and the sigmoid saturate.
+FUSION_CASES = [({"bias": 20.0}, 1.0), ({"bias": -14.0}, 1.0), ({"bias": -14.0}, 4.0), ({"softcap": 30.0}, 1.0),
+                ({"softcap": 30.0, "bias": 0.0}, 4.0), ({"bias": 0.5}, 4.0)]
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 4, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("params, gain", FUSION_CASES, ids=lambda c: str(c))
+def test_composite_softcap_sigmoid_paths(reference, params, gain, shape):
+    B, Hq, Hkv, N, D = shape
+    ref_name, program = reference
+    spec = load_spec("composite")
+    cand = transfer(program, spec, spec_params=params)
+    kern = lower(cand.program, ref_name)
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"composite{params}{gain}{shape}".encode()))
+    dtype = torch.float16 if N == 300 else torch.bfloat16
+    q = (gain * torch.randn(B, Hq, N, D, device="cuda", generator=g)).to(dtype)
+    k = (gain * torch.randn(B, Hkv, N, D, device="cuda", generator=g)).to(dtype)
+    v = torch.randn(B, Hkv, N, D, device="cuda", generator=g).to(dtype)
+    out = _run(ref_name, kern, cand, q, k, v, D)
+    assert not torch.isnan(out).any(), "some output element was never written"
+    golden = spec.run_reference(q.double(), k.double(), v.double(), **params)
+    verdict = rule.compare(out, golden, spec.run_reference(q, k, v, **params))
+    assert verdict.passed, f"composite {params} x{gain} {shape}: {verdict}"
+    assert torch.equal(out, _run(ref_name, kern, cand, q, k, v, D)), "second run differs"

@@ -27,6 +27,9 @@
 #   Q: three consumers at D = 128: GPU cases, every variant's tiles beside our causal softmax,
 #      the dense sweep with them (at most 8 files come back from a call: keep each part under);
 #   R: session 5's close: every GPU test, the sanitizer, the normalisations beside causal.
+#   S1, S2 (session 6, after composite's softcap + sigmoid fusion): S1 every GPU test and the
+#      sanitizer; S2 the normalisations beside our causal softmax (composite also at 192x80) and
+#      beside eager PyTorch and torch.compile of the reference at 8k.
 # Usage on the device (name the kind nvidia-h100-x1: the bars are stated for an H100; carry
 # .devdeps from ../shared/tools/pack-device-deps.sh for part B):
 #   bash experiments/device_all.sh A      bash experiments/device_all.sh B
@@ -210,6 +213,23 @@ R)
     timeout 80 python3 experiments/variant_tiles.py $v --out "$OUT/norm_$v.json" --n 8192 4096 16384 \
       --configs 128x128s2 2>&1 | grep -v "^check .*passed"
   done
+  ;;
+S1)
+  step gpu tests
+  timeout 330 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tests.log"
+  sanitize_fa3
+  ;;
+S2)
+  step normalisations beside causal softmax
+  timeout 150 python3 experiments/variant_tiles.py composite --out "$OUT/norm_composite.json" --n 8192 4096 16384 \
+    --configs 128x128s2 192x80s2 2>&1 | grep -v "^check .*passed"
+  for v in sigmoid relu; do
+    timeout 100 python3 experiments/variant_tiles.py $v --out "$OUT/norm_$v.json" --n 8192 4096 16384 \
+      --configs 128x128s2 2>&1 | grep -v "^check .*passed"
+  done
+  step normalisations beside eager and torch.compile
+  timeout 200 python3 experiments/bench_variants.py --out "$OUT/variants_norm.json" --n 8192 \
+    --variants relu sigmoid composite --systems ours eager compiled_reference ours_causal 2>&1 | tail -6
   ;;
 C)
   # After a kernel change: GPU tests, the fa3 sanitizer case (lowered variants included), the mask

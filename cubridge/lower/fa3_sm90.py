@@ -16,7 +16,7 @@ from cubridge.cuir import nodes as N
 from cubridge.lower import fusion, itspace, regions
 from cubridge.lower.hooks import _names, _tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, _literal, to_c
-from cubridge.lower.fusion import _positive_const, split_factor  # noqa: F401 (split_factor: public here too)
+from cubridge.lower.fusion import positive_const, split_factor
 from cubridge.lower.variant import VariantIR
 
 EPILOGUE_NORMALISE = """\
@@ -142,7 +142,7 @@ def _fold_input_scale(e, bound: dict):
     if isinstance(e, N.BinOp) and e.op in ("*", "/"):
         pairs = ((e.left, e.right), (e.right, e.left)) if e.op == "*" else ((e.left, e.right),)
         for s_side, c_side in pairs:
-            c = _positive_const(c_side)
+            c = positive_const(c_side)
             if isinstance(s_side, N.Name) and s_side.id == "s" and c is not None:
                 name = f"__s{len(bound)}"
                 bound[name] = (f"(x * (scale * {_literal(c if e.op == '*' else 1.0 / c)}))", "float")

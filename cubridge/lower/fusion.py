@@ -57,7 +57,7 @@ def bias_max(amp: float) -> float:
     return amp * (math.tanh(U) - EPS) - math.log(1.0 / TOL - 1.0)
 
 
-def _positive_const(e) -> float | None:
+def positive_const(e) -> float | None:
     if isinstance(e, N.Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool) \
             and math.isfinite(e.value) and e.value > 0:
         return float(e.value)
@@ -70,12 +70,12 @@ def split_factor(e) -> tuple[float, object]:
     every normalisation's use of the score: the row max, the -inf of a masked pair, relu."""
     if isinstance(e, N.BinOp) and e.op == "*":
         for c, rest in ((e.left, e.right), (e.right, e.left)):
-            v = _positive_const(c)
+            v = positive_const(c)
             if v is not None:
                 f, inner = split_factor(rest)
                 return v * f, inner
     if isinstance(e, N.BinOp) and e.op == "/":
-        v = _positive_const(e.right)
+        v = positive_const(e.right)
         if v is not None:
             f, inner = split_factor(e.left)
             return f / v, inner

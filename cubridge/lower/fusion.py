@@ -104,6 +104,7 @@ def softcap_sigmoid(ir) -> SoftcapSigmoid | None:
     if form is None:
         return None
     amp, rate = form
-    if amp * EPS / 4.0 > TOL or bias_max(amp) <= 0.0:
+    room = bias_max(amp)
+    if amp * EPS / 4.0 > TOL or room <= 0.0:
         return None
-    return SoftcapSigmoid(amp, rate, bias_max(amp))
+    return SoftcapSigmoid(amp, rate, room)

@@ -51,28 +51,34 @@ def _run(ref, kern, cand, q, k, v, D):
     return out
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", builtin_specs())
-def test_variant_on_gpu(reference, name, shape):
+def _check(ref_name, program, name, shape, *, params=None, gain=1.0):
+    """Transfer, lower and run one variant at one shape; the rule, unwritten outputs, unchanged
+    inputs and a bitwise second run. gain scales q and k (saturating softcaps and sigmoids)."""
     B, Hq, Hkv, N, D = shape
-    ref_name, program = reference
+    params = params or {}
     spec = load_spec(name)
-    cand = transfer(program, spec)
+    cand = transfer(program, spec, spec_params=params)
     kern = lower(cand.program, ref_name)
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}{shape}".encode()))
+    seed = f"{name}{shape}" if not params and gain == 1.0 else f"{name}{params}{gain}{shape}"
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(seed.encode()))
     dtype = torch.float16 if N == 300 else torch.bfloat16
-    q = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(dtype)
-    k = torch.randn(B, Hkv, N, D, device="cuda", generator=g).to(dtype)
+    q = (gain * torch.randn(B, Hq, N, D, device="cuda", generator=g)).to(dtype)
+    k = (gain * torch.randn(B, Hkv, N, D, device="cuda", generator=g)).to(dtype)
     v = torch.randn(B, Hkv, N, D, device="cuda", generator=g).to(dtype)
     before = [t.clone() for t in (q, k, v)]
     out = _run(ref_name, kern, cand, q, k, v, D)
     assert not torch.isnan(out).any(), "some output element was never written"
-    golden = spec.run_reference(q.double(), k.double(), v.double())
-    ref = spec.run_reference(q, k, v)
-    verdict = rule.compare(out, golden, ref)
-    assert verdict.passed, f"{name} {shape}: {verdict}"
+    golden = spec.run_reference(q.double(), k.double(), v.double(), **params)
+    verdict = rule.compare(out, golden, spec.run_reference(q, k, v, **params))
+    assert verdict.passed, f"{name} {params or ''} x{gain} {shape}: {verdict}"
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs changed"
     assert torch.equal(out, _run(ref_name, kern, cand, q, k, v, D)), "second run differs"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", builtin_specs())
+def test_variant_on_gpu(reference, name, shape):
+    _check(*reference, name, shape)
 
 
 # Composite's softcap fused into its sigmoid (cubridge/lower/fusion.py) takes a polynomial where
@@ -86,19 +92,4 @@ FUSION_CASES = [({"bias": 20.0}, 1.0), ({"bias": -14.0}, 1.0), ({"bias": -14.0},
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("params, gain", FUSION_CASES, ids=lambda c: str(c))
 def test_composite_softcap_sigmoid_paths(reference, params, gain, shape):
-    B, Hq, Hkv, N, D = shape
-    ref_name, program = reference
-    spec = load_spec("composite")
-    cand = transfer(program, spec, spec_params=params)
-    kern = lower(cand.program, ref_name)
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"composite{params}{gain}{shape}".encode()))
-    dtype = torch.float16 if N == 300 else torch.bfloat16
-    q = (gain * torch.randn(B, Hq, N, D, device="cuda", generator=g)).to(dtype)
-    k = (gain * torch.randn(B, Hkv, N, D, device="cuda", generator=g)).to(dtype)
-    v = torch.randn(B, Hkv, N, D, device="cuda", generator=g).to(dtype)
-    out = _run(ref_name, kern, cand, q, k, v, D)
-    assert not torch.isnan(out).any(), "some output element was never written"
-    golden = spec.run_reference(q.double(), k.double(), v.double(), **params)
-    verdict = rule.compare(out, golden, spec.run_reference(q, k, v, **params))
-    assert verdict.passed, f"composite {params} x{gain} {shape}: {verdict}"
-    assert torch.equal(out, _run(ref_name, kern, cand, q, k, v, D)), "second run differs"
+    _check(*reference, "composite", shape, params=params, gain=gain)

@@ -85,7 +85,7 @@ def cmd_print_ir(a) -> int:
 
 
 def cmd_analyze(a) -> int:
-    from cubridge.cuir.analysis import analyze
+    from cubridge.analysis import analyze
     from cubridge.spec import load_spec
     from cubridge.verify import Case
     B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))

@@ -444,7 +444,7 @@ def _check_references(refs, arch: str, head_dim: int, r: _Reader, is_list: bool)
 
 
 def _proposer(p: dict, r: _Reader) -> ProposerConfig:
-    from cubridge.search.proposers import available
+    from cubridge.registry import available
     kind = r.choice(p.get("kind", "rules"), "proposer.kind", PROPOSERS)
     if kind not in available():
         raise r.error("proposer.kind", f"proposer {kind!r} is not available in this install",

@@ -199,7 +199,7 @@ class Spec:
 
 
 def builtin_specs() -> list[str]:
-    """The names of the specs shipped in cubridge/specs/, in DESIGN.md order."""
+    """The names of the specs shipped in cubridge/specs/, in docs/DESIGN.md order."""
     return list(BUILTIN)
 
 

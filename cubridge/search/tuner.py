@@ -24,41 +24,18 @@ import math
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from cubridge.config import ConfigError, TuneConfig
 from cubridge.runtime.build import available_compiler
 from cubridge.search import artifacts
-from cubridge.search.api import Job, Outcome, Proposal, TrialRecord, TrialState
+from cubridge.vocab import Job, Outcome, Proposal, TrialRecord, TrialState
+from cubridge.search.messages import Candidate, TuneResult, payload, proposer_options, run_jobs
 from cubridge.search.space import SPACES
 
 PROPOSAL_ROUNDS = 3        # ask -> screen -> tell rounds: an LLM proposer repairs its rejects
 MAX_IDLE_ASKS = 200        # consecutive asks that measure nothing (duplicates, invalid) before stopping
-
-
-@dataclass(frozen=True)
-class Candidate:
-    proposal: Proposal
-    reference: str
-    cuda_source: str | None = None    # an accepted LLM lowering, when the generators have none
-
-    @property
-    def id(self) -> str:
-        return self.proposal.id
-
-
-@dataclass
-class TuneResult:
-    status: str                       # tuned | screened | no_gpu | nothing_verified | no_trial_ok
-    message: str
-    out: Path
-    dispatch: list = field(default_factory=list)
-    records: list = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.status in ("tuned", "screened") else 1
 
 
 # ------------------------------------------------------------------ output directory
@@ -77,18 +54,6 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key, "config": cfg.to_json()})
     return out
-
-
-def _payload(cfg: TuneConfig, cand: Candidate, point=None, **extra) -> dict:
-    s = cfg.shapes
-    if getattr(cand, "cuda_source", None) and "cuda_source" not in extra:
-        extra["cuda_source"] = cand.cuda_source        # an accepted LLM lowering (llm_lowering.py)
-    return {"candidate": cand.id, "reference": cand.reference, "origin": cand.proposal.origin,
-            "text": cand.proposal.text, "spec": cfg.spec, "spec_params": cfg.spec_params, "head_dim": s.head_dim,
-            "heads_q": s.heads_q, "heads_kv": s.heads_kv, "dtype": cfg.dtype, "arch": cfg.arch, "config": point,
-            "cache_dir": str((cfg.output / "cache").resolve()),
-            "shapes": [{"key": t.key, "batch": t.batch, "seqlen": t.seqlen} for t in s.targets],
-            "spec_source": Path(cfg.spec).read_text() if Path(cfg.spec).is_file() else None, **extra}
 
 
 # ------------------------------------------------------------------ population and screening
@@ -115,7 +80,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
     """Ask every reference's proposer, screen, tell, repeat (bounded); candidates and verdicts
     persist in the output directory, so a resumed run screens nothing twice. Returns the
     population, its verdicts, and notes on proposers that proposed nothing."""
-    from cubridge.search.proposers import make_proposer
+    from cubridge.registry import make_proposer
     from cubridge.search.screen import ScreenContext
     pop = load_population(out)
     verdicts = {k: Outcome(TrialState(v["state"]), v["reason"]) for k, v in _read(out / "screen.json", {}).items()}
@@ -128,7 +93,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
             ctx = ScreenContext.build(ref, cfg.spec, spec_params=cfg.spec_params, quick=True,
                                       head_dims=(cfg.shapes.head_dim,))
             for kind in kinds:
-                options = _proposer_options(cfg, out) if kind == cfg.proposer.kind else {}
+                options = proposer_options(cfg, out) if kind == cfg.proposer.kind else {}
                 proposers[(ref, kind)] = make_proposer(kind, ctx, options)
     for round_ in range(PROPOSAL_ROUNDS if proposers else 1):
         for (ref, kind), prop in proposers.items():
@@ -145,7 +110,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
         if not todo:
             break
         say(f"screening {len(todo)} candidate(s) on CPU (parse, check, taxonomy, interpreter)")
-        results = run_jobs(runner, [Job("screen", _payload(cfg, c, quick=quick), cfg.runner.timeout_s, needs_gpu=False)
+        results = run_jobs(runner, [Job("screen", payload(cfg, c, quick=quick), cfg.runner.timeout_s, needs_gpu=False)
                                     for c in todo])
         for c in todo:
             verdicts[c.id] = results[c.id].outcome
@@ -154,16 +119,6 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
                 proposers[(c.reference, kind)].tell(c.proposal, verdicts[c.id])
         artifacts.write_json(out / "screen.json", {k: v.to_json() for k, v in verdicts.items()})
     return pop, verdicts, notes
-
-
-def run_jobs(runner, jobs: list[Job]) -> dict:
-    """Submit and wait for every job; results by candidate id."""
-    runner.submit(jobs)
-    done = {}
-    while len(done) < len(jobs):
-        for r in runner.results(timeout_s=5.0):
-            done[r.job.payload["candidate"]] = r
-    return done
 
 
 def _read(path: Path, default):
@@ -259,8 +214,8 @@ class Search:
             self._record(trial.number, cand, point, Outcome(TrialState.CONFIG_INVALID, "; ".join(problems)))
             self._tell(trial.number, self.records[trial.number])
             return False
-        payload = _payload(self.cfg, cand, point, trial=trial.number)
-        self.runner.submit([Job("measure", payload, self.cfg.runner.timeout_s, needs_gpu=True)])
+        body = payload(self.cfg, cand, point, trial=trial.number)
+        self.runner.submit([Job("measure", body, self.cfg.runner.timeout_s, needs_gpu=True)])
         self.inflight[trial.number] = (cand, point)
         return True
 
@@ -395,15 +350,3 @@ def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = 
     finally:
         if own:
             runner.close()
-
-
-def _proposer_options(cfg, out) -> dict:
-    """The proposer's options, with defaults that follow from the run: an LLM proposer logs into
-    <output>/llm, and with the Ray runner the in-process vLLM engine runs in a Ray actor that
-    holds its GPUs (so timing workers are not scheduled on them)."""
-    options = dict(cfg.proposer.options)
-    if cfg.proposer.kind in ("vllm", "openai"):
-        options.setdefault("out_dir", str(Path(out) / "llm"))
-    if cfg.proposer.kind == "vllm" and cfg.runner.kind == "ray":
-        options.setdefault("ray_actor", True)
-    return options

@@ -7,16 +7,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import inspect
 import json
 import tempfile
 from pathlib import Path
 
 from cubridge.errors import CubridgeError
+from cubridge.runtime.kernels import reference_kernel
 from cubridge.vocab import Proposal
-
-LOWERING_MISSING = ("lowering is not available: cubridge.lower is not in this checkout yet, so no "
-                    "kernel can be generated, compiled or timed (screening results stand)")
 
 
 @functools.lru_cache(maxsize=8)
@@ -47,8 +44,7 @@ def _spec_path(p: dict) -> str:
 @functools.lru_cache(maxsize=8)
 def reference_program(name: str):
     from cubridge.cuir.parser import parse_file
-    from cubridge.paths import ref_kernel_dir
-    return parse_file(ref_kernel_dir(name) / "kernel.cuir")
+    return parse_file(reference_kernel(name).cuir_path())
 
 
 @functools.lru_cache(maxsize=16)
@@ -77,73 +73,26 @@ def _program(text: str, pid: str):
 
 
 def lowering():
-    """The lowering module, or None where it is not built yet."""
-    try:
-        return importlib.import_module("cubridge.lower")
-    except ModuleNotFoundError as e:
-        if e.name in ("cubridge.lower", "cubridge"):
-            return None
-        raise
+    """The lowering package (cubridge.load asks for it)."""
+    return importlib.import_module("cubridge.lower")
 
 
 def build(p: dict):
     """Lower and compile one candidate at one config: (lowered, CompileResult). Raises
-    Unavailable where lowering is missing, BuildError (or any CubridgeError) on failure."""
+    BuildError (or any CubridgeError) on failure."""
     from cubridge.runtime.build import compile_cubin, default_compiler
     lowered, options = lower_kernel(p)
     result = compile_cubin(lowered.source, arch=p["arch"], options=options, compiler=default_compiler(),
-                           cache_dir=p.get("cache_dir"), name=f"{p['candidate']}.cu")
+                           name=f"{p['candidate']}.cu")
     return lowered, result
 
 
 def lower_kernel(p: dict):
-    """(lowered kernel, compiler options) for the payload's candidate at its tile config.
-
-    Takes the agreed interface (lower(program, ref, config=, head_dim=, dtype=) with `defines` on
-    the result) where the lowering offers it, else today's lower(program, ref), with the tile
-    config's -D flags from the reference kernel's runtime Config (what kernel.cu reads)."""
-    from cubridge.paths import ref_kernel_dir
+    """(lowered kernel, compiler options) for the payload's candidate at its tile config; the
+    options are the reference kernel's own (ReferenceKernel.compile_options)."""
+    from cubridge.lower import LoweredKernel, lower
+    kernel = reference_kernel(p["reference"])
+    options = kernel.compile_options(p["config"], int(p["head_dim"]), p["dtype"])
     if p.get("cuda_source"):        # an LLM patch of the reference kernel, accepted on a GPU
-        from cubridge.lower import LoweredKernel
-        lowered = LoweredKernel(p["reference"], p["cuda_source"])
-        defines = runtime_defines(p["reference"], p["config"], int(p["head_dim"]), p["dtype"])
-        return lowered, ["-std=c++17", *defines, f"-I{ref_kernel_dir(p['reference'])}"]
-    lower = lowering()
-    if lower is None:
-        raise Unavailable(LOWERING_MISSING)
-    program = _program(p["text"], p["candidate"])
-    if "config" in inspect.signature(lower.lower).parameters:
-        from cubridge.search.space import SPACES
-        lowered = lower.lower(program, p["reference"], config=SPACES[p["reference"]].to_cuir(p["config"]),
-                              head_dim=int(p["head_dim"]), dtype=p["dtype"])
-    else:
-        lowered = lower.lower(program, p["reference"])
-    defines = getattr(lowered, "defines", None)
-    if defines is None:
-        defines = runtime_defines(p["reference"], p["config"], int(p["head_dim"]), p["dtype"])
-    return lowered, ["-std=c++17", *defines, f"-I{ref_kernel_dir(p['reference'])}"]
-
-
-def runtime_defines(ref: str, point: dict, head_dim: int, dtype: str) -> list[str]:
-    """The reference kernel's -D flags for a tile config. Masking lives in the lowered mask
-    region, so the reference's own causal switch stays off."""
-    if ref == "fa3_sm90":
-        from dataclasses import replace
-
-        from cubridge.search.space import fa3_config
-        return replace(fa3_config(point, head_dim), causal=False, bf16=dtype == "bf16").defines()
-    if ref == "fa2_sm80":
-        import torch
-
-        from cubridge.search.space import fa2_config
-        return fa2_config(point).defines(head_dim, torch.bfloat16 if dtype == "bf16" else torch.float16, causal=False)
-    raise CubridgeError(f"no tile-config flags known for reference kernel {ref!r}")
-
-
-class Unavailable(Exception):
-    """Lowering is not in this checkout: compile / measure report it, never invent numbers."""
-
-
-def cubin_path(cache_dir: str | Path, key: str) -> Path:
-    """Where compile_cubin stored the cubin of `key`."""
-    return Path(cache_dir) / f"{key}.cubin"
+        return LoweredKernel(p["reference"], p["cuda_source"]), options
+    return lower(_program(p["text"], p["candidate"]), p["reference"]), options

@@ -183,11 +183,12 @@ def _versions() -> dict:
 
 def _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status, message,
               stop_reason, files):
-    from cubridge.paths import ref_kernel_dir
+    from cubridge.runtime.kernels import reference_kernel
     from cubridge.spec import load_spec
     spec = load_spec(cfg.spec)
-    refs = {r: {f: _sha((ref_kernel_dir(r) / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir")
-                if (ref_kernel_dir(r) / f).is_file()} for r in cfg.references}
+    dirs = {r: reference_kernel(r).directory for r in cfg.references}
+    refs = {r: {f: _sha((d / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir") if (d / f).is_file()}
+            for r, d in dirs.items()}
     return {"status": status, "message": message, "name": cfg.name, "search_key": cfg.search_key,
             "config": cfg.to_json(), "spec": {"name": spec.name, "source": cfg.spec, "sha256": _sha(spec.source)},
             "references": refs, "host": _versions(), "device": device,

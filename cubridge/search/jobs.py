@@ -11,14 +11,8 @@ Built-in kinds (payloads are built by cubridge.search.tuner):
 - race    (GPU): each shape's finalist configs timed again round-robin (the tuner's last choice);
 - bench   (GPU): the chosen kernels timed beside the baselines (FlexAttention, SDPA, eager).
 
-Lowering (`cubridge.lower`) is imported lazily; where it is missing, compile / measure / bench
-return a COMPILE_ERROR saying so, never invented numbers. What they use of it:
-
-    lower(program, ref, *, config, head_dim, dtype) -> LoweredKernel with .defines, where offered;
-        else lower(program, ref) (today's form), the -D flags from the reference's runtime Config
-    launcher(lowered, cubin, *, config) -> fn(q, k, v, *, out, **extra), where offered; else
-        LoweredKernel.args(extra, device) run by the reference's runtime (fa3_forward /
-        Fa2Sm80 with variant=...), as tests/gpu/test_variants.py does (cubridge.search.measure)
+What they build and launch comes from the candidate's reference kernel
+(cubridge.runtime.kernels.ReferenceKernel: compile options, launcher); see building.py.
 
 Test-only kinds (sleep, crash, raise, echo) live in cubridge.search.testing_jobs.
 
@@ -34,7 +28,7 @@ import traceback
 from typing import Callable
 
 from cubridge.errors import CubridgeError
-from cubridge.search.building import Unavailable, binder_for, build, reference_program, spec_for
+from cubridge.search.building import binder_for, build, reference_program, spec_for
 from cubridge.search.building import lower_kernel, lowering  # noqa: F401 - cubridge.load reads them here
 from cubridge.vocab import Job, JobResult, Outcome, Proposal, TrialState
 
@@ -90,8 +84,6 @@ def _build_or_failure(p: dict):
     """(lowered, CompileResult, None) or (None, None, (COMPILE_ERROR outcome, data))."""
     try:
         lowered, result = build(p)
-    except Unavailable as e:
-        return None, None, (Outcome(TrialState.COMPILE_ERROR, str(e)), {"lowering": False})
     except CubridgeError as e:
         return None, None, (Outcome(TrialState.COMPILE_ERROR, str(e)[-4000:]), {})
     return lowered, result, None

@@ -13,7 +13,6 @@ Example (GPU worker):
 from __future__ import annotations
 
 import ctypes
-import importlib
 import math
 
 import torch
@@ -68,40 +67,11 @@ def _extras(bind, cuir: dict, B, Hq, Hkv, N, device="cuda") -> dict:
 
 
 def launcher(p: dict, lowered, cubin: bytes):
-    """`prepare(extra, device) -> call(q, k, v, out)`: the lowering's own `launcher` where it has
-    one, else the reference kernel's runtime running the lowered source as its `variant` (the
-    path tests/gpu/test_variants.py checks). Extra inputs are packed once per shape, outside the
-    timed call. None where neither exists."""
-    from dataclasses import replace
-
-    from cubridge.search.space import SPACES, fa2_config, fa3_config
-    lower = importlib.import_module("cubridge.lower")
-    ref, point = p["reference"], p["config"]
-    if hasattr(lower, "launcher"):
-        fn = lower.launcher(lowered, cubin, config=SPACES[ref].to_cuir(point))
-        return lambda extra, device: (lambda q, k, v, out: fn(q, k, v, out=out, **extra))
-    if not hasattr(lowered, "args"):
-        return None
-    if ref == "fa3_sm90":
-        from cubridge.runtime.fa3_sm90 import fa3_forward
-        cfg = replace(fa3_config(point, int(p["head_dim"])), causal=False, bf16=p["dtype"] == "bf16")
-
-        def run(q, k, v, out, launch):
-            return fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
-    elif ref == "fa2_sm80":
-        from cubridge.runtime.fa2_sm80 import Fa2Sm80
-        from cubridge.runtime.build import default_compiler
-        kernel = Fa2Sm80(fa2_config(point), compiler=default_compiler())
-
-        def run(q, k, v, out, launch):
-            return kernel(q, k, v, causal=False, out=out, variant=launch)
-    else:
-        return None
-
-    def prepare(extra, device):
-        launch = lowered.args(extra, device)        # keeps the packed tensors alive with the call
-        return lambda q, k, v, out: run(q, k, v, out, launch)
-    return prepare
+    """`prepare(extra, device) -> call(q, k, v, out)` of the payload's reference kernel for a
+    lowered candidate (ReferenceKernel.launcher). Extra inputs are packed once per shape, outside
+    the timed call."""
+    from cubridge.runtime.kernels import reference_kernel
+    return reference_kernel(p["reference"]).launcher(lowered, cubin, p["config"])
 
 
 def _is_cuda_fault(e: Exception) -> bool:
@@ -109,15 +79,10 @@ def _is_cuda_fault(e: Exception) -> bool:
     return "CUDA" in text or "illegal" in text or "unspecified launch failure" in text
 
 
-NO_LAUNCHER = "this lowering has neither launcher(lowered, cubin, config=...) nor LoweredKernel.args"
-
-
 def check_and_time(p: dict, lowered, cubin: bytes, bind):
     """Verification rule at ragged shapes, then the median time at every target shape."""
     from cubridge.search.space import SPACES
     prepare = launcher(p, lowered, cubin)
-    if prepare is None:
-        return Outcome(TrialState.COMPILE_ERROR, NO_LAUNCHER), {}
     cuir = SPACES[p["reference"]].to_cuir(p["config"])
     dtype = DTYPES[p["dtype"]]
     hq, hkv, d = p["heads_q"], p["heads_kv"], p["head_dim"]
@@ -182,10 +147,7 @@ def _built(entry: dict):
     """prepare(extra, device) of one kernel payload (lowered and compiled through the cache)."""
     from cubridge.search.building import build
     lowered, result = build(entry)
-    prepare = launcher(entry, lowered, result.cubin)
-    if prepare is None:
-        raise RuntimeError(NO_LAUNCHER)
-    return prepare
+    return launcher(entry, lowered, result.cubin)
 
 
 def _shape_call(prepare, entry: dict, b: int, hq: int, hkv: int, n: int):

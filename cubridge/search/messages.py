@@ -44,7 +44,6 @@ def payload(cfg: TuneConfig, cand: Candidate, point=None, **extra) -> dict:
     return {"candidate": cand.id, "reference": cand.reference, "origin": cand.proposal.origin,
             "text": cand.proposal.text, "spec": cfg.spec, "spec_params": cfg.spec_params, "head_dim": s.head_dim,
             "heads_q": s.heads_q, "heads_kv": s.heads_kv, "dtype": cfg.dtype, "arch": cfg.arch, "config": point,
-            "cache_dir": str((cfg.output / "cache").resolve()),
             "shapes": [{"key": t.key, "batch": t.batch, "seqlen": t.seqlen} for t in s.targets],
             "spec_source": Path(cfg.spec).read_text() if Path(cfg.spec).is_file() else None, **extra}
 

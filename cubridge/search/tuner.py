@@ -359,6 +359,13 @@ def open_study(cfg: TuneConfig, n_objectives: int):
 def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = False, quick_screen: bool = False,
          progress=None, say=print) -> TuneResult:
     """Run one config end to end; returns what happened (never raises for a bad candidate or trial)."""
+    from cubridge.search.lock import RunLock
+    # One run per output directory: taken before anything there is read, held to the end.
+    with RunLock(cfg.output, where=f"{cfg.path}: output"):
+        return _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say)
+
+
+def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> TuneResult:
     from cubridge.search.finish import compile_population, finish_run
     own = runner is None
     if own:

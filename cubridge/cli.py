@@ -46,12 +46,34 @@ def _params(items) -> dict:
 def _spec_params(items) -> dict:
     out = {}
     for item in items or []:
-        k, _, v = item.partition("=")
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise CubridgeError(f"{item!r} is not NAME=VALUE", where="--spec-param", hint="e.g. --spec-param prefix=512")
         try:
             out[k] = int(v)
         except ValueError:
-            out[k] = float(v)
+            try:
+                out[k] = float(v)
+            except ValueError:
+                raise CubridgeError(f"{k}: {v!r} is not a number", where="--spec-param",
+                                    hint=f"e.g. --spec-param {k}=512") from None
     return out
+
+
+def _shape(text: str, flag: str) -> tuple[int, int, int, int, int]:
+    """B,Hq,Hkv,N,D: five positive integers with Hq a multiple of Hkv."""
+    parts = text.split(",")
+    try:
+        vals = tuple(int(x) for x in parts)
+    except ValueError:
+        vals = ()
+    if len(vals) != 5 or min(vals) < 1:
+        raise CubridgeError(f"{text!r} is not five positive integers B,Hq,Hkv,N,D", where=flag,
+                            hint=f"e.g. {flag} 1,8,2,1024,128")
+    if vals[1] % vals[2]:
+        raise CubridgeError(f"Hq = {vals[1]} is not a multiple of Hkv = {vals[2]}", where=flag,
+                            hint="GQA / MQA need Hq = G * Hkv")
+    return vals
 
 
 def cmd_verify_ir(a) -> int:
@@ -60,7 +82,7 @@ def cmd_verify_ir(a) -> int:
     prog, spec = _program(a.program), load_spec(a.spec)
     cases = default_cases(a.head_dim, quick=a.quick)
     if a.shape:
-        B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+        B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
         cases = [Case(B, Hq, Hkv, N, N, D, s) for s in range(a.seeds)]
     report = verify_program(prog, spec, params=_params(a.param), cases=cases, dtype=a.dtype,
                             spec_params=_spec_params(a.spec_param))
@@ -88,7 +110,7 @@ def cmd_analyze(a) -> int:
     from cubridge.cuir.analysis import analyze
     from cubridge.spec import load_spec
     from cubridge.verify import Case
-    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+    B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
     spec = load_spec(a.spec) if a.spec else None
     print(analyze(_program(a.program), Case(B, Hq, Hkv, N, N, D), params=_params(a.param), spec=spec).table())
     return 0
@@ -108,32 +130,42 @@ def cmd_specs(a) -> int:
 
 
 def cmd_transfer(a) -> int:
+    from cubridge import gate
     from cubridge.cuir.parser import parse_file
     from cubridge.paths import ref_kernel_dir
     from cubridge.spec import load_spec
     from cubridge.transfer.rules import transfer
     from cubridge.verify import default_cases, verify_transfer
+    out = gate.check_out_path(a.out)
     ref = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
     spec = load_spec(a.spec)
     cand = transfer(ref, spec, params=_params(a.param), spec_params=_spec_params(a.spec_param))
-    text = cand.text
-    if a.out:
-        Path(a.out).write_text(text)
-        print(f"wrote {a.out}")
+    report = None
+    if not a.no_verify:
+        report = verify_transfer(ref, spec, params=_params(a.param), cases=default_cases(a.head_dim, quick=a.quick),
+                                 spec_params=_spec_params(a.spec_param))
+    if out:
+        # Verified before it is written: a failing program never lands in a file unmarked.
+        problems = gate.static_problems(cand.program, a.head_dim) + (gate.report_problems(report) if report else [])
+        if report and not report.passed:
+            print(report.table())
+        header = gate.refuse_or_header(problems, force=a.force, what=str(out), comment="#")
+        if not header and report is None:      # checked but, on request, not verified: say so in the file
+            header = gate.warning_header(["verification skipped (--no-verify)"], "#", why="--no-verify")
+        gate.write_out(out, header + cand.text)
+        print(f"wrote {out}" + (" (with a NOT VERIFIED warning header)" if header else ""))
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(cand.text)
     print(f"# rules applied: {', '.join(cand.rules)}")
-    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+    B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
     extra = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=_params(a.param))
     if extra:
         print(f"# extra inputs at N={N}, Hq={Hq}: " + ", ".join(
             f"{k} = {v}" if not hasattr(v, "shape") else f"{k} {list(v.shape)}" for k, v in extra.items()))
-    if a.no_verify:
+    if report is None:
         return 0
-    cases = default_cases(a.head_dim, quick=a.quick)
-    report = verify_transfer(ref, spec, params=_params(a.param), cases=cases,
-                             spec_params=_spec_params(a.spec_param))
-    print(report.table())
+    if not (out and not report.passed):
+        print(report.table())
     return 0 if report.passed else 1
 
 
@@ -141,24 +173,41 @@ def cmd_lower(a) -> int:
     import shutil
     import subprocess
     import tempfile
+    from cubridge import gate
     from cubridge.cuir.parser import parse_file
     from cubridge.lower import lower
     from cubridge.paths import ref_kernel_dir
+    from cubridge.spec import load_spec
+    out = gate.check_out_path(a.out)
     target = Path(a.target)
+    ref_program = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
+    spec_params = _spec_params(a.spec_param)
     if target.suffix == ".cuir":
         program, what = parse_file(target), str(target)
+        spec = load_spec(a.spec) if a.spec else None
     else:   # a spec: transfer it first with the rules proposer
-        from cubridge.spec import load_spec
         from cubridge.transfer.rules import transfer
-        ref_program = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
-        program = transfer(ref_program, load_spec(a.target), spec_params=_spec_params(a.spec_param)).program
+        spec = load_spec(a.target)
+        program = transfer(ref_program, spec, spec_params=spec_params).program
         what = f"spec {a.target} (rules transfer)"
+    # The step before lowering: the static check and the verification against the spec.
+    problems = gate.static_problems(program, a.head_dim)
+    if not problems and spec is None:
+        problems = [f"not verified: {a.target} names no spec (pass --spec SPEC, the spec it implements)"]
+    elif not problems:
+        problems = gate.report_problems(gate.verify_target(program, spec, ref_program=ref_program,
+                                                           spec_params=spec_params, head_dim=a.head_dim,
+                                                           quick=a.quick))
+    header = gate.refuse_or_header(problems, force=a.force, what=f"the CUDA of {what}", comment="//")
+    if header:
+        print(header.rstrip(), file=sys.stderr)
     kernel = lower(program, a.ref)
-    if a.out:
-        Path(a.out).write_text(kernel.source)
-        print(f"wrote {a.out}: {what} lowered onto {a.ref}", file=sys.stderr)
+    source = header + kernel.source
+    if out:
+        gate.write_out(out, source)
+        print(f"wrote {out}: {what} lowered onto {a.ref}", file=sys.stderr)
     else:
-        sys.stdout.write(kernel.source)
+        sys.stdout.write(source)
     fields = ", ".join(f"{n}: {t}" for n, t in kernel.fields) or "none"
     print(f"VariantArgs fields: {fields}", file=sys.stderr)
     if not a.compile:
@@ -255,13 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--head-dim", type=int, default=64, help="head dim of the verification cases")
     t.add_argument("--quick", action="store_true")
     t.add_argument("--no-verify", action="store_true")
-    t.add_argument("--out", help="write the target CuIR here instead of printing it")
+    t.add_argument("--out", help="write the target CuIR here (only once verified) instead of printing it")
+    t.add_argument("--force", action="store_true", help="write --out even if it fails, under a warning header")
     t.set_defaults(fn=cmd_transfer)
     lo = sub.add_parser("lower", help="write the CUDA of a target CuIR program (or of a spec's rules transfer)")
     lo.add_argument("target", help="a target .cuir file (e.g. from `cubridge transfer --out`), or a spec")
     lo.add_argument("--ref", default="fa3_sm90", help="reference kernel to patch (fa2_sm80, fa3_sm90)")
     lo.add_argument("--out", help="write the CUDA here (default: stdout)")
     lo.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
+    lo.add_argument("--spec", help="the spec a .cuir target implements (it is verified against it first)")
+    lo.add_argument("--quick", action="store_true", help="verify on three cases instead of six")
+    lo.add_argument("--force", action="store_true", help="lower even if unverified or failing, under a warning header")
     lo.add_argument("--compile", action="store_true", help="also compile it with nvcc and show registers / spills")
     lo.add_argument("--head-dim", type=int, default=128)
     lo.set_defaults(fn=cmd_lower)

@@ -80,6 +80,7 @@ def cmd_verify_ir(a) -> int:
     from cubridge.spec import load_spec
     from cubridge.verify import Case, default_cases, verify_program
     prog, spec = _program(a.program), load_spec(a.spec)
+    spec.resolved_params(**_spec_params(a.spec_param))      # names and types, before any case runs
     cases = default_cases(a.head_dim, quick=a.quick)
     if a.shape:
         B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
@@ -139,6 +140,7 @@ def cmd_transfer(a) -> int:
     out = gate.check_out_path(a.out)
     ref = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
     spec = load_spec(a.spec)
+    spec.resolved_params(**_spec_params(a.spec_param))
     cand = transfer(ref, spec, params=_params(a.param), spec_params=_spec_params(a.spec_param))
     report = None
     if not a.no_verify:
@@ -185,11 +187,13 @@ def cmd_lower(a) -> int:
     if target.suffix == ".cuir":
         program, what = parse_file(target), str(target)
         spec = load_spec(a.spec) if a.spec else None
-    else:   # a spec: transfer it first with the rules proposer
+    else:
+        spec, what = load_spec(a.target), f"spec {a.target} (rules transfer)"
+    if spec is not None:
+        spec.resolved_params(**spec_params)
+    if target.suffix != ".cuir":      # a spec: transfer it first with the rules proposer
         from cubridge.transfer.rules import transfer
-        spec = load_spec(a.target)
         program = transfer(ref_program, spec, spec_params=spec_params).program
-        what = f"spec {a.target} (rules transfer)"
     # The step before lowering: the static check and the verification against the spec.
     problems = gate.static_problems(program, a.head_dim)
     if not problems and spec is None:

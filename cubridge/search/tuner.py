@@ -66,7 +66,7 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
     out = cfg.output
     run = out / "run.json"
     if run.is_file() and (out / "population.json").is_file():      # a run that did some work
-        prev = json.loads(run.read_text())
+        prev = artifacts.read_json(run, where=f"{cfg.path}: output")
         if not resume:
             raise ConfigError(f"{out} already holds a run ({prev.get('name')})", where=f"{cfg.path}: output",
                               hint="pass --resume to continue it, or --out DIR for a fresh one")
@@ -74,6 +74,7 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
             raise ConfigError(f"{out} holds a run of a different search (spec, references, shapes, dtype, arch "
                               "or objectives changed)", where=f"{cfg.path}: output",
                               hint="resume with the config it was started with, or use --out DIR")
+        artifacts.TrialLog(out / "trials.jsonl").read()     # a damaged log refuses the resume before any work
     out.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key, "config": cfg.to_json()})
     return out
@@ -97,7 +98,8 @@ def load_population(out: Path) -> list[Candidate]:
     if not path.is_file():
         return []
     return [Candidate(Proposal((out / "candidates" / f"{c['id']}.cuir").read_text(), c["origin"], c["attempt"],
-                               c["parent"], tuple(c["notes"])), c["reference"]) for c in json.loads(path.read_text())]
+                               c["parent"], tuple(c["notes"])), c["reference"])
+            for c in artifacts.read_json(path, where="--resume")]
 
 
 def _save_population(out: Path, pop: list[Candidate]) -> None:
@@ -167,7 +169,7 @@ def run_jobs(runner, jobs: list[Job]) -> dict:
 
 
 def _read(path: Path, default):
-    return json.loads(path.read_text()) if path.is_file() else default
+    return artifacts.read_json(path, where="--resume") if path.is_file() else default
 
 
 # ------------------------------------------------------------------ the search

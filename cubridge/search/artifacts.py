@@ -65,7 +65,7 @@ def _json_line(line: str, where: str) -> dict:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         rec = e.msg
-    if not isinstance(rec, dict) or not {"number", "outcome"} <= set(rec):
+    if not isinstance(rec, dict) or "number" not in rec:
         raise ConfigError(f"not a trial record ({rec if isinstance(rec, str) else 'fields missing'}): the trial "
                           "log was edited or damaged", where=where,
                           hint="restore the file, or delete this line (its trial will be run again) and --resume")

@@ -386,9 +386,12 @@ def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> T
             return finish_run(cfg, out, pop, verdicts, status="nothing_verified", runner=runner, say=say, notes=notes,
                               message="no candidate passed the CPU stages: nothing to tune")
         if dry_run or runner.num_gpus == 0:
-            compiled = compile_population(cfg, verified, runner, say) if available_compiler() else {}
-            why = "--dry-run: stopped after screening and compiling on purpose" if dry_run else \
-                "timing needs a GPU: this runner has none, so nothing was timed or tuned"
+            compiler = available_compiler()
+            compiled = compile_population(cfg, verified, runner, say) if compiler else {}
+            done = "screening and compiling" if compiler else \
+                "screening (compile skipped: neither nvcc nor NVRTC is on this machine)"
+            why = f"--dry-run: stopped after {done} on purpose" if dry_run else \
+                f"timing needs a GPU: this runner has none, so nothing was timed or tuned (stopped after {done})"
             return finish_run(cfg, out, pop, verdicts, compiled=compiled, runner=runner, say=say,
                               status="screened" if dry_run else "no_gpu", message=why)
         from cubridge.search.llm_lowering import lowering_overrides

@@ -95,3 +95,33 @@ def test_torn_trial_log_on_resume(capsys, finished_run):
     (out / "trials.jsonl").write_text("".join(lines))
     code, err = tune_cli(capsys, p, "--resume", "--trials", "8", "--runner", "replay", "--replay", rec)
     assert code == 2 and err.startswith(f"error: {out / 'trials.jsonl'}:2: not a trial record"), err
+
+
+# ------------------------------------------------------------------ reports say only what happened
+def test_a_dry_run_without_a_compiler_says_so_and_promises_no_kernel(tmp_path, monkeypatch):
+    from cubridge.config import load_config
+    from cubridge.search import tuner
+    monkeypatch.setattr(tuner, "available_compiler", lambda: None)
+    p = config(tmp_path, """\
+        spec: causal
+        reference: fa3_sm90
+        shapes: {model: llama2-7b, lengths: [1024]}
+        output: {out}
+        """)
+    cfg = load_config(p)
+    rec = tmp_path / "rec.json"
+    rec.write_text(json.dumps(synthetic_recording("fa3_sm90", 128, "sm_90a", cfg.shapes.targets)))
+    res = tune(cfg, runner=make_runner("replay", replay=rec), dry_run=True, say=lambda *_: None)
+    assert res.status == "screened"
+    assert "stopped after screening (compile skipped: neither nvcc nor NVRTC" in res.message
+    report = (cfg.output / "report.md").read_text()
+    assert "runs the tuned kernel" not in report and "there is no tuned kernel to load (screened)" in report
+    assert "compiling" not in report.split("## ")[0]
+    manifest = json.loads((cfg.output / "manifest.json").read_text())
+    assert not (cfg.output / "trials.jsonl").exists() and manifest["trials"]["log"] is None
+
+
+def test_a_tuned_run_names_its_log_and_its_kernel(finished_run):
+    _, _, out = finished_run
+    assert json.loads((out / "manifest.json").read_text())["trials"]["log"] == "trials.jsonl"
+    assert f'`cubridge.load("{out}")` runs the tuned kernel.' in (out / "report.md").read_text()

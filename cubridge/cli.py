@@ -18,6 +18,16 @@ from pathlib import Path
 from cubridge.errors import CubridgeError
 
 
+# One vocabulary with configs/*.yaml (dtype: bf16 | fp16; shapes.head_dim defaults to 128 in every
+# shipped config and model preset).
+HEAD_DIM = 128
+DTYPE_NAMES = ("bf16", "fp16")
+
+
+def _dtype(text: str) -> str:
+    return {"f16": "fp16", "float16": "fp16", "bfloat16": "bf16"}.get(text, text)    # old spellings still read
+
+
 def _program(arg: str):
     from cubridge.cuir.parser import parse_file
     from cubridge.paths import ref_kernel_dir
@@ -94,11 +104,18 @@ def cmd_verify_ir(a) -> int:
 def cmd_check_ir(a) -> int:
     from cubridge.cuir.checker import check
     prog = _program(a.program)
+    from cubridge.search.space import SPACES
     r = check(prog, params=_params(a.param), dims={"D": a.head_dim})
-    print(f"{prog.name}: ok (D={a.head_dim}; " + ", ".join(f"{k}={v}" for k, v in r.params.items()) + ")")
+    space = SPACES.get(prog.name)
+    # The CuIR may hold at any D, but the reference kernel is built for a few head dims only: "ok"
+    # at another would say more than is true (configs and the tuner refuse it).
+    unbuilt = space is not None and a.head_dim not in space.head_dims
+    status = (f"CuIR ok, but NOT BUILDABLE: the {prog.name} kernel builds head dims "
+              f"{', '.join(map(str, space.head_dims))} only" if unbuilt else "ok")
+    print(f"{prog.name}: {status} (D={a.head_dim}; " + ", ".join(f"{k}={v}" for k, v in r.params.items()) + ")")
     print("roles: " + ", ".join(f"{n} x{c} ({w} warps)" for n, w, c in r.roles) if r.roles else "roles: none")
     print(f"shared memory: {r.smem_bytes} B (" + ", ".join(f"{k} {v}" for k, v in r.buffers.items()) + ")")
-    return 0
+    return 1 if unbuilt else 0
 
 
 def cmd_print_ir(a) -> int:
@@ -283,14 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("program", help="a .cuir file, or a reference kernel name (fa2_sm80, fa3_sm90)")
         sp.add_argument("--param", action="append", metavar="NAME=VALUE", help="override a param(...)")
-        sp.add_argument("--head-dim", type=int, default=64)
+        sp.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"default {HEAD_DIM}, as in configs")
         sp.set_defaults(fn=fn)
         return sp
 
     v = program_cmd("verify-ir", cmd_verify_ir, "verify a CuIR program against a spec in the interpreter")
     v.add_argument("--spec", required=True, help="a spec name (causal, prefixlm, ...) or a .py file")
     v.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
-    v.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+    v.add_argument("--dtype", default="bf16", type=_dtype, choices=list(DTYPE_NAMES),
+                   help="bf16 or fp16, as in configs")
     v.add_argument("--quick", action="store_true", help="three cases instead of six")
     v.add_argument("--shape", help="B,Hq,Hkv,N,D: one shape instead of the default set")
     v.add_argument("--seeds", type=int, default=2)
@@ -305,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shape", default="1,4,2,1000,64", help="B,Hq,Hkv,N,D at which to show the extra inputs")
     t.add_argument("--param", action="append", metavar="NAME=VALUE")
     t.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
-    t.add_argument("--head-dim", type=int, default=64, help="head dim of the verification cases")
+    t.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head dim of the verification cases")
     t.add_argument("--quick", action="store_true")
     t.add_argument("--no-verify", action="store_true")
     t.add_argument("--out", help="write the target CuIR here (only once verified) instead of printing it")
@@ -320,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--quick", action="store_true", help="verify on three cases instead of six")
     lo.add_argument("--force", action="store_true", help="lower even if unverified or failing, under a warning header")
     lo.add_argument("--compile", action="store_true", help="also compile it with nvcc and show registers / spills")
-    lo.add_argument("--head-dim", type=int, default=128)
+    lo.add_argument("--head-dim", type=int, default=HEAD_DIM)
     lo.set_defaults(fn=cmd_lower)
     li = sub.add_parser("lift", help="lift your CUDA attention kernel into CuIR with a local LLM (checked on GPU)")
     li.add_argument("kernel", help="your kernel's .cu file")

@@ -33,6 +33,7 @@ from cubridge.timelimit import call_with_limit
 # never will (the tuner's job timeout would otherwise hide the cause).
 REFERENCE_TIMEOUT_S = 60.0
 
+USER_DTYPE = {"bf16": "bf16", "f16": "fp16"}     # CuIR type name -> the name in configs and on the CLI
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
@@ -114,9 +115,9 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
     """Run every case; never raises for a failing candidate (failures are in the report).
     `binder(case) -> extra inputs` supplies a transferred program's scalars / tables per case."""
     tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]
+    dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]        # CuIR's own type names
     merged = {**program.params(), **(params or {})}
-    report = Report(program.name, spec.name, dname, merged)
+    report = Report(program.name, spec.name, USER_DTYPE[dname], merged)
     cases = cases or default_cases()
     checked = set()
     for case in cases:
@@ -145,7 +146,7 @@ def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, c
     from cubridge.transfer.rules import transfer
     tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]
-    report = Report(f"{reference.name} -> {spec.name}", spec.name, dname, {**reference.params(), **(params or {})})
+    report = Report(f"{reference.name} -> {spec.name}", spec.name, USER_DTYPE[dname], {**reference.params(), **(params or {})})
     try:
         cand = transfer(reference, spec, params=params, spec_params=spec_params)
     except CubridgeError as e:

@@ -34,9 +34,9 @@ def test_verify_ir_fails_on_the_wrong_spec(capsys):
 
 def test_verify_ir_one_shape_by_path_f16(capsys):
     code, out, _ = run(capsys, "verify-ir", str(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), "--spec", "full",
-                       "--param", "CAUSAL=0", "--shape", "1,4,2,70,16", "--seeds", "2", "--dtype", "f16")
+                       "--param", "CAUSAL=0", "--shape", "1,4,2,70,16", "--seeds", "2", "--dtype", "fp16")
     assert code == 0, out
-    assert "(f16;" in out and "2/2 cases passed" in out
+    assert "(fp16;" in out and "2/2 cases passed" in out
 
 
 def test_verify_ir_reports_a_broken_program(capsys, tmp_path):

@@ -146,3 +146,20 @@ def test_transfer_to_a_read_only_folder_is_a_located_error(capsys, tmp_path, mon
     code, _, err = run(capsys, "transfer", "causal", "--no-verify", "--out", ro / "x.cuir")
     assert code == 2 and err.startswith("error: --out: ") and "not writable" in err, err
     assert not (ro / "x.cuir").exists()
+
+
+def test_one_dtype_vocabulary_and_head_dim_default_with_configs(capsys):
+    from cubridge.cli import HEAD_DIM, build_parser
+    from cubridge.config import DTYPES, MODELS
+    assert set(DTYPES) == {"bf16", "fp16"}
+    assert {hd for _, _, hd in MODELS.values()} == {HEAD_DIM}
+    for cmd in (["check-ir", "fa2_sm80"], ["transfer", "causal"], ["lower", "causal"]):
+        assert build_parser().parse_args(cmd).head_dim == HEAD_DIM
+    assert build_parser().parse_args(["verify-ir", "fa2_sm80", "--spec", "causal", "--dtype", "f16"]).dtype == "fp16"
+
+
+def test_check_ir_says_when_the_kernel_is_not_built_at_that_head_dim(capsys):
+    code, out, _ = run(capsys, "check-ir", "fa3_sm90", "--head-dim", 100)
+    assert code == 1 and "fa3_sm90: CuIR ok, but NOT BUILDABLE: the fa3_sm90 kernel builds head dims" in out
+    code, out, _ = run(capsys, "check-ir", "fa3_sm90")
+    assert code == 0 and "fa3_sm90: ok (D=128;" in out

@@ -97,6 +97,7 @@ def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=No
         artifacts.write_json(out / "dispatch.json", _dispatch_doc(cfg, dispatch, files))
     manifest = _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status,
                          message, stop_reason, files)
+    manifest["trials"]["log"] = "trials.jsonl" if (out / "trials.jsonl").is_file() else None
     manifest["race"] = race or None
     manifest["proposer_notes"] = list(notes)
     artifacts.write_json(out / "manifest.json", manifest)
@@ -267,6 +268,9 @@ def _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, s
         sections.append(("Final race", _race_section(race, records, dispatch)))
     if dispatch:
         sections.append(("Dispatch table (dispatch.json)", "\n".join(table)))
-    sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; "
-                                  "`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel."))
+    # Only a tuned run has a kernel to load; after a dry run, without a GPU or after failures the
+    # report must not promise one.
+    load = ("`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel." if status == "tuned" and dispatch
+            else f"there is no tuned kernel to load ({status}).")
+    sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; {load}"))
     return artifacts.render_report(title, status_line, rows, sections, plot_note)

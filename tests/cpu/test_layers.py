@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2] / "cubridge"
 # Bottom to top; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
     ("vocabulary", ("cubridge.errors", "cubridge.paths", "cubridge.rule", "cubridge.vocab",
-                    "cubridge.registry", "cubridge.version")),
+                    "cubridge.registry", "cubridge.version", "cubridge.timelimit")),
     ("ir", ("cubridge.cuir", "cubridge.spec", "cubridge.specs")),
     ("kernels", ("cubridge.transfer", "cubridge.lower", "cubridge.runtime", "cubridge.verify",
                  "cubridge.analysis")),

@@ -41,13 +41,22 @@ def patch_names() -> list[str]:
     return sorted(p.stem for p in PATCHES.glob("*.patch"))
 
 
+def _apply(patch: Path, cwd: str) -> subprocess.CompletedProcess:
+    """patch(1), or git apply where the image has no patch binary."""
+    try:
+        return subprocess.run(["patch", "-p1", "--forward", "-s", "-i", str(patch)], cwd=cwd,
+                              capture_output=True, text=True)
+    except FileNotFoundError:
+        return subprocess.run(["git", "apply", "-p1", "--unsafe-paths", str(patch)], cwd=cwd,
+                              capture_output=True, text=True)
+
+
 def patched_source(name: str) -> str:
     """kernel.cu with the patch applied, headers the patch changed inlined (the build includes
     the product's headers from ref_kernels/fa3_sm90, not the copy's)."""
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(ROOT / KERNEL_REL, Path(tmp) / KERNEL_REL)
-        done = subprocess.run(["patch", "-p1", "--forward", "-s", "-i", str(PATCHES / f"{name}.patch")],
-                              cwd=tmp, capture_output=True, text=True)
+        done = _apply(PATCHES / f"{name}.patch", tmp)
         if done.returncode != 0:
             raise SystemExit(f"error: experiments/patches/{name}.patch: does not apply to "
                              f"{KERNEL_REL}: {done.stdout.strip()} {done.stderr.strip()} "

@@ -241,6 +241,10 @@ def check_backward_args(dout, q, k, v, out, lse, dq=None, dk=None, dv=None, sm_s
         if not t.is_contiguous():
             raise LaunchError(f"{name}: expected a contiguous tensor, got strides {t.stride()}",
                               where="backward inputs", hint=f"pass {name}.contiguous()")
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
+        if t.data_ptr() % 16:
+            raise LaunchError(f"{name}: expected a 16-byte aligned data pointer (16-byte copies), got "
+                              f"{t.data_ptr():#x}", where="backward inputs", hint=f"pass {name}.clone()")
     want = (shape.batch, shape.heads_q, shape.len_q)
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != want or lse.dtype != torch.float32:
         got = f"{tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__

@@ -33,8 +33,8 @@ def _usage(op, layout: str) -> str:
     return f"q [B, {hq}, N, {d}], k and v [B, {hkv}, N, {d}] ({DTYPE_NAMES[op.dtype]}, on cuda)"
 
 
-def bhnd_views(op, q, k, v, layout: str | None):
-    """(q, k, v as [B, H, N, D] views the kernel can read, the layout used)."""
+def check_plan(op, q, k, v, layout: str | None):
+    """Check the inputs; return the plan (layout, which of q, k, v need a copy) for apply_plan."""
     if layout is not None and layout not in LAYOUTS:
         raise LaunchError(f"layout={layout!r}", where=f"{WHERE}: layout",
                           hint="pass layout='bhnd' ([B, H, N, D], the default) or layout='bnhd' ([B, N, H, D])")
@@ -66,7 +66,15 @@ def bhnd_views(op, q, k, v, layout: str | None):
     if k.device != q.device or v.device != q.device:
         raise LaunchError(f"q on {q.device}, k on {k.device}, v on {v.device}", where=WHERE,
                           hint="put q, k and v on one GPU")
-    return (*(_readable(op, name, t) for name, t in (("q", q), ("k", k), ("v", v))), layout)
+    return layout, tuple(_needs_copy(op, name, t) for name, t in (("q", q), ("k", k), ("v", v)))
+
+
+def apply_plan(plan, q, k, v):
+    """q, k, v as the [B, H, N, D] views (or copies) a plan from check_plan says."""
+    layout, copies = plan
+    if layout == "bnhd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return tuple(t.contiguous() if c else t for t, c in zip((q, k, v), copies))
 
 
 def _heads(t, layout: str) -> int:
@@ -98,14 +106,12 @@ def _resolve_layout(op, q, k, layout: str | None) -> str:
                       hint=f"{_usage(op, 'bhnd')}; tune again (shapes: heads_q, heads_kv) for other head counts")
 
 
-def _readable(op, name: str, t):
-    """t itself where the kernel can read it in place, else one contiguous copy; refused where
-    the last dim is not contiguous."""
+def _needs_copy(op, name: str, t) -> bool:
+    """False where the kernel can read t in place, True where one contiguous copy is needed;
+    refused where the last dim is not contiguous."""
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise LaunchError(f"{name} has strides {tuple(t.stride())}: its last (head) dim is not contiguous",
                           where=f"{WHERE}: {name}", hint=f"pass {name}.contiguous() (or a view with stride 1 in D)")
     if op.buckets[0]["reference"] != "fa3_sm90":
-        return t if t.is_contiguous() else t.contiguous()
-    if layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size()) is None:
-        return t.contiguous()
-    return t
+        return not t.is_contiguous()
+    return layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size()) is None

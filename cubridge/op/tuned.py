@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from cubridge.errors import LaunchError
+from cubridge.op import library  # noqa: F401 - registers the custom ops torch.compile sees
+from cubridge.op.checks import apply_plan, check_plan
 from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
 LAYOUTS = ("bhnd", "bnhd")
@@ -49,9 +51,10 @@ class TunedOp:
         self.dtype = DTYPES[dispatch["dtype"]]
         self.head_dim = int(dispatch["head_dim"])
         self.heads = (int(dispatch["heads_q"]), int(dispatch["heads_kv"]))
-        self.runtime_inputs: tuple[str, ...] = tuple(dispatch.get("runtime_inputs") or ())
+        self.runtime_inputs: tuple[str, ...] = _declared_runtime_inputs(self.directory, dispatch)
         self.softmax = self._buckets[0].softmax   # lowers the CuIR (pure Python; no compiler)
         self._prepared: dict = {}
+        self._plans: dict = {}
         self.device_type = "cuda"          # CPU tests set "cpu" and stub the launch
         self.handle = _NEXT[0]
         _NEXT[0] += 1
@@ -79,15 +82,15 @@ class TunedOp:
     # -------------------------------------------------------------- the call
     def __call__(self, q, k, v, *, layout: str | None = None, scale: float | None = None, return_lse: bool = False,
                  **runtime):
-        from cubridge.op.checks import bhnd_views
-        qh, kh, vh, layout = bhnd_views(self, q, k, v, layout)
+        plan = self._plan(q, k, v, layout)
+        qh, kh, vh = apply_plan(plan, q, k, v)
+        layout = plan[0]
         scale = self._scale(scale)
         rt = self._runtime_list(runtime, qh)
         if return_lse and not self.softmax:
             raise LaunchError(f"return_lse=True: {self.dispatch['spec_name']} is not a softmax attention, it has no LSE",
                               where=WHERE, hint="call without return_lse")
-        if torch.compiler.is_compiling():
-            from cubridge.op import library   # noqa: F401 - registers the custom ops
+        if torch.compiler.is_compiling() or type(qh) is not torch.Tensor:    # traced, or fake tensors
             if return_lse:
                 out, lse = torch.ops.cubridge.attention_lse(qh, kh, vh, self.handle, scale, rt)
             else:
@@ -97,6 +100,18 @@ class TunedOp:
         if layout == "bnhd":
             out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
+
+    def _plan(self, q, k, v, layout):
+        """check_plan, remembered per (layout, shapes, strides, dtypes, devices) when eager: a
+        repeated call costs one dictionary lookup, not the checks (~7 us of Python)."""
+        if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+            return check_plan(self, q, k, v, layout)
+        key = (layout, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = check_plan(self, q, k, v, layout)
+        return plan
 
     def _scale(self, scale) -> float:
         if scale is None:
@@ -159,3 +174,12 @@ class TunedOp:
     def warmup(self, q, k, v, **kw) -> None:
         """Build the per-shape state for these inputs (what a first call does), e.g. before a capture."""
         self(q, k, v, **kw)
+
+
+def _declared_runtime_inputs(directory: Path, dispatch: dict) -> tuple[str, ...]:
+    """The names of the tensors a call supplies (the spec's runtime inputs, in declared order)."""
+    if "runtime_inputs" in dispatch:
+        return tuple(dispatch["runtime_inputs"])
+    from cubridge.spec import load_spec
+    spec = load_spec(str(directory / dispatch["spec"]))
+    return tuple(getattr(spec, "runtime_inputs", None) or ())

@@ -75,7 +75,8 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
                               "or objectives changed)", where=f"{cfg.path}: output",
                               hint="resume with the config it was started with, or use --out DIR")
     out.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key, "config": cfg.to_json()})
+    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key,
+                              "config": artifacts.portable_config(cfg.to_json())})
     return out
 
 

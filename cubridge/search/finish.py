@@ -142,7 +142,7 @@ def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
                 lowered, options = lower_kernel({"text": by_id[e["candidate"]].proposal.text, "candidate": e["candidate"],
                                                  "reference": e["reference"], "config": e["config"],
                                                  "head_dim": cfg.shapes.head_dim, "dtype": cfg.dtype})
-                entry["nvcc_options"] = options
+                entry["nvcc_options"] = artifacts.portable_options(options)
                 (kdir / f"{name}.cu").write_text(lowered.source)
                 entry.update(cuda=f"kernel/{name}.cu", entry=getattr(lowered, "entry", None))
             except Exception as ex:   # noqa: BLE001 - the artifact says what is missing
@@ -190,7 +190,7 @@ def _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, row
     refs = {r: {f: _sha((ref_kernel_dir(r) / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir")
                 if (ref_kernel_dir(r) / f).is_file()} for r in cfg.references}
     return {"status": status, "message": message, "name": cfg.name, "search_key": cfg.search_key,
-            "config": cfg.to_json(), "spec": {"name": spec.name, "source": cfg.spec, "sha256": _sha(spec.source)},
+            "config": artifacts.portable_config(cfg.to_json()), "spec": {"name": spec.name, "source": Path(cfg.spec).name, "sha256": _sha(spec.source)},
             "references": refs, "host": _versions(), "device": device,
             "candidates": [{"id": c.id, "reference": c.reference, "origin": c.proposal.origin,
                             "notes": list(c.proposal.notes), **verdicts[c.id].to_json()} for c in pop],

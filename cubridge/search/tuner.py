@@ -53,7 +53,8 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
                               hint="resume with the config it was started with, or use --out DIR")
         artifacts.TrialLog(out / "trials.jsonl").read()     # a damaged log refuses the resume before any work
     out.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key, "config": cfg.to_json()})
+    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key,
+                              "config": artifacts.portable_config(cfg.to_json())})
     return out
 
 

@@ -97,6 +97,7 @@ def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=No
         artifacts.write_json(out / "dispatch.json", _dispatch_doc(cfg, dispatch, files))
     manifest = _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status,
                          message, stop_reason, files)
+    manifest["trials"]["log"] = "trials.jsonl" if (out / "trials.jsonl").is_file() else None
     manifest["race"] = race or None
     manifest["proposer_notes"] = list(notes)
     artifacts.write_json(out / "manifest.json", manifest)
@@ -141,7 +142,7 @@ def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
                 lowered, options = lower_kernel({"text": by_id[e["candidate"]].proposal.text, "candidate": e["candidate"],
                                                  "reference": e["reference"], "config": e["config"],
                                                  "head_dim": cfg.shapes.head_dim, "dtype": cfg.dtype})
-                entry["nvcc_options"] = options
+                entry["nvcc_options"] = artifacts.portable_options(options)
                 (kdir / f"{name}.cu").write_text(lowered.source)
                 entry.update(cuda=f"kernel/{name}.cu", entry=getattr(lowered, "entry", None))
             except Exception as ex:   # noqa: BLE001 - the artifact says what is missing
@@ -190,7 +191,7 @@ def _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, row
     refs = {r: {f: _sha((d / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir") if (d / f).is_file()}
             for r, d in dirs.items()}
     return {"status": status, "message": message, "name": cfg.name, "search_key": cfg.search_key,
-            "config": cfg.to_json(), "spec": {"name": spec.name, "source": cfg.spec, "sha256": _sha(spec.source)},
+            "config": artifacts.portable_config(cfg.to_json()), "spec": {"name": spec.name, "source": Path(cfg.spec).name, "sha256": _sha(spec.source)},
             "references": refs, "host": _versions(), "device": device,
             "candidates": [{"id": c.id, "reference": c.reference, "origin": c.proposal.origin,
                             "notes": list(c.proposal.notes), **verdicts[c.id].to_json()} for c in pop],
@@ -268,6 +269,9 @@ def _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, s
         sections.append(("Final race", _race_section(race, records, dispatch)))
     if dispatch:
         sections.append(("Dispatch table (dispatch.json)", "\n".join(table)))
-    sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; "
-                                  "`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel."))
+    # Only a tuned run has a kernel to load; after a dry run, without a GPU or after failures the
+    # report must not promise one.
+    load = ("`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel." if status == "tuned" and dispatch
+            else f"there is no tuned kernel to load ({status}).")
+    sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; {load}"))
     return artifacts.render_report(title, status_line, rows, sections, plot_note)

@@ -43,7 +43,7 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
     out = cfg.output
     run = out / "run.json"
     if run.is_file() and (out / "population.json").is_file():      # a run that did some work
-        prev = json.loads(run.read_text())
+        prev = artifacts.read_json(run, where=f"{cfg.path}: output")
         if not resume:
             raise ConfigError(f"{out} already holds a run ({prev.get('name')})", where=f"{cfg.path}: output",
                               hint="pass --resume to continue it, or --out DIR for a fresh one")
@@ -51,8 +51,10 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
             raise ConfigError(f"{out} holds a run of a different search (spec, references, shapes, dtype, arch "
                               "or objectives changed)", where=f"{cfg.path}: output",
                               hint="resume with the config it was started with, or use --out DIR")
+        artifacts.TrialLog(out / "trials.jsonl").read()     # a damaged log refuses the resume before any work
     out.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key, "config": cfg.to_json()})
+    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key,
+                              "config": artifacts.portable_config(cfg.to_json())})
     return out
 
 
@@ -62,7 +64,8 @@ def load_population(out: Path) -> list[Candidate]:
     if not path.is_file():
         return []
     return [Candidate(Proposal((out / "candidates" / f"{c['id']}.cuir").read_text(), c["origin"], c["attempt"],
-                               c["parent"], tuple(c["notes"])), c["reference"]) for c in json.loads(path.read_text())]
+                               c["parent"], tuple(c["notes"])), c["reference"])
+            for c in artifacts.read_json(path, where="--resume")]
 
 
 def _save_population(out: Path, pop: list[Candidate]) -> None:
@@ -122,7 +125,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
 
 
 def _read(path: Path, default):
-    return json.loads(path.read_text()) if path.is_file() else default
+    return artifacts.read_json(path, where="--resume") if path.is_file() else default
 
 
 # ------------------------------------------------------------------ the search
@@ -314,6 +317,13 @@ def open_study(cfg: TuneConfig, n_objectives: int):
 def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = False, quick_screen: bool = False,
          progress=None, say=print) -> TuneResult:
     """Run one config end to end; returns what happened (never raises for a bad candidate or trial)."""
+    from cubridge.search.lock import RunLock
+    # One run per output directory: taken before anything there is read, held to the end.
+    with RunLock(cfg.output, where=f"{cfg.path}: output"):
+        return _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say)
+
+
+def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> TuneResult:
     from cubridge.search.finish import compile_population, finish_run
     own = runner is None
     if own:
@@ -332,9 +342,12 @@ def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = 
             return finish_run(cfg, out, pop, verdicts, status="nothing_verified", runner=runner, say=say, notes=notes,
                               message="no candidate passed the CPU stages: nothing to tune")
         if dry_run or runner.num_gpus == 0:
-            compiled = compile_population(cfg, verified, runner, say) if available_compiler() else {}
-            why = "--dry-run: stopped after screening and compiling on purpose" if dry_run else \
-                "timing needs a GPU: this runner has none, so nothing was timed or tuned"
+            compiler = available_compiler()
+            compiled = compile_population(cfg, verified, runner, say) if compiler else {}
+            done = "screening and compiling" if compiler else \
+                "screening (compile skipped: neither nvcc nor NVRTC is on this machine)"
+            why = f"--dry-run: stopped after {done} on purpose" if dry_run else \
+                f"timing needs a GPU: this runner has none, so nothing was timed or tuned (stopped after {done})"
             return finish_run(cfg, out, pop, verdicts, compiled=compiled, runner=runner, say=say,
                               status="screened" if dry_run else "no_gpu", message=why)
         from cubridge.search.llm_lowering import lowering_overrides

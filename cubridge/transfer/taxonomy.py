@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from cubridge.cuir import nodes as N
 from cubridge.errors import CubridgeError
 
-_ELEMENTWISE = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "relu", "abs", "sqrt", "rsqrt",
+_ELEMENTWISE = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "relu", "abs", "sqrt", "rsqrt", "erf",
                 "maximum", "minimum", "where", "cast", "row_index", "col_index", "gather", "min", "max",
                 "cdiv", "full", "zeros")
 

@@ -158,7 +158,7 @@ def cmd_transfer(a) -> int:
     ref = parse_file(reference_kernel(a.ref).cuir_path())
     spec = load_spec(a.spec)
     spec.resolved_params(**_spec_params(a.spec_param))
-    cand = transfer(ref, spec, params=_params(a.param), spec_params=_spec_params(a.spec_param))
+    cand = transfer(ref, spec, spec_params=_spec_params(a.spec_param))
     report = None
     if not a.no_verify:
         report = verify_transfer(ref, spec, params=_params(a.param), cases=default_cases(a.head_dim, quick=a.quick),
@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("spec", help="a spec name or a .py file")
     t.add_argument("--ref", default="fa3_sm90", help="reference kernel (fa2_sm80, fa3_sm90)")
     t.add_argument("--shape", default="1,4,2,1000,64", help="B,Hq,Hkv,N,D at which to show the extra inputs")
-    t.add_argument("--param", action="append", metavar="NAME=VALUE")
+    t.add_argument("--param", action="append", metavar="NAME=VALUE",
+                   help="a tile param (BLOCK_M=64) for the verification cases and the extra inputs shown")
     t.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
     t.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head dim of the verification cases")
     t.add_argument("--quick", action="store_true")

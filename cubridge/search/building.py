@@ -7,13 +7,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import json
 import tempfile
 from pathlib import Path
 
-from cubridge.errors import CubridgeError
 from cubridge.runtime.kernels import reference_kernel
-from cubridge.vocab import Proposal
 
 
 @functools.lru_cache(maxsize=8)
@@ -47,24 +44,14 @@ def reference_program(name: str):
     return parse_file(reference_kernel(name).cuir_path())
 
 
-@functools.lru_cache(maxsize=16)
-def _rules_candidate(reference: str, spec: str, spec_params: str):
-    """The rules transfer, redone in this process (deterministic): it carries the binder."""
-    from cubridge.transfer.rules import transfer
-    return transfer(reference_program(reference), _spec(spec), spec_params=json.loads(spec_params))
-
-
 def binder_for(p: dict):
-    """`bind(Nq, Nk, Hq, Hkv, B, params, device) -> extra inputs` of a candidate, or None when it
-    needs none. Rules candidates are re-derived; other origins bind nothing (their proposer must
-    emit programs without extra inputs until it ships a binder)."""
-    if p.get("origin") != "rules":
+    """`bind(Nq, Nk, Hq, Hkv, B, params, device) -> extra inputs` of the payload's candidate from
+    its binding data (the driver's transfer result; the worker never redoes the transfer), or
+    None for a candidate that reads no extra input."""
+    if not p.get("binding"):
         return None
-    cand = _rules_candidate(p["reference"], _spec_path(p), json.dumps(p.get("spec_params") or {}, sort_keys=True))
-    if Proposal(cand.text, "rules").id != Proposal(p["text"], "rules").id:
-        raise CubridgeError("the rules transfer in this worker differs from the driver's candidate",
-                            hint="driver and workers must run the same cubridge checkout")
-    return cand.bind
+    from cubridge.transfer.rules import Binding, bind_inputs
+    return functools.partial(bind_inputs, Binding.from_json(p["binding"]), spec_for(p), dict(p.get("spec_params") or {}))
 
 
 def _program(text: str, pid: str):

@@ -42,6 +42,7 @@ def payload(cfg: TuneConfig, cand: Candidate, point=None, **extra) -> dict:
     if getattr(cand, "cuda_source", None) and "cuda_source" not in extra:
         extra["cuda_source"] = cand.cuda_source        # an accepted LLM lowering (llm_lowering.py)
     return {"candidate": cand.id, "reference": cand.reference, "origin": cand.proposal.origin,
+            "binding": cand.proposal.binding,
             "text": cand.proposal.text, "spec": cfg.spec, "spec_params": cfg.spec_params, "head_dim": s.head_dim,
             "heads_q": s.heads_q, "heads_kv": s.heads_kv, "dtype": cfg.dtype, "arch": cfg.arch, "config": point,
             "shapes": [{"key": t.key, "batch": t.batch, "seqlen": t.seqlen} for t in s.targets],

@@ -79,8 +79,7 @@ def acceptor(cfg, cand, runner):
     point = (valid or space.points(cfg.shapes.head_dim, cfg.arch))[0]
 
     def accept(candidate) -> Outcome:
-        body = payload(cfg, cand, point, cuda_source=candidate.source)
-        body["shapes"] = []                      # check only: the GPU half of the rule
+        body = payload(cfg, cand, point, cuda_source=candidate.source, shapes=())   # check only: the GPU half of the rule
         res = run_jobs(runner, [Job("measure", body, cfg.runner.timeout_s, needs_gpu=True)])[cand.id]
         if res.outcome.state == TrialState.OK:
             return Outcome(TrialState.OK, res.outcome.reason)

@@ -287,7 +287,8 @@ def mask_picture(hooks: Hooks, Nq: int, Nk: int, b: int = 0, h: int = 0) -> str:
 def _eval_mask(hooks: Hooks, b, h, q_idx, kv_idx) -> torch.Tensor:
     if hooks.mask_mod is None:
         return torch.ones((), dtype=torch.bool, device=q_idx.device)
-    return torch.as_tensor(hooks.mask_mod(b, h, q_idx, kv_idx), device=q_idx.device).bool()
+    from cubridge.transfer.evalmod import mask_values    # FlexAttention's per-element idioms too
+    return mask_values(hooks.mask_mod, b, h, q_idx, kv_idx)
 
 
 def _broadcast_count(mask: torch.Tensor, full: tuple[int, ...]) -> int:

@@ -257,6 +257,19 @@ def count_attended(hooks: Hooks, B: int, Hq: int, Nq: int, Nk: int, device="cpu"
     """
     if hooks.mask_mod is None:
         return B * Hq * Nq * Nk
+    from cubridge.transfer.pairs import count_pairs     # tile by tile, from the traced mask
+    fast = count_pairs(hooks, B, Hq, Nq, Nk)
+    if fast is not None:
+        return fast
+    return count_attended_pairwise(hooks, B, Hq, Nq, Nk, device, chunk_elems=chunk_elems)
+
+
+def count_attended_pairwise(hooks: Hooks, B: int, Hq: int, Nq: int, Nk: int, device="cpu", *,
+                            chunk_elems: int = CHUNK_ELEMS) -> int:
+    """count_attended by evaluating the mask_mod on every pair (a block of query rows at a time):
+    for masks the tracer does not take, and as the check of the tile-by-tile count."""
+    if hooks.mask_mod is None:
+        return B * Hq * Nq * Nk
     rows = max(1, chunk_elems // (B * Hq * Nk))
     total = 0
     for start in range(0, Nq, rows):

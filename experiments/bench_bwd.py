@@ -112,7 +112,16 @@ def sanity(grads, ref) -> str:
     return "WRONG: " + ", ".join(bad) if bad else ""
 
 
-def bench_shape(n: int, causal: bool, reps: int, systems: list[str]) -> list[dict]:
+def config_fn(config: str, causal: bool, q, k, v, dout):
+    """fa2_bwd_sm80 with a given tile config, called directly (no autograd) after one forward."""
+    from cubridge.runtime.autograd import forward_with_lse
+    from cubridge.runtime.fa2_bwd_sm80 import Config, Fa2BwdSm80
+    bwd = Fa2BwdSm80(Config.parse(config))
+    out, lse = forward_with_lse(q, k, v, causal)
+    return lambda: bwd(dout, q, k, v, out, lse, causal=causal)
+
+
+def bench_shape(n: int, causal: bool, reps: int, systems: list[str], configs: list[str] = ()) -> list[dict]:
     b = TOKENS // n
     gen = torch.Generator(device="cuda").manual_seed(n + causal)
     q, dout = (torch.randn(b, HQ, n, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
@@ -126,6 +135,14 @@ def bench_shape(n: int, causal: bool, reps: int, systems: list[str]) -> list[dic
             runnable.append((name, fn))
         except Exception as err:   # noqa: BLE001 - a peer missing or refusing the shape is reported, not fatal
             print(f"# {name} N={n} {'causal' if causal else 'full'}: skipped: {str(err).splitlines()[0][:160]}")
+    for config in configs:
+        name = f"cubridge[{config}]"
+        try:
+            fn = config_fn(config, causal, q, k, v, dout)
+            notes[name] = fn()
+            runnable.append((name, fn))
+        except Exception as err:   # noqa: BLE001 - an invalid or failing config is reported, not fatal
+            print(f"# {name} N={n}: skipped: {str(err).splitlines()[0][:160]}")
     timings = bench_round_robin([fn for _, fn in runnable], warmup=3, reps=reps)
     flops = BWD_FLOP_FACTOR * attention_flops(b, HQ, D, n, n, causal)
     ref = notes.get("sdpa_flash")
@@ -175,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="JSON file to write")
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--configs", nargs="*", default=[], help="extra fa2_bwd_sm80 tile configs to time, "
+                    "e.g. 64x64w4-dq64x64w4 (called directly, not through autograd)")
     ap.add_argument("--sanitize-case", action="store_true", help="run the small sanitizer launches and exit")
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     args = ap.parse_args(argv)
@@ -185,7 +204,7 @@ def main(argv=None) -> int:
     for n in args.n:
         for causal in (True, False):
             try:
-                rows += bench_shape(n, causal, args.reps, args.systems)
+                rows += bench_shape(n, causal, args.reps, args.systems, args.configs)
             except Exception:   # noqa: BLE001 - keep the other shapes' rows
                 traceback.print_exc()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.now().isoformat(), versions=versions(),

@@ -32,7 +32,7 @@ step() { echo; echo "=== $* ($(date +%T)) ==="; }
   fi
   if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
     step bench
-    timeout ${BENCH_TIMEOUT:-240} python3 experiments/bench_bwd.py --out "$OUT/bwd_bench.json" --reps 15 2>&1 | tail -40
+    timeout ${BENCH_TIMEOUT:-240} python3 experiments/bench_bwd.py --out "$OUT/bwd_bench.json" --reps 15 --configs 64x64w4-dq64x64w4 2>&1 | tail -40
     echo "bench rc=$?"
   fi
 

@@ -2,7 +2,8 @@
 beside the unpatched kernel and FlashAttention-4 (ref_kernels/fa3_sm90/NOTES.md v17 has the
 predictions).
 
-Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/) are applied to
+Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/: softmax_overlap,
+lazy_rescale, max_four_chains, k_before_v, and all_four = the four together) are applied to
 a copy of the kernel directory; the patched kernel.cu (with any patched header inlined) is
 launched as a "variant" source, so the launch is the product's own. The unpatched kernel runs the
 same way (`unpatched`), so only the source differs; `dense` is the product path, and the config
@@ -65,7 +66,8 @@ def patched_source(name: str) -> str:
         for header in re.findall(r'#include "([^"]+)"', text):
             mine, orig = Path(tmp) / KERNEL_REL / header, ROOT / KERNEL_REL / header
             if mine.exists() and mine.read_text() != orig.read_text():
-                text = text.replace(f'#include "{header}"', mine.read_text())
+                body = "\n".join(ln for ln in mine.read_text().splitlines() if ln.strip() != "#pragma once")
+                text = text.replace(f'#include "{header}"', body)
         return text
 
 

@@ -6,7 +6,8 @@
 #   usage (repo root, H100):  bash experiments/device_s7_fa4.sh STAGE...
 #   stages: bench1k  bench8k  (bench_peers --quick at one length each: ~4-6 min, FA4 / Flex JIT)
 #           ncu      (ncu_compare: ours and FA4, causal D128 8k and 1k: ~3-4 min)
-#           ab       (ab_peer_patches --quick: 3 patches + FA4's tile / grid, 3 shapes: ~3-4 min)
+#           ab       (ab_peer_patches --quick: 5 patches + FA4's tile / grid, 3 shapes: ~4-6 min,
+#                    most of it nvcc)
 #           abfull   (ab_peer_patches, all 6 shapes: ~6-8 min)
 # One device call is 10 minutes at most: run `bench1k`, `bench8k` and `ncu ab` as three calls,
 # each right after the FA4 libraries were unpacked (pack-fa4.sh's call 1, carry [".fa4libs"]:

@@ -9,7 +9,10 @@
 #           ab       (ab_peer_patches --quick: 5 patches + FA4's tile / grid, 3 shapes: ~4-6 min,
 #                    most of it nvcc)
 #           abfull   (ab_peer_patches, all 6 shapes: ~6-8 min)
-# One device call is 10 minutes at most: run `bench1k`, `bench8k` and `ncu ab` as three calls,
+#           abvar    (softmax_overlap, the header-only patch, on lowered prefixlm, sigmoid and
+#                     relative_pos at 8k: ~3 min)
+# One device call is 10 minutes at most: run `ab abvar` (the patches first: they decide what the
+# next change is), then `bench8k`, `bench1k`, `ncu` as separate calls,
 # each right after the FA4 libraries were unpacked (pack-fa4.sh's call 1, carry [".fa4libs"]:
 # bash .fa4libs/unpack.sh); carry [".fa4whl"] on these calls. If the libraries are gone and
 # .fa4libs was carried too, this script unpacks them itself.
@@ -20,7 +23,7 @@ LOG="$OUT/fa4_s7.log"
 TMP=$(mktemp -d)
 exec > >(tee -a "$LOG") 2>&1
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
-[ $# -gt 0 ] || { echo "error: device_s7_fa4.sh: name at least one stage (bench1k bench8k ncu ab abfull)"; exit 2; }
+[ $# -gt 0 ] || { echo "error: device_s7_fa4.sh: name at least one stage (bench1k bench8k ncu ab abfull abvar)"; exit 2; }
 
 step "environment"
 if ! source .fa4whl/env.sh; then
@@ -47,7 +50,11 @@ for stage in "$@"; do
       step "A/B of the FA4-inspired patches ($stage)"
       quick=$([ "$stage" = ab ] && echo --quick || true)
       timeout 480 python3 experiments/ab_peer_patches.py $quick --reps 25 --out "$TMP/$stage.json" 2>&1 | tail -45 ;;
-    *) echo "unknown stage $stage (bench1k bench8k ncu ab abfull)" ;;
+    abvar)
+      step "A/B of softmax_overlap on lowered variants"
+      timeout 300 python3 experiments/ab_peer_patches.py --no-dense --patches softmax_overlap \
+        --variants prefixlm sigmoid relative_pos --reps 25 --out "$TMP/$stage.json" 2>&1 | tail -12 ;;
+    *) echo "unknown stage $stage (bench1k bench8k ncu ab abfull abvar)" ;;
   esac
 done
 

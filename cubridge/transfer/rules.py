@@ -34,6 +34,7 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
+from cubridge.transfer.evalmod import mask_values
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure
 from cubridge.transfer.trace import TraceError, trace_mask, trace_score
@@ -257,7 +258,7 @@ def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.T
     out = torch.empty(bs, hs, nqt, nkt, dtype=torch.int64, device=device)
     for i in range(nqt):
         q = torch.arange(i * BM, min((i + 1) * BM, Nq), device=device).view(1, 1, -1, 1)
-        m = hooks.mask_mod(b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
+        m = mask_values(hooks.mask_mod, b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
         m = m.expand(bs, hs, q.shape[2], nkt * BN).reshape(bs, hs, q.shape[2], nkt, BN)
         valid = (kv < Nk).reshape(1, 1, 1, nkt, BN)
         anyv = m.any(dim=(2, 4))

@@ -103,10 +103,10 @@ def interpret(program: N.Program, inputs, *, params: dict | None = None, dtype=N
     params: overrides of the program's `param(...)` defaults. dtype: the kernel dtype T when no
     T-typed input fixes it. schedule: the order runnable roles are picked in (to expose races).
     """
-    return _Interpreter(program, params or {}, dtype, schedule, vectorise).run(inputs)
+    return Interpreter(program, params or {}, dtype, schedule, vectorise).run(inputs)
 
 
-class _Interpreter(HeaderMixin, MemoryMixin):
+class Interpreter(HeaderMixin, MemoryMixin):
     def __init__(self, program, params, dtype, schedule, vectorise):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}")

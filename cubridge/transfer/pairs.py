@@ -69,9 +69,9 @@ def _count_one(expr, tables, b, h, Nq, Nk) -> int:
 
 
 def _count_partial(expr, tables, b, h, tiles, Nq, Nk) -> int:
-    from cubridge.cuir.interp import _Interpreter
+    from cubridge.cuir.interp import Interpreter
     from cubridge.cuir.values import DType, GTensor
-    it = _Interpreter(N.Program([], source="<count_pairs>"), {}, None, "in_order", False)
+    it = Interpreter(N.Program([], source="<count_pairs>"), {}, None, "in_order", False)
     base = {"b": b, "h": h, **{d: DType(d) for d in ("i32", "f32")}}
     for name, t in tables.items():
         data = t.to(torch.float32) if t.is_floating_point() else t.to(torch.int64)

@@ -382,10 +382,17 @@ def tune_main(argv=None) -> int:
     p.add_argument("--runner", choices=["local", "ray", "replay"], help="overrides runner.kind")
     p.add_argument("--replay", help="recorded results (JSON) for --runner replay")
     p.add_argument("--address", help="Ray cluster address for --runner ray (default: a local instance)")
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="store_true", help="also log every trial as it finishes")
+    loud.add_argument("-q", "--quiet", action="store_true", help="only warnings and the exit status; no progress line")
     a = p.parse_args(argv)
+    import logging
+
     from cubridge.config import load_plan, with_overrides
-    from cubridge.search.progress import Progress
+    from cubridge.search.progress import Progress, configure_logging
     from cubridge.search.tuner import tune
+    handler = configure_logging(verbose=a.verbose, quiet=a.quiet)
+    say = logging.getLogger("cubridge.tune").info
     try:
         plan = [with_overrides(c, output=a.out if a.out else None, trials=a.trials, runner=a.runner,
                                replay=a.replay, address=a.address) for c in load_plan(a.config)]
@@ -393,9 +400,9 @@ def tune_main(argv=None) -> int:
             plan = [with_overrides(c, output=str(Path(a.out) / c.name)) for c in plan]
         codes = []
         for cfg in plan:
-            progress = Progress(cfg.budget.trials, label=f"tune {cfg.name}")
-            result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress,
-                          say=progress.message)
+            progress = None if a.quiet else Progress(cfg.budget.trials, label=f"tune {cfg.name}")
+            handler.progress = progress
+            result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress, say=say)
             codes.append(result.exit_code)
     except CubridgeError as e:
         print(f"error: {e}", file=sys.stderr)

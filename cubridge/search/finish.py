@@ -7,6 +7,7 @@ gets a manifest and a report.md that say so.
 from __future__ import annotations
 
 import hashlib
+import logging
 import platform
 import shutil
 from collections import Counter
@@ -97,8 +98,9 @@ class RunSummary:
 
 
 def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=None, status=None, message="",
-               stop_reason="", notes=(), say=print):
+               stop_reason="", notes=(), say=None):
     from cubridge.search.messages import TuneResult
+    say = say or logging.getLogger("cubridge.tune").info
     run = RunSummary(cfg, out, pop, verdicts, sorted(records, key=lambda r: r["number"]), compiled or {}, status,
                      message, stop_reason, tuple(notes))
     _choose(run, runner, say)

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import warnings
@@ -34,6 +35,7 @@ from cubridge.vocab import Job, Outcome, Proposal, TrialRecord, TrialState
 from cubridge.search.messages import Candidate, TuneResult, payload, proposer_options, run_jobs
 from cubridge.search.space import SPACES
 
+LOG = logging.getLogger("cubridge.tune")
 PROPOSAL_ROUNDS = 3        # ask -> screen -> tell rounds: an LLM proposer repairs its rejects
 MAX_IDLE_ASKS = 200        # consecutive asks that measure nothing (duplicates, invalid) before stopping
 
@@ -250,6 +252,8 @@ class Search:
             outcome = Outcome(TrialState.CRASH, f"not timed: {outcome.reason}")
         self._record(trial, cand, point, outcome, res)
         self._tell(trial, self.records[number])
+        LOG.debug("trial #%d %s %s: %s %s", number, cand.id, SPACES[cand.reference].label(point), outcome.state.value,
+                  outcome.times_ms or (outcome.reason.splitlines() or [""])[0][:200])
 
     def _values(self, times: dict):
         try:
@@ -328,8 +332,10 @@ def open_study(cfg: TuneConfig):
 
 # ------------------------------------------------------------------ the whole run
 def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = False, quick_screen: bool = False,
-         progress=None, say=print) -> TuneResult:
-    """Run one config end to end; returns what happened (never raises for a bad candidate or trial)."""
+         progress=None, say=None) -> TuneResult:
+    """Run one config end to end; returns what happened (never raises for a bad candidate or trial).
+    `say` gets the run's messages (default: the `cubridge.tune` logger at INFO)."""
+    say = say or LOG.info
     from cubridge.search.lock import RunLock
     # One run per output directory: taken before anything there is read, held to the end.
     with RunLock(cfg.output, where=f"{cfg.path}: output"):

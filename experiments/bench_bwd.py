@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
 from cubridge.runtime.autograd import attention  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench_round_robin, compiled_flex_attention  # noqa: E402
 

@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 from cubridge.errors import CubridgeError
+from cubridge.vocab import DTYPES
 
 
 # One vocabulary with configs/*.yaml (dtype: bf16 | fp16; shapes.head_dim defaults to 128 in every
 # shipped config and model preset).
 HEAD_DIM = 128
-DTYPE_NAMES = ("bf16", "fp16")
+DTYPE_NAMES = DTYPES
 
 
 def _dtype(text: str) -> str:

@@ -34,8 +34,8 @@ from cubridge.timelimit import call_with_limit
 REFERENCE_TIMEOUT_S = 60.0
 
 USER_DTYPE = {"bf16": "bf16", "f16": "fp16"}     # CuIR type name -> the name in configs and on the CLI
-DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+# Kernel dtypes (cubridge.vocab.DTYPES) and CuIR's name for fp16 ("f16"); nothing else is read.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,12 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 
+# The one spelling of the kernel data types in configs, jobs, the CLI and the reference kernels;
+# CuIR names its element types as PTX does, so the same types read "bf16" / "f16" there.
+DTYPES = ("bf16", "fp16")
+CUIR_TYPE = {"bf16": "bf16", "fp16": "f16"}
+
+
 class TrialState(str, Enum):
     """Where a candidate (or a candidate x config trial) ended. Only OK carries timings."""
     PENDING = "pending"

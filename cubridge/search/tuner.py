@@ -31,7 +31,7 @@ from pathlib import Path
 from cubridge.config import ConfigError, TuneConfig
 from cubridge.runtime.build import available_compiler
 from cubridge.search import artifacts
-from cubridge.vocab import Job, Outcome, Proposal, TrialRecord, TrialState
+from cubridge.vocab import CUIR_TYPE, Job, Outcome, Proposal, TrialRecord, TrialState
 from cubridge.search.messages import Candidate, TuneResult, payload, proposer_options, run_jobs
 from cubridge.search.space import SPACES
 
@@ -235,7 +235,7 @@ class Search:
             try:
                 check(parse(cand.proposal.text), params=SPACES[cand.reference].to_cuir(point),
                       dims={"D": self.cfg.shapes.head_dim}, arch=self.cfg.arch,
-                      dtype="f16" if self.cfg.dtype == "fp16" else "bf16")
+                      dtype=CUIR_TYPE[self.cfg.dtype])
                 self._checked[key] = []
             except CubridgeError as e:
                 self._checked[key] = [f"candidate check: {str(e).splitlines()[0]}"]

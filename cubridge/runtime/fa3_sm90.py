@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 
 from cubridge.errors import LaunchError
+from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.build import compile_cubin, default_compiler
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa3_sm90"
+KERNEL_DIR = REF_KERNELS_DIR / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
-CACHE_DIR = Path(__file__).resolve().parents[2] / ".cubridge_cache" / "fa3_sm90"
+CACHE_DIR = None      # compile_cubin's default cache (~/.cache/cubridge/kernels): never inside site-packages
 ENTRY = b"fa3_sm90_fwd"
 COUNTS_ENTRY = b"fa3_sm90_tile_counts"   # KV tiles per work tile, for the longest-first order
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)   # wgmma/setmaxnreg need sm_90a
@@ -148,7 +149,7 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
 
 
 # ------------------------------------------------------------------ build
-def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str | None = None,
+def build_cubin(config: Fa3Config, *, cache_dir: Path | None = CACHE_DIR, source: str | None = None,
                 compiler: str | None = None) -> bytes:
     """Compile kernel.cu (or `source`, a lowered variant of it) for `config` to an sm_90a cubin,
     through the shared compile cache (key: source, flags, the included headers, compiler and its

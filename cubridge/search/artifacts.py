@@ -52,7 +52,34 @@ class TrialLog:
     def read(self) -> list[dict]:
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        out = []
+        for i, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            if line.strip():
+                out.append(_json_line(line, f"{self.path}:{i}"))
+        return out
+
+
+def _json_line(line: str, where: str) -> dict:
+    from cubridge.config import ConfigError
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        rec = e.msg
+    if not isinstance(rec, dict) or "number" not in rec:
+        raise ConfigError(f"not a trial record ({rec if isinstance(rec, str) else 'fields missing'}): the trial "
+                          "log was edited or damaged", where=where,
+                          hint="restore the file, or delete this line (its trial will be run again) and --resume")
+    return rec
+
+
+def read_json(path: Path, where: str):
+    """A JSON artifact a resumed run depends on; a torn or edited one is a located error."""
+    from cubridge.config import ConfigError
+    try:
+        return json.loads(Path(path).read_text(errors="replace"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}): the run directory was edited or "
+                          "damaged", where=where, hint="restore it, or start a fresh run with --out DIR") from None
 
 
 def write_json(path: Path, data) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from cubridge.op.handles import op_for
+
 
 @torch.library.custom_op("cubridge::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
               runtime: list[torch.Tensor]) -> torch.Tensor:
-    from cubridge.op.tuned import op_for
     return op_for(handle).forward(q, k, v, scale, runtime, False)[0]
 
 
@@ -27,7 +28,6 @@ def _attention_fake(q, k, v, handle, scale, runtime):
 @torch.library.custom_op("cubridge::attention_lse", mutates_args=())
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   runtime: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    from cubridge.op.tuned import op_for
     return op_for(handle).forward(q, k, v, scale, runtime, True)
 
 

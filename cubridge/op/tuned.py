@@ -19,30 +19,17 @@ CUDA graph once the shape has been seen (a first call inside a capture is refuse
 from __future__ import annotations
 
 import math
-import weakref
 from pathlib import Path
 
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.op import library  # noqa: F401 - registers the custom ops torch.compile sees
+from cubridge.op import handles, library  # noqa: F401 - library registers the custom ops torch.compile sees
 from cubridge.op.checks import apply_plan, check_plan
 from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
 LAYOUTS = ("bhnd", "bnhd")
 WHERE = "cubridge op"
-_OPS: "weakref.WeakValueDictionary[int, TunedOp]" = weakref.WeakValueDictionary()
-_NEXT = [0]
-
-
-def op_for(handle: int) -> "TunedOp":
-    op = _OPS.get(handle)
-    if op is None:
-        raise LaunchError(f"tuned op #{handle} no longer exists", where=WHERE,
-                          hint="keep the object cubridge.load returned alive while a compiled function uses it")
-    return op
-
-
 class TunedOp:
     def __init__(self, directory: Path, manifest: dict, dispatch: dict):
         self.directory, self.manifest, self.dispatch = Path(directory), manifest, dispatch
@@ -56,9 +43,7 @@ class TunedOp:
         self._prepared: dict = {}
         self._plans: dict = {}
         self.device_type = "cuda"          # CPU tests set "cpu" and stub the launch
-        self.handle = _NEXT[0]
-        _NEXT[0] += 1
-        _OPS[self.handle] = self
+        self.handle = handles.register(self)
 
     def __repr__(self) -> str:
         d = self.dispatch

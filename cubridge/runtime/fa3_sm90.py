@@ -191,7 +191,7 @@ def _tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
     return view
 
 
-def _tile_counter(device: torch.device, stream: int) -> torch.Tensor:
+def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     """The scheduler's counter pair for launches on `stream`: zeroed once; every launch leaves it
     zero again (the kernel's last producer resets it), and launches on one stream run in order.
     Separate streams get separate pairs, so concurrent launches stay independent."""
@@ -299,7 +299,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     maps = [_tensor_map(q, config.block_m), _tensor_map(k, config.block_n),
             _tensor_map(v, config.block_n), _tensor_map(out, WG_ROWS)]
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    counter = _tile_counter(q.device, stream)
+    counter = tile_counter(q.device, stream)
     scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),
                ctypes.c_uint64(order.data_ptr() if order is not None else 0),
                ctypes.c_int32(nq), ctypes.c_int32(nk),

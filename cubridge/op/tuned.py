@@ -30,6 +30,7 @@ from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
 LAYOUTS = ("bhnd", "bnhd")
 WHERE = "cubridge op"
+PLAN_CACHE = 256         # checked call signatures remembered (host data only)
 class TunedOp:
     def __init__(self, directory: Path, manifest: dict, dispatch: dict):
         self.directory, self.manifest, self.dispatch = Path(directory), manifest, dispatch
@@ -95,6 +96,8 @@ class TunedOp:
                q.device, k.device, v.device)
         plan = self._plans.get(key)
         if plan is None:
+            if len(self._plans) >= PLAN_CACHE:
+                self._plans.pop(next(iter(self._plans)))
             plan = self._plans[key] = check_plan(self, q, k, v, layout)
         return plan
 
@@ -152,7 +155,7 @@ class TunedOp:
         bucket = self._buckets[self._bucket_index(n)]
         runtime = dict(zip(self.runtime_inputs, rt))
         prep = bucket.prepare(device, b, hq, k.shape[1], n, k.shape[2], scale, runtime)
-        if not rt:
+        if not rt:   # never evicted: a CUDA graph captured at this shape points into prep's buffers
             self._prepared[(q.shape, k.shape, q.device, scale)] = prep
         return prep
 

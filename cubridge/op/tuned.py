@@ -68,7 +68,8 @@ class TunedOp:
     # -------------------------------------------------------------- the call
     def __call__(self, q, k, v, *, layout: str | None = None, scale: float | None = None, return_lse: bool = False,
                  **runtime):
-        plan = self._plan(q, k, v, layout)
+        compiling = torch.compiler.is_compiling()
+        plan = self._plan(q, k, v, layout, compiling)
         qh, kh, vh = apply_plan(plan, q, k, v)
         layout = plan[0]
         scale = self._scale(scale)
@@ -76,7 +77,7 @@ class TunedOp:
         if return_lse and not self.softmax:
             raise LaunchError(f"return_lse=True: {self.dispatch['spec_name']} is not a softmax attention, it has no LSE",
                               where=WHERE, hint="call without return_lse")
-        if torch.compiler.is_compiling() or type(qh) is not torch.Tensor:    # traced, or fake tensors
+        if compiling or type(qh) is not torch.Tensor:    # traced, or fake tensors
             if return_lse:
                 out, lse = torch.ops.cubridge.attention_lse(qh, kh, vh, self.handle, scale, rt)
             else:
@@ -87,10 +88,10 @@ class TunedOp:
             out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
 
-    def _plan(self, q, k, v, layout):
+    def _plan(self, q, k, v, layout, compiling: bool):
         """check_plan, remembered per (layout, shapes, strides, dtypes, devices) when eager: a
         repeated call costs one dictionary lookup, not the checks (~7 us of Python)."""
-        if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+        if compiling or not (type(q) is type(k) is type(v) is torch.Tensor):
             return check_plan(self, q, k, v, layout)
         key = (layout, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device)
@@ -111,6 +112,8 @@ class TunedOp:
 
     def _runtime_list(self, runtime: dict, q) -> list:
         """The runtime inputs in declared order; an unknown or missing name is an error."""
+        if not runtime and not self.runtime_inputs:
+            return []
         unknown = sorted(set(runtime) - set(self.runtime_inputs))
         if unknown:
             declared = ", ".join(self.runtime_inputs) or "none"

@@ -148,6 +148,7 @@ class Fa3Launch:
         self._argv = ctypes.c_void_p * (6 + len(self._tail))
         self._lib = drv.driver().lib
         self._argvs: dict = {}
+        self._threads, self._smem = config.threads, config.smem_bytes    # properties: computed once here
 
     def __call__(self, q, k, v, out, lse) -> None:
         stream = current_stream(self.device.index)
@@ -156,8 +157,7 @@ class Fa3Launch:
         argv = self._argvs.get(key)
         if argv is None:
             argv = self._pack(key, q, k, v, out, lse, stream)
-        c = self.config
-        result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, c.threads, 1, 1, c.smem_bytes,
+        result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, self._threads, 1, 1, self._smem,
                                           ctypes.c_void_p(stream), argv[0], None)
         if result:
             drv.driver().check(result, "cuLaunchKernel")

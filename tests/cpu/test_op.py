@@ -216,3 +216,47 @@ def test_a_moved_run_loads_its_cubins_without_a_compiler(run_dir, tmp_path, monk
     (moved / dispatch["buckets"][0]["cubin"]).unlink()
     with pytest.raises(LaunchError, match="carries no cubin .* no CUDA compiler here"):
         cubridge.load(moved)._buckets[0].cubin()
+
+
+# ------------------------------------------------------------------ the launch, driver stubbed
+class _FakeLib:
+    """Records cuTensorMapEncodeTiled / cuLaunchKernel calls; every call succeeds."""
+
+    def __init__(self):
+        self.encoded, self.launches = 0, []
+
+    def cuTensorMapEncodeTiled(self, *args):
+        self.encoded += 1
+        return 0
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        import ctypes
+        self.launches.append(((gx, bx, smem), [argv[i] for i in range(14)]))
+        return 0
+
+
+def test_fa3_launch_packs_the_kernels_arguments(monkeypatch):
+    import ctypes
+
+    from cubridge.runtime import driver as drv
+    from cubridge.runtime import fa3_fast
+    from cubridge.runtime.fa3_sm90 import Fa3Config
+    lib = _FakeLib()
+    monkeypatch.setattr(drv, "driver", lambda: type("D", (), {"lib": lib, "check": lambda *a: None})())
+    monkeypatch.setattr(drv, "sm_count", lambda index: 132)
+    monkeypatch.setattr(fa3_fast, "current_stream", lambda index: 7)
+    cfg = Fa3Config(head_dim=128, block_m=128, block_n=128, stages=2, persistent=True)
+    launch = fa3_fast.Fa3Launch(ctypes.c_void_p(1), None, cfg, torch.device("cpu"), 2, 8, 2, 1000, 1000, 0.125)
+    q, k, v = qkv(n=1000)
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 1000)
+    launch(q, k, v, out, lse)
+    launch(q, k, v, out, lse)
+    assert lib.encoded == 4, "a repeated call re-encoded a TMA descriptor"
+    (grid, threads, smem), argv = lib.launches[-1]
+    assert (grid, threads, smem) == (min(8 * 8 * 2, 132), cfg.threads, cfg.smem_bytes)   # persistent: <= one CTA per SM
+    assert ctypes.c_uint64.from_address(argv[4]).value == lse.data_ptr()
+    assert [ctypes.c_int32.from_address(argv[i]).value for i in range(7, 12)] == [1000, 1000, 8, 2, 2]
+    assert ctypes.c_float.from_address(argv[12]).value == 0.125
+    assert lib.launches[0][1] == argv                                              # the same packed array
+    launch(q, k, v, torch.empty_like(q), lse)                                      # a new output buffer
+    assert lib.encoded == 5

@@ -6,18 +6,20 @@
 #   3. experiments/bench_op.py: host us per call and op vs bare kernel, ten variants at 1k / 8k
 #   4. experiments/llama_client.py: random-init Llama with the tuned causal / prefixlm kernels
 # Writes two files: $OUT/op_results.json (bench rows, llama rows, test summary) and $OUT/op_log.txt.
+# PARTS="tests bench" runs a subset (default: all four; the timeouts add up to ~560 s).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 LOG="$OUT/op_log.txt"
 WORK=$(mktemp -d /tmp/op_s7.XXXX)
+PARTS=${PARTS:-build tests bench llama}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  echo "== 1. build (compile cache warm-up)"
-  timeout 240 python3 - "$WORK" <<'PY'
+  part build && echo "== 1. build (compile cache warm-up)" && timeout 150 python3 - "$WORK" <<'PY'
 import sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,12 +30,18 @@ with ThreadPoolExecutor(12) as pool:
     list(pool.map(lambda s: build(s, Path(sys.argv[1]) / "warm" / s, heads_q=8, heads_kv=2), builtin_specs()))
 print(f"built ten run directories in {time.time() - t:.0f} s")
 PY
-  echo "== 2. tests/gpu/test_op.py"
-  CUBRIDGE_OP_RUNS="$WORK/tests" timeout 240 python3 -m pytest tests/gpu/test_op.py -q -p no:cacheprovider -rfE 2>&1 | tail -40
-  echo "== 3. bench_op"
-  timeout 150 python3 experiments/bench_op.py --out "$WORK/bench_op.json" --runs "$WORK/bench" 2>&1 | tail -30
-  echo "== 4. llama_client"
-  timeout 200 python3 experiments/llama_client.py --out "$WORK/llama.json" 2>&1 | tail -20
+  if part tests; then
+    echo "== 2. tests/gpu/test_op.py"
+    CUBRIDGE_OP_RUNS="$WORK/tests" timeout 180 python3 -m pytest tests/gpu/test_op.py -q -p no:cacheprovider -rfE 2>&1 | tail -40
+  fi
+  if part bench; then
+    echo "== 3. bench_op"
+    timeout 90 python3 experiments/bench_op.py --out "$WORK/bench_op.json" --runs "$WORK/bench" 2>&1 | tail -30
+  fi
+  if part llama; then
+    echo "== 4. llama_client"
+    timeout 140 python3 experiments/llama_client.py --out "$WORK/llama.json" 2>&1 | tail -20
+  fi
 } 2>&1 | tee "$LOG"
 python3 - "$WORK" "$OUT/op_results.json" "$LOG" <<'PY'
 import json, re, sys

@@ -90,6 +90,9 @@ class Bucket:
         return compile_cubin(self.lowered().source, arch=self.dispatch["arch"], options=options,
                              compiler=compiler, name=f"{self.entry['candidate']}.cu").cubin
 
+    def loaded(self, device: torch.device) -> bool:
+        return device.index in self._functions
+
     # -------------------------------------------------------------- per shape
     def prepare(self, device: torch.device, b: int, hq: int, hkv: int, nq: int, nk: int, scale: float,
                 runtime: dict) -> Prepared:

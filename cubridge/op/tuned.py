@@ -43,6 +43,7 @@ class TunedOp:
         self.softmax = self._buckets[0].softmax   # lowers the CuIR (pure Python; no compiler)
         self._prepared: dict = {}
         self._plans: dict = {}
+        self._captured: list = []          # per-call launches (runtime inputs) a CUDA graph holds
         self.device_type = "cuda"          # CPU tests set "cpu" and stub the launch
         self.handle = handles.register(self)
 
@@ -148,18 +149,24 @@ class TunedOp:
         return out, (lse if want_lse else None)
 
     def _prepare(self, q, k, scale: float, rt: list):
-        if torch.cuda.is_current_stream_capturing():
-            raise LaunchError(f"first call at shape q {tuple(q.shape)} inside a CUDA graph capture: binding the "
-                              "spec's inputs and counting the tile order copy to the GPU, which a capture forbids",
-                              where=WHERE, hint="call the op once at this shape before capturing (a warm-up run)")
+        """The launch at this shape: built once and cached; with runtime inputs (their block tables
+        and tile order follow the data) built per call, on the GPU, so it can be captured too once
+        the shape's kernel is loaded."""
         device = q.device
-        device_checked(self.dispatch["arch"], device.index if device.index is not None else torch.cuda.current_device())
         b, hq, n, _ = q.shape
         bucket = self._buckets[self._bucket_index(n)]
-        runtime = dict(zip(self.runtime_inputs, rt))
-        prep = bucket.prepare(device, b, hq, k.shape[1], n, k.shape[2], scale, runtime)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and (not rt or not bucket.loaded(device)):
+            raise LaunchError(f"first call at shape q {tuple(q.shape)} inside a CUDA graph capture: binding the "
+                              "spec's inputs, loading the kernel and counting the tile order copy to the GPU, which "
+                              "a capture forbids", where=WHERE,
+                              hint="call the op once at this shape before capturing (a warm-up run)")
+        device_checked(self.dispatch["arch"], device.index if device.index is not None else torch.cuda.current_device())
+        prep = bucket.prepare(device, b, hq, k.shape[1], n, k.shape[2], scale, dict(zip(self.runtime_inputs, rt)))
         if not rt:   # never evicted: a CUDA graph captured at this shape points into prep's buffers
             self._prepared[(q.shape, k.shape, q.device, scale)] = prep
+        elif capturing:   # the graph replays with this call's tables and tile order: keep them alive
+            self._captured.append(prep)
         return prep
 
     def warmup(self, q, k, v, **kw) -> None:

@@ -28,9 +28,10 @@ from cubridge.op import handles, library  # noqa: F401 - library registers the c
 from cubridge.op.checks import apply_plan, check_plan
 from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
-LAYOUTS = ("bhnd", "bnhd")
 WHERE = "cubridge op"
 PLAN_CACHE = 256         # checked call signatures remembered (host data only)
+
+
 class TunedOp:
     def __init__(self, directory: Path, manifest: dict, dispatch: dict):
         self.directory, self.manifest, self.dispatch = Path(directory), manifest, dispatch
@@ -69,6 +70,8 @@ class TunedOp:
     # -------------------------------------------------------------- the call
     def __call__(self, q, k, v, *, layout: str | None = None, scale: float | None = None, return_lse: bool = False,
                  **runtime):
+        """out (or (out, lse)); layout None reads [B, H, N, D] and refuses what only [B, N, H, D] or
+        both could mean; runtime: the spec's declared runtime inputs as keyword tensors."""
         compiling = torch.compiler.is_compiling()
         plan = self._plan(q, k, v, layout, compiling)
         qh, kh, vh = apply_plan(plan, q, k, v)

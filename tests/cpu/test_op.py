@@ -260,3 +260,25 @@ def test_fa3_launch_packs_the_kernels_arguments(monkeypatch):
     assert lib.launches[0][1] == argv                                              # the same packed array
     launch(q, k, v, torch.empty_like(q), lse)                                      # a new output buffer
     assert lib.encoded == 5
+
+
+def test_build_writes_a_relocatable_run_from_default_configs(tmp_path, monkeypatch):
+    """cubridge.op.build (what a GPU machine without Optuna uses): compiled cubins, relative paths,
+    loads with the compilers hidden. Compiles one kernel (cached on disk after the first run)."""
+    from cubridge.op import build
+    from cubridge.runtime import build as rbuild
+    if rbuild.available_compiler() is None:
+        pytest.skip(rbuild.NO_COMPILER)
+    run = build("prefixlm", tmp_path / "a" / "run", heads_q=8, heads_kv=2)
+    moved = tmp_path / "b" / "run"
+    shutil.copytree(run, moved)
+    shutil.rmtree(run)
+    text = (moved / "dispatch.json").read_text()
+    assert str(tmp_path) not in text and "-I" not in text
+    monkeypatch.setattr(rbuild, "available_compiler", lambda: None)
+    monkeypatch.setattr(rbuild, "compile_cubin", lambda *a, **k: pytest.fail("compiled at load"))
+    attn = cubridge.load(moved)
+    assert attn.heads == (8, 2) and [e["seqlen"] for e in attn.buckets] == [1024, 8192]
+    assert attn.select(1000)["max_seqlen"] == 2896 and attn.select(100000)["min_seqlen"] == 2897
+    cubin = attn._buckets[0].cubin()
+    assert cubin[:4] == b"\x7fELF" and cubin == (moved / attn.buckets[0]["cubin"]).read_bytes()

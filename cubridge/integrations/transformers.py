@@ -52,6 +52,11 @@ def attention_forward(attn):
         if kwargs.get("output_attentions"):
             raise LaunchError("output_attentions=True: the kernel never forms the attention matrix", where=WHERE,
                               hint="use attn_implementation='eager' for attention weights")
+        is_causal = kwargs.get("is_causal")
+        if (is_causal is False or getattr(module, "is_causal", True) is False) and attn.dispatch["spec_name"] != "full":
+            raise LaunchError(f"a bidirectional attention layer ({type(module).__name__}) and a "
+                              f"{attn.dispatch['spec_name']!r} kernel", where=WHERE,
+                              hint="register a run of the 'full' spec for bidirectional layers")
         out = attn(query, key, value, scale=scaling)
         return out.transpose(1, 2), None
     return forward

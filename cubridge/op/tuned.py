@@ -74,6 +74,9 @@ class TunedOp:
         both could mean; runtime: the spec's declared runtime inputs as keyword tensors."""
         compiling = torch.compiler.is_compiling()
         plan = self._plan(q, k, v, layout, compiling)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise LaunchError("q, k or v requires grad: the tuned op is forward-only (no backward)", where=WHERE,
+                              hint="call it under torch.no_grad() / torch.inference_mode(), or detach the inputs")
         qh, kh, vh = apply_plan(plan, q, k, v)
         layout = plan[0]
         scale = self._scale(scale)

@@ -13,14 +13,29 @@ Example (on the GPU the run tuned for):
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from cubridge.op.run import check_arch, read_run
+from cubridge.archs import ARCH_RUNS_ON, check_arch  # noqa: F401 - part of this module's API
+from cubridge.errors import CubridgeError
 
-__all__ = ["check_arch", "load", "read_run"]
 
 def load(directory):
     """The tuned op of a run directory (a cubridge.op.TunedOp; torch is imported here, not before)."""
     from cubridge.op.tuned import TunedOp
     manifest, dispatch = read_run(Path(directory))
     return TunedOp(Path(directory), manifest, dispatch)
+
+
+def read_run(directory: Path) -> tuple[dict, dict]:
+    """(manifest, dispatch) of a run directory, with clear errors for what is missing."""
+    d = Path(directory)
+    if not (d / "manifest.json").is_file():
+        raise CubridgeError("not a cubridge-tune output directory (no manifest.json)", where=str(d),
+                            hint="give the output directory of a cubridge-tune run (its config's output:)")
+    manifest = json.loads((d / "manifest.json").read_text())
+    if not (d / "dispatch.json").is_file():
+        raise CubridgeError(f"this run has no tuned kernel (status: {manifest.get('status')}: {manifest.get('message')})",
+                            where=str(d), hint="run cubridge-tune on a GPU machine (without --dry-run)")
+    return manifest, json.loads((d / "dispatch.json").read_text())
+

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from cubridge.archs import check_arch
 from cubridge.errors import LaunchError
-from cubridge.op.run import check_arch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -27,8 +27,8 @@ from collections import OrderedDict
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.runtime import driver as drv
 from cubridge.runtime import fa3_sm90 as fa3
+from cubridge.runtime.driver import driver, sm_count
 
 MAX_STRIDE_BYTES = 1 << 40     # cuTensorMapEncodeTiled: global strides below 2^40 and multiples of 16 B
 _MAPS: OrderedDict = OrderedDict()
@@ -98,22 +98,7 @@ def _encode(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
         raise LaunchError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not addressable by "
                           "the kernel's 3-D TMA map (strides or address not 16-byte aligned)",
                           hint="pass a fresh copy (.clone(memory_format=torch.contiguous_format))")
-    b, h, n, d = t.shape
-    elem = t.element_size()
-    dtype = (drv.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16 else drv.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-    dims = (ctypes.c_uint64 * 3)(d, n, b * h)
-    gstrides = (ctypes.c_uint64 * 2)(strides[0] * elem, strides[1] * elem)
-    box = (ctypes.c_uint32 * 3)(fa3.PANEL_COLS, rows_per_box, 1)
-    ones = (ctypes.c_uint32 * 3)(1, 1, 1)
-    raw = ctypes.create_string_buffer(drv.TENSOR_MAP_BYTES + drv.TENSOR_MAP_ALIGN)
-    offset = (-ctypes.addressof(raw)) % drv.TENSOR_MAP_ALIGN
-    view = (ctypes.c_uint8 * drv.TENSOR_MAP_BYTES).from_buffer(raw, offset)
-    d = drv.driver()
-    d.check(d.lib.cuTensorMapEncodeTiled(
-        ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, gstrides, box, ones,
-        drv.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CU_TENSOR_MAP_SWIZZLE_128B, drv.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-        drv.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    return view
+    return driver().tensor_map(t, rows_per_box, fa3.PANEL_COLS, strides)
 
 
 def load_cubin(cubin: bytes, config: fa3.Fa3Config, device: torch.device):
@@ -122,7 +107,7 @@ def load_cubin(cubin: bytes, config: fa3.Fa3Config, device: torch.device):
     if key not in _LOADED:
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
-            _LOADED[key] = drv.driver().load_function(cubin, config.smem_bytes, fa3.ENTRY, fa3.COUNTS_ENTRY)
+            _LOADED[key] = driver().load_function(cubin, config.smem_bytes, fa3.ENTRY, fa3.COUNTS_ENTRY)
     return _LOADED[key]
 
 
@@ -135,7 +120,7 @@ class Fa3Launch:
             raise LaunchError(f"scale={scale!r} is not a positive finite number", where="scale",
                               hint="the kernel takes row maxima of unscaled scores; the default is 1/sqrt(D)")
         self.func, self.config, self.device, self.variant = func, config, device, variant
-        sms = drv.sm_count(device.index)
+        sms = sm_count(device.index)
         tiles = math.ceil(nq / config.block_m) * hq * b
         self.grid = min(tiles, sms) if config.persistent else tiles
         self.order = (fa3.tile_order(counts_func, config, variant, device, b, hq, hkv, nq, nk, min(self.grid, sms))
@@ -146,7 +131,7 @@ class Fa3Launch:
                       variant.args if variant is not None else ctypes.c_int32(0)]
         self._tail_ptrs = [ctypes.addressof(x) for x in self._tail]
         self._argv = ctypes.c_void_p * (6 + len(self._tail))
-        self._lib = drv.driver().lib
+        self._lib = driver().lib
         self._argvs: dict = {}
         self._threads, self._smem = config.threads, config.smem_bytes    # properties: computed once here
 
@@ -160,7 +145,7 @@ class Fa3Launch:
         result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, self._threads, 1, 1, self._smem,
                                           ctypes.c_void_p(stream), argv[0], None)
         if result:
-            drv.driver().check(result, "cuLaunchKernel")
+            driver().check(result, "cuLaunchKernel")
 
     def _pack(self, key, q, k, v, out, lse, stream):
         """The argument array for these addresses (kept with the objects it points to). A model

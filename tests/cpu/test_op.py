@@ -244,8 +244,10 @@ def test_fa3_launch_packs_the_kernels_arguments(monkeypatch):
     from cubridge.runtime import fa3_fast
     from cubridge.runtime.fa3_sm90 import Fa3Config
     lib = _FakeLib()
-    monkeypatch.setattr(drv, "driver", lambda: type("D", (), {"lib": lib, "check": lambda *a: None})())
-    monkeypatch.setattr(drv, "sm_count", lambda index: 132)
+    real = drv.Driver.__new__(drv.Driver)      # the real tensor_map / check, on the recording lib
+    real.lib = lib
+    monkeypatch.setattr(fa3_fast, "driver", lambda: real)
+    monkeypatch.setattr(fa3_fast, "sm_count", lambda index: 132)
     monkeypatch.setattr(fa3_fast, "current_stream", lambda index: 7)
     cfg = Fa3Config(head_dim=128, block_m=128, block_n=128, stages=2, persistent=True)
     launch = fa3_fast.Fa3Launch(ctypes.c_void_p(1), None, cfg, torch.device("cpu"), 2, 8, 2, 1000, 1000, 0.125)

@@ -290,9 +290,15 @@ def _literal(v: str):
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
+def _version() -> str:
+    from cubridge import __version__
+    return f"cubridge {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cubridge", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def program_cmd(name, fn, help_):
@@ -375,6 +381,7 @@ def tune_main(argv=None) -> int:
     """`cubridge-tune CONFIG`: tune a variant (see configs/README.md). Exit 0: tuned (or screened
     with --dry-run); 1: nothing tuned (no candidate verified, no GPU, no trial timed); 2: bad config."""
     p = argparse.ArgumentParser(prog="cubridge-tune", description=tune_main.__doc__)
+    p.add_argument("--version", action="version", version=_version())
     p.add_argument("config", help="a YAML config (configs/h100_prefixlm.yaml) or a plan of runs (configs/nightly.yaml)")
     p.add_argument("--dry-run", action="store_true", help="screen (and compile) the population, time nothing")
     p.add_argument("--resume", action="store_true", help="continue the run in the output directory")

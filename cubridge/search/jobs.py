@@ -147,9 +147,12 @@ def lowering():
 @register("screen")
 def screen_job(p: dict):
     from cubridge.search.screen import ScreenContext, screen
-    from cubridge.verify import default_cases
+    from cubridge.verify import deep_cases, default_cases
+    quick = bool(p.get("quick"))
+    # Past the fixed small cases: lengths that cover the default tile config's whole iteration space.
+    cases = default_cases(quick=quick) + ([] if quick else deep_cases(_reference(p["reference"]).params()))
     ctx = ScreenContext(_reference(p["reference"]), p["reference"], spec_for(p), dict(p.get("spec_params") or {}),
-                        default_cases(quick=bool(p.get("quick"))), (int(p["head_dim"]),))
+                        cases, (int(p["head_dim"]),))
     prop = Proposal(p["text"], p.get("origin", "?"))
     try:
         bind = binder_for(p)
@@ -251,6 +254,9 @@ def lift_job(p: dict):
 
 @register("measure")
 def measure_job(p: dict):
+    failure = verify_at_config(p)
+    if failure:
+        return failure
     lowered, result, failure = _build_or_failure(p)
     if failure:
         return failure
@@ -259,6 +265,39 @@ def measure_job(p: dict):
         return (Outcome(TrialState.VERIFIED, "compiled; timing needs a GPU (none visible to this worker)"),
                 {"cubin_key": result.key})
     return measure.check_and_time(p, lowered, result.cubin, binder_for(p))
+
+
+def verify_at_config(p: dict):
+    """The candidate in the interpreter at this trial's own tile config, over that config's whole
+    iteration space (verify.deep_cases), before its time can count: screening ran at the default
+    config only, and a program wrong at one BLOCK_N only was then timed there. None when it passes."""
+    from cubridge.search.space import SPACES
+    params = SPACES[p["reference"]].to_cuir(p["config"])
+    key = (p["text"], p["reference"], p["spec"], json.dumps(p.get("spec_params") or {}, sort_keys=True),
+           json.dumps(params, sort_keys=True))
+    if key not in _VERIFIED_AT:       # configs that differ only outside CuIR (persistent) share a verdict
+        _VERIFIED_AT[key] = _verify_at(p, params)
+    return _VERIFIED_AT[key]
+
+
+_VERIFIED_AT: dict = {}
+
+
+def _verify_at(p: dict, params: dict):
+    from cubridge.verify import deep_cases, verify_program
+    try:
+        prog = _program(p["text"], p["candidate"])
+        bind = binder_for(p)
+    except CubridgeError as e:
+        return Outcome(TrialState.WRONG_ANSWER, f"interpreter check at this config: {e}"), {}
+    binder = (lambda c: bind(Nq=c.Nq, Nk=c.Nk, Hq=c.Hq, Hkv=c.Hkv, B=c.B, params=params)) if bind else None
+    rep = verify_program(prog, spec_for(p), params=params, cases=deep_cases({**prog.params(), **params}),
+                         spec_params=dict(p.get("spec_params") or {}), binder=binder)
+    bad = rep.first_failure
+    if bad is None:
+        return None
+    why = bad.error or bad.verdict.reason
+    return Outcome(TrialState.WRONG_ANSWER, f"interpreter check at this config ({params}), {bad.case}: {why}"), {}
 
 
 @register("bench")

@@ -134,6 +134,40 @@ def lse_of(spec, q, k, spec_params: dict):
     return torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
 
+# The spec-mask check materialises N x N float64 scores in the reference: 2 GiB a matrix at 16k.
+MASK_CHECK_MAX_N = 16384
+MASK_CHECK_TOL = 1e-9      # float64 noise is ~1e-14; one key more or less moves a row by ~1/N >= 6e-5
+
+
+def spec_mask_problem(spec, lengths, *, heads=(2, 1), spec_params: dict | None = None) -> str | None:
+    """The spec's hooks (what a transfer lowers) against its reference() (what verification trusts)
+    over the full [N, N] grid at each length (capped at MASK_CHECK_MAX_N; one head past 4k), in
+    float64: a mask that
+    disagrees only past index 1000 passed the small verification cases. None when they agree, else
+    the first length and query row that differ."""
+    if not spec.has_hooks:
+        return None
+    from cubridge.spec import attention_from_hooks
+    for n in sorted({min(int(n), MASK_CHECK_MAX_N) for n in lengths}):
+        # Past 4k one head (memory: each N x N float64 matrix is 2 GiB at 16k); heads below that.
+        hq, hkv = heads if n <= 4096 else (1, 1)
+        q, k, v = make_inputs(Case(1, hq, hkv, n, n, 16, seed=n), torch.float64)
+        sp = dict(spec_params or {})
+        try:
+            ref = call_with_limit(lambda: spec.run_reference(q, k, v, **sp), REFERENCE_TIMEOUT_S * 4,
+                                  f"spec {spec.name!r}: reference() at N={n}", where=spec.path)
+            hooked = attention_from_hooks(q, k, v, spec.hooks_for(n, n, hq, hkv, **sp))
+        except CubridgeError as e:
+            return f"spec check at N={n}: {str(e).splitlines()[0]}"
+        diff = (ref - hooked).abs().amax(dim=(0, 1, 3))           # per query row
+        bad = (diff > MASK_CHECK_TOL * (1 + ref.abs().max())) | ~torch.isfinite(diff)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            return (f"the spec's hooks (mask_mod / score_mod) disagree with its reference() at N={n}, first at "
+                    f"query row {row} (max diff {float(diff[row]):.2e}): kernels would compute the hooks")
+    return None
+
+
 def make_inputs(case: Case, dtype: torch.dtype):
     g = torch.Generator().manual_seed(case.seed)
     q = torch.randn(case.B, case.Hq, case.Nq, case.D, generator=g).to(dtype)

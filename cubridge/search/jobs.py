@@ -154,6 +154,12 @@ def screen_job(p: dict):
     ctx = ScreenContext(_reference(p["reference"]), p["reference"], spec_for(p), dict(p.get("spec_params") or {}),
                         cases, (int(p["head_dim"]),))
     prop = Proposal(p["text"], p.get("origin", "?"))
+    spec_problem = _spec_mask_problem(p["spec"], _spec_path(p), json.dumps(p.get("spec_params") or {}, sort_keys=True),
+                                      tuple(s["seqlen"] if not p.get("quick") else min(s["seqlen"], QUICK_MASK_N)
+                                            for s in p.get("shapes") or ()),
+                                      (min(int(p["heads_q"]), 2), 1 if p["heads_q"] != p["heads_kv"] else min(int(p["heads_q"]), 2)))
+    if spec_problem:
+        return Outcome(TrialState.WRONG_ANSWER, spec_problem), {"proposal": prop.id}
     try:
         bind = binder_for(p)
     except CubridgeError as e:
@@ -267,6 +273,13 @@ def measure_job(p: dict):
     return measure.check_and_time(p, lowered, result.cubin, binder_for(p))
 
 
+@functools.lru_cache(maxsize=8)
+def _spec_mask_problem(_name: str, spec_path: str, spec_params: str, lengths: tuple, heads: tuple):
+    """Once per spec and target lengths in a worker: every candidate of a run shares the answer."""
+    from cubridge.verify import spec_mask_problem
+    return spec_mask_problem(_spec(spec_path), lengths, heads=heads, spec_params=json.loads(spec_params))
+
+
 def verify_at_config(p: dict):
     """The candidate in the interpreter at this trial's own tile config, over that config's whole
     iteration space (verify.deep_cases), before its time can count: screening ran at the default
@@ -281,6 +294,7 @@ def verify_at_config(p: dict):
 
 
 _VERIFIED_AT: dict = {}
+QUICK_MASK_N = 1100        # quick screening (tests) checks the spec's mask just past index 1000 only
 
 
 def _verify_at(p: dict, params: dict):

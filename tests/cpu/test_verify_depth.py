@@ -60,3 +60,45 @@ def test_a_program_wrong_at_one_block_n_only_is_caught_at_that_config():
     outcome, _ = verify_at_config({**payload, "config": {"block_m": 64, "block_n": 32, "stages": 2, "warps": 4}})
     assert outcome.state.value == "wrong_answer" and "'BLOCK_N': 32" in outcome.reason, outcome.reason
     assert "exceeds bound" in outcome.reason
+
+
+LATE_LIE = '''\
+"""Causal in its hooks; its reference also hides keys 1000.. from rows past 1000 (a late disagreement)."""
+import math
+import torch
+PARAMS = {}
+def mask_mod(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+def reference(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    i = torch.arange(q.shape[2])[:, None]
+    j = torch.arange(k.shape[2])[None, :]
+    mask = (j <= i) & ~((i > 1000) & (j >= 1000) & (j < i))
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+'''
+
+
+def test_every_builtin_spec_agrees_with_its_hooks_at_a_long_length():
+    from cubridge.spec import builtin_specs
+    from cubridge.verify import spec_mask_problem
+    for name in builtin_specs():
+        assert spec_mask_problem(load_spec(name), [1100], heads=(2, 1)) is None, name
+
+
+def test_a_mask_that_disagrees_only_past_index_1000_is_caught(tmp_path):
+    from cubridge.search.jobs import screen_job
+    from cubridge.verify import spec_mask_problem
+    path = tmp_path / "late_lie.py"
+    path.write_text(LATE_LIE)
+    spec = load_spec(str(path))
+    small = [Case(1, 2, 1, 300, 300, 16, 0), Case(1, 2, 1, 77, 200, 16, 1)]
+    assert verify_program(parse(FA2), spec, cases=small).passed          # what used to be all
+    why = spec_mask_problem(spec, [512, 1100], heads=(2, 1))
+    assert why.startswith("the spec's hooks (mask_mod / score_mod) disagree with its reference() at N=1100, "
+                          "first at query row 1001"), why
+    outcome, _ = screen_job({"reference": "fa2_sm80", "text": FA2, "origin": "test", "spec": str(path),
+                             "spec_params": {}, "head_dim": 64, "heads_q": 2, "heads_kv": 1, "quick": True,
+                             "shapes": [{"key": "N=1100", "batch": 1, "seqlen": 1100}]})
+    assert outcome.state.value == "wrong_answer" and "query row 1001" in outcome.reason

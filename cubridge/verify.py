@@ -1,4 +1,4 @@
-"""Verify a CuIR program against a spec in the interpreter, under the rule of DESIGN.md.
+"""Verify a CuIR program against a spec in the interpreter, under the rule of docs/DESIGN.md.
 
 For every case (fresh random inputs, never zeros; lengths that are not tile multiples; MHA, GQA
 and MQA; several seeds): golden = the spec's reference in float64, ref = the same reference in
@@ -200,7 +200,7 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
         except CubridgeError as e:
             report.results.append(CaseResult(case, None, f"binding extra inputs: {str(e).splitlines()[0]}"))
             continue
-        report.results.append(_run_case(program, spec, case, tdtype, params or {}, spec_params or {}, schedules,
+        report.results.append(run_case(program, spec, case, tdtype, params or {}, spec_params or {}, schedules,
                                          extra=extra))
     return report
 
@@ -215,7 +215,7 @@ def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, c
     dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]
     report = Report(f"{reference.name} -> {spec.name}", spec.name, USER_DTYPE[dname], {**reference.params(), **(params or {})})
     try:
-        cand = transfer(reference, spec, params=params, spec_params=spec_params)
+        cand = transfer(reference, spec, spec_params=spec_params)
     except CubridgeError as e:
         report.results.append(CaseResult((cases or default_cases())[0], None, f"transfer: {str(e).splitlines()[0]}"))
         return report
@@ -229,12 +229,12 @@ def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, c
         except CubridgeError as e:
             report.results.append(CaseResult(case, None, f"transfer: {str(e).splitlines()[0]}"))
             continue
-        report.results.append(_run_case(cand.program, spec, case, tdtype, params or {}, spec_params or {},
+        report.results.append(run_case(cand.program, spec, case, tdtype, params or {}, spec_params or {},
                                          schedules, extra=extra))
     return report
 
 
-def _run_case(program, spec, case, tdtype, params, spec_params, schedules, extra=None) -> CaseResult:
+def run_case(program, spec, case, tdtype, params, spec_params, schedules, extra=None) -> CaseResult:
     q, k, v = make_inputs(case, tdtype)
     before = [t.clone() for t in (q, k, v)]
     try:

@@ -56,7 +56,15 @@ NEG_INF = "__int_as_float(0xff800000)"
 POS_INF = "__int_as_float(0x7f800000)"
 
 _FLOAT_FN = {"exp": "__expf", "exp2": "exp2f", "log": "__logf", "log2": "__log2f", "tanh": "cuir_tanh",
-             "sqrt": "sqrtf", "rsqrt": "rsqrtf", "abs": "fabsf", "sigmoid": "cuir_sigmoid"}
+             "sqrt": "sqrtf", "rsqrt": "rsqrtf", "abs": "fabsf", "sigmoid": "cuir_sigmoid",
+             "erf": "erff"}
+
+
+# Under a cast to an integer the value picks a table entry or a bucket (T5's log-spaced buckets):
+# an approximate log or divide could land on the other side of an integer, so there the
+# accurate CUDA functions and IEEE division are used (what torch computes in fp32).
+_PRECISE_FN = {**_FLOAT_FN, "exp": "expf", "log": "logf", "log2": "log2f", "tanh": "tanhf",
+               "sigmoid": None}      # written out: 1 / (1 + expf(-x))
 
 
 class LowerError(CubridgeError):
@@ -72,6 +80,7 @@ def to_c(e, names: dict, tables: dict | None = None) -> str:
 class _Lower:
     def __init__(self, names, tables):
         self.names, self.tables = names, tables
+        self.precise = False             # inside a cast to an integer
 
     def expr(self, e) -> tuple[str, str]:
         if isinstance(e, N.Const):
@@ -134,21 +143,27 @@ class _Lower:
             if t == "int":
                 return f"cuir_floormod({a}, {b})", "int"
             return f"({_f(a, ta)} - {_f(b, tb)} * floorf({_f(a, ta)} / {_f(b, tb)}))", "float"
+        if e.op == "/" and self.precise:
+            return f"({_f(a, ta)} / {_f(b, tb)})", "float"
         if e.op == "/":
             c = _float_const(e.right)
             if c:                # by a constant: a multiply by its reciprocal (no MUFU.RCP per element)
-                return f"({_f(a, ta)} * {_literal(1.0 / c)})", "float"
+                return f"({_f(a, ta)} * {c_literal(1.0 / c)})", "float"
             # approximate division (2 ulp): an IEEE divide per score element is slow
             return f"__fdividef({_f(a, ta)}, {_f(b, tb)})", "float"
         return f"({a} {e.op} {b})", t
 
     def call(self, e):
+        if e.op == "cast":
+            return self.cast(e)
         args = [self.expr(a) for a in e.args] if e.op != "gather" else []
         if e.op in _FLOAT_FN:
             x, t = args[0]
             if e.op == "abs" and t == "int":
                 return f"abs({x})", "int"
-            return f"{_FLOAT_FN[e.op]}({_f(x, t)})", "float"
+            if e.op == "sigmoid" and self.precise:
+                return f"(1.f / (1.f + expf(-{_f(x, t)})))", "float"
+            return f"{(_PRECISE_FN if self.precise else _FLOAT_FN)[e.op]}({_f(x, t)})", "float"
         if e.op == "relu":
             x, t = args[0]
             return f"fmaxf({_f(x, t)}, 0.f)", "float"
@@ -167,12 +182,20 @@ class _Lower:
         if e.op == "cdiv":
             (a, _), (b, _) = args
             return f"cuir_floordiv({a} + {b} - 1, {b})", "int"
-        if e.op == "cast":
-            x, t = args[0]
-            return (f"float({x})", "float") if t != "float" else (x, t)
         if e.op == "gather":
             return self.gather(e)
         raise LowerError(f"op {e.op}() has no CUDA lowering in a scalar expression")
+
+    def cast(self, e):
+        to = e.args[1].id if len(e.args) > 1 and isinstance(e.args[1], N.Name) else "f32"
+        outer, self.precise = self.precise, self.precise or to == "i32"
+        try:
+            x, t = self.expr(e.args[0])
+        finally:
+            self.precise = outer
+        if to == "i32":                  # C's float -> int conversion truncates toward zero, as torch's
+            return (x, t) if t == "int" else (f"int({x})", "int")
+        return (f"float({x})", "float") if t != "float" else (x, t)
 
     def gather(self, e):
         table = e.args[0]
@@ -196,7 +219,8 @@ def _float_const(e):
     return None
 
 
-def _literal(v: float) -> str:
+def c_literal(v: float) -> str:
+    """A float constant as CUDA source: `c_literal(2) == "2.0f"`, `c_literal(0.5) == "0.5f"`."""
     text = repr(float(v))
     return (text if ("." in text or "e" in text) else text + ".0") + "f"
 

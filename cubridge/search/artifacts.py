@@ -93,6 +93,28 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def portable_config(config: dict) -> dict:
+    """A config's JSON with no absolute path of this machine: the run directory is relocatable
+    (moved or copied to another machine, it loads the same), so it records its output as "." and
+    the config file by name only.
+
+    >>> portable_config({"output": "/home/u/out/x", "path": "/home/u/configs/x.yaml", "dtype": "bf16"})
+    {'output': '.', 'path': 'x.yaml', 'dtype': 'bf16'}
+    """
+    out = dict(config)
+    if "output" in out:
+        out["output"] = "."
+    if out.get("path"):
+        out["path"] = Path(out["path"]).name
+    return out
+
+
+def portable_options(options: list[str]) -> list[str]:
+    """Compiler options as a run directory records them: the reference kernel's include folder
+    (-I, an absolute path of the tuning machine) is left out; cubridge.paths finds it on load."""
+    return [o for o in options if not o.startswith("-I")]
+
+
 # ------------------------------------------------------------------ front and dispatch
 def _times(rec: dict, keys) -> list[float] | None:
     t = rec["outcome"].get("times_ms") or {}

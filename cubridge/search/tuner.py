@@ -24,41 +24,18 @@ import math
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from cubridge.config import ConfigError, TuneConfig
 from cubridge.runtime.build import available_compiler
 from cubridge.search import artifacts
-from cubridge.search.api import Job, Outcome, Proposal, TrialRecord, TrialState
+from cubridge.vocab import Job, Outcome, Proposal, TrialRecord, TrialState
+from cubridge.search.messages import Candidate, TuneResult, payload, proposer_options, run_jobs
 from cubridge.search.space import SPACES
 
 PROPOSAL_ROUNDS = 3        # ask -> screen -> tell rounds: an LLM proposer repairs its rejects
 MAX_IDLE_ASKS = 200        # consecutive asks that measure nothing (duplicates, invalid) before stopping
-
-
-@dataclass(frozen=True)
-class Candidate:
-    proposal: Proposal
-    reference: str
-    cuda_source: str | None = None    # an accepted LLM lowering, when the generators have none
-
-    @property
-    def id(self) -> str:
-        return self.proposal.id
-
-
-@dataclass
-class TuneResult:
-    status: str                       # tuned | screened | no_gpu | nothing_verified | no_trial_ok
-    message: str
-    out: Path
-    dispatch: list = field(default_factory=list)
-    records: list = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.status in ("tuned", "screened") else 1
 
 
 # ------------------------------------------------------------------ output directory
@@ -76,20 +53,9 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
                               hint="resume with the config it was started with, or use --out DIR")
         artifacts.TrialLog(out / "trials.jsonl").read()     # a damaged log refuses the resume before any work
     out.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key, "config": cfg.to_json()})
+    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key,
+                              "config": artifacts.portable_config(cfg.to_json())})
     return out
-
-
-def _payload(cfg: TuneConfig, cand: Candidate, point=None, **extra) -> dict:
-    s = cfg.shapes
-    if getattr(cand, "cuda_source", None) and "cuda_source" not in extra:
-        extra["cuda_source"] = cand.cuda_source        # an accepted LLM lowering (llm_lowering.py)
-    return {"candidate": cand.id, "reference": cand.reference, "origin": cand.proposal.origin,
-            "text": cand.proposal.text, "spec": cfg.spec, "spec_params": cfg.spec_params, "head_dim": s.head_dim,
-            "heads_q": s.heads_q, "heads_kv": s.heads_kv, "dtype": cfg.dtype, "arch": cfg.arch, "config": point,
-            "cache_dir": str((cfg.output / "cache").resolve()),
-            "shapes": [{"key": t.key, "batch": t.batch, "seqlen": t.seqlen} for t in s.targets],
-            "spec_source": Path(cfg.spec).read_text() if Path(cfg.spec).is_file() else None, **extra}
 
 
 # ------------------------------------------------------------------ population and screening
@@ -98,7 +64,7 @@ def load_population(out: Path) -> list[Candidate]:
     if not path.is_file():
         return []
     return [Candidate(Proposal((out / "candidates" / f"{c['id']}.cuir").read_text(), c["origin"], c["attempt"],
-                               c["parent"], tuple(c["notes"])), c["reference"])
+                               c["parent"], tuple(c["notes"]), c.get("binding")), c["reference"])
             for c in artifacts.read_json(path, where="--resume")]
 
 
@@ -110,14 +76,14 @@ def _save_population(out: Path, pop: list[Candidate]) -> None:
             p.write_text(c.proposal.text)
     artifacts.write_json(out / "population.json", [
         {"id": c.id, "origin": c.proposal.origin, "attempt": c.proposal.attempt, "parent": c.proposal.parent,
-         "notes": list(c.proposal.notes), "reference": c.reference} for c in pop])
+         "notes": list(c.proposal.notes), "reference": c.reference, "binding": c.proposal.binding} for c in pop])
 
 
 def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) -> tuple[list, dict, list]:
     """Ask every reference's proposer, screen, tell, repeat (bounded); candidates and verdicts
     persist in the output directory, so a resumed run screens nothing twice. Returns the
     population, its verdicts, and notes on proposers that proposed nothing."""
-    from cubridge.search.proposers import make_proposer
+    from cubridge.registry import make_proposer
     from cubridge.search.screen import ScreenContext
     pop = load_population(out)
     verdicts = {k: Outcome(TrialState(v["state"]), v["reason"]) for k, v in _read(out / "screen.json", {}).items()}
@@ -130,7 +96,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
             ctx = ScreenContext.build(ref, cfg.spec, spec_params=cfg.spec_params, quick=True,
                                       head_dims=(cfg.shapes.head_dim,))
             for kind in kinds:
-                options = _proposer_options(cfg, out) if kind == cfg.proposer.kind else {}
+                options = proposer_options(cfg, out) if kind == cfg.proposer.kind else {}
                 proposers[(ref, kind)] = make_proposer(kind, ctx, options)
     for round_ in range(PROPOSAL_ROUNDS if proposers else 1):
         for (ref, kind), prop in proposers.items():
@@ -147,7 +113,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
         if not todo:
             break
         say(f"screening {len(todo)} candidate(s) on CPU (parse, check, taxonomy, interpreter)")
-        results = run_jobs(runner, [Job("screen", _payload(cfg, c, quick=quick), cfg.runner.timeout_s, needs_gpu=False)
+        results = run_jobs(runner, [Job("screen", payload(cfg, c, quick=quick), cfg.runner.timeout_s, needs_gpu=False)
                                     for c in todo])
         for c in todo:
             verdicts[c.id] = results[c.id].outcome
@@ -156,16 +122,6 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
                 proposers[(c.reference, kind)].tell(c.proposal, verdicts[c.id])
         artifacts.write_json(out / "screen.json", {k: v.to_json() for k, v in verdicts.items()})
     return pop, verdicts, notes
-
-
-def run_jobs(runner, jobs: list[Job]) -> dict:
-    """Submit and wait for every job; results by candidate id."""
-    runner.submit(jobs)
-    done = {}
-    while len(done) < len(jobs):
-        for r in runner.results(timeout_s=5.0):
-            done[r.job.payload["candidate"]] = r
-    return done
 
 
 def _read(path: Path, default):
@@ -261,8 +217,8 @@ class Search:
             self._record(trial.number, cand, point, Outcome(TrialState.CONFIG_INVALID, "; ".join(problems)))
             self._tell(trial.number, self.records[trial.number])
             return False
-        payload = _payload(self.cfg, cand, point, trial=trial.number)
-        self.runner.submit([Job("measure", payload, self.cfg.runner.timeout_s, needs_gpu=True)])
+        body = payload(self.cfg, cand, point, trial=trial.number)
+        self.runner.submit([Job("measure", body, self.cfg.runner.timeout_s, needs_gpu=True)])
         self.inflight[trial.number] = (cand, point)
         return True
 
@@ -417,15 +373,3 @@ def _runner_options(cfg) -> dict:
     if cfg.runner.kind == "ray" and cfg.proposer.kind == "vllm" and o.get("ray_actor", True):
         return {"reserve_gpus": int(o.get("tensor_parallel_size") or 1)}
     return {}
-
-
-def _proposer_options(cfg, out) -> dict:
-    """The proposer's options, with defaults that follow from the run: an LLM proposer logs into
-    <output>/llm, and with the Ray runner the in-process vLLM engine runs in a Ray actor that
-    holds its GPUs (so timing workers are not scheduled on them)."""
-    options = dict(cfg.proposer.options)
-    if cfg.proposer.kind in ("vllm", "openai"):
-        options.setdefault("out_dir", str(Path(out) / "llm"))
-    if cfg.proposer.kind == "vllm" and cfg.runner.kind == "ray":
-        options.setdefault("ray_actor", True)
-    return options

@@ -14,6 +14,12 @@ CAUSAL = load_spec("causal")
 LSE_STORE = "store(LSE[b, h, q0:q0 + BLOCK_M], where(l_i == 0.0, -inf, m_i + log(l_i)))"
 
 
+def kernel_job_of(text, reference, spec):
+    from cubridge.search.messages import KernelJob
+    return KernelJob(candidate="mutant", reference=reference, origin="test", text=text, spec=spec, spec_params={},
+                     head_dim=64, heads_q=2, heads_kv=1, dtype="bf16", arch="sm_80")
+
+
 def mutate(text, old, new):
     assert text.count(old) == 1, old
     return text.replace(old, new)
@@ -54,10 +60,10 @@ def test_a_program_wrong_at_one_block_n_only_is_caught_at_that_config():
     qk = "s = mma(Qs, transpose(Ks[st]))"
     text = mutate(FA2, qk, qk + "\n                s = s * (1.5 if BLOCK_N == 32 else 1.0)")
     assert verify_program(parse(text), CAUSAL, cases=[Case(1, 2, 1, 130, 130, 16, 0)]).passed   # default BLOCK_N 64
-    payload = {"reference": "fa2_sm80", "text": text, "candidate": "mutant", "origin": "test", "spec": "causal",
-               "spec_params": {}}
-    assert verify_at_config({**payload, "config": {"block_m": 128, "block_n": 64, "stages": 2, "warps": 4}}) is None
-    outcome, _ = verify_at_config({**payload, "config": {"block_m": 64, "block_n": 32, "stages": 2, "warps": 4}})
+    from dataclasses import replace
+    job = kernel_job_of(text, "fa2_sm80", "causal")
+    assert verify_at_config(replace(job, config={"block_m": 128, "block_n": 64, "stages": 2, "warps": 4})) is None
+    outcome, _ = verify_at_config(replace(job, config={"block_m": 64, "block_n": 32, "stages": 2, "warps": 4}))
     assert outcome.state.value == "wrong_answer" and "'BLOCK_N': 32" in outcome.reason, outcome.reason
     assert "exceeds bound" in outcome.reason
 
@@ -98,7 +104,8 @@ def test_a_mask_that_disagrees_only_past_index_1000_is_caught(tmp_path):
     why = spec_mask_problem(spec, [512, 1100], heads=(2, 1))
     assert why.startswith("the spec's hooks (mask_mod / score_mod) disagree with its reference() at N=1100, "
                           "first at query row 1001"), why
-    outcome, _ = screen_job({"reference": "fa2_sm80", "text": FA2, "origin": "test", "spec": str(path),
-                             "spec_params": {}, "head_dim": 64, "heads_q": 2, "heads_kv": 1, "quick": True,
-                             "shapes": [{"key": "N=1100", "batch": 1, "seqlen": 1100}]})
+    from dataclasses import replace
+    from cubridge.search.messages import TargetShape
+    job = replace(kernel_job_of(FA2, "fa2_sm80", str(path)), quick=True, shapes=(TargetShape("N=1100", 1, 1100),))
+    outcome, _ = screen_job(job.to_json())
     assert outcome.state.value == "wrong_answer" and "query row 1001" in outcome.reason

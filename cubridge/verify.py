@@ -253,7 +253,7 @@ def run_case(program, spec, case, tdtype, params, spec_params, schedules, extra=
     if any(not torch.equal(a, b) for a, b in zip(before, (q, k, v))):
         return CaseResult(case, None, "inputs changed by the run")
     for name in runs[0]:
-        if not all(torch.equal(runs[0][name], r[name]) for r in runs[1:]):
+        if not all(_same(runs[0][name], r[name]) for r in runs[1:]):
             return CaseResult(case, None, f"two runs (different role schedules) differ in {name}: a race")
     verdict = rule.compare(runs[0]["O"], golden, ref)
     if verdict.passed and "LSE" in runs[0]:
@@ -263,6 +263,11 @@ def run_case(program, spec, case, tdtype, params, spec_params, schedules, extra=
         if lse is not None and not lse.passed:
             return CaseResult(case, lse, f"LSE: {lse.reason}")
     return CaseResult(case, verdict)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN equal to NaN: a NaN both runs leave is the rule's finding, not a race."""
+    return torch.equal(a, b) or (a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all()))
 
 
 def _lse_verdict(out, spec, q, k, spec_params):

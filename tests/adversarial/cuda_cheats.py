@@ -33,9 +33,9 @@ OUTPUT_CHEATS = [
     # The last KV tile of every query tile skipped (what a tile-skipping "optimisation" looks like).
     ("skip_the_last_kv_tile", {"kv_range": KV_RANGE.replace(
         CAUSAL_RETURN, "return KvRange{0, min(min(diag, whole_tiles), max(end - 1, 1)), max(end - 1, 1)};")}),
-    # Right while the keys fit in eight tiles (the small check shapes), wrong past them.
+    # Right while the keys fit in four tiles (the small check shapes), wrong past them.
     ("pass_only_at_short_lengths", {"kv_range": KV_RANGE.replace(
-        CAUSAL_RETURN, "return KvRange{0, min(min(diag, whole_tiles), min(end, 8)), min(end, 8)};")}),
+        CAUSAL_RETURN, "return KvRange{0, min(min(diag, whole_tiles), min(end, 4)), min(end, 4)};")}),
     # Half of O's rows never written (poisoned outputs show it).
     ("write_part_of_O", {"epilogue": EPILOGUE.replace(ROW_GUARD, "if (q_idx >= len_q || (q_idx & 64)) continue;")}),
     # LSE off by 5 (the O check alone cannot see it).

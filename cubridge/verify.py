@@ -118,7 +118,7 @@ def lse_of(spec, q, k, spec_params: dict):
     with no key), in q's dtype: the LSE a softmax kernel stores. None where the spec has no hooks
     or does not normalise with softmax (its kernels store no LSE)."""
     import math
-    from cubridge.spec import _eval_mask, index_grids
+    from cubridge.spec import index_grids, mask_of
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if not spec.has_hooks:
@@ -130,7 +130,7 @@ def lse_of(spec, q, k, spec_params: dict):
     b, h, qi, ki = index_grids(B, Hq, torch.arange(Nq), Nk, q.device)
     if hooks.score_mod is not None:
         scores = hooks.score_mod(scores, b, h, qi, ki).to(scores.dtype)
-    mask = _eval_mask(hooks, b, h, qi, ki)
+    mask = mask_of(hooks, b, h, qi, ki)
     return torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
 

@@ -54,6 +54,13 @@ def _spec_params(items) -> dict:
     return out
 
 
+def _head_dims(ref: str, dims, where: str):
+    """Refuse head dims the reference kernel is not built for (cubridge.paths.BUILT_HEAD_DIMS)."""
+    from cubridge.paths import check_head_dim
+    for D in sorted(dims):
+        check_head_dim(ref, D, where=where)
+
+
 def cmd_verify_ir(a) -> int:
     from cubridge.spec import load_spec
     from cubridge.verify import Case, default_cases, verify_program
@@ -62,6 +69,7 @@ def cmd_verify_ir(a) -> int:
     if a.shape:
         B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
         cases = [Case(B, Hq, Hkv, N, N, D, s) for s in range(a.seeds)]
+    _head_dims(prog.name, {c.D for c in cases}, "--shape" if a.shape else "--head-dim")
     report = verify_program(prog, spec, params=_params(a.param), cases=cases, dtype=a.dtype,
                             spec_params=_spec_params(a.spec_param))
     print(report.table())
@@ -71,6 +79,7 @@ def cmd_verify_ir(a) -> int:
 def cmd_check_ir(a) -> int:
     from cubridge.cuir.checker import check
     prog = _program(a.program)
+    _head_dims(prog.name, {a.head_dim}, "--head-dim")
     r = check(prog, params=_params(a.param), dims={"D": a.head_dim})
     print(f"{prog.name}: ok (D={a.head_dim}; " + ", ".join(f"{k}={v}" for k, v in r.params.items()) + ")")
     print("roles: " + ", ".join(f"{n} x{c} ({w} warps)" for n, w, c in r.roles) if r.roles else "roles: none")
@@ -90,7 +99,8 @@ def cmd_analyze(a) -> int:
     from cubridge.verify import Case
     B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
     spec = load_spec(a.spec) if a.spec else None
-    print(analyze(_program(a.program), Case(B, Hq, Hkv, N, N, D), params=_params(a.param), spec=spec).table())
+    print(analyze(_program(a.program), Case(B, Hq, Hkv, N, N, D), params=_params(a.param), spec=spec,
+                  spec_params=_spec_params(a.spec_param)).table())
     return 0
 
 
@@ -114,8 +124,11 @@ def cmd_transfer(a) -> int:
     from cubridge.transfer.rules import transfer
     from cubridge.verify import default_cases, verify_transfer
     ref = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
+    _head_dims(a.ref, {a.head_dim, int(a.shape.split(",")[-1])}, "--head-dim / --shape")
     spec = load_spec(a.spec)
     cand = transfer(ref, spec, params=_params(a.param), spec_params=_spec_params(a.spec_param))
+    for note in _trace_notes(spec, a):
+        print(f"note: {note}", file=sys.stderr)
     text = cand.text
     if a.out:
         Path(a.out).write_text(text)
@@ -135,6 +148,15 @@ def cmd_transfer(a) -> int:
                              spec_params=_spec_params(a.spec_param))
     print(report.table())
     return 0 if report.passed else 1
+
+
+def _trace_notes(spec, a) -> list[str]:
+    """What the tracer took as something not bit-identical (an approx::tanh as exact tanh)."""
+    from cubridge.transfer.trace import trace_mask, trace_score
+    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+    hooks = spec.hooks_for(N, N, Hq, Hkv, **_spec_params(a.spec_param))
+    notes = trace_mask(hooks.mask_mod).notes if hooks.mask_mod else []
+    return notes + (trace_score(hooks.score_mod).notes if hooks.score_mod else [])
 
 
 def cmd_lower(a) -> int:
@@ -165,6 +187,7 @@ def cmd_lower(a) -> int:
         return 0
     if shutil.which("nvcc") is None:
         raise CubridgeError("--compile needs nvcc on PATH", hint="install the CUDA toolkit or drop --compile")
+    _head_dims(a.ref, {a.head_dim}, "--head-dim")
     arch = (["-gencode=arch=compute_90a,code=sm_90a"] if a.ref == "fa3_sm90" else ["-arch=sm_80", "-DIS_BF16=1"])
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "variant.cu"
@@ -246,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     an = program_cmd("analyze", cmd_analyze, "FLOPs, bytes and KV tiles executed at one shape")
     an.add_argument("--shape", required=True, help="B,Hq,Hkv,N,D")
     an.add_argument("--spec", help="count useful FLOPs from this spec's mask")
+    an.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
     t = sub.add_parser("transfer", help="transfer a reference kernel's CuIR to a spec (rules), print it and verify it")
     t.add_argument("spec", help="a spec name or a .py file")
     t.add_argument("--ref", default="fa3_sm90", help="reference kernel (fa2_sm80, fa3_sm90)")

@@ -10,6 +10,20 @@ REPO_DIR = PACKAGE_DIR.parent
 REF_KERNELS_DIR = REPO_DIR / "ref_kernels"
 
 
+# Head dims each reference kernel is built for (its kernel.cu static_asserts HEAD_DIM). The one
+# place a tool asks: transfer, check-ir, verify-ir and lower refuse any other with this list.
+BUILT_HEAD_DIMS = {"fa2_sm80": (64, 128), "fa3_sm90": (64, 128)}
+
+
+def check_head_dim(ref: str, D: int, where: str | None = None):
+    """Refuse a head dim the reference kernel `ref` is not built for (no-op for unknown kernels)."""
+    built = BUILT_HEAD_DIMS.get(ref)
+    if built is not None and D not in built:
+        raise CubridgeError(f"head dim {D} is not built for {ref}: supported head dims are "
+                            f"{', '.join(map(str, built))}", where=where,
+                            hint=f"use --head-dim {' or '.join(map(str, built))}, or project q / k / v to one of them")
+
+
 def ref_kernel_names() -> list[str]:
     if not REF_KERNELS_DIR.is_dir():
         return []

@@ -112,6 +112,15 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
     merged = {**program.params(), **(params or {})}
     report = Report(program.name, spec.name, dname, merged)
     cases = cases or default_cases()
+    from cubridge.transfer.binding import binder, spec_mismatch
+    try:        # a transferred program: its extra inputs bound from the spec, as the tuner binds them
+        problem, bind = spec_mismatch(program, spec, spec_params), None
+        bind = None if problem else binder(program, spec, spec_params)
+    except CubridgeError as e:
+        problem = str(e).splitlines()[0]
+    if problem:
+        report.results.append(CaseResult(cases[0], None, problem))
+        return report
     checked = set()
     for case in cases:
         if static_check and case.D not in checked:
@@ -121,7 +130,14 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
                 report.results.append(CaseResult(case, None, f"static check: {e}"))
                 continue
             checked.add(case.D)
-        report.results.append(_run_case(program, spec, case, tdtype, params or {}, spec_params or {}, schedules))
+        try:
+            extra = bind.bind(Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B,
+                              params=params) if bind else None
+        except CubridgeError as e:
+            report.results.append(CaseResult(case, None, f"binding the extra inputs: {str(e).splitlines()[0]}"))
+            continue
+        report.results.append(_run_case(program, spec, case, tdtype, params or {}, spec_params or {}, schedules,
+                                        extra=extra))
     return report
 
 

@@ -10,14 +10,20 @@ REPO_DIR = PACKAGE_DIR.parent
 REF_KERNELS_DIR = REPO_DIR / "ref_kernels"
 
 
-# Head dims each reference kernel is built for (its kernel.cu static_asserts HEAD_DIM). The one
-# place a tool asks: transfer, check-ir, verify-ir and lower refuse any other with this list.
-BUILT_HEAD_DIMS = {"fa2_sm80": (64, 128), "fa3_sm90": (64, 128)}
+def built_head_dims(ref: str) -> tuple[int, ...] | None:
+    """Head dims reference kernel `ref` is built for (its tile space's, which the tuner and
+    configs use too), or None for a kernel without a space."""
+    from cubridge.search.space import SPACES
+    try:
+        return tuple(SPACES[ref].head_dims)
+    except (KeyError, CubridgeError):
+        return None
 
 
 def check_head_dim(ref: str, D: int, where: str | None = None):
-    """Refuse a head dim the reference kernel `ref` is not built for (no-op for unknown kernels)."""
-    built = BUILT_HEAD_DIMS.get(ref)
+    """Refuse a head dim the reference kernel `ref` is not built for (no-op for unknown kernels):
+    transfer, verify-ir and lower ask here."""
+    built = built_head_dims(ref)
     if built is not None and D not in built:
         raise CubridgeError(f"head dim {D} is not built for {ref}: supported head dims are "
                             f"{', '.join(map(str, built))}", where=where,

@@ -165,8 +165,8 @@ class _Parser:
         if call.func.id == "region":
             if len(call.args) != 1 or call.keywords or as_name:
                 self.fail(s, 'region takes only its name: `with region("softmax"):`')
-            if name not in N.REGIONS:
-                self.fail(s, f"unknown region {name!r}", f"regions: {', '.join(N.REGIONS)}")
+            if name not in N.ALL_REGIONS:
+                self.fail(s, f"unknown region {name!r}", f"regions: {', '.join(N.ALL_REGIONS)}")
             return N.Region(name, body, line=s.lineno)
         kw = {k.arg: self.expr(k.value) for k in call.keywords}
         unknown = set(kw) - {"warps", "count"}

@@ -148,7 +148,7 @@ class _Lower:
         if e.op == "/":
             c = _float_const(e.right)
             if c:                # by a constant: a multiply by its reciprocal (no MUFU.RCP per element)
-                return f"({_f(a, ta)} * {_literal(1.0 / c)})", "float"
+                return f"({_f(a, ta)} * {c_literal(1.0 / c)})", "float"
             # approximate division (2 ulp): an IEEE divide per score element is slow
             return f"__fdividef({_f(a, ta)}, {_f(b, tb)})", "float"
         return f"({a} {e.op} {b})", t
@@ -219,7 +219,8 @@ def _float_const(e):
     return None
 
 
-def _literal(v: float) -> str:
+def c_literal(v: float) -> str:
+    """A float constant as CUDA source: `c_literal(2) == "2.0f"`, `c_literal(0.5) == "0.5f"`."""
     text = repr(float(v))
     return (text if ("." in text or "e" in text) else text + ".0") + "f"
 

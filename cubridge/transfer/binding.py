@@ -79,6 +79,14 @@ def extra_inputs(program: N.Program) -> set[str]:
     return out - _BASE_INPUTS
 
 
+def spec_binder(program: N.Program, spec, spec_params: dict | None = None, params: dict | None = None):
+    """`binder(case) -> extra inputs` for verify_program, or None when the program has none."""
+    cand = binder(program, spec, spec_params)
+    if cand is None:
+        return None
+    return lambda case: cand.bind(Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B, params=params)
+
+
 def binder(program: N.Program, spec, spec_params: dict | None = None):
     """A Candidate whose bind() gives `program`'s extra inputs at a shape, or None when it has
     none. Raises CubridgeError when the spec binds other inputs than the program declares."""

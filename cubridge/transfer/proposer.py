@@ -14,8 +14,8 @@ Example:
 from __future__ import annotations
 
 from cubridge.errors import CubridgeError
-from cubridge.search.api import Outcome, Proposal, Proposer
-from cubridge.search.proposers import register
+from cubridge.vocab import Outcome, Proposal, Proposer
+from cubridge.registry import register
 from cubridge.transfer.rules import transfer
 
 
@@ -39,7 +39,7 @@ class RulesProposer(Proposer):
         except CubridgeError as e:          # untraceable hook: nothing to propose (an LLM may)
             self.error = str(e)
             return []
-        prop = Proposal(cand.text, "rules", notes=tuple(cand.rules))
+        prop = Proposal(cand.text, "rules", notes=tuple(cand.rules), binding=cand.binding.to_json())
         self.candidates[prop.id] = cand
         return [prop]
 

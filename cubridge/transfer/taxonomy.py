@@ -1,4 +1,4 @@
-"""The rule taxonomy of DESIGN.md as data, and the structural checker that enforces it.
+"""The rule taxonomy of docs/DESIGN.md as data, and the structural checker that enforces it.
 
 A transfer may change only: score transforms, mask predicates, the iteration space, the
 normalisation (with its epilogue), extra inputs and outputs, and the head mapping. Each rule names

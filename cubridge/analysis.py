@@ -96,7 +96,7 @@ def _for_spec(program, spec, spec_params, case, params):
     from cubridge.transfer.binding import binder, extra_inputs, recorded, spec_mismatch
     from cubridge.transfer.rules import transfer
     if recorded(program) is None and not extra_inputs(program):       # a reference kernel
-        program = transfer(program, spec, params=params, spec_params=spec_params).program
+        program = transfer(program, spec, spec_params=spec_params).program
     problem = spec_mismatch(program, spec, spec_params)
     if problem:
         raise CubridgeError(problem)

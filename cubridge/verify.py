@@ -186,6 +186,16 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
     merged = {**program.params(), **(params or {})}
     report = Report(program.name, spec.name, USER_DTYPE[dname], merged)
     cases = cases or default_cases()
+    from cubridge.transfer.binding import spec_binder, spec_mismatch
+    try:        # a transferred program: its extra inputs bound from the spec, as the tuner binds them
+        problem = spec_mismatch(program, spec, spec_params)
+        if not problem and binder is None:
+            binder = spec_binder(program, spec, spec_params, params)
+    except CubridgeError as e:
+        problem = str(e).splitlines()[0]
+    if problem:
+        report.results.append(CaseResult(cases[0], None, problem))
+        return report
     checked = set()
     for case in cases:
         if static_check and case.D not in checked:

@@ -9,6 +9,7 @@ Dense causal / full, bf16, D = 128, Llama2-7B heads (32 / 32), 16k tokens per sh
 
     python experiments/bench_bwd.py --out $OUT/bwd.json [--n 1024 8192] [--reps 20]
     python experiments/bench_bwd.py --sanitize-case    # small ragged GQA launches for compute-sanitizer
+    python experiments/bench_bwd.py --table $OUT/bwd.json
 """
 from __future__ import annotations
 
@@ -197,16 +198,30 @@ def sanitize_case() -> None:
             print(f"sanitize case D={d} {dtype} causal={causal} det={det}: finite={finite}")
 
 
+def write_json(path: Path, rows: list[dict], reps: int) -> None:
+    result = dict(gpu=torch.cuda.get_device_name(), device=torch.cuda.get_device_name(),
+                  date=datetime.now().isoformat(), versions=versions(),
+                  protocol=f"backward only (autograd.grad after one forward), round-robin, L2 flushed, "
+                           f"median of {reps}; TFLOPS = 2.5 x forward FLOPs on attended pairs",
+                  rows=rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="JSON file to write")
-    ap.add_argument("--n", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--n", type=int, nargs="+", default=[8192, 1024])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--configs", nargs="*", default=[], help="extra fa2_bwd_sm80 tile configs to time, "
                     "e.g. 64x64w4-dq64x64w4 (called directly, not through autograd)")
     ap.add_argument("--sanitize-case", action="store_true", help="run the small sanitizer launches and exit")
+    ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     args = ap.parse_args(argv)
+    if args.table:
+        print_table(json.loads(args.table.read_text())["rows"])
+        return 0
     if args.sanitize_case:
         sanitize_case()
         return 0
@@ -217,13 +232,8 @@ def main(argv=None) -> int:
                 rows += bench_shape(n, causal, args.reps, args.systems, args.configs)
             except Exception:   # noqa: BLE001 - keep the other shapes' rows
                 traceback.print_exc()
-    result = dict(gpu=torch.cuda.get_device_name(), device=torch.cuda.get_device_name(), date=datetime.now().isoformat(), versions=versions(),
-                  protocol=f"backward only (autograd.grad after one forward), round-robin, L2 flushed, "
-                           f"median of {args.reps}; TFLOPS = 2.5 x forward FLOPs on attended pairs",
-                  rows=rows)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+            if args.out:   # after every shape: a run cut short by its time limit keeps what it measured
+                write_json(args.out, rows, args.reps)
     print_table(rows)
     return 0
 

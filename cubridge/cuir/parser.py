@@ -18,7 +18,8 @@ from cubridge.cuir import nodes as N
 from cubridge.errors import CuIRSyntaxError
 
 _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
-           ast.Mod: "%", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^"}
+           ast.Mod: "%", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^",
+           ast.LShift: "<<", ast.RShift: ">>"}
 _UNARY = {ast.USub: "-", ast.Not: "not", ast.Invert: "~", ast.UAdd: "+"}
 _CMP = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
 _BOOL = {ast.And: "and", ast.Or: "or"}

@@ -25,6 +25,7 @@ Example:
 """
 from __future__ import annotations
 
+import hashlib
 import textwrap
 from dataclasses import dataclass, field, replace
 
@@ -33,6 +34,7 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
+from cubridge.transfer.evalmod import mask_values
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure
 from cubridge.transfer.trace import TraceError, trace_mask, trace_score
@@ -61,6 +63,55 @@ class _Form:
         return (self.mask, self.score, self.bias, self.scale)
 
 
+@dataclass(frozen=True)
+class Binding:
+    """How a candidate's extra inputs are bound at a shape, as data that travels in a job (so a
+    worker binds without redoing the transfer): the shape-dependent constants (slots: input name,
+    constant index, dtype), whether it reads a block table and whether per (batch, head), a
+    fingerprint of the traced hooks' structure (a shape whose hooks trace differently is refused),
+    and the program's tile params (the table's default block sizes).
+
+    >>> b = Binding((("C0", 1, "i32"),), table=False, skeleton="ab12", params=(("BLOCK_M", 128),))
+    >>> Binding.from_json(b.to_json()) == b
+    True
+    """
+    slots: tuple = ()
+    table: bool = False
+    per_bh: bool = False
+    skeleton: str = ""
+    params: tuple = ()
+
+    def to_json(self) -> dict:
+        return {"slots": [list(s) for s in self.slots], "table": self.table, "per_bh": self.per_bh,
+                "skeleton": self.skeleton, "params": dict(self.params)}
+
+    @staticmethod
+    def from_json(d: dict) -> "Binding":
+        return Binding(tuple(tuple(s) for s in d["slots"]), bool(d["table"]), bool(d["per_bh"]), d["skeleton"],
+                       tuple(sorted(d["params"].items())))
+
+
+def bind_inputs(binding: Binding, spec, spec_params: dict, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1,
+                params: dict | None = None, device="cpu") -> dict:
+    """The extra kernel inputs of a candidate at one shape: scalars, captured tensors, the block table."""
+    form = _trace(spec, Nq, Nk, Hq, Hkv, spec_params, device)
+    if _fingerprint(form) != binding.skeleton:
+        raise TraceError(f"the hooks of {spec.name!r} trace to a different structure at "
+                         f"Nq={Nq}, Nk={Nk}, Hq={Hq}: the transfer cannot be reused at this shape",
+                         where=spec.path, hint="make the hooks' structure independent of the shape")
+    consts = _consts(form)
+    inputs = {name: consts[i] for name, i, _ in binding.slots}
+    for name, t in form.captures.items():
+        t = t.detach().to("cpu")
+        inputs[name] = t.to(torch.int64) if not t.is_floating_point() else t.to(torch.float32)
+    if binding.table:
+        cfg = {**dict(binding.params), **(params or {})}
+        hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, **spec_params)
+        inputs["BLOCK_CLASS"] = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"],
+                                              binding.per_bh, device)
+    return inputs
+
+
 @dataclass
 class Candidate:
     """A target program, shape-generic, and how to bind its extra inputs at a shape."""
@@ -71,36 +122,28 @@ class Candidate:
     slots: list = field(default_factory=list)      # (input name, constant index, dtype)
     table: bool = False
     per_bh: bool = False
-    skeleton: tuple = ()
+    skeleton: str = ""                             # _fingerprint of the traced hooks
 
     @property
     def text(self) -> str:
         return to_text(self.program)
 
+    @property
+    def binding(self) -> Binding:
+        return Binding(tuple(tuple(s) for s in self.slots), self.table, self.per_bh, self.skeleton,
+                       tuple(sorted(self.program.params().items())))
+
     def bind(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
              device="cpu") -> dict:
         """The extra kernel inputs at one shape: scalars, captured tensors, the block table."""
-        form = _trace(self.spec, Nq, Nk, Hq, Hkv, self.spec_params, device)
-        if _skeleton(form) != self.skeleton:
-            raise TraceError(f"the hooks of {self.spec.name!r} trace to a different structure at "
-                             f"Nq={Nq}, Nk={Nk}, Hq={Hq}: the transfer cannot be reused at this shape",
-                             where=self.spec.path, hint="make the hooks' structure independent of the shape")
-        consts = _consts(form)
-        inputs = {name: consts[i] for name, i, _ in self.slots}
-        for name, t in form.captures.items():
-            t = t.detach().to("cpu")
-            inputs[name] = t.to(torch.int64) if not t.is_floating_point() else t.to(torch.float32)
-        if self.table:
-            cfg = {**self.program.params(), **(params or {})}
-            hooks = self.spec.hooks_for(Nq, Nk, Hq, Hkv, device, **self.spec_params)
-            inputs["BLOCK_CLASS"] = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"],
-                                                  self.per_bh, device)
-        return inputs
+        return bind_inputs(self.binding, self.spec, self.spec_params, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
+                           params=params, device=device)
 
 
-def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_params: dict | None = None,
-             device="cpu", **_ignored) -> Candidate:
-    """Target CuIR for `spec`, valid at every shape; `Candidate.bind` gives its extra inputs."""
+def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, device="cpu") -> Candidate:
+    """Target CuIR for `spec`, valid at every shape and tile config (tile params are chosen later:
+    `Candidate.bind(params=...)`, the checker and the tuner take them); `Candidate.bind` gives its
+    extra inputs."""
     spec_params = dict(spec_params or {})
     forms = [_trace(spec, *p, spec_params, device) for p in PROBES]
     if _skeleton(forms[0]) != _skeleton(forms[1]):
@@ -133,7 +176,7 @@ def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_par
     program = N.Program(body, source=f"<{spec.name} from {reference.name}>")
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
-    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _skeleton(forms[0]))
+    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _fingerprint(forms[0]))
 
 
 # ------------------------------------------------------------------ tracing and generalising
@@ -182,6 +225,11 @@ def _skeleton(form: _Form) -> tuple:
     return tuple(_map_consts(n, lambda c: N.Const(0)) for n in form.nodes()) + (form.norm_kind, tuple(form.captures))
 
 
+def _fingerprint(form: _Form) -> str:
+    """_skeleton as a short string (CuIR nodes are frozen dataclasses: their repr is canonical)."""
+    return hashlib.sha256(repr(_skeleton(form)).encode()).hexdigest()[:16]
+
+
 def _generalise(forms):
     """Constants that differ between the probe shapes become scalar inputs C0, C1, ..."""
     a, b = _consts(forms[0]), _consts(forms[1])
@@ -210,7 +258,7 @@ def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.T
     out = torch.empty(bs, hs, nqt, nkt, dtype=torch.int64, device=device)
     for i in range(nqt):
         q = torch.arange(i * BM, min((i + 1) * BM, Nq), device=device).view(1, 1, -1, 1)
-        m = hooks.mask_mod(b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
+        m = mask_values(hooks.mask_mod, b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
         m = m.expand(bs, hs, q.shape[2], nkt * BN).reshape(bs, hs, q.shape[2], nkt, BN)
         valid = (kv < Nk).reshape(1, 1, 1, nkt, BN)
         anyv = m.any(dim=(2, 4))

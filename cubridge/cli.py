@@ -72,12 +72,12 @@ def _spec_params(items) -> dict:
 
 
 def _head_dims(ref: str, dims, where: str, program=None, note: bool = True):
-    """Head dims the reference kernel is not built for (cubridge.paths.built_head_dims): refused
+    """Head dims the reference kernel is not built for (cubridge.runtime.kernels.built_head_dims): refused
     outright without `program`; with it, refused where its static check fails there but passes
     at a built head dim (the shared-memory overflow would hide the reason), else noted on stderr
     (the interpreter verifies the CuIR at any D; lower --compile refuses it)."""
     from cubridge.cuir.checker import check
-    from cubridge.paths import built_head_dims, check_head_dim
+    from cubridge.runtime.kernels import built_head_dims, check_head_dim
 
     def passes(D):
         try:

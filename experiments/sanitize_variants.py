@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+import expkit  # noqa: F401 - makes the checkout's cubridge importable (experiments/expkit.py)
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cubridge import rule  # noqa: E402
 from cubridge.cuir.parser import parse_file  # noqa: E402
 from cubridge.lower import lower  # noqa: E402

@@ -347,7 +347,8 @@ def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> T
     own = runner is None
     if own:
         from cubridge.search.runners import make_runner
-        runner = make_runner(cfg.runner.kind, address=cfg.runner.address, replay=cfg.runner.replay)
+        runner = make_runner(cfg.runner.kind, address=cfg.runner.address, replay=cfg.runner.replay,
+                             **_runner_options(cfg))
     try:
         out = prepare_output(cfg, resume)
         say(f"{cfg.name}: spec {cfg.spec}, reference {', '.join(cfg.references)}, {cfg.arch} {cfg.dtype}, "
@@ -382,3 +383,12 @@ def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> T
     finally:
         if own:
             runner.close()
+
+
+def _runner_options(cfg) -> dict:
+    """The Ray runner is built before the proposer: with the in-process vLLM engine in a Ray actor it
+    must leave the engine's GPUs free, or the engine waits for them for ever (issue 20)."""
+    o = cfg.proposer.options
+    if cfg.runner.kind == "ray" and cfg.proposer.kind == "vllm" and o.get("ray_actor", True):
+        return {"reserve_gpus": int(o.get("tensor_parallel_size") or 1)}
+    return {}

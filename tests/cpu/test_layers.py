@@ -101,9 +101,6 @@ KNOWN_CYCLES = {
     frozenset({"cubridge.transfer.trace", "cubridge.transfer.trace_ops", "cubridge.transfer.trace_table"}):
         "the tracer's Sym operators dispatch into trace_ops / trace_table, which build Syms "
         "(fix: an op table registered into trace.py instead of imported from it)",
-    frozenset({"cubridge.op.library", "cubridge.op.tuned"}):
-        "the custom op's registration looks up the TunedOp of a call in op.tuned, which imports the "
-        "registration (fix: a lookup table in op.library that op.tuned fills)",
 }
 
 

@@ -99,3 +99,18 @@ def test_variant_gradients_under_emulation(tmp_path, case):
     if det:
         assert all(torch.equal(a.view(torch.int16), c.view(torch.int16)) for a, c in zip(*runs)), \
             "deterministic mode differs between thread schedules"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("name, det", [("share_question", False), ("composite", True), ("relu", False)])
+def test_variant_backward_compiles_for_sm90(tmp_path, name, det):
+    """The lowered backward builds with nvcc (block table, softcap derivative + sigmoid, relu)."""
+    bwd = VariantBackward(name)
+    src = tmp_path / "src"
+    shutil.copytree(KERNEL_DIR, src)
+    (src / "kernel.cu").write_text(bwd.source)
+    cmd = [NVCC, "-cubin", "-arch=sm_90a", "-O3", "-std=c++17", "-I.", "-o", str(tmp_path / "k.cubin"),
+           *default_config(128).defines(128, BF16, False, det), "kernel.cu"]
+    proc = subprocess.run(cmd, cwd=src, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "k.cubin").stat().st_size > 0

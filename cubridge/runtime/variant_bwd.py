@@ -55,11 +55,12 @@ class VariantBackward:
                                      params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n})
         return self.lowered.args(inputs, device)
 
-    def __call__(self, dout, q, k, v, out, lse, sm_scale: float | None = None, deterministic: bool = False):
+    def __call__(self, dout, q, k, v, out, lse, sm_scale: float | None = None, deterministic: bool = False,
+                 dq=None, dk=None, dv=None):
         b, hq, nq, d = q.shape
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
-                           variant=va)
+                           dq=dq, dk=dk, dv=dv, variant=va)
 
 
 def reference_forward(spec, q, k, v, **spec_params):

@@ -91,43 +91,39 @@ __device__ __forceinline__ void add_dq(const Consumer& cs, float* __restrict__ d
   }
 }
 
-// LSE (log2 units; +inf past Nq or for a row that attended nothing, so P = 0) and Dvec of the
-// 16 query columns this thread holds: index 2j + e is column 8j + col0 + e.
-__device__ __forceinline__ void load_rows(const Consumer& cs, const float* __restrict__ lse,
-                                          const float* __restrict__ dvec, int bh_q, int m0,
-                                          int seqlen_q, float (&lse2)[kPRegs], float (&dv)[kPRegs]) {
+// LSE (log2 units; +inf past Nq or for a row that attended nothing, so P = 0) and Dvec of one
+// query row. Read where used (L1 hits): preloading all 16 of each per thread cost 32 registers
+// at the peak and spilled 24 bytes at D = 128 causal.
+struct RowTerms { float lse2; float dvec; };
+__device__ __forceinline__ RowTerms row_terms(const float* __restrict__ lse, const float* __restrict__ dvec,
+                                              size_t row_base, int q_idx, int seqlen_q) {
+  if (q_idx >= seqlen_q) return RowTerms{kPosInf, 0.f};
+  const float l = __ldg(lse + row_base + q_idx);
+  return RowTerms{l == kNegInf ? kPosInf : l * kLog2e, __ldg(dvec + row_base + q_idx)};
+}
+
+// S^T -> P^T (in s) and dP^T -> dS^T (in dp), masked on partial steps.
+// One body with a runtime `partial` (two template copies spilled 12 bytes at D = 128 causal).
+__device__ __forceinline__ void probs_and_ds(bool partial, const Consumer& cs, float (&s)[kSRegs], float (&dp)[kSRegs],
+                                             const float* __restrict__ lse, const float* __restrict__ dvec,
+                                             float scale_log2, const Problem& pb, int g, int m0) {
+  const int kv_base = pb.n0 + cs.c * kWgRows + cs.row0();
+  const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int q_idx = m0 + 8 * j + cs.col0() + e;
-      const bool in = q_idx < seqlen_q;
-      const size_t i = size_t(bh_q) * seqlen_q + (in ? q_idx : 0);
-      const float l = in ? __ldg(lse + i) : kPosInf;
-      lse2[2 * j + e] = l == kNegInf ? kPosInf : l * kLog2e;
-      dv[2 * j + e] = in ? __ldg(dvec + i) : 0.f;
-    }
-}
-
-// S^T -> P^T (in s) and dP^T -> dS^T (in dp), masked on partial steps.
-template <bool kPartial>
-__device__ __forceinline__ void probs_and_ds(const Consumer& cs, float (&s)[kSRegs], float (&dp)[kSRegs],
-                                             const float (&lse2)[kPRegs], const float (&dvec)[kPRegs],
-                                             float scale_log2, const Problem& pb, int g, int m0) {
-  const int kv_base = pb.n0 + cs.c * kWgRows + cs.row0();
+      const RowTerms rt = row_terms(lse, dvec, row_base, q_idx, pb.seqlen_q);
 #pragma unroll
-  for (int j = 0; j < kBlockM / 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = 4 * j + 2 * h + e;
-        const int kv_idx = kv_base + 8 * h, q_idx = m0 + 8 * j + cs.col0() + e;
-        const bool keep = !kPartial || ((kv_idx < pb.seqlen_k) &
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * j + 2 * h + e, kv_idx = kv_base + 8 * h;
+        const bool keep = !partial || ((kv_idx < pb.seqlen_k) &
                                         mask_pred(pb.b, pb.h_kv * pb.group + g, q_idx, kv_idx));
         s[i] = score(s[i], scale_log2);
-        softmax_bwd(s[i], dp[i], lse2[2 * j + e], dvec[2 * j + e], keep);
+        softmax_bwd(s[i], dp[i], rt.lse2, rt.dvec, keep);
       }
+    }
 }
 
 // dK (scaled) and dV rows of this consumer to global memory, rows below Nk.
@@ -160,22 +156,22 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   for (int g = 0; has_work && g < pb.group; ++g)
     for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) {
       const int st = it % kStages, m0 = m * kBlockM, bh_q = pb.bh_q(g);
-      float lse2[kPRegs], dvv[kPRegs];
-      load_rows(cs, lse, dvec, bh_q, m0, pb.seqlen_q, lse2, dvv);   // latency behind the wait
       mbar_wait(sm.q_full + 8 * st, (it / kStages) & 1);
       float s[kSRegs], dp[kSRegs];
+      // K / V descriptors are loop-invariant: hoisted, 16 of them took 32 registers and spilled
+      // 24 bytes at D = 128. An opaque copy per step keeps them recomputed (a few integer ops).
+      uint32_t kr = k_rows, vr = v_rows, kt = sm.k;
+      asm volatile("" : "+r"(kr), "+r"(vr), "+r"(kt));
       wgmma_fence();
-      gemm_xt(s, k_rows, sm.q_tile(st));
+      gemm_xt(s, kr, sm.q_tile(st));
       wgmma_commit();
-      gemm_xt(dp, v_rows, sm.do_tile(st));
+      gemm_xt(dp, vr, sm.do_tile(st));
       wgmma_commit();
       wgmma_wait<0>();
       reg_fence(s);
       reg_fence(dp);
-      if (step_partial(m0, pb.n0 + cs.c * kWgRows, pb.seqlen_k))
-        probs_and_ds<true>(cs, s, dp, lse2, dvv, scale_log2, pb, g, m0);
-      else
-        probs_and_ds<false>(cs, s, dp, lse2, dvv, scale_log2, pb, g, m0);
+      probs_and_ds(step_partial(m0, pb.n0 + cs.c * kWgRows, pb.seqlen_k), cs, s, dp, lse, dvec,
+                   scale_log2, pb, g, m0);
       uint32_t p16[kPRegs], ds16[kPRegs];
       pack_frag(p16, s);
       pack_frag(ds16, dp);
@@ -190,7 +186,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       else cs.wg_sync();
       float dq[kDqRegs];
       wgmma_fence();
-      gemm_dq(dq, slot, sm.k, cs.c);
+      gemm_dq(dq, slot, kt, cs.c);
       wgmma_commit();
       wgmma_wait<0>();
       reg_fence(dq);

@@ -29,6 +29,7 @@
 #else
 struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };
 typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef unsigned long long uint64_t;
 #endif

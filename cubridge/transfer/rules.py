@@ -34,6 +34,7 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
+from cubridge.transfer.binding import add_record
 from cubridge.transfer.evalmod import mask_values
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure
@@ -173,7 +174,7 @@ def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, dev
         dims = "BLOCK_CLASS_B, BLOCK_CLASS_H, " if per_bh else ""
         decls.append(_stmts(f"BLOCK_CLASS = global_input(i32, [{dims}BLOCK_CLASS_M, BLOCK_CLASS_N])")[0])
     body = _add_io(body, decls, drop_lse=forms[0].norm_kind != "softmax")
-    program = N.Program(body, source=f"<{spec.name} from {reference.name}>")
+    program = add_record(N.Program(body, source=f"<{spec.name} from {reference.name}>"), spec, spec_params)
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
     return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _fingerprint(forms[0]))

@@ -177,6 +177,10 @@ def test_torch_compile_fullgraph_traces_through_the_op(run_dir):
     assert torch.equal(o, 2 * q.transpose(1, 2)) and lse.shape == (2, 8, 64)
     o2 = torch.compile(lambda a, b, c: attn(a, b, c) + 0, fullgraph=True, backend="aot_eager")(q, k, v)
     assert torch.equal(o2, q)
+    dyn = torch.compile(lambda a, b, c: attn(a, b, c) * 2, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n in (64, 96, 130):                           # dynamic sequence lengths: one graph, no break
+        q, k, v = qkv(n=n)
+        assert torch.equal(dyn(q, k, v), 2 * q)
 
 
 def test_fake_tensor_mode_and_opcheck(run_dir):

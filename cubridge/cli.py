@@ -77,11 +77,11 @@ def _head_dims(ref: str, dims, where: str, program=None, note: bool = True):
     at a built head dim (the shared-memory overflow would hide the reason), else noted on stderr
     (the interpreter verifies the CuIR at any D; lower --compile refuses it)."""
     from cubridge.cuir.checker import check
-    from cubridge.runtime.kernels import built_head_dims, check_head_dim
+    from cubridge.runtime.kernels import built_head_dims, check_head_dim, fit_params
 
     def passes(D):
         try:
-            check(program, dims={"D": D})
+            check(program, params=fit_params(program, D), dims={"D": D})
             return True
         except CubridgeError:
             return False
@@ -133,7 +133,8 @@ def cmd_check_ir(a) -> int:
     prog = _program(a.program)
     from cubridge.search.space import SPACES
     _head_dims(prog.name, {a.head_dim}, "--head-dim", program=prog)
-    r = check(prog, params=_params(a.param), dims={"D": a.head_dim})
+    from cubridge.runtime.kernels import fit_params
+    r = check(prog, params=fit_params(prog, a.head_dim, _params(a.param)), dims={"D": a.head_dim})
     space = SPACES.get(prog.name)
     # The CuIR may hold at any D, but the reference kernel is built for a few head dims only: "ok"
     # at another would say more than is true (configs and the tuner refuse it).
@@ -209,7 +210,8 @@ def cmd_transfer(a) -> int:
         sys.stdout.write(cand.text)
     print(f"# rules applied: {', '.join(cand.rules)}")
     B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
-    extra = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=_params(a.param))
+    from cubridge.runtime.kernels import fit_params
+    extra = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=fit_params(cand.program, D, _params(a.param)))
     if extra:
         print(f"# extra inputs at N={N}, Hq={Hq}: " + ", ".join(
             f"{k} = {v}" if not hasattr(v, "shape") else f"{k} {list(v.shape)}" for k, v in extra.items()))

@@ -72,8 +72,9 @@ def refuse_or_header(problems: list[str], *, force: bool, what: str, comment: st
 
 def static_problems(program, head_dim: int) -> list[str]:
     from cubridge.cuir.checker import check
+    from cubridge.runtime.kernels import fit_params
     try:
-        check(program, dims={"D": head_dim})
+        check(program, params=fit_params(program, head_dim), dims={"D": head_dim})
     except CubridgeError as e:
         return [f"static check failed: {str(e).splitlines()[0]}"]
     return []

@@ -176,6 +176,13 @@ def make_inputs(case: Case, dtype: torch.dtype):
     return q, k, v
 
 
+def _fit_params(program: N.Program, D: int, params: dict | None) -> dict:
+    """params, or the reference kernel's own tile at head dim D where the program's defaults do
+    not fit there (cubridge.runtime.kernels.fit_params; imported here, the layer above)."""
+    from cubridge.runtime.kernels import fit_params
+    return fit_params(program, D, params)
+
+
 def verify_program(program: N.Program, spec, *, params: dict | None = None, cases=None,
                    dtype="bf16", spec_params: dict | None = None, schedules=("in_order", "reverse"),
                    static_check: bool = True, binder=None) -> Report:
@@ -187,6 +194,7 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
     report = Report(program.name, spec.name, USER_DTYPE[dname], merged)
     cases = cases or default_cases()
     from cubridge.transfer.binding import spec_binder, spec_mismatch
+    given_binder = binder
     try:        # a transferred program: its extra inputs bound from the spec, as the tuner binds them
         problem = spec_mismatch(program, spec, spec_params)
         if not problem and binder is None:
@@ -197,20 +205,27 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
         report.results.append(CaseResult(cases[0], None, problem))
         return report
     checked = set()
+    own_binder = given_binder
     for case in cases:
+        at_d = _fit_params(program, case.D, params)      # e.g. fa3_sm90's own tile at D = 256
+        if at_d and not params:
+            report.params = {**program.params(), **at_d}
         if static_check and case.D not in checked:
             try:
-                check(program, params=params, dims={"D": case.D}, dtype=dname)
+                check(program, params=at_d, dims={"D": case.D}, dtype=dname)
             except CubridgeError as e:
                 report.results.append(CaseResult(case, None, f"static check: {e}"))
                 continue
             checked.add(case.D)
         try:
-            extra = binder(case) if binder else None
+            case_binder = binder
+            if own_binder is None and binder is not None and at_d != (params or {}):
+                case_binder = spec_binder(program, spec, spec_params, at_d)   # tables at that tile
+            extra = case_binder(case) if case_binder else None
         except CubridgeError as e:
             report.results.append(CaseResult(case, None, f"binding extra inputs: {str(e).splitlines()[0]}"))
             continue
-        report.results.append(run_case(program, spec, case, tdtype, params or {}, spec_params or {}, schedules,
+        report.results.append(run_case(program, spec, case, tdtype, at_d, spec_params or {}, schedules,
                                          extra=extra))
     return report
 
@@ -232,14 +247,17 @@ def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, c
     checked = set()
     for case in cases or default_cases():
         try:
+            at_d = _fit_params(cand.program, case.D, params)
+            if at_d and not params:
+                report.params = {**reference.params(), **at_d}
             if case.D not in checked:
-                check(cand.program, params=params, dims={"D": case.D}, dtype=dname)
+                check(cand.program, params=at_d, dims={"D": case.D}, dtype=dname)
                 checked.add(case.D)
-            extra = cand.bind(Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B, params=params)
+            extra = cand.bind(Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B, params=at_d)
         except CubridgeError as e:
             report.results.append(CaseResult(case, None, f"transfer: {str(e).splitlines()[0]}"))
             continue
-        report.results.append(run_case(cand.program, spec, case, tdtype, params or {}, spec_params or {},
+        report.results.append(run_case(cand.program, spec, case, tdtype, at_d, spec_params or {},
                                          schedules, extra=extra))
     return report
 

@@ -47,7 +47,7 @@ SMEM_LIMIT = 227 * 1024
 PANEL_COLS = 64          # TMA box width: 128 bytes, the swizzle span
 WG_ROWS = 64             # rows of Q per consumer warpgroup (wgmma M)
 WG_THREADS = 128
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 TILE_SLOTS = 2           # depth of the producer -> consumer tile ring
 TILE_SLOT_BYTES = 128    # one TileMsg (tile index, heads, KV range)
 
@@ -129,6 +129,12 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     >>> default_config(128, causal=False, seqlen=8192).block_n, default_config(128, False, variant=True).block_n
     (176, 128)
     """
+    if head_dim == 256:
+        # FlashAttention-3's hdim-256 tiles (hopper/tile_size.h): 128 x 80 (64 with a window), two
+        # stages; 64 + 160 KB of Q and K/V: one Q slot, O staged in it. 128 x 64 compiles spill-free
+        # under 40 / 232 registers, 128 x 80 under 24 / 240 (2 bytes per tile; kernel.cu).
+        # A lowered variant (softcap, window) takes 128 x 64. Not yet measured on an H100.
+        return Fa3Config(head_dim, 128, 64 if variant else 80, 2, causal, bf16, persistent=True)
     if head_dim == 64:
         if causal and seqlen <= 2048:
             # d64 causal 1k: v3 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226. Stages: 3 vs 2

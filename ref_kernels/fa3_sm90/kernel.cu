@@ -293,9 +293,14 @@ struct Problem {
 // (kProducerReadsTable, set by a generated kv_range region) spilled under 40 (share_question, 62
 // bytes); up to BLOCK_N 128 it takes 56 and the consumers 224, spill-free there (176-column
 // consumers spill under 224). Every other kernel keeps 40 / 232.
+// HEAD_DIM 256 with BLOCK_N > 64 (a 64 x 256 O accumulator: 128 registers per thread): 24 / 240,
+// as FlashAttention-3 runs it. nvcc 13.0, 128 x 80 causal: under 232 the consumers spill 50 bytes;
+// under 240 they spill 2 (once per tile) and the one producer thread ~20. 128 x 64 is spill-free
+// under 40 / 232 and keeps it.
 constexpr bool kScanningProducer = kProducerReadsTable && kConsumers == 2 && kBlockN <= 128;
-constexpr int kProducerRegs = kConsumers == 2 ? (kScanningProducer ? 56 : 40) : 32;
-constexpr int kConsumerRegs = kConsumers == 2 ? (kScanningProducer ? 224 : 232) : 160;
+constexpr bool kWideHead = kHeadDim == 256 && kBlockN > 64 && !kScanningProducer;
+constexpr int kProducerRegs = kConsumers == 2 ? (kScanningProducer ? 56 : kWideHead ? 24 : 40) : 32;
+constexpr int kConsumerRegs = kConsumers == 2 ? (kScanningProducer ? 224 : kWideHead ? 240 : 232) : 160;
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <=
                   kEntryRegs * kThreads,
               "setmaxnreg budgets exceed the CTA's register allocation (consumers would hang)");

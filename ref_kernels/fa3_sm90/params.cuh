@@ -100,7 +100,9 @@ constexpr int kBarWgTurn0 = 1;                       // wg_turn[c] = kBarWgTurn0
 constexpr int kBarEpilogue0 = kBarWgTurn0 + kConsumers;   // epilogue_sync[c], 128 threads
 constexpr int kMaxNamedBarriers = 16;
 
-static_assert(kHeadDim == 64 || kHeadDim == 128, "HEAD_DIM must be 64 or 128");
+static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "HEAD_DIM must be 64, 128 or 256");
+static_assert(kHeadDim != 256 || kBlockM == 128,
+              "HEAD_DIM 256 needs BLOCK_M 128: a third consumer's 64 x 256 O accumulator does not fit");
 static_assert(kBlockM == 128 || kBlockM == 192, "BLOCK_M must be 128 (2 consumers) or 192 (3)");
 static_assert(kBlockN % kMmaK == 0 && kBlockN >= kMmaK && kBlockN <= 256,
               "BLOCK_N must be a multiple of 16 in [16, 256] (wgmma N, TMA box)");

@@ -9,7 +9,8 @@ import pytest
 from cubridge.cli import main
 from cubridge.analysis import analyze
 from cubridge.cuir.parser import parse, parse_file
-from cubridge.paths import built_head_dims, ref_kernel_dir
+from cubridge.paths import ref_kernel_dir
+from cubridge.runtime.kernels import built_head_dims
 from cubridge.spec import load_spec
 from cubridge.transfer.binding import recorded
 from cubridge.transfer.rules import transfer
@@ -66,14 +67,15 @@ def test_shape_dependent_constants_stay_inputs(fa2):
     assert cand.slots and recorded(cand.program) == ("prefixlm", {"prefix": None})
 
 
+# fa3_sm90 builds D = 256 since branch d256 (tests/cpu/test_fa3_sm90_d256.py); 512 nowhere.
 @pytest.mark.parametrize("argv", [
-    ("check-ir", "fa3_sm90", "--head-dim", "256"),      # was "shared memory ... exceeds" (issue 19)
-    ("verify-ir", "fa3_sm90", "--spec", "causal", "--shape", "1,2,1,64,256"),
-    ("transfer", "causal", "--head-dim", "256", "--quick"),
-    ("lower", "causal", "--ref", "fa3_sm90", "--compile", "--head-dim", "256"),
+    ("check-ir", "fa3_sm90", "--head-dim", "512"),       # was "shared memory ... exceeds" (issue 19)
+    ("verify-ir", "fa3_sm90", "--spec", "causal", "--shape", "1,2,1,64,512"),
+    ("transfer", "causal", "--head-dim", "512", "--quick"),
+    ("lower", "causal", "--ref", "fa3_sm90", "--compile", "--head-dim", "512"),
 ])
 def test_unbuilt_head_dim_is_refused_naming_the_supported_ones(capsys, argv):
     code, out = run(capsys, *argv)
     built = built_head_dims("fa2_sm80" if "fa2_sm80" in argv else "fa3_sm90")
-    assert code == 2 and "head dim 256 is not built" in out, out
+    assert code == 2 and "head dim 512 is not built" in out, out
     assert ", ".join(map(str, built)) in out

@@ -140,3 +140,27 @@ def check_head_dim(ref: str, D: int, where: str | None = None):
         raise CubridgeError(f"head dim {D} is not built for {ref}: supported head dims are "
                             f"{', '.join(map(str, built))}", where=where,
                             hint=f"use --head-dim {' or '.join(map(str, built))}, or project q / k / v to one of them")
+
+
+def fit_params(program, D: int, params: dict | None = None) -> dict:
+    """The CuIR params to check and run `program` (a reference kernel's program or a transfer of
+    it) at head dim D: `params` when given or when the program's own param(...) defaults pass the
+    static check at D; else the kernel's measured default tile at D (its space's first best_known
+    point), e.g. fa3_sm90 at D = 256, whose 128 x 128 defaults overflow shared memory there.
+    Unknown kernels and unbuilt head dims keep `params` (the check then says what is wrong)."""
+    from cubridge.cuir.checker import check
+    if params:
+        return dict(params)
+    try:
+        check(program, dims={"D": D})
+        return {}
+    except CubridgeError:
+        pass
+    try:
+        space = reference_kernel(program.name).space
+    except CubridgeError:
+        return {}
+    if space is None or D not in space.head_dims:
+        return {}
+    points = [p for p in space.best_known(D) if not space.problems(p, D, space.arches[0])]
+    return dict(space.to_cuir(points[0])) if points else {}

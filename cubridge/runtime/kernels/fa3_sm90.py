@@ -24,7 +24,9 @@ from cubridge.runtime.space import Constraint, Param, Space
 # Spill-free accumulator budget per consumer thread, by consumer count. Measured on sm_90a
 # (ref_kernels/fa3_sm90/README.md, NOTES.md v2): 3 consumers (160 regs after setmaxnreg) spill at
 # D=64 BLOCK_N=144 (estimate 140) and not at BLOCK_N=128 (128); 2 consumers (232 regs) compile
-# spill-free at D=128 BLOCK_N=176 (196) and spill at BLOCK_N=256 (224 at D=64).
+# spill-free at D=128 BLOCK_N=176 (196) and spill at BLOCK_N=256 (224 at D=64). D=256: BLOCK_N 64
+# (172) is spill-free under 232, BLOCK_N 80 (188) spills 2 bytes under 240 (kernel.cu gives D=256
+# 24 / 240 there); 96 (200) is refused, and shared memory refuses it too.
 FA3_ACC_REG_BUDGET = {2: 196, 3: 128}
 
 
@@ -71,7 +73,9 @@ def _fa3_divisibility(point, head_dim, arch):
 # Measured best beyond the runtime defaults: three consumers at D = 128 for a normalisation with
 # two transcendentals per score (composite: 0.83-0.86x of causal softmax at 8k vs 0.78-0.82x at
 # 128 x 128, H100, experiments/results/variant_tiles_192_h100/ and session5_close_h100/).
-_FA3_EXTRA_KNOWN = {128: [{"block_m": 192, "block_n": 80, "stages": 2, "persistent": True}]}
+# D = 256: 128 x 64, the lowered variants' default (FlashAttention-3's tile with a window).
+_FA3_EXTRA_KNOWN = {128: [{"block_m": 192, "block_n": 80, "stages": 2, "persistent": True}],
+                    256: [{"block_m": 128, "block_n": 64, "stages": 2, "persistent": True}]}
 
 
 def _fa3_best_known(head_dim: int) -> list[dict]:

@@ -288,3 +288,11 @@ def test_build_writes_a_relocatable_run_from_default_configs(tmp_path, monkeypat
     assert attn.select(1000)["max_seqlen"] == 2896 and attn.select(100000)["min_seqlen"] == 2897
     cubin = attn._buckets[0].cubin()
     assert cubin[:4] == b"\x7fELF" and cubin == (moved / attn.buckets[0]["cubin"]).read_bytes()
+
+
+def test_a_run_binds_its_own_kernel(run_dir):
+    """Binding re-derives the rules candidate from the run's spec copy (spec.py) and must find the
+    run's own program: the transfer records the spec's name in it, so the copy loads under the name
+    the run was tuned as (an H100 run of bench_op failed every variant on this before the fix)."""
+    for bucket in cubridge.load(run_dir)._buckets:
+        assert callable(bucket.binder())

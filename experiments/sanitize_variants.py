@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
 from cubridge import rule  # noqa: E402
 from cubridge.cuir.parser import parse_file  # noqa: E402
 from cubridge.lower import lower  # noqa: E402

@@ -2,6 +2,8 @@
 
     attention(q, k, v, handle, scale, runtime) -> out              # q [B, Hq, N, D] (a view the kernel reads)
     attention_lse(q, k, v, handle, scale, runtime) -> (out, lse)   # lse [B, Hq, N] float32
+    attention_backward(dout, q, k, v, out, lse, handle, scale, runtime) -> (dq, dk, dv)
+                                                                    # attention_lse's autograd backward
 
 `handle` names the TunedOp (cubridge.load's result) in this process; `runtime` are the spec's
 runtime inputs in declared order. The fake implementations return empty tensors of the output
@@ -36,6 +38,29 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int
 def _attention_lse_fake(q, k, v, handle, scale, runtime):
     b, h, n, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+
+
+@torch.library.custom_op("cubridge::attention_backward", mutates_args=())
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, handle: int, scale: float,
+                       runtime: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from cubridge.op.autograd import run_backward
+    return run_backward(op_for(handle), dout, q, k, v, out, lse, scale, runtime)
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, handle, scale, runtime):
+    from cubridge.op.autograd import backward_fake
+    return backward_fake(dout, q, k, v)
+
+
+def _register_autograd():
+    """loss.backward() through the op (cubridge/op/autograd.py): setup_context saves q, k, v, out, lse."""
+    from cubridge.op import autograd
+    attention_lse.register_autograd(autograd.backward, setup_context=autograd.setup_context)
+
+
+_register_autograd()
 
 
 def _readable(*ts):

@@ -26,6 +26,7 @@ import torch
 from cubridge.errors import LaunchError
 from cubridge.op import handles, library  # noqa: F401 - library registers the custom ops torch.compile sees
 from cubridge.op.checks import apply_plan, check_plan
+from cubridge.op.autograd import check_trainable
 from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
 WHERE = "cubridge op"
@@ -74,9 +75,7 @@ class TunedOp:
         both could mean; runtime: the spec's declared runtime inputs as keyword tensors."""
         compiling = torch.compiler.is_compiling()
         plan = self._plan(q, k, v, layout, compiling)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            raise LaunchError("q, k or v requires grad: the tuned op is forward-only (no backward)", where=WHERE,
-                              hint="call it under torch.no_grad() / torch.inference_mode(), or detach the inputs")
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         qh, kh, vh = apply_plan(plan, q, k, v)
         layout = plan[0]
         scale = self._scale(scale)
@@ -84,7 +83,11 @@ class TunedOp:
         if return_lse and not self.softmax:
             raise LaunchError(f"return_lse=True: {self.dispatch['spec_name']} is not a softmax attention, it has no LSE",
                               where=WHERE, hint="call without return_lse")
-        if compiling or type(qh) is not torch.Tensor:    # traced, or fake tensors
+        if needs_grad:   # through attention_lse's autograd (cubridge/op/autograd.py): the backward reads LSE
+            check_trainable(self, rt)
+            out, lse = torch.ops.cubridge.attention_lse(qh, kh, vh, self.handle, scale, rt)
+            lse = lse if return_lse else None
+        elif compiling or type(qh) is not torch.Tensor:    # traced, or fake tensors
             if return_lse:
                 out, lse = torch.ops.cubridge.attention_lse(qh, kh, vh, self.handle, scale, rt)
             else:

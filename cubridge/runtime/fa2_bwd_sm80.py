@@ -148,30 +148,37 @@ class Fa2BwdSm80:
                 *self.config_for(head_dim).defines(head_dim, dtype, causal, deterministic)]
 
     def build(self, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, arch: str,
-              extra_options: tuple[str, ...] = ()) -> CompileResult:
+              extra_options: tuple[str, ...] = (), source: str | None = None) -> CompileResult:
         """Compile (or fetch from the cache) one specialisation; no GPU needed."""
         config = self.config_for(head_dim)
         problems = config.problems(head_dim, deterministic=deterministic)
         if problems:
             raise LaunchError(f"config {config} is invalid for D={head_dim}: " + "; ".join(problems),
                               where="Fa2BwdSm80.config")
-        self.last_build = compile_cubin(self.source, arch=arch,
+        self.last_build = compile_cubin(source or self.source, arch=arch,
                                         options=[*self.options(head_dim, dtype, causal, deterministic), *extra_options],
                                         compiler=self.compiler, cache_dir=self.cache_dir, name="fa2_bwd_sm80.cu")
         return self.last_build
 
-    def kernels(self, head_dim, dtype, causal, deterministic, device) -> dict[str, LoadedKernel]:
-        key = (head_dim, dtype, bool(causal), bool(deterministic), device.index)
+    def kernels(self, head_dim, dtype, causal, deterministic, device, source: str | None = None
+                ) -> dict[str, LoadedKernel]:
+        key = (head_dim, dtype, bool(causal), bool(deterministic), device.index, source)
         if key not in self._kernels:
-            cubin = self.build(head_dim, dtype, causal, deterministic, device_arch(device)).cubin
+            cubin = self.build(head_dim, dtype, causal, deterministic, device_arch(device), source=source).cubin
             self._kernels[key] = {e: LoadedKernel(cubin, e, device.index) for e in ENTRIES}
         return self._kernels[key]
 
     def __call__(self, dout, q, k, v, out, lse, causal: bool = False, sm_scale: float | None = None,
-                 deterministic: bool = False, dq=None, dk=None, dv=None):
+                 deterministic: bool = False, dq=None, dk=None, dv=None, variant=None):
         """dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D] in q's dtype. `out` and `lse` are the forward's
-        (lse float32 [B, Hq, Nq], natural log, -inf for a row that attends nothing)."""
+        (lse float32 [B, Hq, Nq], natural log, -inf for a row that attends nothing; not read for a
+        sigmoid / relu variant). `variant`: a cubridge.lower.Launchable of a source lowered by
+        cubridge.lower.fa2_bwd_sm80 (its mask replaces `causal`)."""
         shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, sm_scale)
+        if variant is not None and causal:
+            raise LaunchError("causal=True with a variant: the variant's own mask is lowered into the kernel",
+                              where="Fa2BwdSm80", hint="pass causal=False with variant=...")
+        va = variant.numpy() if variant is not None else arg_i32(0)   # VariantArgs
         device = q.device
         if torch.cuda.get_device_capability(device) < (8, 0):
             raise LaunchError(f"{device} is older than sm_80; fa2_bwd_sm80 needs mma.sync bf16 and cp.async")
@@ -189,7 +196,8 @@ class Fa2BwdSm80:
             return dq, dk.zero_(), dv.zero_()
         if nk == 0:                        # no key: out = 0, nothing flows back to q
             return dq.zero_(), dk, dv
-        kern = self.kernels(d, shape.dtype, causal, deterministic, device)
+        kern = self.kernels(d, shape.dtype, causal, deterministic, device,
+                            variant.source if variant is not None else None)
         stream = torch.cuda.current_stream(device).cuda_stream
         rows = b * hq * nq
         dvec = torch.empty(b, hq, nq, device=device, dtype=torch.float32)
@@ -205,13 +213,13 @@ class Fa2BwdSm80:
             config.smem_bytes(d, deterministic),
             (arg_ptr(q), arg_ptr(k), arg_ptr(v), arg_ptr(dout), arg_ptr(lse), arg_ptr(dvec),
              arg_ptr(accum) if accum is not None else NULL, arg_ptr(dk), arg_ptr(dv), *common,
-             arg_i32(0)), stream)
+             va), stream)
         if deterministic:
             kern["fa2_bwd_dq"].launch(
                 (math.ceil(nq / config.dq_block_m), hq, b), (config.dq_warps * WARP_SIZE, 1, 1),
                 config.dq_smem_bytes(d),
                 (arg_ptr(q), arg_ptr(k), arg_ptr(v), arg_ptr(dout), arg_ptr(lse), arg_ptr(dvec), arg_ptr(dq),
-                 *common, arg_i32(0)), stream)
+                 *common, va), stream)
         else:
             chunks = rows * d // CHUNK_ELEMS
             kern["fa2_bwd_dq_convert"].launch((math.ceil(chunks / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,

@@ -169,12 +169,12 @@ def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
     files = {}
     for e in dispatch:
         name = f"{e['candidate']}_{e['label']}"
-        entry = {"cuir": f"kernel/{e['candidate']}.cuir", "cuda": None, "cubin": None, "entry": None}
+        entry = {"cuir": f"kernel/{e['candidate']}.cuir", "cuda": None, "cubin": None}
         try:
             lowered, options = lower_kernel(kernel_job(cfg, by_id[e["candidate"]], e["config"]))
             entry["nvcc_options"] = artifacts.portable_options(options)
             (kdir / f"{name}.cu").write_text(lowered.source)
-            entry.update(cuda=f"kernel/{name}.cu", entry=getattr(lowered, "entry", None))
+            entry["cuda"] = f"kernel/{name}.cu"
         except Exception as ex:   # noqa: BLE001 - the artifact says what is missing
             entry["cuda_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
         key = by_num[e["trial"]].get("cubin_key")

@@ -15,26 +15,9 @@ from dataclasses import replace
 
 from cubridge.cuir import nodes as N
 from cubridge.errors import CubridgeError
+from cubridge.transfer.record import RECORD, add_record, record_text  # noqa: F401 - read here too
 
-RECORD = "cubridge-spec:"
 _BASE_INPUTS = {"Q", "K", "V"}
-
-
-def record_text(spec, spec_params: dict) -> str:
-    """The docstring line a transfer adds: spec name and its parameters (defaults resolved)."""
-    params = {**spec.params, **(spec_params or {})}
-    return f"{RECORD} {spec.name} {json.dumps(params, sort_keys=True, default=list)}"
-
-
-def add_record(program: N.Program, spec, spec_params: dict) -> N.Program:
-    """The program with the record appended to its first docstring (or a new one first)."""
-    line = record_text(spec, spec_params)
-    body = list(program.body)
-    for i, st in enumerate(body):
-        if isinstance(st, N.Doc):
-            body[i] = replace(st, text=st.text.rstrip() + "\n\n" + line + "\n")
-            return replace(program, body=tuple(body))
-    return replace(program, body=(N.Doc(line),) + tuple(body))
 
 
 def recorded(program: N.Program) -> tuple[str, dict] | None:

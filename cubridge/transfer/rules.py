@@ -34,7 +34,7 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
-from cubridge.transfer.binding import add_record
+from cubridge.transfer.record import add_record
 from cubridge.transfer.evalmod import mask_values
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure

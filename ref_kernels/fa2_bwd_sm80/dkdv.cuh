@@ -108,7 +108,7 @@ struct DkdvCta {
     probs<PARTIAL, true>(*va, s, g, lse_s, b, h, key_row0, col0, len_q, len_k, sm_scale, q_begin);
     zero(dp);
     gemm_ss_abt<KEY_TILES, QN_TILES, D_STEPS, ROW_BYTES, ROW_BYTES>(dp, v_a, do_b + slot * QT_BYTES);
-    dscores<true>(dp, s, g, dvec_s, key_row0, col0, q_begin);
+    dscores<true>(*va, dp, s, g, dvec_s, key_row0, col0, q_begin);
     u32 pa[KEY_TILES][QK_STEPS][4], da[KEY_TILES][QK_STEPS][4];
     to_a_frags(pa, s);
     gemm_rs_ab<KEY_TILES, D_TILES, QK_STEPS, ROW_BYTES>(dv, pa, do_t + slot * QT_BYTES, 0);

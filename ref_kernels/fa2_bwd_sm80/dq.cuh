@@ -53,7 +53,7 @@ struct DqCta {
     probs<PARTIAL, false>(*va, s, g, lse_s, b, h, row0, col0, len_q, len_k, sm_scale, q_begin);
     zero(dp);
     gemm_ss_abt<DQ_MT, DQ_NT, D_STEPS, ROW_BYTES, ROW_BYTES>(dp, do_a, v_b + slot * DQ_KV_BYTES);
-    dscores<false>(dp, s, g, dvec_s, row0, col0, q_begin);
+    dscores<false>(*va, dp, s, g, dvec_s, row0, col0, q_begin);
     u32 da[DQ_MT][DQ_KSTEPS][4];
     to_a_frags(da, dp);
     gemm_rs_ab<DQ_MT, D_TILES, DQ_KSTEPS, ROW_BYTES>(acc, da, k_t + slot * DQ_KV_BYTES, 0);

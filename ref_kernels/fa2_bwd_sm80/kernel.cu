@@ -206,11 +206,14 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
 
 // @cuir-region softmax_bwd
 // The normalisation's backward. prob: P recomputed from the score x (units of scale_log2 / LOG2E)
-// and the forward's natural LSE; dscore: dS from P, dP = dO . v and the row term Dvec.
-__device__ __forceinline__ float prob(float x, float lse, float scale_log2) {
+// and the forward's natural LSE; dscore: dS from P, dP = dO . v and the row term Dvec. Both get the
+// VariantArgs (a sigmoid's bias, a relu's scale).
+__device__ __forceinline__ float prob(const VariantArgs& va, float x, float lse, float scale_log2) {
   return ex2(fmaf(x, scale_log2, -lse * LOG2E));
 }
-__device__ __forceinline__ float dscore(float p, float dp, float dvec) { return p * (dp - dvec); }
+__device__ __forceinline__ float dscore(const VariantArgs& va, float p, float dp, float dvec) {
+  return p * (dp - dvec);
+}
 // @cuir-end softmax_bwd
 
 // Skeleton: S (or S^T) -> P in place for one tile, each element with its (q_idx, kv_idx); g gets
@@ -237,7 +240,7 @@ __device__ __forceinline__ void probs(const VariantArgs& va, float (&s)[MT][NT][
           g[mt][nt][c] = score_grad(va, x * sm_scale, b, h, q_idx, kv_idx);
           x = score_mod(va, x * sm_scale, b, h, q_idx, kv_idx);
         }
-        float p = prob(x, l, scale_log2);
+        float p = prob(va, x, l, scale_log2);
         if (PARTIAL && !((kv_idx < len_k) & (q_idx < len_q) & mask_pred(va, b, h, q_idx, kv_idx))) p = 0.f;
         s[mt][nt][c] = p;
       }
@@ -245,7 +248,7 @@ __device__ __forceinline__ void probs(const VariantArgs& va, float (&s)[MT][NT][
 
 // dP (in place) -> dS = dscore(P, dP, Dvec) (* score_mod').
 template <bool KEYS_ROWS, int MT, int NT>
-__device__ __forceinline__ void dscores(float (&dp)[MT][NT][4], const float (&p)[MT][NT][4],
+__device__ __forceinline__ void dscores(const VariantArgs& va, float (&dp)[MT][NT][4], const float (&p)[MT][NT][4],
                                         const float (&g)[MT][NT][4], const float* dvec, int row0, int col0,
                                         int vec_row0) {
 #pragma unroll
@@ -255,7 +258,7 @@ __device__ __forceinline__ void dscores(float (&dp)[MT][NT][4], const float (&p)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int q_idx = KEYS_ROWS ? col0 + nt * MMA_N + c % 2 : row0 + mt * MMA_M + (c / 2) * 8;
-        float ds = dscore(p[mt][nt][c], dp[mt][nt][c], dvec[q_idx - vec_row0]);
+        float ds = dscore(va, p[mt][nt][c], dp[mt][nt][c], dvec[q_idx - vec_row0]);
         if (!SCORE_MOD_IS_IDENTITY) ds *= g[mt][nt][c];
         dp[mt][nt][c] = ds;
       }

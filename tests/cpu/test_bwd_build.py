@@ -127,7 +127,7 @@ def test_regions_present_and_balanced():
     assert set(REGIONS) <= set(seen), set(REGIONS) - set(seen)
     assert "bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx)" in bodies["mask"]
     assert "float score_grad(" in bodies["score"] and "float score_mod(" in bodies["score"]
-    assert "float dscore(float p, float dp, float dvec)" in bodies["softmax_bwd"]
+    assert "float dscore(const VariantArgs& va, float p, float dp, float dvec)" in bodies["softmax_bwd"]
     for hook in ("QRange q_range(", "int q_count(", "int q_tile_at(", "bool q_tile_partial("):
         assert hook in bodies["q_range"]
 

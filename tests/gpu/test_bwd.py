@@ -209,6 +209,10 @@ def test_autograd_refuses_double_backward(kernels):
     q, k, v, _ = inputs(1, 2, 2, 64, 64, 64, F16, seed=9)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attention(*leaves)
-    (gq,) = torch.autograd.grad(out.sum(), leaves[0], create_graph=True)
-    with pytest.raises(RuntimeError, match="double backward|once_differentiable|differentiable"):
+    # A loss whose gradient w.r.t. out depends on out (as in training: dout requires grad under
+    # create_graph): out.sum() would give a constant dout, so gq would not require grad at all and
+    # the second backward would fail on torch's "does not require grad" before reaching ours.
+    (gq,) = torch.autograd.grad((out.float() ** 2).sum(), leaves[0], create_graph=True)
+    assert gq.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
         gq.sum().backward()

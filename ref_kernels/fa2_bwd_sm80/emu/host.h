@@ -31,6 +31,7 @@ inline float4 make_float4(float a, float b, float c, float d) { return float4{a,
 inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline float __int_as_float(unsigned x) { return __uint_as_float(x); }
 inline unsigned __float_as_uint(float f) { unsigned x; std::memcpy(&x, &f, 4); return x; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 

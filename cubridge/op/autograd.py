@@ -1,0 +1,74 @@
+"""The tuned op's backward: `cubridge::attention_lse` gets `register_autograd` (cubridge/op/library.py),
+its setup_context saves q, k, v, out, lse, and the backward is the custom op
+`cubridge::attention_backward`, which runs the run's spec through the lowered fa2_bwd_sm80
+backward (cubridge.runtime.variant_bwd: the forward's mask and iteration space transposed, the
+score_mod's derivative, the normalisation's backward). Its fake implementation gives the gradient
+shapes, so torch.compile traces forward and backward.
+
+A call that needs gradients goes through attention_lse (the backward needs the forward's LSE for
+softmax variants; sigmoid / relu read none). The LSE output itself is not differentiable.
+"""
+from __future__ import annotations
+
+import torch
+
+from cubridge.errors import LaunchError
+
+WHERE = "cubridge op backward"
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_trainable(op, rt: list) -> None:
+    """Refuse, at the forward, what the backward cannot do (so no error waits for loss.backward())."""
+    if rt:
+        raise LaunchError(f"spec {op.dispatch['spec_name']!r} takes runtime inputs; the backward does not bind "
+                          "them yet", where=WHERE, hint="call the op under torch.no_grad(), or use a spec without "
+                                                        "RUNTIME_INPUTS for training")
+    if op.head_dim not in HEAD_DIMS or op.dtype not in DTYPES:
+        raise LaunchError(f"the backward kernel (fa2_bwd_sm80) supports D in {HEAD_DIMS}, float16 / bfloat16; this "
+                          f"run is D={op.head_dim} {op.dtype}", where=WHERE,
+                          hint="tune a run with D = 64 or 128, or call the op under torch.no_grad()")
+
+
+def variant_backward(op):
+    """The VariantBackward of a TunedOp's spec, built once per op (pure Python; compiles at first use)."""
+    vb = getattr(op, "_variant_backward", None)
+    if vb is None:
+        from cubridge.runtime.build import default_compiler
+        from cubridge.runtime.fa2_bwd_sm80 import Fa2BwdSm80
+        from cubridge.runtime.variant_bwd import VariantBackward
+        from cubridge.spec import load_spec
+        spec = load_spec(str(op.directory / op.dispatch["spec"]))
+        params = dict(op.dispatch.get("spec_params") or {})
+        vb = op._variant_backward = VariantBackward(spec, kernel=Fa2BwdSm80(compiler=default_compiler()), **params)
+    return vb
+
+
+def run_backward(op, dout, q, k, v, out, lse, scale: float, rt: list):
+    """(dq, dk, dv), contiguous [B, H, N, D] in q's dtype. `op.backward_impl`, where set, replaces
+    the kernels (CPU tests stub it as they stub the forward's launch)."""
+    impl = getattr(op, "backward_impl", None)
+    if impl is not None:
+        return impl(dout, q, k, v, out, lse, scale, rt)
+    check_trainable(op, rt)
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    return variant_backward(op)(dout, q, k, v, out, lse.contiguous(), sm_scale=scale)
+
+
+def backward_fake(dout, q, k, v):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, handle, scale, runtime = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, *runtime)
+    ctx.handle, ctx.scale, ctx.n_runtime = handle, scale, len(runtime)
+
+
+def backward(ctx, dout, _dlse):
+    q, k, v, out, lse, *rt = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cubridge.attention_backward(dout, q, k, v, out, lse, ctx.handle, ctx.scale, rt)
+    return dq, dk, dv, None, None, [None] * ctx.n_runtime   # the runtime list: no gradient

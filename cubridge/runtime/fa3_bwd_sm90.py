@@ -1,0 +1,140 @@
+"""Build and launch the Hopper backward ref_kernels/fa3_bwd_sm90/kernel.cu from PyTorch.
+
+Three launches on the current stream: fa2_bwd_preprocess (Dvec = rowsum(dO * O), zeroes the fp32
+dQ accumulator), fa3_bwd_sm90 (dK, dV, dQ += dS K by atomics), fa2_bwd_dq_convert (dQ =
+accumulator * scale). The first and last are the portable backward's kernels (ref_kernels/
+fa2_bwd_sm80); the middle one reads Q, K, V, dO through TMA, so it is launched through the driver
+API with four CUtensorMap descriptors, as cubridge.runtime.fa3_sm90 launches the forward.
+
+Status: compiles spill-free for sm_90a (tests/cpu/test_fa3_bwd_sm90_build.py); not yet run on a
+GPU. cubridge.runtime.autograd uses it only when `enabled()` (CUBRIDGE_HOPPER_BWD=1) until
+tests/gpu/test_bwd_sm90.py has passed on an H100.
+
+Example (on an sm_90 GPU):
+    >>> out, lse = fa3_forward(q, k, v, causal=True)                                  # doctest: +SKIP
+    >>> dq, dk, dv = fa3_backward(dout, q, k, v, out, lse, causal=True)              # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+
+import numpy as np
+import torch
+
+from cubridge.errors import LaunchError
+from cubridge.paths import REF_KERNELS_DIR
+from cubridge.runtime.build import compile_cubin, default_compiler
+from cubridge.runtime.driver import capability, driver, pack_params
+
+KERNEL_DIR = REF_KERNELS_DIR / "fa3_bwd_sm90"
+KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
+FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part of the cache key)
+ENTRY = b"fa3_bwd_sm90"
+ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
+
+# Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
+BLOCK_N = 128            # keys per CTA
+BLOCK_M = 64             # queries per step
+STAGES = 2
+DS_SLOTS = 2
+THREADS = 384            # producer + two consumer warpgroups
+ELEM_BYTES = 2
+SMEM_ALIGN = 1024
+HEAD_DIMS = (64, 128)
+PRE_THREADS = 256        # fa2_bwd_preprocess / fa2_bwd_dq_convert block (fa2_bwd_sm80 kernel.cu)
+CHUNK_ELEMS = 8
+
+
+def smem_bytes(head_dim: int) -> int:
+    """K, V, STAGES x (Q, dO), DS_SLOTS x dS^T, the barriers, alignment slack (params.cuh)."""
+    kv = BLOCK_N * head_dim * ELEM_BYTES
+    q = BLOCK_M * head_dim * ELEM_BYTES
+    ds = BLOCK_N * BLOCK_M * ELEM_BYTES
+    return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
+
+
+def options(head_dim: int, causal: bool, bf16: bool) -> list[str]:
+    return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
+            f"-DHOST_SMEM_BYTES={smem_bytes(head_dim)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
+
+
+def build_cubin(head_dim: int, causal: bool, bf16: bool, *, compiler: str | None = None,
+                extra_options: tuple[str, ...] = (), cache_dir=None):
+    """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache."""
+    if head_dim not in HEAD_DIMS:
+        raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
+                          hint=f"D must be one of {HEAD_DIMS}")
+    return compile_cubin(KERNEL_SOURCE.read_text(), arch="sm_90a",
+                         options=[*options(head_dim, causal, bf16), *extra_options],
+                         compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
+
+
+def enabled() -> bool:
+    """Whether autograd may route sm_90 backwards here (opt-in until verified on a GPU)."""
+    return os.environ.get(ENABLE_ENV, "0") == "1"
+
+
+_FUNCTIONS: dict[tuple, ctypes.c_void_p] = {}
+
+
+def _function(head_dim: int, causal: bool, bf16: bool, device: torch.device, compiler: str | None):
+    key = (head_dim, causal, bf16, device.index, compiler)
+    if key not in _FUNCTIONS:
+        cubin = build_cubin(head_dim, causal, bf16, compiler=compiler).cubin
+        with torch.cuda.device(device):
+            torch.cuda.current_stream().synchronize()   # makes the primary context current
+            _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim), ENTRY)[0]
+    return _FUNCTIONS[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _helpers():
+    """The portable backward, whose preprocess / convert kernels run around this one."""
+    from cubridge.runtime.fa2_bwd_sm80 import Fa2BwdSm80
+    return Fa2BwdSm80()
+
+
+def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+                 dq=None, dk=None, dv=None, compiler: str | None = None):
+    """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
+    natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx, top-left aligned as the forward."""
+    from cubridge.runtime.fa2_bwd_sm80 import check_backward_args
+    from cubridge.runtime.launch import arg_f32, arg_ptr
+    shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
+    device = q.device
+    if capability(device.index) != (9, 0):
+        raise LaunchError(f"{torch.cuda.get_device_name(device)} is not sm_90", where="fa3_backward",
+                          hint="this kernel needs a Hopper GPU (H100/H200); use Fa2BwdSm80 elsewhere")
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
+                             shape.head_dim)
+    if nq == 0 or hq == 0 or b == 0:   # no query: the gradients are zero
+        return dq, dk.zero_(), dv.zero_()
+    if nk == 0:                        # no key: out = 0, nothing flows back to q
+        return dq.zero_(), dk, dv
+    bf16 = q.dtype == torch.bfloat16
+    func = _function(d, bool(causal), bf16, device, compiler)
+    helpers = _helpers().kernels(d, q.dtype, False, False, device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    rows = b * hq * nq
+    dvec = torch.empty(b, hq, nq, device=device, dtype=torch.float32)
+    accum = torch.empty(b, hq, nq, d, device=device, dtype=torch.float32)
+    helpers["fa2_bwd_preprocess"].launch(
+        (math.ceil(rows * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
+        (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), np.int64(rows)), stream)
+    tm = driver().tensor_map
+    maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
+    scalars = [ctypes.c_uint64(t.data_ptr()) for t in (lse, dvec, accum, dk, dv)]
+    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv)] + [ctypes.c_float(scale)]
+    driver().launch(func, (math.ceil(nk / BLOCK_N), hkv, b), (THREADS, 1, 1), smem_bytes(d), stream,
+                    pack_params(maps + scalars))
+    chunks = rows * d // CHUNK_ELEMS
+    helpers["fa2_bwd_dq_convert"].launch((math.ceil(chunks / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
+                                         (arg_ptr(accum), arg_ptr(dq), np.int64(chunks), arg_f32(scale)),
+                                         stream)
+    return dq, dk, dv

@@ -1,0 +1,202 @@
+// The consumer warpgroups of fa3_bwd_sm90 (included by kernel.cu inside namespace fa3b, after the
+// regions and the producer). Fragment of a 64 x N f32 accumulator (per thread): element
+// a[4j + 2h + e] is row 16 * warp + lane / 4 + 8h, column 8j + 2 * (lane % 4) + e.
+#pragma once
+
+struct Consumer {
+  int c;            // consumer index: keys [n0 + 64c, n0 + 64c + 64)
+  int wg_thread;    // 0 .. 127
+  int lane;
+  __device__ __forceinline__ int row0() const { return 16 * (wg_thread / kWarpSize) + lane / 4; }
+  __device__ __forceinline__ int col0() const { return 2 * (lane % 4); }
+  __device__ __forceinline__ void wg_sync() const { named_sync(kBarWg0 + c, kWgThreads); }
+};
+
+template <int kN> __device__ __forceinline__ void reg_fence_u(uint32_t (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+using fa3::reg_fence;
+
+// S^T (64 keys x 64 queries) = X_c T^T: X = K or V rows of this consumer, T = Q or dO of the
+// stage; both K-major (D contiguous) in swizzled panels.
+__device__ __forceinline__ void gemm_xt(float (&s)[kSRegs], uint32_t x_rows, uint32_t t_tile) {
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
+    const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
+    const uint64_t a = make_desc(x_rows + panel * kKVPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t b = make_desc(t_tile + panel * kQPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
+    WgmmaSS<kBlockM, MmaTag>::mma(s, a, b, kk > 0);
+  }
+}
+
+// acc (64 keys x D) += A (64 keys x 64 queries, registers) T (64 queries x D, MN-major stage):
+// dV += P^T dO and dK += dS^T Q.
+__device__ __forceinline__ void gemm_rs(float (&acc)[kAccRegs], const uint32_t (&a)[kPRegs],
+                                        uint32_t t_tile) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / kMmaK; ++kk) {
+    const uint64_t b = make_desc(t_tile + kk * kRowStepBytes, kQPanelBytes, kSwizzleAtomBytes);
+    WgmmaRS<kHeadDim, MmaTag>::mma(acc, &a[4 * kk], b);
+  }
+}
+
+// dQ part (64 queries x 64 columns) = dS (queries x keys, from the dS^T slot: M-major) K (keys x
+// D: N-major). Split N (D = 128): all 128 keys, columns [64c, 64c + 64). Split K (D = 64): own
+// 64 keys, all columns.
+__device__ __forceinline__ void gemm_dq(float (&dq)[kDqRegs], uint32_t ds_slot, uint32_t k_tile, int c) {
+  const uint32_t a0 = ds_slot + (kDqSplitN ? 0 : c * kWgRows * kSwizzleBytes);
+  const uint32_t b0 = k_tile + (kDqSplitN ? c * kKVPanelBytes : c * kWgRows * kSwizzleBytes);
+#pragma unroll
+  for (int kk = 0; kk < kDqKSteps; ++kk) {
+    const uint64_t a = make_desc(a0 + kk * kRowStepBytes, kDsBytes, kSwizzleAtomBytes);
+    const uint64_t b = make_desc(b0 + kk * kRowStepBytes, kKVPanelBytes, kSwizzleAtomBytes);
+    WgmmaSST<kDqCols, MmaTag>::mma(dq, a, b, kk > 0);
+  }
+}
+
+__device__ __forceinline__ void pack_frag(uint32_t (&p)[kPRegs], const float (&s)[kSRegs]) {
+#pragma unroll
+  for (int i = 0; i < kPRegs; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
+}
+
+// dS^T rows of this consumer into the slot: [128 keys][64 queries], 128B-swizzled (the layout a
+// TMA would write), so gemm_dq reads it as an M-major operand.
+__device__ __forceinline__ void store_ds(const Consumer& cs, uint32_t slot, const uint32_t (&ds)[kPRegs]) {
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = cs.c * kWgRows + cs.row0() + 8 * h;
+      const uint32_t addr = slot + row * kSwizzleBytes + ((j ^ (row % 8)) * 16) + cs.col0() * kElemBytes;
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(ds[2 * j + h]) : "memory");
+    }
+}
+
+__device__ __forceinline__ void red_add2(float* addr, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
+}
+
+// dq_accum[bh_q, m0 + row, col] += dq for the rows below Nq.
+__device__ __forceinline__ void add_dq(const Consumer& cs, float* __restrict__ dq_accum,
+                                       const float (&dq)[kDqRegs], int bh_q, int m0, int seqlen_q) {
+  const int col_base = kDqSplitN ? cs.c * kDqCols : 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int q_idx = m0 + cs.row0() + 8 * h;
+    if (q_idx >= seqlen_q) continue;
+    float* row = dq_accum + (size_t(bh_q) * seqlen_q + q_idx) * kHeadDim + col_base + cs.col0();
+#pragma unroll
+    for (int j = 0; j < kDqCols / 8; ++j) red_add2(row + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+  }
+}
+
+// LSE (log2 units; +inf past Nq or for a row that attended nothing, so P = 0) and Dvec of one
+// query row. Read where used (L1 hits): preloading all 16 of each per thread cost 32 registers
+// at the peak and spilled 24 bytes at D = 128 causal.
+struct RowTerms { float lse2; float dvec; };
+__device__ __forceinline__ RowTerms row_terms(const float* __restrict__ lse, const float* __restrict__ dvec,
+                                              size_t row_base, int q_idx, int seqlen_q) {
+  if (q_idx >= seqlen_q) return RowTerms{kPosInf, 0.f};
+  const float l = __ldg(lse + row_base + q_idx);
+  return RowTerms{l == kNegInf ? kPosInf : l * kLog2e, __ldg(dvec + row_base + q_idx)};
+}
+
+// S^T -> P^T (in s) and dP^T -> dS^T (in dp), masked on partial steps.
+// One body with a runtime `partial` (two template copies spilled 12 bytes at D = 128 causal).
+__device__ __forceinline__ void probs_and_ds(bool partial, const Consumer& cs, float (&s)[kSRegs], float (&dp)[kSRegs],
+                                             const float* __restrict__ lse, const float* __restrict__ dvec,
+                                             float scale_log2, const Problem& pb, int g, int m0) {
+  const int kv_base = pb.n0 + cs.c * kWgRows + cs.row0();
+  const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int q_idx = m0 + 8 * j + cs.col0() + e;
+      const RowTerms rt = row_terms(lse, dvec, row_base, q_idx, pb.seqlen_q);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * j + 2 * h + e, kv_idx = kv_base + 8 * h;
+        const bool keep = !partial || ((kv_idx < pb.seqlen_k) &
+                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_idx, kv_idx));
+        s[i] = score(s[i], scale_log2);
+        softmax_bwd(s[i], dp[i], rt.lse2, rt.dvec, keep);
+      }
+    }
+}
+
+// dK (scaled) and dV rows of this consumer to global memory, rows below Nk.
+__device__ __forceinline__ void store_rows(const Consumer& cs, uint16_t* __restrict__ out,
+                                           const float (&acc)[kAccRegs], float mul, const Problem& pb) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int kv_idx = pb.n0 + cs.c * kWgRows + cs.row0() + 8 * h;
+    if (kv_idx >= pb.seqlen_k) continue;
+    uint16_t* row = out + (size_t(pb.bh_kv()) * pb.seqlen_k + kv_idx) * kHeadDim + cs.col0();
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+      *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2(acc[4 * j + 2 * h] * mul, acc[4 * j + 2 * h + 1] * mul);
+  }
+}
+
+__device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const Problem& pb, QRange qr,
+                                         bool has_work, const float* __restrict__ lse,
+                                         const float* __restrict__ dvec, float* __restrict__ dq_accum,
+                                         uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
+                                         float softmax_scale) {
+  float dk_acc[kAccRegs], dv_acc[kAccRegs];
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+  const float scale_log2 = softmax_scale * kLog2e;
+  const uint32_t k_rows = sm.k + cs.c * kWgRows * kSwizzleBytes;
+  const uint32_t v_rows = sm.v + cs.c * kWgRows * kSwizzleBytes;
+  if (has_work) mbar_wait(sm.kv_full, 0);
+  int it = 0;
+  for (int g = 0; has_work && g < pb.group; ++g)
+    for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) {
+      const int st = it % kStages, m0 = m * kBlockM, bh_q = pb.bh_q(g);
+      mbar_wait(sm.q_full + 8 * st, (it / kStages) & 1);
+      float s[kSRegs], dp[kSRegs];
+      // K / V descriptors are loop-invariant: hoisted, 16 of them took 32 registers and spilled
+      // 24 bytes at D = 128. An opaque copy per step keeps them recomputed (a few integer ops).
+      uint32_t kr = k_rows, vr = v_rows, kt = sm.k;
+      asm volatile("" : "+r"(kr), "+r"(vr), "+r"(kt));
+      wgmma_fence();
+      gemm_xt(s, kr, sm.q_tile(st));
+      wgmma_commit();
+      gemm_xt(dp, vr, sm.do_tile(st));
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(s);
+      reg_fence(dp);
+      probs_and_ds(step_partial(m0, pb.n0 + cs.c * kWgRows, pb.seqlen_k), cs, s, dp, lse, dvec,
+                   scale_log2, pb, g, m0);
+      uint32_t p16[kPRegs], ds16[kPRegs];
+      pack_frag(p16, s);
+      pack_frag(ds16, dp);
+      wgmma_fence();
+      gemm_rs(dv_acc, p16, sm.do_tile(st));
+      gemm_rs(dk_acc, ds16, sm.q_tile(st));
+      wgmma_commit();
+      const uint32_t slot = sm.ds_slot(it % kDsSlots);
+      store_ds(cs, slot, ds16);
+      fa3::fence_async_smem();                 // generic stores -> the wgmma (async proxy) reads
+      if (kDqSplitN) named_sync(kBarDsReady, kConsumers * kWgThreads);
+      else cs.wg_sync();
+      float dq[kDqRegs];
+      wgmma_fence();
+      gemm_dq(dq, slot, kt, cs.c);
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(dq);
+      reg_fence(dk_acc);
+      reg_fence(dv_acc);
+      reg_fence_u(p16);                        // the dV / dK wgmmas read them until the wait
+      reg_fence_u(ds16);
+      if (cs.lane == 0) mbar_arrive(sm.q_empty + 8 * st);   // Q, dO of this stage are read
+      add_dq(cs, dq_accum, dq, bh_q, m0, pb.seqlen_q);
+    }
+  store_rows(cs, dv, dv_acc, 1.f, pb);
+  store_rows(cs, dk, dk_acc, softmax_scale, pb);
+}

@@ -1,0 +1,188 @@
+// FlashAttention-3-class backward attention for Hopper (sm_90a): TMA + wgmma, warp-specialised.
+// Computes dK, dV and an fp32 dQ accumulator; D = rowsum(dO * O), the zeroing of the accumulator
+// and dQ = accumulator * scale are the portable backward's fa2_bwd_preprocess /
+// fa2_bwd_dq_convert (ref_kernels/fa2_bwd_sm80/kernel.cu), launched around this kernel.
+//
+// Build: nvcc -cubin -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I<this dir> \
+//        [-DHEAD_DIM=128 -DIS_CAUSAL=0 -DDTYPE_BF16=1] kernel.cu
+//
+// Glossary
+//   B, Hq, Hkv, G   batch, query heads, kv heads, G = Hq / Hkv query heads per kv head
+//   Nq, Nk          query / key lengths (>= 1; TMA zero-fills tails, which are masked)
+//   D               head dimension (HEAD_DIM); "Dvec" is the softmax backward's row term
+//   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch)
+//   producer        WG 0; one thread loads K, V once, then streams (Q, dO) tiles of 64 queries
+//                   of every query head of the group through the kStages ring
+//   consumer c      WG c + 1; owns keys [n0 + 64c, n0 + 64c + 64): its dK, dV rows in registers
+//   step            one (query head g, query tile m) of the CTA's loop; `it` counts steps
+//   S^T, dP^T       K_c Q^T and V_c dO^T: 64 keys x 64 queries, f32 registers (keys are rows,
+//                   so P^T and dS^T are already the A operands of the dV and dK GEMMs)
+//   P^T             exp(S^T * scale - LSE[q]); dS^T = P^T * (dP^T - Dvec[q])
+//   dS slot         smem copy of dS^T [128 keys][64 queries] (q contiguous, swizzled) that dQ reads
+//   dq_accum        fp32 [B, Hq, Nq, D]; dQ += dS K is added with red.global.add.v2.f32
+//   full / empty    mbarriers: "TMA filled this stage" / "every consumer warp is done with it"
+//
+// Lifting map (@cuir-region / @cuir-end): q_range, mask_pred, score, softmax_bwd.
+#if !defined(__CUDACC_RTC__)
+#include <cuda.h>
+#include <stdint.h>
+#else
+struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#endif
+
+#include "../fa3_sm90/wgmma.cuh"
+#include "wgmma_t.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef IS_CAUSAL
+#define IS_CAUSAL 0
+#endif
+#ifndef DTYPE_BF16
+#define DTYPE_BF16 1
+#endif
+
+#include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
+#include "params.cuh"
+
+namespace fa3b {
+using fa3::fast_exp2; using fa3::make_desc; using fa3::mbar_arrive; using fa3::mbar_expect_tx;
+using fa3::mbar_init; using fa3::mbar_wait; using fa3::named_sync; using fa3::pack2;
+using fa3::tma_load_3d; using fa3::wgmma_commit; using fa3::wgmma_fence; using fa3::wgmma_wait;
+using fa3::kDescUnit;
+
+// ------------------------------------------------------------------ regions
+// @cuir-region q_range
+// Query tiles [m_begin, m_end) that may attend keys [n0, n0 + kBlockN) (causal top-left: q >= kv).
+struct QRange { int m_begin; int m_end; };
+__device__ __forceinline__ QRange q_range(int n0, int seqlen_q) {
+  const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
+  return QRange{kCausal ? min(num_m, n0 / kBlockM) : 0, num_m};
+}
+// A step needs the mask when some pair of it is not attended or a key is past Nk.
+__device__ __forceinline__ bool step_partial(int m0, int kv0, int seqlen_k) {
+  return (kCausal && m0 < kv0 + kWgRows - 1) || kv0 + kWgRows > seqlen_k;
+}
+// @cuir-end q_range
+
+// @cuir-region mask_pred
+__device__ __forceinline__ bool mask_pred(int b, int h, int q_idx, int kv_idx) {
+  return !kCausal || kv_idx <= q_idx;
+}
+// @cuir-end mask_pred
+
+// @cuir-region score
+// The forward's score: x * scale (x = q.k); its derivative dscore/dx = scale is applied to dQ (in
+// the convert kernel) and dK (in the epilogue).
+__device__ __forceinline__ float score(float x, float scale_log2) { return x * scale_log2; }
+// @cuir-end score
+
+// @cuir-region softmax_bwd
+// P = exp(score - LSE) (log2 units), dS = P (dP - Dvec); masked pairs get P = 0, so dS = 0.
+__device__ __forceinline__ void softmax_bwd(float& p, float& ds, float lse_log2, float dvec,
+                                            bool keep) {
+  p = keep ? fast_exp2(p - lse_log2) : 0.f;
+  ds = p * (ds - dvec);
+}
+// @cuir-end softmax_bwd
+
+// ------------------------------------------------------------------ shared memory
+struct Smem {
+  uint32_t k, v, q, dout, ds, kv_full, q_full, q_empty;
+  __device__ __forceinline__ uint32_t q_tile(int s) const { return q + s * kQBytes; }
+  __device__ __forceinline__ uint32_t do_tile(int s) const { return dout + s * kQBytes; }
+  __device__ __forceinline__ uint32_t ds_slot(int s) const { return ds + s * kDsBytes; }
+};
+
+struct Problem {
+  int seqlen_q, seqlen_k, heads_q, heads_kv, group;
+  int b, h_kv, n0;
+  __device__ __forceinline__ int bh_q(int g) const { return b * heads_q + h_kv * group + g; }
+  __device__ __forceinline__ int bh_kv() const { return b * heads_kv + h_kv; }
+};
+
+// ------------------------------------------------------------------ producer
+__device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q,
+                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+                                         const CUtensorMap* tm_do, const Problem& pb, QRange qr) {
+  mbar_expect_tx(sm.kv_full, 2 * kKVBytes);
+#pragma unroll
+  for (int p = 0; p < kPanels; ++p) {
+    tma_load_3d(sm.k + p * kKVPanelBytes, tm_k, sm.kv_full, p * kPanelCols, pb.n0, pb.bh_kv());
+    tma_load_3d(sm.v + p * kKVPanelBytes, tm_v, sm.kv_full, p * kPanelCols, pb.n0, pb.bh_kv());
+  }
+  int it = 0;
+  for (int g = 0; g < pb.group; ++g)
+    for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) {
+      const int st = it % kStages;
+      mbar_wait(sm.q_empty + 8 * st, ((it / kStages) & 1) ^ 1);
+      mbar_expect_tx(sm.q_full + 8 * st, 2 * kQBytes);
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p) {
+        tma_load_3d(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full + 8 * st, p * kPanelCols,
+                    m * kBlockM, pb.bh_q(g));
+        tma_load_3d(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full + 8 * st, p * kPanelCols,
+                    m * kBlockM, pb.bh_q(g));
+      }
+    }
+}
+
+#include "consumer.cuh"
+
+}  // namespace fa3b
+
+// ------------------------------------------------------------------ entry point
+// Grid (ceil(Nk / 128), Hkv, B); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
+// log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit.
+extern "C" __global__ void __launch_bounds__(fa3b::kThreads, 1)
+fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+             const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
+             const float* __restrict__ lse, const float* __restrict__ dvec,
+             float* __restrict__ dq_accum, uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
+             int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale) {
+  using namespace fa3b;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (fa3::smem_addr(smem_raw) + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
+  Smem sm;
+  sm.k = base + kOffK;
+  sm.v = base + kOffV;
+  sm.q = base + kOffQ;
+  sm.dout = base + kOffDo;
+  sm.ds = base + kOffDs;
+  sm.kv_full = base + kOffBar;
+  sm.q_full = sm.kv_full + 8;
+  sm.q_empty = sm.q_full + 8 * kStages;
+  const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, heads_q / heads_kv,
+                   int(blockIdx.z), int(blockIdx.y), int(blockIdx.x) * kBlockN};
+  const QRange qr = q_range(pb.n0, seqlen_q);
+  const bool has_work = qr.m_begin < qr.m_end;   // else dK = dV = 0 and nothing is loaded
+
+  if (threadIdx.x == 0) {
+    mbar_init(sm.kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(sm.q_full + 8 * s, 1);
+      mbar_init(sm.q_empty + 8 * s, kEmptyArrivals);
+    }
+    fa3::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / kWgThreads;
+  if (wg == 0) {
+    fa3::reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == 0 && has_work) {
+      fa3::tma_prefetch_map(&tm_q);
+      fa3::tma_prefetch_map(&tm_do);
+      producer(sm, &tm_q, &tm_k, &tm_v, &tm_do, pb, qr);
+    }
+  } else {
+    fa3::reg_alloc<kConsumerRegs>();
+    const Consumer cs{wg - 1, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
+    consumer(cs, sm, pb, qr, has_work, lse, dvec, dq_accum, dk, dv, softmax_scale);
+  }
+}

@@ -1,0 +1,93 @@
+// Compile-time constants of fa3_bwd_sm90/kernel.cu: tile sizes, fragment sizes, the shared-memory
+// layout, named barriers and register budgets, with the static checks on them. Included by
+// kernel.cu after the -D macros and the PTX helpers of ../fa3_sm90.
+#pragma once
+
+namespace fa3b {
+
+constexpr int kHeadDim = HEAD_DIM;
+constexpr int kBlockN = 128;                      // KV rows per CTA: two consumers x 64
+constexpr int kBlockM = 64;                       // query rows per step of the Q / dO ring
+constexpr int kStages = 2;                        // depth of the Q / dO ring
+constexpr bool kCausal = IS_CAUSAL != 0;
+#if DTYPE_BF16
+using MmaTag = TagBf16;
+#else
+using MmaTag = TagHalf;
+#endif
+
+constexpr int kElemBytes = 2;
+constexpr int kWarpSize = 32;
+constexpr int kWgThreads = 128;
+constexpr int kWarpsPerWg = kWgThreads / kWarpSize;
+constexpr int kWgRows = 64;                       // wgmma M: KV rows per consumer warpgroup
+constexpr int kMmaK = 16;
+constexpr int kConsumers = kBlockN / kWgRows;
+constexpr int kThreads = (kConsumers + 1) * kWgThreads;
+constexpr int kSwizzleBytes = 128;
+constexpr int kPanelCols = kSwizzleBytes / kElemBytes;   // 64 columns per swizzled panel
+constexpr int kPanels = kHeadDim / kPanelCols;
+constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;
+constexpr int kKStepsPerPanel = kPanelCols / kMmaK;
+constexpr int kKStepBytes = kMmaK * kElemBytes;          // along K inside a swizzled row (K-major)
+constexpr int kRowStepBytes = kMmaK * kSwizzleBytes;     // along K across rows (MN-major)
+
+// Per-thread fragments (64 x N f32 accumulators hold N / 2 floats).
+constexpr int kSRegs = kBlockM / 2;               // S^T and dP^T: 64 KV rows x 64 queries
+constexpr int kAccRegs = kHeadDim / 2;            // dK and dV: 64 KV rows x D
+constexpr int kPRegs = kBlockM / 4;               // P^T, dS^T as 16-bit wgmma A operands
+// dQ = dS K: with D = 128 each consumer computes 64 of the 128 columns over all 128 keys (N
+// split: both halves of dS are read, hence the ds_ready barrier); with D = 64 each computes all
+// 64 columns over its own 64 keys (K split: no cross-consumer wait, twice the atomics, small D).
+constexpr bool kDqSplitN = kHeadDim == 128;
+constexpr int kDqCols = 64;                       // wgmma N of the dQ GEMM in both splits
+constexpr int kDqRegs = kDqCols / 2;
+constexpr int kDqKSteps = (kDqSplitN ? kBlockN : kWgRows) / kMmaK;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = __builtin_bit_cast(float, 0xff800000u);
+constexpr float kPosInf = __builtin_bit_cast(float, 0x7f800000u);
+
+// Shared memory (byte offsets from a 1024-aligned base); tiles as panels of [rows][64 cols],
+// 128B-swizzled as TMA writes them and wgmma reads them.
+constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;
+constexpr int kKVPanelBytes = kBlockN * kSwizzleBytes;
+constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;      // one Q (or dO) stage
+constexpr int kQPanelBytes = kBlockM * kSwizzleBytes;
+constexpr int kDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T [128 keys][64 queries]
+constexpr int kDsSlots = 2;   // double buffered: one ds_ready barrier per step suffices (NOTES.md)
+constexpr int kSmemAlign = 1024;
+constexpr int kSmemLimit = 227 * 1024;
+constexpr int kOffK = 0;
+constexpr int kOffV = kOffK + kKVBytes;
+constexpr int kOffQ = kOffV + kKVBytes;
+constexpr int kOffDo = kOffQ + kStages * kQBytes;
+constexpr int kOffDs = kOffDo + kStages * kQBytes;
+constexpr int kOffBar = kOffDs + kDsSlots * kDsBytes;
+constexpr int kBarBytes = (1 + 2 * kStages) * 8;              // kv_full, q_full[], q_empty[]
+constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;  // + slack to align the base
+constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;      // one arrive per consumer warp
+
+// Named barriers (0 is __syncthreads).
+constexpr int kBarDsReady = 1;                    // both consumers wrote their dS^T rows
+constexpr int kBarWg0 = 2;                        // wg_sync[c] = kBarWg0 + c, 128 threads
+
+// Register budgets after setmaxnreg: 24 for the one-thread producer, 240 for the consumers
+// (dK, dV: 2 x D/2, S^T, dP^T: 2 x 32, dQ 32), inside the 65536 / 384 = 170 per thread that
+// __launch_bounds__(kThreads, 1) gives the CTA.
+constexpr int kRegFile = 65536;
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+
+static_assert(kHeadDim == 64 || kHeadDim == 128, "HEAD_DIM must be 64 or 128");
+static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
+static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
+              "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");
+static_assert(kOffDs % kSmemAlign == 0 && kOffQ % kSmemAlign == 0 && kOffDo % kSmemAlign == 0,
+              "swizzled tiles must start on 1024-byte boundaries");
+#ifdef HOST_SMEM_BYTES
+static_assert(kSmemBytes == HOST_SMEM_BYTES,
+              "cubridge/runtime/fa3_bwd_sm90.py launches with another shared-memory size: update it");
+#endif
+
+}  // namespace fa3b

@@ -1,0 +1,88 @@
+"""CPU checks of the Hopper backward ref_kernels/fa3_bwd_sm90: the lifting map is well formed, four
+specialisations (both dQ splits, both dtypes, causal and full) compile for sm_90a with the host's
+shared-memory size (static_assert HOST_SMEM_BYTES) and no spills, no ignored setmaxnreg and no
+serialized wgmma; the launcher refuses bad input with a clear error; autograd keeps the portable
+backward unless the Hopper one is enabled."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from cubridge.errors import LaunchError
+from cubridge.runtime import fa3_bwd_sm90 as hb
+
+REGIONS = ["q_range", "mask_pred", "score", "softmax_bwd"]
+SPECS = [(128, True, True), (128, False, False), (64, True, False), (64, False, True)]
+MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
+
+
+def test_region_markers_present_and_balanced():
+    open_regions, seen = [], []
+    for lineno, line in enumerate(hb.KERNEL_SOURCE.read_text().splitlines(), 1):
+        if "@cuir-" not in line or "Lifting map" in line:
+            continue
+        m = MARKER.match(line)
+        assert m, f"kernel.cu:{lineno}: malformed marker {line.strip()!r}"
+        kind, name = m.groups()
+        if kind == "region":
+            assert not open_regions and name not in seen, f"kernel.cu:{lineno}: {name} nested or repeated"
+            open_regions.append(name)
+            seen.append(name)
+        else:
+            assert open_regions and open_regions[-1] == name, f"kernel.cu:{lineno}: stray end {name}"
+            open_regions.pop()
+    assert not open_regions and sorted(seen) == sorted(REGIONS), f"regions {seen}, expected {REGIONS}"
+
+
+def _compile(spec, tmp_path):
+    d, causal, bf16 = spec
+    out = tmp_path / f"d{d}c{int(causal)}b{int(bf16)}.cubin"
+    proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                           *hb.options(d, causal, bf16), "-Xptxas", "-v", "-o", str(out), str(hb.KERNEL_SOURCE)],
+                          capture_output=True, text=True)
+    return spec, proc
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_specialisations_compile_spill_free(tmp_path):
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda s: _compile(s, tmp_path), SPECS))
+    for spec, proc in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, f"{spec}: spills\n{log}"
+        assert "0 bytes stack frame" in log, f"{spec}: stack frame\n{log}"
+        for warning in ("C7508", "C7510", "C7515", "serializ"):   # setmaxnreg ignored / wgmma serialized
+            assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
+
+
+def test_shared_memory_mirrors_params():
+    """K + V + 2 x (Q, dO) + 2 dS^T slots + 5 barriers + alignment slack; under 227 KB at D = 128."""
+    assert hb.smem_bytes(128) == 2 * 32768 + 4 * 16384 + 2 * 16384 + 40 + 1024
+    assert hb.smem_bytes(64) == 2 * 16384 + 4 * 8192 + 2 * 16384 + 40 + 1024
+    assert hb.smem_bytes(128) <= 227 * 1024
+    assert f"-DHOST_SMEM_BYTES={hb.smem_bytes(64)}" in hb.options(64, False, True)
+
+
+def test_bad_input_is_a_clear_error():
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(LaunchError, match="cuda|CUDA"):
+        hb.fa3_backward(q, q, q, q, q, lse)
+    with pytest.raises(LaunchError, match="head dim"):
+        hb.build_cubin(96, False, True)
+
+
+def test_autograd_keeps_the_portable_backward_unless_enabled(monkeypatch):
+    from cubridge.runtime import autograd
+    q = torch.randn(1, 2, 8, 64)
+    monkeypatch.delenv(hb.ENABLE_ENV, raising=False)
+    assert not hb.enabled() and not autograd.hopper_backward_used(q, deterministic=False)
+    monkeypatch.setenv(hb.ENABLE_ENV, "1")
+    assert hb.enabled()
+    assert not autograd.hopper_backward_used(q, deterministic=False)   # a CPU tensor: never

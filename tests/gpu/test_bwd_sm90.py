@@ -1,0 +1,128 @@
+"""GPU checks of ref_kernels/fa3_bwd_sm90 (the Hopper backward) under the verification rule.
+
+golden = torch.autograd of the attention reference in float64, ref = the same autograd in the
+kernel dtype; dQ, dK, dV each pass iff max|x - golden| <= 2 max|ref - golden| + 1e-5
+(cubridge.rule.compare). out and the natural-log LSE come from the Hopper forward (fa3_sm90).
+Also: outputs poisoned with NaN are fully written, inputs unchanged, dK / dV (no atomics) bitwise
+repeatable. Inputs are random normal, never zeros. Needs an sm_90 GPU (skipped otherwise).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cubridge.rule import compare
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="fa3_bwd_sm90 needs an sm_90 GPU (H100 / H200)")]
+
+F16, BF16 = torch.float16, torch.bfloat16
+# (Nq, Nk): ragged 77 / 300 / 1000 both ways, one key tile, a single row, a longer square.
+LENGTHS = [(77, 77), (300, 300), (1000, 1000), (77, 300), (300, 77), (1000, 300), (300, 1000),
+           (128, 128), (1, 1), (2048, 2048)]
+HEADS = [(2, 2), (8, 2), (4, 1)]   # MHA, GQA 8/2, MQA
+
+
+@pytest.fixture(scope="session")
+def bwd():
+    from cubridge.runtime import fa3_bwd_sm90
+    for d in (64, 128):
+        for causal in (False, True):
+            for bf16 in (False, True):
+                fa3_bwd_sm90.build_cubin(d, causal, bf16)
+    return fa3_bwd_sm90.fa3_backward
+
+
+def reference(q, k, v, dout, causal: bool, scale: float):
+    """(dq, dk, dv) by torch.autograd of attention in q's dtype (top-left causal, as the kernels)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
+    if causal:
+        nq, nk = s.shape[-2:]
+        keep = torch.arange(nk, device=s.device)[None, :] <= torch.arange(nq, device=s.device)[:, None]
+        s = s.masked_fill(~keep, -math.inf)
+    out = torch.softmax(s, dim=-1) @ v.repeat_interleave(group, 1)
+    out.backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+def run_case(bwd, b, hq, hkv, nq, nk, d, dtype, causal, *, seed=0, scale=None, amplitude=1.0):
+    from cubridge.runtime.fa3_sm90 import fa3_forward
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d), (b, hq, nq, d))
+    q, k, v, dout = [(amplitude * torch.randn(s, device="cuda", generator=gen)).to(dtype) for s in shapes]
+    out, lse = fa3_forward(q, k, v, causal=causal, softmax_scale=scale)
+    saved = [t.clone() for t in (q, k, v, dout, out, lse)]
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    bwd(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, dq=grads[0], dk=grads[1], dv=grads[2])
+    again = bwd(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    torch.cuda.synchronize()
+    for g, name in zip(grads, ("dq", "dk", "dv")):
+        assert not g.isnan().any(), f"{name}: {int(g.isnan().sum())} elements never written (or NaN)"
+    for t, s, name in zip((q, k, v, dout, out, lse), saved, ("q", "k", "v", "dout", "out", "lse")):
+        assert torch.equal(t, s), f"the backward modified its input {name}"
+    assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), "dk / dv not repeatable"
+    scale_ = 1.0 / math.sqrt(d) if scale is None else scale
+    golden = reference(q.double(), k.double(), v.double(), dout.double(), causal, scale_)
+    ref = reference(q, k, v, dout, causal, scale_)
+    for name, x, g, r in zip(("dq", "dk", "dv"), grads, golden, ref):
+        verdict = compare(x, g, r)
+        assert verdict.passed, f"{name}: {verdict}"
+
+
+def _cases():
+    for d in (64, 128):
+        for dtype in (F16, BF16):
+            for causal in (False, True):
+                for i, (nq, nk) in enumerate(LENGTHS):
+                    hq, hkv = HEADS[(i + d // 64 + int(causal)) % len(HEADS)]
+                    b = 1 if max(nq, nk) >= 2048 else 2
+                    yield pytest.param(b, hq, hkv, nq, nk, d, dtype, causal,
+                                       id=f"d{d}-{str(dtype)[6:]}-{'causal' if causal else 'full'}-"
+                                          f"q{nq}-k{nk}-h{hq}x{hkv}")
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,dtype,causal", list(_cases()))
+def test_rule(bwd, b, hq, hkv, nq, nk, d, dtype, causal):
+    run_case(bwd, b, hq, hkv, nq, nk, d, dtype, causal)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}x{h[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_every_head_layout(bwd, causal, heads):
+    """MHA / GQA / MQA at a ragged length, two seeds (dK / dV summed over the group in the CTA)."""
+    for seed in (1, 2):
+        run_case(bwd, 2, *heads, 333, 517, 128, BF16, causal, seed=seed)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_scale_parameter_and_large_scores(bwd, causal):
+    """A non-default scale, and inputs x4 (scores up to ~+-100: P from LSE must not overflow)."""
+    run_case(bwd, 1, 4, 2, 700, 900, 64, F16, causal, seed=3, scale=0.3)
+    run_case(bwd, 1, 4, 1, 700, 900, 128, BF16, causal, seed=4, amplitude=4.0)
+
+
+def test_autograd_routes_here_when_enabled(bwd, monkeypatch):
+    """With CUBRIDGE_HOPPER_BWD=1, autograd.attention's backward is this kernel's (bitwise dK/dV)."""
+    from cubridge.runtime import autograd
+    monkeypatch.setenv("CUBRIDGE_HOPPER_BWD", "1")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(s, device="cuda", generator=gen).to(BF16).requires_grad_()
+               for s in ((1, 4, 300, 128), (1, 2, 300, 128), (1, 2, 300, 128)))
+    dout = torch.randn(1, 4, 300, 128, device="cuda", generator=gen).to(BF16)
+    autograd.attention(q, k, v, causal=True).backward(dout)
+    out, lse = autograd.forward_with_lse(q.detach(), k.detach(), v.detach(), True, None)
+    _, dk, dv = bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, causal=True)
+    assert autograd.hopper_backward_used(q, deterministic=False)
+    assert torch.equal(k.grad, dk) and torch.equal(v.grad, dv)
+
+
+def test_bad_input_is_a_clear_error(bwd):
+    from cubridge.errors import LaunchError
+    q = torch.randn(1, 2, 64, 96, device="cuda", dtype=BF16)
+    with pytest.raises(LaunchError, match="head dim|D"):
+        bwd(q, q, q, q, q, torch.zeros(1, 2, 64, device="cuda"))

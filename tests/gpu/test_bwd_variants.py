@@ -1,0 +1,81 @@
+"""GPU checks of variant backwards (cubridge.lower.fa2_bwd_sm80 lowered into ref_kernels/fa2_bwd_sm80)
+under the verification rule: dQ, dK, dV against torch.autograd of the spec's reference in float64
+(golden) and in the kernel dtype (ref). The forward's out and LSE come from the spec's hooks in
+float64 (cubridge.runtime.variant_bwd.reference_forward) so that only the backward is under test
+(tests/gpu/test_bwd_op.py runs the tuned forward + this backward end to end). Outputs poisoned
+with NaN first, inputs unchanged, deterministic mode bitwise repeatable. Random normal inputs."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from cubridge.rule import compare
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+    pytest.skip("the backward kernels need an sm_80+ GPU", allow_module_level=True)
+
+F16, BF16 = torch.float16, torch.bfloat16
+VARIANTS = [("prefixlm", {}), ("causal_blockwise", {}), ("global_sliding_window", {}), ("share_question", {}),
+            ("relative_pos", {}), ("sigmoid", {}), ("relu", {}), ("composite", {}), ("composite", {"softcap": 2.0})]
+# (B, Hq, Hkv, Nq, Nk, D, dtype, deterministic): ragged GQA, MQA, both head dims and dtypes.
+SHAPES = [(2, 8, 2, 1000, 1000, 128, BF16, False), (1, 4, 1, 777, 777, 64, F16, True),
+          (1, 4, 2, 1500, 1300, 128, F16, False)]
+
+
+@pytest.fixture(scope="module")
+def backwards():
+    """One VariantBackward per variant, every specialisation the cases need compiled up front in
+    parallel (NVRTC releases the GIL; about 27 builds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cubridge.runtime.launch import device_arch
+    from cubridge.runtime.variant_bwd import VariantBackward
+    out = {(n, tuple(sorted(p.items()))): VariantBackward(n, **p) for n, p in VARIANTS}
+    arch = device_arch(torch.device("cuda"))
+    jobs = [(bwd, d, dt, det) for bwd in out.values() for (*_, d, dt, det) in SHAPES]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda j: j[0].kernel.build(j[1], j[2], False, j[3], arch, source=j[0].source), jobs))
+    return out
+
+
+def _grads(spec, params, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    spec.run_reference(q, k, v, **params).backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}-{}".format(
+    *s[:6], str(s[6])[6:], "det" if s[7] else "atomic"))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
+def test_variant_backward_rule(backwards, variant, shape):
+    from cubridge.runtime.variant_bwd import reference_forward
+    name, params = variant
+    b, hq, hkv, nq, nk, d, dtype, det = shape
+    bwd = backwards[(name, tuple(sorted(params.items())))]
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}{shape}".encode()))
+    q, dout = (torch.randn(b, hq, nq, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    out, lse = reference_forward(bwd.spec, q64, k64, v64, **params)
+    out = out.to(dtype)
+    golden = _grads(bwd.spec, params, q64, k64, v64, dout.double())
+    ref = _grads(bwd.spec, params, q, k, v, dout)
+    saved = [t.clone() for t in (q, k, v, dout, out, lse)]
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, deterministic=det, dq=grads[0], dk=grads[1], dv=grads[2])
+    again = bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, deterministic=det)
+    torch.cuda.synchronize()
+    for gname, x, gd, r in zip(("dq", "dk", "dv"), grads, golden, ref):
+        assert not x.isnan().any(), f"{gname}: {int(x.isnan().sum())} elements never written (or NaN)"
+        verdict = compare(x, gd, r)
+        assert verdict.passed, f"{name} {gname}: {verdict}"
+    for t, s, tname in zip((q, k, v, dout, out, lse), saved, ("q", "k", "v", "dout", "out", "lse")):
+        assert torch.equal(t, s), f"the backward modified its input {tname}"
+    same = [torch.equal(x, y) for x, y in zip(grads, again)]
+    assert same[1] and same[2], "dk / dv not repeatable (they use no atomics)"
+    if det:
+        assert same[0], "deterministic dq not bitwise repeatable"

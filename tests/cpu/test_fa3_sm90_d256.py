@@ -131,3 +131,17 @@ def test_gemma2_local_lowers_and_builds_at_256(program, tmp_path):
     cfg = reference_kernel("fa3_sm90").config({"block_m": 128, "block_n": 64, "stages": 2}, 256, "bf16")
     log = _build(cfg.defines(), src, tmp_path / "gemma2.cubin")
     assert _fwd_spill(log) <= 64, log
+
+
+def test_lift_check_runs_the_cuir_at_its_tile_at_256(tmp_path):
+    """The lift check job at a D = 256 shape: kernel and CuIR agree. (The job hands the interpreter
+    fa3_sm90's D = 256 tile; the interpreter itself does not count shared memory, so this checks
+    that the flow runs at 256, not which tile it used.)"""
+    from cubridge.search.lift_check import lift_check_job
+    launcher = tmp_path / "launch.py"
+    launcher.write_text("from cubridge.spec import load_spec\n_spec = load_spec('causal')\n"
+                        "def launch(q, k, v):\n    return _spec.run_reference(q, k, v)\n")
+    cuir = (ref_kernel_dir("fa3_sm90") / "kernel.cuir").read_text()
+    outcome, detail = lift_check_job({"spec": "causal", "cuir": cuir, "launcher": str(launcher), "device": "cpu",
+                                      "shapes": [(1, 2, 1, 90, 256, 0)]})
+    assert outcome.state.value == "ok", (outcome, detail)

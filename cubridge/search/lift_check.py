@@ -58,6 +58,7 @@ def load_launcher(ref: str, spec_name: str):
 def lift_check_job(p: dict):
     from cubridge.cuir.interp import interpret
     from cubridge.cuir.parser import parse
+    from cubridge.runtime.kernels import fit_params
     from cubridge.spec import load_spec
     from cubridge.verify import Case, make_inputs
     spec = load_spec(p["spec"])
@@ -76,7 +77,8 @@ def lift_check_job(p: dict):
         except Exception as e:  # noqa: BLE001 - the user's kernel failing is this check's outcome
             return Outcome(TrialState.CRASH, f"the kernel's launcher raised at {case}: {type(e).__name__}: {e}"), {}
         try:
-            interp_out = interpret(program, {"Q": q, "K": k, "V": v}, params=p.get("params") or {}).outputs["O"]
+            at_d = fit_params(program, D, p.get("params"))     # fa3_sm90 at D = 256: its own tile
+            interp_out = interpret(program, {"Q": q, "K": k, "V": v}, params=at_d).outputs["O"]
         except CubridgeError as e:
             return Outcome(TrialState.WRONG_ANSWER, f"the CuIR program fails at {case}: {e}"), {}
         kv, iv = rule.compare(kernel_out, golden, ref), rule.compare(interp_out, golden, ref)

@@ -34,7 +34,8 @@ def test_one_space_per_reference_kernel():
 def test_valid_points_are_the_grid_minus_the_problems(name, d, arch):
     s = SPACES[name]
     pts = s.points(d, arch)
-    assert 10 < len(pts) < len(grid(s))
+    # D = 256 leaves two tiles (128 x 64 / 80, 2 stages) x grid mode: shared memory and registers
+    assert (len(pts) == 4 if d == 256 else 10 < len(pts)) and len(pts) < len(grid(s))
     assert all(not s.problems(p, d, arch) for p in pts)
     assert len({s.label(p) for p in pts}) == len(pts)
 

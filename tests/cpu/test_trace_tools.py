@@ -67,7 +67,7 @@ def test_shape_dependent_constants_stay_inputs(fa2):
     assert cand.slots and recorded(cand.program) == ("prefixlm", {"prefix": None})
 
 
-# fa3_sm90 builds D = 256 since branch d256 (tests/cpu/test_fa3_sm90_d256.py); 512 nowhere.
+# fa3_sm90 builds D = 256 since branch d256 (tests/cpu/test_fa3_sm90_d256_build.py); 512 nowhere.
 @pytest.mark.parametrize("argv", [
     ("check-ir", "fa3_sm90", "--head-dim", "512"),       # was "shared memory ... exceeds" (issue 19)
     ("verify-ir", "fa3_sm90", "--spec", "causal", "--shape", "1,2,1,64,512"),

@@ -79,11 +79,15 @@ _FA3_EXTRA_KNOWN = {128: [{"block_m": 192, "block_n": 80, "stages": 2, "persiste
 
 
 def _fa3_best_known(head_dim: int) -> list[dict]:
-    """The runtime's measured defaults for causal and non-causal masks at short and long N, then
-    the configs measured best for particular variants (_FA3_EXTRA_KNOWN)."""
+    """The runtime's defaults for a lowered variant, then its measured dense defaults for causal
+    and non-causal masks at short and long N, then the configs measured best for particular
+    variants (_FA3_EXTRA_KNOWN). The first is what `lower --compile` and the CuIR check at an
+    unusual D (fit_params) take: at D = 256 the variant tile 128 x 64 (128 x 80 spilled 264 bytes
+    with the Gemma-2 softcap + window); at 64 / 128 the variant default is the dense one anyway."""
     out = []
-    for causal, n in itertools.product((True, False), (1024, 8192)):
-        c = default_config(head_dim, causal, seqlen=n)
+    dense = [(False, c, n) for c, n in itertools.product((True, False), (1024, 8192))]
+    for variant, causal, n in [(True, True, 1024), *dense]:
+        c = default_config(head_dim, causal, seqlen=n, variant=variant)
         pt = {"block_m": c.block_m, "block_n": c.block_n, "stages": c.stages, "persistent": c.persistent}
         if pt not in out:
             out.append(pt)

@@ -1,0 +1,147 @@
+"""Head dim 256 on fa3_sm90 without a GPU (issue 19 item 3): the config and shared-memory
+arithmetic, the tuner space, the CuIR check / interpreter at the kernel's own D = 256 tile, and
+nvcc builds of the dense kernel and of the lowered Gemma-2 local layer (softcap + window) with
+their register and spill reports. tests/gpu/test_fa3_sm90_d256.py runs them."""
+from __future__ import annotations
+
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from cubridge.cli import main
+from cubridge.cuir.checker import check
+from cubridge.cuir.parser import parse_file
+from cubridge.paths import ref_kernel_dir
+from cubridge.runtime.fa3_sm90 import (KERNEL_DIR, KERNEL_SOURCE, NVCC_FLAGS, SMEM_LIMIT, SUPPORTED_HEAD_DIMS,
+                                       Fa3Config, default_config)
+from cubridge.runtime.kernels import fit_params, reference_kernel
+from cubridge.spec import load_spec
+from cubridge.verify import Case, verify_program, verify_transfer
+
+from test_fa3_sm90_build import _nvcc   # tests/cpu is on sys.path (no __init__.py)
+
+GEMMA2 = Path(__file__).resolve().parents[1] / "corpus" / "gemma2_local.py"
+NEEDS_NVCC = pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+
+
+@pytest.fixture(scope="module")
+def program():
+    return parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+
+
+def test_default_tiles_and_shared_memory():
+    """FlashAttention-3's hdim-256 tiles: 128 x 80 dense, 128 x 64 for a lowered variant; 64 KB of
+    Q and 2 x 2 stages of K / V: one Q slot, O staged in it, under 227 KB."""
+    assert 256 in SUPPORTED_HEAD_DIMS
+    dense, variant = default_config(256, causal=True), default_config(256, causal=True, variant=True)
+    assert (dense.block_m, dense.block_n, dense.stages) == (128, 80, 2) and dense.persistent
+    assert (variant.block_m, variant.block_n, variant.stages) == (128, 64, 2)
+    bars = 8 * (2 * 1 + 2 * 2 + 4 * 2) + 2 * 128
+    assert dense.smem_bytes == 128 * 256 * 2 + 2 * 2 * 80 * 256 * 2 + bars + 1024 == 230768
+    assert variant.smem_bytes == 128 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + bars + 1024
+    for cfg in (dense, variant):
+        assert cfg.q_slots_used == 1 and not cfg.separate_o and cfg.smem_bytes <= SMEM_LIMIT
+        assert f"-DHOST_SMEM_BYTES={cfg.smem_bytes}" in cfg.defines() and "-DHEAD_DIM=256" in cfg.defines()
+
+
+def test_tuner_space_at_256():
+    s = reference_kernel("fa3_sm90").space
+    pts = {(p["block_m"], p["block_n"], p["stages"]) for p in s.points(256, "sm_90a")}
+    assert pts == {(128, 64, 2), (128, 80, 2)}
+    wide = s.problems({"block_m": 128, "block_n": 96, "stages": 2, "persistent": True}, 256, "sm_90a")
+    assert any(p.startswith("shared memory:") for p in wide) and any(p.startswith("registers:") for p in wide)
+    three = s.problems({"block_m": 192, "block_n": 64, "stages": 2, "persistent": True}, 256, "sm_90a")
+    assert three and three[0].startswith("registers:")
+    assert [p["block_n"] for p in s.best_known(256)] == [64, 80]     # the variant tile first
+
+
+def test_cuir_takes_the_kernels_tile_at_256(program, capsys):
+    """The CuIR's own defaults (128 x 128) overflow shared memory at D = 256; check, verify and the
+    CLI take the kernel's D = 256 tile instead, and keep the program's defaults at 64 / 128."""
+    with pytest.raises(Exception, match="shared memory"):
+        check(program, dims={"D": 256})
+    at = fit_params(program, 256)
+    assert at == {"BLOCK_M": 128, "BLOCK_N": 64, "STAGES": 2, "CONSUMERS": 2}
+    assert check(program, params=at, dims={"D": 256}).smem_bytes <= SMEM_LIMIT
+    assert fit_params(program, 128) == {} and fit_params(program, 64) == {}
+    assert fit_params(program, 256, {"BLOCK_N": 80}) == {"BLOCK_N": 80}      # what the user says stays
+    assert main(["check-ir", "fa3_sm90", "--head-dim", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "fa3_sm90: ok (D=256; BLOCK_M=128, BLOCK_N=64" in out and "NOT BUILDABLE" not in out
+
+
+def test_interpreter_verifies_dense_and_gemma2_at_256(program):
+    causal = verify_program(program, load_spec("causal"), cases=[Case(1, 2, 1, 100, 100, 256, 0)])
+    assert causal.passed, causal.table()
+    assert causal.params["BLOCK_N"] == 64
+    gemma = verify_transfer(program, load_spec(GEMMA2), spec_params={"window": 40},
+                            cases=[Case(1, 4, 2, 180, 180, 256, 1)])
+    assert gemma.passed, gemma.table()
+
+
+def _build(defines: list[str], source: Path, out: Path) -> str:
+    proc = subprocess.run([_nvcc(), *NVCC_FLAGS, *defines, f"-I{KERNEL_DIR}", "-Xptxas", "-v", "-o", str(out),
+                           str(source)], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{defines}: nvcc failed\n{log[-3000:]}"
+    for warning in ("C7508", "C7510", "C7515", "serializ"):   # setmaxnreg ignored / wgmma serialized
+        assert warning not in log, f"{defines}: ptxas warning {warning}\n{log}"
+    return log
+
+
+def _fwd_spill(log: str) -> int:
+    """Spill-store bytes of fa3_sm90_fwd from a -Xptxas -v log."""
+    m = re.search(r"Function properties for fa3_sm90_fwd\s+\d+ bytes stack frame, (\d+) bytes spill stores", log)
+    assert m, log
+    return int(m.group(1))
+
+
+@NEEDS_NVCC
+def test_dense_d256_builds(tmp_path):
+    """128 x 64 (40 / 232 registers) compiles spill-free; 128 x 80 (24 / 240) spills a few bytes
+    (nvcc 13.0: 2 in the consumers, once per tile, the rest in the one producer thread)."""
+    cfgs = [Fa3Config(256, 128, 64, 2, causal=True), Fa3Config(256, 128, 80, 2, causal=True),
+            Fa3Config(256, 128, 80, 2, causal=False, bf16=False)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        logs = list(pool.map(lambda c: _build(c.defines(), KERNEL_SOURCE, tmp_path / f"{c.block_n}{c.bf16}.cubin"),
+                             cfgs))
+    assert _fwd_spill(logs[0]) == 0
+    assert _fwd_spill(logs[1]) <= 32 and _fwd_spill(logs[2]) <= 32
+
+
+@NEEDS_NVCC
+def test_three_consumers_are_refused_at_256(tmp_path):
+    proc = subprocess.run([_nvcc(), *NVCC_FLAGS, "-DHEAD_DIM=256", "-DBLOCK_M=192", "-DBLOCK_N=64", f"-I{KERNEL_DIR}",
+                           "-o", str(tmp_path / "x.cubin"), str(KERNEL_SOURCE)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "HEAD_DIM 256 needs BLOCK_M 128" in proc.stderr
+
+
+@NEEDS_NVCC
+def test_gemma2_local_lowers_and_builds_at_256(program, tmp_path):
+    """The Gemma-2 local layer (softcap 50 + sliding window, causal) lowered onto fa3_sm90 compiles
+    at the variant tile 128 x 64 (nvcc 13.0: 36 bytes spilled in the consumers, a few per KV tile)."""
+    from cubridge.lower import lower
+    from cubridge.transfer.rules import transfer
+    cand = transfer(program, load_spec(GEMMA2), spec_params={"window": 4096})
+    src = tmp_path / "gemma2.cu"
+    src.write_text(lower(cand.program, "fa3_sm90").source)
+    cfg = reference_kernel("fa3_sm90").config({"block_m": 128, "block_n": 64, "stages": 2}, 256, "bf16")
+    log = _build(cfg.defines(), src, tmp_path / "gemma2.cubin")
+    assert _fwd_spill(log) <= 64, log
+
+
+def test_lift_check_runs_the_cuir_at_its_tile_at_256(tmp_path):
+    """The lift check job at a D = 256 shape: kernel and CuIR agree. (The job hands the interpreter
+    fa3_sm90's D = 256 tile; the interpreter itself does not count shared memory, so this checks
+    that the flow runs at 256, not which tile it used.)"""
+    from cubridge.search.lift_check import lift_check_job
+    launcher = tmp_path / "launch.py"
+    launcher.write_text("from cubridge.spec import load_spec\n_spec = load_spec('causal')\n"
+                        "def launch(q, k, v):\n    return _spec.run_reference(q, k, v)\n")
+    cuir = (ref_kernel_dir("fa3_sm90") / "kernel.cuir").read_text()
+    outcome, detail = lift_check_job({"spec": "causal", "cuir": cuir, "launcher": str(launcher), "device": "cpu",
+                                      "shapes": [(1, 2, 1, 90, 256, 0)]})
+    assert outcome.state.value == "ok", (outcome, detail)

@@ -1,0 +1,95 @@
+"""Head dim 256 on the Hopper reference kernel (issue 19 item 3) under the verification rule:
+dense causal / full at both D = 256 tiles (128 x 80, 24 / 240 registers; 128 x 64, 40 / 232), ragged
+and separate lengths, MHA / GQA (Gemma-2's 16 q / 8 kv heads) / MQA, few CTAs over many tiles; and
+the Gemma-2 local layer (softcap 50 + sliding window, causal, 16 / 8 heads) transferred from
+tests/corpus/gemma2_local.py, lowered and run at both tiles, with lengths past the window.
+golden = float64, ref = the kernel dtype, pass iff max|out - golden| <= 2 max|ref - golden| + 1e-5;
+outputs poisoned first, inputs unchanged, a second run bitwise equal (test_fa3_sm90.run_case)."""
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_fa3_sm90 import run_case   # tests/gpu is on sys.path (no __init__.py): the same checks
+
+from cubridge import rule
+
+_HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not _HAS_SM90, reason="needs a CUDA GPU of compute capability 9.0 (H100/H200) for wgmma and TMA")]
+
+D = 256
+TILES = [dict(block_m=128, block_n=80, stages=2), dict(block_m=128, block_n=64, stages=2)]
+GEMMA2 = Path(__file__).resolve().parents[1] / "corpus" / "gemma2_local.py"
+
+
+def _tile_id(t: dict) -> str:
+    return f"{t['block_m']}x{t['block_n']}"
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 8), (8, 1)], ids=["mha", "gqa16_8", "mqa"])
+@pytest.mark.parametrize("n", [1, 17, 1000, 2500], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("tiles", TILES, ids=_tile_id)
+def test_d256_square(tiles, n, heads, causal, persistent):
+    hq, hkv = heads
+    run_case(2 if n < 1000 else 1, hq, hkv, n, n, D, torch.bfloat16, causal, persistent=persistent, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(17, 1000), (1000, 17), (300, 129), (1, 4096)])
+@pytest.mark.parametrize("tiles", TILES, ids=_tile_id)
+def test_d256_ragged(tiles, nq, nk, causal):
+    run_case(2, 16, 8, nq, nk, D, torch.bfloat16, causal, persistent=True, max_ctas=7, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d256_default_config_fp16(causal):
+    run_case(1, 8, 2, 1000, 1000, D, torch.float16, causal)
+
+
+def _gemma2(n: int, window: int, tiles: dict, hq=16, hkv=8):
+    """Gemma-2 local: transferred by the rules, lowered onto fa3_sm90 at `tiles`, run at n."""
+    from cubridge.cuir.parser import parse_file
+    from cubridge.lower import lower
+    from cubridge.paths import ref_kernel_dir
+    from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward
+    from cubridge.spec import load_spec
+    from cubridge.transfer.rules import transfer
+    params = {"window": window, "softcap": 50.0}
+    spec = load_spec(GEMMA2)
+    cand = transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec, spec_params=params)
+    kern = lower(cand.program, "fa3_sm90")
+    cfg = Fa3Config(head_dim=D, causal=False, bf16=True, persistent=True, **tiles)
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"gemma2{n}{window}".encode()))
+    q, k, v = (torch.randn(s, device="cuda", generator=g).to(torch.bfloat16)
+               for s in ((1, hq, n, D), (1, hkv, n, D), (1, hkv, n, D)))
+    before = [t.clone() for t in (q, k, v)]
+
+    def run():
+        out = torch.full_like(q, math.nan)
+        inputs = cand.bind(Nq=n, Nk=n, Hq=hq, Hkv=hkv, B=1,
+                           params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
+        fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=kern.args(inputs, q.device))
+        torch.cuda.synchronize()
+        return out
+    out = run()
+    assert not torch.isnan(out).any(), "some output element was never written"
+    golden = spec.run_reference(q.double(), k.double(), v.double(), **params)
+    verdict = rule.compare(out, golden, spec.run_reference(q, k, v, **params))
+    assert verdict.passed, f"gemma2_local n={n} window={window} {cfg}: {verdict}"
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs changed"
+    assert torch.equal(out, run()), "second run differs"
+
+
+@pytest.mark.parametrize("n, window", [(1000, 64), (2500, 1000), (4500, 4096)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("tiles", TILES, ids=_tile_id)
+def test_gemma2_local_softcap_window(tiles, n, window):
+    """Lengths past the window, so its lower edge cuts KV tiles (4096 is Gemma-2's own)."""
+    _gemma2(n, window, tiles)

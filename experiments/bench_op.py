@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import math
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -31,6 +31,7 @@ from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
 WHERE = "cubridge op"
 PLAN_CACHE = 256         # checked call signatures remembered (host data only)
+_KEY_SCALARS = (type(None), float, int, str)   # scale / layout types the fast path keys on
 
 
 class TunedOp:
@@ -75,7 +76,8 @@ class TunedOp:
         """out (or (out, lse)); layout None reads [B, H, N, D] and refuses what only [B, N, H, D] or
         both could mean; runtime: the spec's declared runtime inputs as keyword tensors."""
         compiling, key = torch.compiler.is_compiling(), None
-        if not (compiling or runtime or return_lse) and type(q) is torch.Tensor:
+        if (not (compiling or runtime or return_lse) and type(q) is type(k) is type(v) is torch.Tensor
+                and type(scale) in _KEY_SCALARS and type(layout) in _KEY_SCALARS):   # hashable, checked later
             key = (layout, scale, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
                    v.dtype, q.device, k.device, v.device)
             fast = self._fast.get(key)

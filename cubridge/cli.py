@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 from cubridge.errors import CubridgeError
+from cubridge.vocab import DTYPES
 
 
 # One vocabulary with configs/*.yaml (dtype: bf16 | fp16; shapes.head_dim defaults to 128 in every
 # shipped config and model preset).
 HEAD_DIM = 128
-DTYPE_NAMES = ("bf16", "fp16")
+DTYPE_NAMES = DTYPES
 
 
 def _dtype(text: str) -> str:
@@ -331,9 +332,15 @@ def _literal(v: str):
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
+def _version() -> str:
+    from cubridge import __version__
+    return f"cubridge {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cubridge", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def program_cmd(name, fn, help_):
@@ -417,6 +424,7 @@ def tune_main(argv=None) -> int:
     """`cubridge-tune CONFIG`: tune a variant (see configs/README.md). Exit 0: tuned (or screened
     with --dry-run); 1: nothing tuned (no candidate verified, no GPU, no trial timed); 2: bad config."""
     p = argparse.ArgumentParser(prog="cubridge-tune", description=tune_main.__doc__)
+    p.add_argument("--version", action="version", version=_version())
     p.add_argument("config", help="a YAML config (configs/h100_prefixlm.yaml) or a plan of runs (configs/nightly.yaml)")
     p.add_argument("--dry-run", action="store_true", help="screen (and compile) the population, time nothing")
     p.add_argument("--resume", action="store_true", help="continue the run in the output directory")
@@ -425,10 +433,17 @@ def tune_main(argv=None) -> int:
     p.add_argument("--runner", choices=["local", "ray", "replay"], help="overrides runner.kind")
     p.add_argument("--replay", help="recorded results (JSON) for --runner replay")
     p.add_argument("--address", help="Ray cluster address for --runner ray (default: a local instance)")
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="store_true", help="also log every trial as it finishes")
+    loud.add_argument("-q", "--quiet", action="store_true", help="only warnings and the exit status; no progress line")
     a = p.parse_args(argv)
+    import logging
+
     from cubridge.config import load_plan, with_overrides
-    from cubridge.search.progress import Progress
+    from cubridge.search.progress import Progress, configure_logging
     from cubridge.search.tuner import tune
+    handler = configure_logging(verbose=a.verbose, quiet=a.quiet)
+    say = logging.getLogger("cubridge.tune").info
     try:
         plan = [with_overrides(c, output=a.out if a.out else None, trials=a.trials, runner=a.runner,
                                replay=a.replay, address=a.address) for c in load_plan(a.config)]
@@ -436,9 +451,9 @@ def tune_main(argv=None) -> int:
             plan = [with_overrides(c, output=str(Path(a.out) / c.name)) for c in plan]
         codes = []
         for cfg in plan:
-            progress = Progress(cfg.budget.trials, label=f"tune {cfg.name}")
-            result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress,
-                          say=progress.message)
+            progress = None if a.quiet else Progress(cfg.budget.trials, label=f"tune {cfg.name}")
+            handler.progress = progress
+            result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress, say=say)
             codes.append(result.exit_code)
     except CubridgeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -89,9 +89,9 @@ def _classify(expr, tables, b, h, q0, k0, size, split, Nq, Nk):
 
 def _count_partial(expr, tables, blocks, size, Nq, Nk) -> int:
     """Pairs of the partial size x size blocks (b, h, q0, k0 vectors), pair by pair."""
-    from cubridge.cuir.interp import _Interpreter
+    from cubridge.cuir.interp import Interpreter
     from cubridge.cuir.values import DType, GTensor
-    it = _Interpreter(N.Program([], source="<count_pairs>"), {}, None, "in_order", False)
+    it = Interpreter(N.Program([], source="<count_pairs>"), {}, None, "in_order", False)
     base = {d: DType(d) for d in ("i32", "f32")}
     for name, t in tables.items():
         data = t.to(torch.float32) if t.is_floating_point() else t.to(torch.int64)

@@ -32,8 +32,8 @@ from typing import Callable, ClassVar
 from cubridge.errors import CubridgeError
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.space import Space
+from cubridge.vocab import DTYPES
 
-DTYPES = ("bf16", "fp16")      # the one dtype vocabulary of kernels, configs and jobs
 
 Prepare = Callable[[dict, object], Callable]   # (extra inputs, device) -> call(q, k, v, out)
 

@@ -22,26 +22,6 @@ def _ref_kernels_dir() -> Path:
 REF_KERNELS_DIR = _ref_kernels_dir()
 
 
-def built_head_dims(ref: str) -> tuple[int, ...] | None:
-    """Head dims reference kernel `ref` is built for (its tile space's, which the tuner and
-    configs use too), or None for a kernel without a space."""
-    from cubridge.search.space import SPACES
-    try:
-        return tuple(SPACES[ref].head_dims)
-    except (KeyError, CubridgeError):
-        return None
-
-
-def check_head_dim(ref: str, D: int, where: str | None = None):
-    """Refuse a head dim the reference kernel `ref` is not built for (no-op for unknown kernels):
-    transfer, verify-ir and lower ask here."""
-    built = built_head_dims(ref)
-    if built is not None and D not in built:
-        raise CubridgeError(f"head dim {D} is not built for {ref}: supported head dims are "
-                            f"{', '.join(map(str, built))}", where=where,
-                            hint=f"use --head-dim {' or '.join(map(str, built))}, or project q / k / v to one of them")
-
-
 def ref_kernel_names() -> list[str]:
     if not REF_KERNELS_DIR.is_dir():
         return []

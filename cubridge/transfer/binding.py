@@ -15,26 +15,9 @@ from dataclasses import replace
 
 from cubridge.cuir import nodes as N
 from cubridge.errors import CubridgeError
+from cubridge.transfer.rules import RECORD, transfer
 
-RECORD = "cubridge-spec:"
 _BASE_INPUTS = {"Q", "K", "V"}
-
-
-def record_text(spec, spec_params: dict) -> str:
-    """The docstring line a transfer adds: spec name and its parameters (defaults resolved)."""
-    params = {**spec.params, **(spec_params or {})}
-    return f"{RECORD} {spec.name} {json.dumps(params, sort_keys=True, default=list)}"
-
-
-def add_record(program: N.Program, spec, spec_params: dict) -> N.Program:
-    """The program with the record appended to its first docstring (or a new one first)."""
-    line = record_text(spec, spec_params)
-    body = list(program.body)
-    for i, st in enumerate(body):
-        if isinstance(st, N.Doc):
-            body[i] = replace(st, text=st.text.rstrip() + "\n\n" + line + "\n")
-            return replace(program, body=tuple(body))
-    return replace(program, body=(N.Doc(line),) + tuple(body))
 
 
 def recorded(program: N.Program) -> tuple[str, dict] | None:
@@ -95,7 +78,6 @@ def binder(program: N.Program, spec, spec_params: dict | None = None):
         return None
     from cubridge.cuir.parser import parse_file
     from cubridge.paths import ref_kernel_dir
-    from cubridge.transfer.rules import transfer
     ref = parse_file(ref_kernel_dir("fa2_sm80") / "kernel.cuir")    # the binding depends on the spec only
     cand = transfer(ref, spec, spec_params=spec_params)
     want = extra_inputs(cand.program)

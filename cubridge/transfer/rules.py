@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 import textwrap
 from dataclasses import dataclass, field, replace
 
@@ -34,7 +35,6 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
-from cubridge.transfer.binding import add_record
 from cubridge.transfer.evalmod import mask_values
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure
@@ -178,6 +178,26 @@ def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, dev
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
     return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _fingerprint(forms[0]))
+
+
+RECORD = "cubridge-spec:"
+
+
+def record_text(spec, spec_params: dict) -> str:
+    """The docstring line a transfer adds: spec name and its parameters (defaults resolved)."""
+    params = {**spec.params, **(spec_params or {})}
+    return f"{RECORD} {spec.name} {json.dumps(params, sort_keys=True, default=list)}"
+
+
+def add_record(program: N.Program, spec, spec_params: dict) -> N.Program:
+    """The program with the record appended to its first docstring (or a new one first)."""
+    line = record_text(spec, spec_params)
+    body = list(program.body)
+    for i, st in enumerate(body):
+        if isinstance(st, N.Doc):
+            body[i] = replace(st, text=st.text.rstrip() + "\n\n" + line + "\n")
+            return replace(program, body=tuple(body))
+    return replace(program, body=(N.Doc(line),) + tuple(body))
 
 
 # ------------------------------------------------------------------ tracing and generalising

@@ -9,7 +9,8 @@ import pytest
 from cubridge.cli import main
 from cubridge.analysis import analyze
 from cubridge.cuir.parser import parse, parse_file
-from cubridge.paths import built_head_dims, ref_kernel_dir
+from cubridge.cli import built_head_dims
+from cubridge.paths import ref_kernel_dir
 from cubridge.spec import load_spec
 from cubridge.transfer.binding import recorded
 from cubridge.transfer.rules import transfer

@@ -71,32 +71,13 @@ def _spec_params(items) -> dict:
     return out
 
 
-def built_head_dims(ref: str) -> tuple[int, ...] | None:
-    """Head dims reference kernel `ref` is built for (its tile space's, which the tuner and
-    configs use too), or None for a kernel without a space."""
-    from cubridge.search.space import SPACES
-    try:
-        return tuple(SPACES[ref].head_dims)
-    except (KeyError, CubridgeError):
-        return None
-
-
-def check_head_dim(ref: str, D: int, where: str | None = None):
-    """Refuse a head dim the reference kernel `ref` is not built for (no-op for unknown kernels):
-    check-ir, transfer, verify-ir and lower ask here."""
-    built = built_head_dims(ref)
-    if built is not None and D not in built:
-        raise CubridgeError(f"head dim {D} is not built for {ref}: supported head dims are "
-                            f"{', '.join(map(str, built))}", where=where,
-                            hint=f"use --head-dim {' or '.join(map(str, built))}, or project q / k / v to one of them")
-
-
 def _head_dims(ref: str, dims, where: str, program=None, note: bool = True):
-    """Head dims the reference kernel is not built for (built_head_dims): refused
+    """Head dims the reference kernel is not built for (cubridge.runtime.kernels.built_head_dims): refused
     outright without `program`; with it, refused where its static check fails there but passes
     at a built head dim (the shared-memory overflow would hide the reason), else noted on stderr
     (the interpreter verifies the CuIR at any D; lower --compile refuses it)."""
     from cubridge.cuir.checker import check
+    from cubridge.runtime.kernels import built_head_dims, check_head_dim
 
     def passes(D):
         try:

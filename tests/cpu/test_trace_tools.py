@@ -9,7 +9,7 @@ import pytest
 from cubridge.cli import main
 from cubridge.analysis import analyze
 from cubridge.cuir.parser import parse, parse_file
-from cubridge.cli import built_head_dims
+from cubridge.runtime.kernels import built_head_dims
 from cubridge.paths import ref_kernel_dir
 from cubridge.spec import load_spec
 from cubridge.transfer.binding import recorded

@@ -129,7 +129,8 @@ def lse_of(spec, q, k, spec_params: dict):
     scores = q @ k.repeat_interleave(Hq // Hkv, dim=1).transpose(-2, -1) / math.sqrt(D)
     b, h, qi, ki = index_grids(B, Hq, torch.arange(Nq), Nk, q.device)
     if hooks.score_mod is not None:
-        scores = hooks.score_mod(scores, b, h, qi, ki).to(scores.dtype)
+        from cubridge.transfer.evalmod import score_values     # FlexAttention's per-element idioms too
+        scores = score_values(hooks.score_mod, scores, b, h, qi, ki).to(scores.dtype)
     mask = mask_of(hooks, b, h, qi, ki)
     return torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
 

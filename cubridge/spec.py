@@ -245,7 +245,8 @@ def attention_from_hooks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, h, q_idx, kv_idx = index_grids(B, Hq, torch.arange(Nq, device=q.device), Nk, q.device)
     if hooks.score_mod is not None:
         # Cast back: a captured float64 table must not silently upcast a bf16 run.
-        scores = hooks.score_mod(scores, b, h, q_idx, kv_idx).to(scores.dtype)
+        from cubridge.transfer.evalmod import score_values     # FlexAttention's per-element idioms too
+        scores = score_values(hooks.score_mod, scores, b, h, q_idx, kv_idx).to(scores.dtype)
     mask = _eval_mask(hooks, b, h, q_idx, kv_idx)
     return hooks.normalization.apply(scores, mask) @ v
 

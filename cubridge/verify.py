@@ -129,7 +129,8 @@ def lse_of(spec, q, k, spec_params: dict):
     scores = q @ k.repeat_interleave(Hq // Hkv, dim=1).transpose(-2, -1) / math.sqrt(D)
     b, h, qi, ki = index_grids(B, Hq, torch.arange(Nq), Nk, q.device)
     if hooks.score_mod is not None:
-        scores = _score_values(hooks.score_mod, scores, b, h, qi, ki).to(scores.dtype)
+        from cubridge.transfer.evalmod import score_values     # FlexAttention's per-element idioms too
+        scores = score_values(hooks.score_mod, scores, b, h, qi, ki).to(scores.dtype)
     mask = mask_of(hooks, b, h, qi, ki)
     return torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
@@ -166,21 +167,6 @@ def spec_mask_problem(spec, lengths, *, heads=(2, 1), spec_params: dict | None =
             return (f"the spec's hooks (mask_mod / score_mod) disagree with its reference() at N={n}, first at "
                     f"query row {row} (max diff {float(diff[row]):.2e}): kernels would compute the hooks")
     return None
-
-
-def _score_values(score_mod, scores, b, h, q, kv):
-    """score_mod on all scores: once on broadcast grids, else elementwise under torch.vmap as
-    FlexAttention calls it (per-element idioms such as table[bucket][h] need that)."""
-    try:
-        out = torch.as_tensor(score_mod(scores, b, h, q, kv))
-        if out.shape == scores.shape:
-            return out
-    except (IndexError, RuntimeError):
-        pass
-    fn = score_mod
-    for dims in ((0, None, None, None, 0), (0, None, None, 0, None), (0, None, 0, None, None), (0, 0, None, None, None)):
-        fn = torch.vmap(fn, in_dims=dims)
-    return fn(scores, b.reshape(-1), h.reshape(-1), q.reshape(-1), kv.reshape(-1))
 
 
 def make_inputs(case: Case, dtype: torch.dtype):

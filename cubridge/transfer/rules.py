@@ -8,8 +8,11 @@ Each rule of the taxonomy rewrites its regions of the reference program:
 - score_transform (score): the traced score_mod after the 1/sqrt(D) scaling;
 - normalization (softmax, epilogue): online softmax kept, or sigmoid / relu with no running
   state and no final division;
-- extra_io: kernel inputs for captured tensors and the block table; LSE dropped when the
-  normalisation is not softmax.
+- extra_io: kernel inputs for captured tensors, runtime inputs and the block table; LSE dropped
+  when the normalisation is not softmax.
+Queries are aligned to the end of the keys: the reference programs index query rows by their
+absolute position iq = row + NK - NQ, and the kv_range region bounds q_lo / q_hi the same way.
+`Candidate.bind` (cubridge.transfer.binding) gives the extra inputs of one call.
 The result is checked against the taxonomy (`taxonomy.check_structure`) before it is returned.
 
 Example:
@@ -72,37 +75,35 @@ class Candidate:
     table: bool = False
     per_bh: bool = False
     skeleton: tuple = ()
+    runtime: dict = field(default_factory=dict)    # capture name -> runtime input it is
+    derived: tuple = ()                            # captures computed from runtime inputs
+    table_reads_runtime: bool = False
+    cache: dict = field(default_factory=dict, repr=False, compare=False)   # shape -> binding.
+
+    @property
+    def host_path(self) -> bool:
+        """True when a call needs the hooks re-run on the host (captures derived from runtime
+        inputs): such a call cannot run inside a CUDA graph capture."""
+        return bool(self.derived)
 
     @property
     def text(self) -> str:
         return to_text(self.program)
 
     def bind(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
-             device="cpu") -> dict:
-        """The extra kernel inputs at one shape: scalars, captured tensors, the block table."""
-        form = _trace(self.spec, Nq, Nk, Hq, Hkv, self.spec_params, device)
-        if _skeleton(form) != self.skeleton:
-            raise TraceError(f"the hooks of {self.spec.name!r} trace to a different structure at "
-                             f"Nq={Nq}, Nk={Nk}, Hq={Hq}: the transfer cannot be reused at this shape",
-                             where=self.spec.path, hint="make the hooks' structure independent of the shape")
-        consts = _consts(form)
-        inputs = {name: consts[i] for name, i, _ in self.slots}
-        for name, t in form.captures.items():
-            t = t.detach().to("cpu")
-            inputs[name] = t.to(torch.int64) if not t.is_floating_point() else t.to(torch.float32)
-        if self.table:
-            cfg = {**self.program.params(), **(params or {})}
-            hooks = self.spec.hooks_for(Nq, Nk, Hq, Hkv, device, **self.spec_params)
-            inputs["BLOCK_CLASS"] = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"],
-                                                  self.per_bh, device)
-        return inputs
+             device="cpu", runtime: dict | None = None) -> dict:
+        """The extra kernel inputs at one call: scalars, captured tensors, runtime inputs, the
+        block table. `runtime`: the call's runtime inputs, or None for representative values."""
+        from cubridge.transfer.binding import bind
+        return bind(self, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params=params, device=device, runtime=runtime)
 
 
 def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_params: dict | None = None,
              device="cpu", **_ignored) -> Candidate:
     """Target CuIR for `spec`, valid at every shape; `Candidate.bind` gives its extra inputs."""
     spec_params = dict(spec_params or {})
-    forms = [_trace(spec, *p, spec_params, device) for p in PROBES]
+    runtime = [_probe_runtime(spec, p, spec_params, device) for p in PROBES]
+    forms = [_trace(spec, *p, spec_params, device, runtime=r) for p, r in zip(PROBES, runtime)]
     if _skeleton(forms[0]) != _skeleton(forms[1]):
         raise TraceError(f"the hooks of {spec.name!r} trace to different structures at different shapes",
                          where=spec.path, hint="make the hooks' structure independent of the shape")
@@ -112,6 +113,7 @@ def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_par
     pred = mask if mask is not None else N.Const(True)
     table = mask is not None and any(isinstance(e, N.Call) and e.op == "gather" for e in N.walk_expr(pred))
     names = {e.id for e in N.walk_expr(pred) if isinstance(e, N.Name)}
+    from_runtime, derived = _runtime_captures(spec, forms[0], runtime[0], spec_params, device)
     per_bh = table and bool(names & {"b", "h"})
     rules.append("iteration_space: " + ("block table" if table else "interval analysis"))
     if mask is not None:
@@ -133,12 +135,40 @@ def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_par
     program = N.Program(body, source=f"<{spec.name} from {reference.name}>")
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
-    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _skeleton(forms[0]))
+    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _skeleton(forms[0]),
+                     from_runtime, derived, table and bool(names & (set(from_runtime) | set(derived))))
 
 
 # ------------------------------------------------------------------ tracing and generalising
-def _trace(spec, Nq, Nk, Hq, Hkv, spec_params, device) -> _Form:
-    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, **spec_params)
+# Batch of the probe shapes: 2, so that a mask reading b indexes a runtime input's batch dim.
+PROBE_B = 2
+
+
+def _probe_runtime(spec, probe, spec_params, device, seed=None) -> dict:
+    if not spec.runtime_inputs:
+        return {}
+    from cubridge import inputs
+    Nq, Nk, Hq, Hkv = probe
+    return inputs.sample(spec.runtime_inputs, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=PROBE_B, device=device,
+                         params=spec.resolved_params(**spec_params), sampler=spec.sampler, seed=seed)
+
+
+def _runtime_captures(spec, form, runtime: dict, spec_params, device) -> tuple[dict, tuple]:
+    """(capture name -> runtime input name for runtime inputs read as they are, names of captures
+    computed from runtime inputs): the latter change when the hooks get other runtime values."""
+    by_id = {id(t): n for n, t in runtime.items()}
+    direct = {c: by_id[id(t)] for c, t in form.captures.items() if id(t) in by_id}
+    if not runtime:
+        return direct, ()
+    other = _probe_runtime(spec, PROBES[0], spec_params, device, seed=1)
+    again = _trace(spec, *PROBES[0], spec_params, device, runtime=other)
+    derived = tuple(c for c, t in form.captures.items() if c not in direct
+                    and (t.shape != again.captures[c].shape or not torch.equal(t, again.captures[c])))
+    return direct, derived
+
+
+def _trace(spec, Nq, Nk, Hq, Hkv, spec_params, device, runtime=None, B=PROBE_B) -> _Form:
+    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=runtime, **spec_params)
     mask = trace_mask(hooks.mask_mod) if hooks.mask_mod is not None else None
     score = trace_score(hooks.score_mod) if hooks.score_mod is not None else None
     caps = {**(mask.captures if mask else {}), **(score.captures if score else {})}
@@ -203,13 +233,14 @@ def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.T
     """Class of every (query tile, KV tile): 0 empty, 1 partial, 2 full, from the mask itself
     (exact, at call time). Shape [NQT, NKT], or [B, Hq, NQT, NKT] when the mask reads b or h."""
     nqt, nkt = -(-Nq // BM), -(-Nk // BN)
+    offset = Nk - Nq            # queries aligned to the end of the keys
     bs, hs = (B, Hq) if per_bh else (1, 1)
     b = torch.arange(bs, device=device).view(bs, 1, 1, 1)
     h = torch.arange(hs, device=device).view(1, hs, 1, 1)
     kv = torch.arange(nkt * BN, device=device).view(1, 1, 1, -1)
     out = torch.empty(bs, hs, nqt, nkt, dtype=torch.int64, device=device)
     for i in range(nqt):
-        q = torch.arange(i * BM, min((i + 1) * BM, Nq), device=device).view(1, 1, -1, 1)
+        q = torch.arange(offset + i * BM, offset + min((i + 1) * BM, Nq), device=device).view(1, 1, -1, 1)
         m = hooks.mask_mod(b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
         m = m.expand(bs, hs, q.shape[2], nkt * BN).reshape(bs, hs, q.shape[2], nkt, BN)
         valid = (kv < Nk).reshape(1, 1, 1, nkt, BN)
@@ -274,16 +305,16 @@ class _Generator:
             may = f"{interval}gather(BLOCK_CLASS, {self.cls_index}, jj) != {EMPTY}"
         elif isinstance(self.may, N.Const) and self.may.value is True:
             return _stmts("""
-                q_lo = q0
-                q_hi = min(q0 + BLOCK_M, NQ) - 1
+                q_lo = q0 + NK - NQ
+                q_hi = min(q0 + BLOCK_M, NQ) - 1 + NK - NQ
                 kv_lo = 0
                 kv_hi = cdiv(NK, BLOCK_N)
             """)
         else:
             may = expr(self.may)
         return _stmts(f"""
-            q_lo = q0
-            q_hi = min(q0 + BLOCK_M, NQ) - 1
+            q_lo = q0 + NK - NQ
+            q_hi = min(q0 + BLOCK_M, NQ) - 1 + NK - NQ
             kv_lo = cdiv(NK, BLOCK_N)
             kv_hi = 0
             for jj in range(cdiv(NK, BLOCK_N)):

@@ -87,7 +87,7 @@ def _payload(cfg: TuneConfig, cand: Candidate, point=None, **extra) -> dict:
             "text": cand.proposal.text, "spec": cfg.spec, "spec_params": cfg.spec_params, "head_dim": s.head_dim,
             "heads_q": s.heads_q, "heads_kv": s.heads_kv, "dtype": cfg.dtype, "arch": cfg.arch, "config": point,
             "cache_dir": str((cfg.output / "cache").resolve()),
-            "shapes": [{"key": t.key, "batch": t.batch, "seqlen": t.seqlen} for t in s.targets],
+            "shapes": [{"key": t.key, "batch": t.batch, "seqlen": t.seqlen, "query_len": t.nq} for t in s.targets],
             "spec_source": Path(cfg.spec).read_text() if Path(cfg.spec).is_file() else None, **extra}
 
 

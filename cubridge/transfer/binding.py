@@ -71,7 +71,7 @@ def bind(cand, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict 
 
 def kernel_tensor(t: torch.Tensor) -> torch.Tensor:
     """A tensor as the kernels read it: int32 or float32, contiguous, on its own device."""
-    t = t.detach()
+    t = t.detach() if t.requires_grad else t
     t = t.to(torch.float32) if t.is_floating_point() else t.to(torch.int32)
     return t.contiguous()
 

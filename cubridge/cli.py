@@ -18,6 +18,16 @@ from pathlib import Path
 from cubridge.errors import CubridgeError
 
 
+# One vocabulary with configs/*.yaml (dtype: bf16 | fp16; shapes.head_dim defaults to 128 in every
+# shipped config and model preset).
+HEAD_DIM = 128
+DTYPE_NAMES = ("bf16", "fp16")
+
+
+def _dtype(text: str) -> str:
+    return {"f16": "fp16", "float16": "fp16", "bfloat16": "bf16"}.get(text, text)    # old spellings still read
+
+
 def _program(arg: str):
     from cubridge.cuir.parser import parse_file
     from cubridge.paths import ref_kernel_dir
@@ -46,21 +56,44 @@ def _params(items) -> dict:
 def _spec_params(items) -> dict:
     out = {}
     for item in items or []:
-        k, _, v = item.partition("=")
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise CubridgeError(f"{item!r} is not NAME=VALUE", where="--spec-param", hint="e.g. --spec-param prefix=512")
         try:
             out[k] = int(v)
         except ValueError:
-            out[k] = float(v)
+            try:
+                out[k] = float(v)
+            except ValueError:
+                raise CubridgeError(f"{k}: {v!r} is not a number", where="--spec-param",
+                                    hint=f"e.g. --spec-param {k}=512") from None
     return out
+
+
+def _shape(text: str, flag: str) -> tuple[int, int, int, int, int]:
+    """B,Hq,Hkv,N,D: five positive integers with Hq a multiple of Hkv."""
+    parts = text.split(",")
+    try:
+        vals = tuple(int(x) for x in parts)
+    except ValueError:
+        vals = ()
+    if len(vals) != 5 or min(vals) < 1:
+        raise CubridgeError(f"{text!r} is not five positive integers B,Hq,Hkv,N,D", where=flag,
+                            hint=f"e.g. {flag} 1,8,2,1024,128")
+    if vals[1] % vals[2]:
+        raise CubridgeError(f"Hq = {vals[1]} is not a multiple of Hkv = {vals[2]}", where=flag,
+                            hint="GQA / MQA need Hq = G * Hkv")
+    return vals
 
 
 def cmd_verify_ir(a) -> int:
     from cubridge.spec import load_spec
     from cubridge.verify import Case, default_cases, verify_program
     prog, spec = _program(a.program), load_spec(a.spec)
+    spec.resolved_params(**_spec_params(a.spec_param))      # names and types, before any case runs
     cases = default_cases(a.head_dim, quick=a.quick)
     if a.shape:
-        B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+        B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
         cases = [Case(B, Hq, Hkv, N, N, D, s) for s in range(a.seeds)]
     report = verify_program(prog, spec, params=_params(a.param), cases=cases, dtype=a.dtype,
                             spec_params=_spec_params(a.spec_param))
@@ -71,11 +104,18 @@ def cmd_verify_ir(a) -> int:
 def cmd_check_ir(a) -> int:
     from cubridge.cuir.checker import check
     prog = _program(a.program)
+    from cubridge.search.space import SPACES
     r = check(prog, params=_params(a.param), dims={"D": a.head_dim})
-    print(f"{prog.name}: ok (D={a.head_dim}; " + ", ".join(f"{k}={v}" for k, v in r.params.items()) + ")")
+    space = SPACES.get(prog.name)
+    # The CuIR may hold at any D, but the reference kernel is built for a few head dims only: "ok"
+    # at another would say more than is true (configs and the tuner refuse it).
+    unbuilt = space is not None and a.head_dim not in space.head_dims
+    status = (f"CuIR ok, but NOT BUILDABLE: the {prog.name} kernel builds head dims "
+              f"{', '.join(map(str, space.head_dims))} only" if unbuilt else "ok")
+    print(f"{prog.name}: {status} (D={a.head_dim}; " + ", ".join(f"{k}={v}" for k, v in r.params.items()) + ")")
     print("roles: " + ", ".join(f"{n} x{c} ({w} warps)" for n, w, c in r.roles) if r.roles else "roles: none")
     print(f"shared memory: {r.smem_bytes} B (" + ", ".join(f"{k} {v}" for k, v in r.buffers.items()) + ")")
-    return 0
+    return 1 if unbuilt else 0
 
 
 def cmd_print_ir(a) -> int:
@@ -85,10 +125,10 @@ def cmd_print_ir(a) -> int:
 
 
 def cmd_analyze(a) -> int:
-    from cubridge.cuir.analysis import analyze
+    from cubridge.analysis import analyze
     from cubridge.spec import load_spec
     from cubridge.verify import Case
-    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+    B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
     spec = load_spec(a.spec) if a.spec else None
     print(analyze(_program(a.program), Case(B, Hq, Hkv, N, N, D), params=_params(a.param), spec=spec).table())
     return 0
@@ -108,32 +148,43 @@ def cmd_specs(a) -> int:
 
 
 def cmd_transfer(a) -> int:
+    from cubridge import gate
     from cubridge.cuir.parser import parse_file
     from cubridge.paths import ref_kernel_dir
     from cubridge.spec import load_spec
     from cubridge.transfer.rules import transfer
     from cubridge.verify import default_cases, verify_transfer
+    out = gate.check_out_path(a.out)
     ref = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
     spec = load_spec(a.spec)
+    spec.resolved_params(**_spec_params(a.spec_param))
     cand = transfer(ref, spec, params=_params(a.param), spec_params=_spec_params(a.spec_param))
-    text = cand.text
-    if a.out:
-        Path(a.out).write_text(text)
-        print(f"wrote {a.out}")
+    report = None
+    if not a.no_verify:
+        report = verify_transfer(ref, spec, params=_params(a.param), cases=default_cases(a.head_dim, quick=a.quick),
+                                 spec_params=_spec_params(a.spec_param))
+    if out:
+        # Verified before it is written: a failing program never lands in a file unmarked.
+        problems = gate.static_problems(cand.program, a.head_dim) + (gate.report_problems(report) if report else [])
+        if report and not report.passed:
+            print(report.table())
+        header = gate.refuse_or_header(problems, force=a.force, what=str(out), comment="#")
+        if not header and report is None:      # checked but, on request, not verified: say so in the file
+            header = gate.warning_header(["verification skipped (--no-verify)"], "#", why="--no-verify")
+        gate.write_out(out, header + cand.text)
+        print(f"wrote {out}" + (" (with a NOT VERIFIED warning header)" if header else ""))
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(cand.text)
     print(f"# rules applied: {', '.join(cand.rules)}")
-    B, Hq, Hkv, N, D = (int(x) for x in a.shape.split(","))
+    B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
     extra = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=_params(a.param))
     if extra:
         print(f"# extra inputs at N={N}, Hq={Hq}: " + ", ".join(
             f"{k} = {v}" if not hasattr(v, "shape") else f"{k} {list(v.shape)}" for k, v in extra.items()))
-    if a.no_verify:
+    if report is None:
         return 0
-    cases = default_cases(a.head_dim, quick=a.quick)
-    report = verify_transfer(ref, spec, params=_params(a.param), cases=cases,
-                             spec_params=_spec_params(a.spec_param))
-    print(report.table())
+    if not (out and not report.passed):
+        print(report.table())
     return 0 if report.passed else 1
 
 
@@ -141,24 +192,43 @@ def cmd_lower(a) -> int:
     import shutil
     import subprocess
     import tempfile
+    from cubridge import gate
     from cubridge.cuir.parser import parse_file
     from cubridge.lower import lower
     from cubridge.paths import ref_kernel_dir
+    from cubridge.spec import load_spec
+    out = gate.check_out_path(a.out)
     target = Path(a.target)
+    ref_program = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
+    spec_params = _spec_params(a.spec_param)
     if target.suffix == ".cuir":
         program, what = parse_file(target), str(target)
-    else:   # a spec: transfer it first with the rules proposer
-        from cubridge.spec import load_spec
-        from cubridge.transfer.rules import transfer
-        ref_program = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
-        program = transfer(ref_program, load_spec(a.target), spec_params=_spec_params(a.spec_param)).program
-        what = f"spec {a.target} (rules transfer)"
-    kernel = lower(program, a.ref)
-    if a.out:
-        Path(a.out).write_text(kernel.source)
-        print(f"wrote {a.out}: {what} lowered onto {a.ref}", file=sys.stderr)
+        spec = load_spec(a.spec) if a.spec else None
     else:
-        sys.stdout.write(kernel.source)
+        spec, what = load_spec(a.target), f"spec {a.target} (rules transfer)"
+    if spec is not None:
+        spec.resolved_params(**spec_params)
+    if target.suffix != ".cuir":      # a spec: transfer it first with the rules proposer
+        from cubridge.transfer.rules import transfer
+        program = transfer(ref_program, spec, spec_params=spec_params).program
+    # The step before lowering: the static check and the verification against the spec.
+    problems = gate.static_problems(program, a.head_dim)
+    if not problems and spec is None:
+        problems = [f"not verified: {a.target} names no spec (pass --spec SPEC, the spec it implements)"]
+    elif not problems:
+        problems = gate.report_problems(gate.verify_target(program, spec, ref_program=ref_program,
+                                                           spec_params=spec_params, head_dim=a.head_dim,
+                                                           quick=a.quick))
+    header = gate.refuse_or_header(problems, force=a.force, what=f"the CUDA of {what}", comment="//")
+    if header:
+        print(header.rstrip(), file=sys.stderr)
+    kernel = lower(program, a.ref)
+    source = header + kernel.source
+    if out:
+        gate.write_out(out, source)
+        print(f"wrote {out}: {what} lowered onto {a.ref}", file=sys.stderr)
+    else:
+        sys.stdout.write(source)
     fields = ", ".join(f"{n}: {t}" for n, t in kernel.fields) or "none"
     print(f"VariantArgs fields: {fields}", file=sys.stderr)
     if not a.compile:
@@ -230,14 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("program", help="a .cuir file, or a reference kernel name (fa2_sm80, fa3_sm90)")
         sp.add_argument("--param", action="append", metavar="NAME=VALUE", help="override a param(...)")
-        sp.add_argument("--head-dim", type=int, default=64)
+        sp.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"default {HEAD_DIM}, as in configs")
         sp.set_defaults(fn=fn)
         return sp
 
     v = program_cmd("verify-ir", cmd_verify_ir, "verify a CuIR program against a spec in the interpreter")
     v.add_argument("--spec", required=True, help="a spec name (causal, prefixlm, ...) or a .py file")
     v.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
-    v.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+    v.add_argument("--dtype", default="bf16", type=_dtype, choices=list(DTYPE_NAMES),
+                   help="bf16 or fp16, as in configs")
     v.add_argument("--quick", action="store_true", help="three cases instead of six")
     v.add_argument("--shape", help="B,Hq,Hkv,N,D: one shape instead of the default set")
     v.add_argument("--seeds", type=int, default=2)
@@ -252,18 +323,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shape", default="1,4,2,1000,64", help="B,Hq,Hkv,N,D at which to show the extra inputs")
     t.add_argument("--param", action="append", metavar="NAME=VALUE")
     t.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
-    t.add_argument("--head-dim", type=int, default=64, help="head dim of the verification cases")
+    t.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head dim of the verification cases")
     t.add_argument("--quick", action="store_true")
     t.add_argument("--no-verify", action="store_true")
-    t.add_argument("--out", help="write the target CuIR here instead of printing it")
+    t.add_argument("--out", help="write the target CuIR here (only once verified) instead of printing it")
+    t.add_argument("--force", action="store_true", help="write --out even if it fails, under a warning header")
     t.set_defaults(fn=cmd_transfer)
     lo = sub.add_parser("lower", help="write the CUDA of a target CuIR program (or of a spec's rules transfer)")
     lo.add_argument("target", help="a target .cuir file (e.g. from `cubridge transfer --out`), or a spec")
     lo.add_argument("--ref", default="fa3_sm90", help="reference kernel to patch (fa2_sm80, fa3_sm90)")
     lo.add_argument("--out", help="write the CUDA here (default: stdout)")
     lo.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
+    lo.add_argument("--spec", help="the spec a .cuir target implements (it is verified against it first)")
+    lo.add_argument("--quick", action="store_true", help="verify on three cases instead of six")
+    lo.add_argument("--force", action="store_true", help="lower even if unverified or failing, under a warning header")
     lo.add_argument("--compile", action="store_true", help="also compile it with nvcc and show registers / spills")
-    lo.add_argument("--head-dim", type=int, default=128)
+    lo.add_argument("--head-dim", type=int, default=HEAD_DIM)
     lo.set_defaults(fn=cmd_lower)
     li = sub.add_parser("lift", help="lift your CUDA attention kernel into CuIR with a local LLM (checked on GPU)")
     li.add_argument("kernel", help="your kernel's .cu file")

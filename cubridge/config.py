@@ -253,7 +253,17 @@ def _read_yaml(path: Path) -> tuple[Any, dict[str, tuple[Path, int]]]:
     if not path.is_file():
         raise ConfigError("config file not found", where=_show(path),
                           hint="give the path of a YAML config, e.g. configs/h100_prefixlm.yaml")
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ConfigError(f"not a text file (byte {e.start} is not UTF-8)", where=f"{_show(path)}:{line}",
+                          hint="give a YAML config, e.g. configs/h100_prefixlm.yaml") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the config: {e.strerror}", where=_show(path)) from None
+    if "\x00" in text:
+        raise ConfigError("not a text file (it contains NUL bytes)", where=_show(path),
+                          hint="give a YAML config, e.g. configs/h100_prefixlm.yaml")
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -354,6 +364,7 @@ def _build(data, r: _Reader, path: Path) -> TuneConfig:
     dtype = r.choice(d.get("dtype", "bf16"), "dtype", DTYPES)
     shapes = _shapes(r.mapping(d.get("shapes"), "shapes", SHAPE_KEYS), r)
     _check_references(refs, arch, shapes.head_dim, r, isinstance(d.get("reference"), list))
+    _check_memory(shapes, arch, r)
     proposer = _proposer(r.mapping(d.get("proposer"), "proposer", PROPOSER_KEYS), r)
     runner = _runner(r.mapping(d.get("runner"), "runner", RUNNER_KEYS), r, path)
     b = r.mapping(d.get("budget"), "budget", BUDGET_KEYS)
@@ -458,6 +469,21 @@ def _query_lengths(s: dict, lengths: tuple, r: _Reader) -> tuple | None:
     return nqs
 
 
+# The most memory one GPU of each arch has (A100 80 GB; H200 141 GB): a target shape whose
+# tensors alone exceed it cannot run anywhere, and used to be accepted (N = 10^9: q alone ~8 TB).
+GPU_MEMORY_GIB = {"sm_80": 80, "sm_90a": 141}
+
+
+def _check_memory(shapes: Shapes, arch: str, r: _Reader) -> None:
+    for t in shapes.targets:
+        # q, o: B Hq N D; k, v: B Hkv N D (16-bit); lse: B Hq N fp32.
+        need = 2 * t.batch * t.seqlen * t.head_dim * (2 * t.heads_q + 2 * t.heads_kv) + 4 * t.batch * t.heads_q * t.seqlen
+        if need > GPU_MEMORY_GIB[arch] * 2 ** 30:
+            raise r.error("shapes.lengths", f"N = {t.seqlen} (batch {t.batch}) needs {need / 2 ** 30:,.0f} GiB for "
+                          f"q, k, v and the output alone; the largest {arch} GPU has {GPU_MEMORY_GIB[arch]} GiB",
+                          hint="use shorter lengths or a smaller batch / tokens")
+
+
 def _check_references(refs, arch: str, head_dim: int, r: _Reader, is_list: bool) -> None:
     from cubridge.paths import ref_kernel_names
     from cubridge.search.space import SPACES
@@ -479,7 +505,7 @@ def _check_references(refs, arch: str, head_dim: int, r: _Reader, is_list: bool)
 
 
 def _proposer(p: dict, r: _Reader) -> ProposerConfig:
-    from cubridge.search.proposers import available
+    from cubridge.registry import available
     kind = r.choice(p.get("kind", "rules"), "proposer.kind", PROPOSERS)
     if kind not in available():
         raise r.error("proposer.kind", f"proposer {kind!r} is not available in this install",

@@ -1,4 +1,4 @@
-"""The verification rule of DESIGN.md, as one pure function used by every check (CPU and GPU).
+"""The verification rule of docs/DESIGN.md, as one pure function used by every check (CPU and GPU).
 
     golden = reference in float64; ref = the same reference in the kernel's dtype
     pass  iff  max|out - golden| <= 2 * max|ref - golden| + 1e-5

@@ -161,6 +161,11 @@ class Spec:
             raise SpecError(f"unknown param(s) {', '.join(unknown)} for spec {self.name!r}",
                             where=self.path,
                             hint=f"allowed: {allowed}" if allowed else "this spec takes no params")
+        for k, v in overrides.items():
+            problem = _type_problem(v, self.params[k])
+            if problem:
+                raise SpecError(f"param {k}={v!r} of spec {self.name!r}: {problem}", where=self.path,
+                                hint=f"give {k} a value like its default {self.params[k]!r}")
         return {**self.params, **overrides}
 
     def run_reference(self, q, k, v, runtime: dict | None = None, **overrides) -> torch.Tensor:
@@ -240,7 +245,7 @@ class Spec:
 
 
 def builtin_specs() -> list[str]:
-    """The names of the specs shipped in cubridge/specs/, in DESIGN.md order."""
+    """The names of the specs shipped in cubridge/specs/, in docs/DESIGN.md order."""
     return list(BUILTIN)
 
 
@@ -380,6 +385,20 @@ def _check_signature(fn, what: str, args: str, params: dict | None = None, where
                         where=_where_of(fn) or where,
                         hint=f"define it as def {call}: ... (every PARAMS entry is passed as a "
                              "keyword; mods take the FlexAttention arguments)") from None
+
+
+def _type_problem(value, default) -> str | None:
+    """Why `value` cannot stand for a param whose default is `default` (None: it fits). A default
+    of None means derived from the shape, a number; an int fits a float default."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    if default is None:
+        return None if value is None or number(value) else f"expected a number, got {type(value).__name__}"
+    if isinstance(default, bool) or not number(default):
+        ok = isinstance(value, type(default))
+    else:
+        ok = number(value) and (isinstance(default, float) or isinstance(value, int))
+    return None if ok else f"expected {type(default).__name__}, got {type(value).__name__}"
 
 
 def _kwargs(params: dict) -> str:

@@ -1,4 +1,4 @@
-"""Verify a CuIR program against a spec in the interpreter, under the rule of DESIGN.md.
+"""Verify a CuIR program against a spec in the interpreter, under the rule of docs/DESIGN.md.
 
 For every case (fresh random inputs, never zeros; lengths that are not tile multiples; MHA, GQA
 and MQA; several seeds): golden = the spec's reference in float64, ref = the same reference in
@@ -27,7 +27,13 @@ from cubridge.cuir import nodes as N
 from cubridge.cuir.checker import check
 from cubridge.cuir.interp import interpret
 from cubridge.errors import CubridgeError
+from cubridge.timelimit import call_with_limit
 
+# A reference at the verification shapes takes milliseconds; one that has not returned in a minute
+# never will (the tuner's job timeout would otherwise hide the cause).
+REFERENCE_TIMEOUT_S = 60.0
+
+USER_DTYPE = {"bf16": "bf16", "f16": "fp16"}     # CuIR type name -> the name in configs and on the CLI
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
@@ -105,12 +111,13 @@ def make_inputs(case: Case, dtype: torch.dtype):
 
 def verify_program(program: N.Program, spec, *, params: dict | None = None, cases=None,
                    dtype="bf16", spec_params: dict | None = None, schedules=("in_order", "reverse"),
-                   static_check: bool = True) -> Report:
-    """Run every case; never raises for a failing candidate (failures are in the report)."""
+                   static_check: bool = True, binder=None) -> Report:
+    """Run every case; never raises for a failing candidate (failures are in the report).
+    `binder(case) -> extra inputs` supplies a transferred program's scalars / tables per case."""
     tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]
+    dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]        # CuIR's own type names
     merged = {**program.params(), **(params or {})}
-    report = Report(program.name, spec.name, dname, merged)
+    report = Report(program.name, spec.name, USER_DTYPE[dname], merged)
     cases = cases or default_cases()
     checked = set()
     for case in cases:
@@ -121,7 +128,13 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
                 report.results.append(CaseResult(case, None, f"static check: {e}"))
                 continue
             checked.add(case.D)
-        report.results.append(_run_case(program, spec, case, tdtype, params or {}, spec_params or {}, schedules))
+        try:
+            extra = binder(case) if binder else None
+        except CubridgeError as e:
+            report.results.append(CaseResult(case, None, f"binding extra inputs: {str(e).splitlines()[0]}"))
+            continue
+        report.results.append(run_case(program, spec, case, tdtype, params or {}, spec_params or {}, schedules,
+                                         extra=extra))
     return report
 
 
@@ -133,7 +146,7 @@ def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, c
     from cubridge.transfer.rules import transfer
     tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]
-    report = Report(f"{reference.name} -> {spec.name}", spec.name, dname, {**reference.params(), **(params or {})})
+    report = Report(f"{reference.name} -> {spec.name}", spec.name, USER_DTYPE[dname], {**reference.params(), **(params or {})})
     try:
         cand = transfer(reference, spec, params=params, spec_params=spec_params)
     except CubridgeError as e:
@@ -149,19 +162,20 @@ def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, c
         except CubridgeError as e:
             report.results.append(CaseResult(case, None, f"transfer: {str(e).splitlines()[0]}"))
             continue
-        report.results.append(_run_case(cand.program, spec, case, tdtype, params or {}, spec_params or {},
+        report.results.append(run_case(cand.program, spec, case, tdtype, params or {}, spec_params or {},
                                          schedules, extra=extra))
     return report
 
 
-def _run_case(program, spec, case, tdtype, params, spec_params, schedules, extra=None) -> CaseResult:
+def run_case(program, spec, case, tdtype, params, spec_params, schedules, extra=None) -> CaseResult:
     q, k, v = make_inputs(case, tdtype)
     before = [t.clone() for t in (q, k, v)]
     try:
-        golden = spec.run_reference(q.double(), k.double(), v.double(), **spec_params)
-        ref = spec.run_reference(q, k, v, **spec_params)
+        golden, ref = (call_with_limit(lambda t=t: spec.run_reference(*t, **spec_params), REFERENCE_TIMEOUT_S,
+                                       f"spec {spec.name!r}: reference() at {case}", where=spec.path)
+                       for t in ((q.double(), k.double(), v.double()), (q, k, v)))
     except CubridgeError as e:
-        return CaseResult(case, None, f"spec reference failed: {e}")
+        return CaseResult(case, None, f"spec reference failed: {str(e).splitlines()[0]}")
     outs = []
     try:
         for sched in schedules:

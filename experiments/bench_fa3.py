@@ -135,7 +135,7 @@ SWEEP_SHAPES = [("llama2-7b", 32, 32, 128, 1024), ("llama2-7b", 32, 32, 128, 819
 
 
 def rule_check(cfg: Fa3Config) -> str:
-    """The verification rule (DESIGN.md) for one config at ragged GQA shapes (N = 300 and 1000,
+    """The verification rule (docs/DESIGN.md) for one config at ragged GQA shapes (N = 300 and 1000,
     Hq / Hkv = 4 / 2, seed fixed): "passed" or the first failure. Outputs are NaN-poisoned first."""
     for n in (300, 1000):
         g = torch.Generator(device="cuda").manual_seed(n + cfg.head_dim)

@@ -22,7 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_variants import Ours, versions  # noqa: E402
-from cubridge.runtime.fa3_sm90 import WG_ROWS, _driver, default_config, fa3_forward  # noqa: E402
+from cubridge.runtime.driver import driver  # noqa: E402
+from cubridge.runtime.fa3_sm90 import WG_ROWS, default_config, fa3_forward  # noqa: E402
 
 CALLS = 200
 
@@ -64,7 +65,7 @@ def main():
         def before(cfg=cfg, causal=causal):
             """What each call did before the host caches (commit de085c3), added on top: four
             tensor-map encodes, a zeroed counter (allocation + fill kernel), device queries."""
-            drv = _driver()
+            drv = driver()
             for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, WG_ROWS)):
                 drv.tensor_map(t, rows)
             torch.zeros(1, device=q.device, dtype=torch.int32)

@@ -125,7 +125,9 @@ def _cast(ck, e, env, line, target):
     a = _args(ck, e, env, line)
     v = _reg(ck, a[0], line, "cast")
     dt = _dt(ck, a[1], line, "cast")
-    return Tile(dt, v.shape) if isinstance(v, Tile) else v
+    if isinstance(v, Tile):
+        return Tile(dt, v.shape)
+    return Scalar("int" if dt == "i32" else "float", None)      # cast(x, i32) truncates, as C and torch do
 
 
 # ------------------------------------------------------------------ memory
@@ -217,27 +219,41 @@ def _mma(ck, e, env, line, target):
     return Tile("f32", (m, n))
 
 
+def _is_int(v) -> bool:
+    return v.dtype == "i32" if isinstance(v, Tile) else v.kind == "int"
+
+
+def _typed(vals, shapes_of, ck, line, op, dtype):
+    """The result of an elementwise op on `vals` (tiles / scalars) with element type `dtype`."""
+    tiles = [v for v in shapes_of if isinstance(v, Tile)]
+    if not tiles:
+        return Scalar({"i32": "int", "bool": "bool"}.get(dtype, "float"), None)
+    return Tile(dtype, ck.broadcast([v.shape for v in tiles], line, op))
+
+
 def _unary(ck, e, env, line, target):
     v = _reg(ck, ck.value(e.args[0], env, line), line, e.op)
-    return Tile("f32", v.shape) if isinstance(v, Tile) else Scalar("float", None)
+    # abs and relu of integers stay integers (an index computed as |iq - ik| is still an index)
+    dt = "i32" if e.op in ("abs", "relu") and _is_int(v) else "f32"
+    return _typed([v], [v], ck, line, e.op, dt)
 
 
 def _binary(ck, e, env, line, target):
     a, b = (_reg(ck, x, line, e.op) for x in _args(ck, e, env, line))
-    if isinstance(a, Scalar) and isinstance(b, Scalar):
-        return Scalar("float" if "float" in (a.kind, b.kind) else a.kind, None)
-    return Tile("f32", ck.broadcast([v.shape for v in (a, b) if isinstance(v, Tile)], line, e.op))
+    return _typed([a, b], [a, b], ck, line, e.op, "i32" if _is_int(a) and _is_int(b) else "f32")
+
+
+def _is_bool(v) -> bool:
+    return v.dtype == "bool" if isinstance(v, Tile) else v.kind == "bool"
 
 
 def _where(ck, e, env, line, target):
     c, a, b = (_reg(ck, x, line, "where") for x in _args(ck, e, env, line))
-    tiles = [v for v in (c, a, b) if isinstance(v, Tile)]
     if isinstance(c, Tile) and c.dtype != "bool":
-        ck.fail("where(cond, a, b): cond must be a boolean tile (a comparison)", line)
-    if not tiles:
-        return Scalar("float", None)
-    dts = {v.dtype for v in (a, b) if isinstance(v, Tile)}
-    return Tile("i32" if dts == {"i32"} else "f32", ck.broadcast([v.shape for v in tiles], line, "where"))
+        ck.fail("where(cond, a, b): cond must be a boolean tile (a comparison)", line,
+                "compare it: where(x != 0, a, b)")
+    dt = "i32" if _is_int(a) and _is_int(b) else "bool" if _is_bool(a) and _is_bool(b) else "f32"
+    return _typed([c, a, b], [c, a, b], ck, line, "where", dt)
 
 
 def _reduce(ck, e, env, line, target):
@@ -287,5 +303,5 @@ _RULES = {
     "mma_wait": _int_arg, "arrive": _barrier_arg, "wait": _barrier_arg, "bar_sync": _barrier_arg, "sync": _noop,
     "mma": _mma, "mma_async": _mma, "where": _where, "row_max": _reduce, "row_sum": _reduce,
     "maximum": _binary, "minimum": _binary, "cdiv": _scalar2, "min": _scalar2, "max": _scalar2,
-    **{k: _unary for k in ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "relu", "abs", "sqrt", "rsqrt")},
+    **{k: _unary for k in ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "relu", "abs", "sqrt", "rsqrt", "erf")},
 }

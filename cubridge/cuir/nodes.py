@@ -91,6 +91,7 @@ OPS: dict[str, OpSpec] = {
     "tanh": _op(Kind.ELEMENTWISE, "x"), "sigmoid": _op(Kind.ELEMENTWISE, "x"),
     "relu": _op(Kind.ELEMENTWISE, "x"), "abs": _op(Kind.ELEMENTWISE, "x"),
     "sqrt": _op(Kind.ELEMENTWISE, "x"), "rsqrt": _op(Kind.ELEMENTWISE, "x"),
+    "erf": _op(Kind.ELEMENTWISE, "x"),
     "maximum": _op(Kind.ELEMENTWISE, "a b"), "minimum": _op(Kind.ELEMENTWISE, "a b"),
     "where": _op(Kind.ELEMENTWISE, "cond a b"),
     # row reductions: [M, N] -> [M, 1]

@@ -17,10 +17,11 @@ from cubridge.cuir.values import (BYTES, UNWRITTEN, Barrier, BarrierArray, DType
 
 _UNARY_T = {"exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2,
             "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "abs": torch.abs,
-            "sqrt": torch.sqrt, "rsqrt": torch.rsqrt}
+            "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "erf": torch.erf}
 _UNARY_S = {"exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log, "log2": math.log2,
             "tanh": math.tanh, "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)), "relu": lambda x: max(x, 0.0),
-            "abs": abs, "sqrt": math.sqrt, "rsqrt": lambda x: 1.0 / math.sqrt(x)}
+            "abs": abs, "sqrt": math.sqrt, "rsqrt": lambda x: 1.0 / math.sqrt(x), "erf": math.erf}
+_INT_PRESERVING = ("abs", "relu")     # of integers: integers (torch.abs / relu keep the dtype)
 
 
 def call(it, e: N.Call, env, ctx):
@@ -114,7 +115,12 @@ def transpose(it, e, args, ctx):
 
 def cast(it, e, args, ctx):
     x = _operand(it, args[0], e, ctx)
-    return round_to(x, _dtype(it, args[1], e)) if isinstance(x, torch.Tensor) else x
+    dt = _dtype(it, args[1], e)
+    if isinstance(x, torch.Tensor):
+        return round_to(x, dt)          # to i32: truncation toward zero, as torch's .to(long) and C's int()
+    if dt == "i32":
+        return int(x)
+    return float(x) if dt == "f32" else x
 
 
 # ------------------------------------------------------------------ memory movement
@@ -265,7 +271,11 @@ def _unary(name):
     def fn(it, e, args, ctx):
         x = _operand(it, args[0], e, ctx)
         if isinstance(x, torch.Tensor):
+            if name in _INT_PRESERVING and not x.is_floating_point() and x.dtype != torch.bool:
+                return _UNARY_T[name](x)
             return _UNARY_T[name](x.to(torch.float32) if not x.is_floating_point() else x)
+        if name in _INT_PRESERVING and isinstance(x, int) and not isinstance(x, bool):
+            return abs(x) if name == "abs" else max(x, 0)
         return _UNARY_S[name](x)
     return fn
 
@@ -274,8 +284,7 @@ def _minmax(torch_fn, py_fn):
     def fn(it, e, args, ctx):
         a, b = (_operand(it, x, e, ctx) for x in args)
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            a, b = it.align(*(x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float32)
-                              for x in (a, b)))
+            a, b = it.align(*(_as_tensor(x) for x in (a, b)))
             return torch_fn(a, b)
         return py_fn(a, b)
     return fn
@@ -290,8 +299,16 @@ def where(it, e, args, ctx):
     c, a = it.align(c, a) if isinstance(a, torch.Tensor) else (c, a)
     c, b = it.align(c, b) if isinstance(b, torch.Tensor) else (c, b)
     a, b = it.align(a, b)
-    to_t = lambda x: x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float32)
-    return torch.where(to_t(c).bool(), to_t(a), to_t(b))
+    return torch.where(_as_tensor(c).bool(), _as_tensor(a), _as_tensor(b))
+
+
+def _as_tensor(x):
+    """A Python number as a tensor of its kind: ints stay int64 (a where / maximum of integer
+    tiles with an integer constant is an integer tile, usable as a gather index), bools bool."""
+    if isinstance(x, torch.Tensor):
+        return x
+    dt = torch.bool if isinstance(x, bool) else torch.int64 if isinstance(x, int) else torch.float32
+    return torch.tensor(x, dtype=dt)
 
 
 def _reduce(torch_fn):

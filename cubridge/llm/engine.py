@@ -21,7 +21,7 @@ from cubridge.llm.backend import Backend, PromptTooLong, Request, Sampling, chec
 from cubridge.llm.envelope import Envelope, EnvelopeError, read_envelope
 from cubridge.llm.log import EventLog
 from cubridge.llm.prompting import retry_message
-from cubridge.search.api import Outcome, TrialState
+from cubridge.vocab import Outcome, TrialState
 
 # States a repair can address. Not: CONFIG_INVALID (the tile config's fault), TIMEOUT (the machine
 # or the config), PROPOSER_ERROR (nothing was produced to repair).

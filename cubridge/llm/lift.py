@@ -32,7 +32,7 @@ from cubridge.llm.engine import Rejected, Solution, Task, run_task
 from cubridge.llm.envelope import LIFT
 from cubridge.llm.prompting import numbered, render, system_message
 from cubridge.llm.regions import PatchError, annotate, find_regions, strip_markers
-from cubridge.search.api import Outcome, TrialState
+from cubridge.vocab import Outcome, TrialState
 
 # Lines of each example region shown in the prompt: enough to recognise the code.
 EXAMPLE_LINES = 4

@@ -29,7 +29,7 @@ from cubridge.llm.engine import Rejected, Solution, Task, run_task
 from cubridge.llm.envelope import LOWER, EnvelopeError, read_envelope
 from cubridge.llm.prompting import render, system_message
 from cubridge.llm.regions import PatchError, apply_patch, find_regions, marked_blocks
-from cubridge.search.api import TrialState
+from cubridge.vocab import TrialState
 
 # The kernel.cu region that declares a variant's extra inputs (fa3_sm90 marks one); CuIR has no
 # region for them: they are the extra I/O declarations before grid(...).

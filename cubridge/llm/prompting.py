@@ -19,7 +19,7 @@ from importlib import resources
 from string import Template
 
 from cubridge.cuir import nodes as N
-from cubridge.search.api import TrialState
+from cubridge.vocab import TrialState
 from cubridge.transfer.taxonomy import TAXONOMY
 
 # What to tell the model about each kind of rejection, beside the error itself.

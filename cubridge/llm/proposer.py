@@ -13,7 +13,7 @@
 Every prompt, answer and rejection goes to `<out_dir>/llm-<kind>.jsonl`.
 
 Example (a scripted endpoint stands in for `vllm serve` in the tests):
-    >>> from cubridge.search.proposers import make_proposer
+    >>> from cubridge.registry import make_proposer
     >>> from cubridge.search.screen import ScreenContext, screen
     >>> ctx = ScreenContext.build("fa2_sm80", "causal", quick=True)
     >>> p = make_proposer("openai", ctx, {"base_url": "http://127.0.0.1:8000/v1", "samples": 4})  # doctest: +SKIP
@@ -30,8 +30,8 @@ from cubridge.llm.engine import Record, Sampler
 from cubridge.llm.log import EventLog
 from cubridge.llm.options import LLMOptions, parse_options
 from cubridge.llm.transfer import TransferTask
-from cubridge.search.api import Outcome, Proposal, Proposer
-from cubridge.search.proposers import register
+from cubridge.vocab import Outcome, Proposal, Proposer
+from cubridge.registry import register
 
 
 def make_backend(kind: str, opts: LLMOptions) -> Backend:

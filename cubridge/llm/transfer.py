@@ -21,7 +21,7 @@ from cubridge.errors import CubridgeError
 from cubridge.llm.engine import Rejected, Task
 from cubridge.llm.envelope import TRANSFER
 from cubridge.llm.prompting import render, render_taxonomy, system_message, unified_diff
-from cubridge.search.api import TrialState
+from cubridge.vocab import TrialState
 
 # Example specs tried in order when the configured one is the target itself (no answer leaks).
 FALLBACK_EXAMPLES = ("prefixlm", "global_sliding_window", "causal")

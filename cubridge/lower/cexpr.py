@@ -56,7 +56,8 @@ NEG_INF = "__int_as_float(0xff800000)"
 POS_INF = "__int_as_float(0x7f800000)"
 
 _FLOAT_FN = {"exp": "__expf", "exp2": "exp2f", "log": "__logf", "log2": "__log2f", "tanh": "cuir_tanh",
-             "sqrt": "sqrtf", "rsqrt": "rsqrtf", "abs": "fabsf", "sigmoid": "cuir_sigmoid"}
+             "sqrt": "sqrtf", "rsqrt": "rsqrtf", "abs": "fabsf", "sigmoid": "cuir_sigmoid",
+             "erf": "erff"}
 
 
 class LowerError(CubridgeError):
@@ -137,12 +138,14 @@ class _Lower:
         if e.op == "/":
             c = _float_const(e.right)
             if c:                # by a constant: a multiply by its reciprocal (no MUFU.RCP per element)
-                return f"({_f(a, ta)} * {_literal(1.0 / c)})", "float"
+                return f"({_f(a, ta)} * {c_literal(1.0 / c)})", "float"
             # approximate division (2 ulp): an IEEE divide per score element is slow
             return f"__fdividef({_f(a, ta)}, {_f(b, tb)})", "float"
         return f"({a} {e.op} {b})", t
 
     def call(self, e):
+        if e.op == "cast":
+            return self.cast(e)
         args = [self.expr(a) for a in e.args] if e.op != "gather" else []
         if e.op in _FLOAT_FN:
             x, t = args[0]
@@ -167,12 +170,16 @@ class _Lower:
         if e.op == "cdiv":
             (a, _), (b, _) = args
             return f"cuir_floordiv({a} + {b} - 1, {b})", "int"
-        if e.op == "cast":
-            x, t = args[0]
-            return (f"float({x})", "float") if t != "float" else (x, t)
         if e.op == "gather":
             return self.gather(e)
         raise LowerError(f"op {e.op}() has no CUDA lowering in a scalar expression")
+
+    def cast(self, e):
+        x, t = self.expr(e.args[0])
+        to = e.args[1].id if len(e.args) > 1 and isinstance(e.args[1], N.Name) else "f32"
+        if to == "i32":                  # C's float -> int conversion truncates toward zero, as torch's
+            return (x, t) if t == "int" else (f"int({x})", "int")
+        return (f"float({x})", "float") if t != "float" else (x, t)
 
     def gather(self, e):
         table = e.args[0]
@@ -196,7 +203,8 @@ def _float_const(e):
     return None
 
 
-def _literal(v: float) -> str:
+def c_literal(v: float) -> str:
+    """A float constant as CUDA source: `c_literal(2) == "2.0f"`, `c_literal(0.5) == "0.5f"`."""
     text = repr(float(v))
     return (text if ("." in text or "e" in text) else text + ".0") + "f"
 

@@ -7,13 +7,15 @@ from cubridge.lower.cexpr import PRELUDE, to_c
 from cubridge.lower.variant import VariantIR
 
 
-def _names(ir: VariantIR, extra: dict) -> dict:
+def c_names(ir: VariantIR, extra: dict) -> dict:
+    """CuIR scalar name -> (C expression, type) for to_c: the variant's scalars read from VariantArgs, plus `extra`."""
     names = {n: (f"va.{n}", t) for n, t in ir.scalars}
     names.update(extra)
     return names
 
 
-def _tables(ir: VariantIR) -> dict:
+def c_tables(ir: VariantIR) -> dict:
+    """CuIR table name -> (C pointer, its extents, element type) for to_c, all read from VariantArgs."""
     return {n: (f"va.{n}", [f"va.{n}_n{d}" for d in range(nd)], t) for n, t, nd in ir.tables}
 
 
@@ -36,15 +38,15 @@ def score(ir: VariantIR) -> str:
     if ir.score is None:
         expr = "s"
     else:
-        expr = to_c(ir.score, _names(ir, {"s": ("s", "float"), "iq": ("q_idx", "int"), "ik": ("kv_idx", "int"),
-                                           "b": ("b", "int"), "h": ("h", "int")}), _tables(ir))
+        expr = to_c(ir.score, c_names(ir, {"s": ("s", "float"), "iq": ("q_idx", "int"), "ik": ("kv_idx", "int"),
+                                           "b": ("b", "int"), "h": ("h", "int")}), c_tables(ir))
     return ("__device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b, int h, int q_idx,\n"
             f"                                           int kv_idx) {{\n  return {expr};\n}}\n")
 
 
 def mask(ir: VariantIR) -> str:
     pred = "true" if ir.mask is None else to_c(
-        ir.mask, _names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"),
-                             "h": ("h", "int")}), _tables(ir))
+        ir.mask, c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"),
+                             "h": ("h", "int")}), c_tables(ir))
     return ("__device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {\n"
             f"  return {pred};\n}}\n")

@@ -30,6 +30,7 @@ import torch
 
 from cubridge.errors import LaunchError
 from cubridge.runtime.build import compile_cubin, default_compiler
+from cubridge.runtime.driver import capability, driver, pack_params, sm_count
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
@@ -159,94 +160,7 @@ def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str |
                          cache_dir=cache_dir, name="kernel.cu").cubin
 
 
-# ------------------------------------------------------------------ driver API through ctypes
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
-CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
-CU_TENSOR_MAP_INTERLEAVE_NONE = 0
-CU_TENSOR_MAP_SWIZZLE_128B = 3
-CU_TENSOR_MAP_L2_PROMOTION_L2_128B = 2
-CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0   # out-of-bounds elements read as zero
-TENSOR_MAP_BYTES = 128
-TENSOR_MAP_ALIGN = 64
-
-
-class _Driver:
-    """The handful of CUDA driver calls this module needs, with errors turned into exceptions."""
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-        self.lib.cuTensorMapEncodeTiled.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p,
-            u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        self.lib.cuLaunchKernel.argtypes = [
-            ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
-        self.lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-        self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                                                 ctypes.c_char_p]
-        self.lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-
-    def check(self, result: int, what: str) -> None:
-        if result != 0:
-            msg = ctypes.c_char_p()
-            self.lib.cuGetErrorString(result, ctypes.byref(msg))
-            text = msg.value.decode() if msg.value else "unknown error"
-            raise LaunchError(f"{what} failed: CUDA driver error {result} ({text})")
-
-    def load_function(self, cubin: bytes, smem_bytes: int) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
-        """The attention entry (its dynamic shared memory set) and the tile-count entry."""
-        module, func, counts = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        self.check(self.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
-        self.check(self.lib.cuModuleGetFunction(ctypes.byref(func), module, ENTRY),
-                   "cuModuleGetFunction")
-        self.check(self.lib.cuModuleGetFunction(ctypes.byref(counts), module, COUNTS_ENTRY),
-                   "cuModuleGetFunction")
-        self.check(self.lib.cuFuncSetAttribute(
-            func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes), "cuFuncSetAttribute")
-        return func, counts
-
-    def tensor_map(self, t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
-        """3-D map over a [B, H, N, D] tensor seen as (D, N, B*H): zero fill stops at each head's N."""
-        b, h, n, d = t.shape
-        dtype = (CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
-                 else CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-        dims = (ctypes.c_uint64 * 3)(d, n, b * h)
-        strides = (ctypes.c_uint64 * 2)(d * ELEM_BYTES, n * d * ELEM_BYTES)
-        box = (ctypes.c_uint32 * 3)(PANEL_COLS, rows_per_box, 1)
-        elem_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
-        raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
-        offset = (-ctypes.addressof(raw)) % TENSOR_MAP_ALIGN
-        view = (ctypes.c_uint8 * TENSOR_MAP_BYTES).from_buffer(raw, offset)
-        self.check(self.lib.cuTensorMapEncodeTiled(
-            ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
-            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-            "cuTensorMapEncodeTiled")
-        return view
-
-
-_DRIVER: _Driver | None = None
 _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
-
-
-def _driver() -> _Driver:
-    global _DRIVER
-    if _DRIVER is None:
-        _DRIVER = _Driver()
-    return _DRIVER
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.lru_cache(maxsize=64)
@@ -267,7 +181,7 @@ def _tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
     key = (t.data_ptr(), tuple(t.shape), t.dtype, rows_per_box, t.device.index)
     view = _TENSOR_MAPS.get(key)
     if view is None:
-        view = _driver().tensor_map(t, rows_per_box)
+        view = driver().tensor_map(t, rows_per_box, PANEL_COLS)
         _TENSOR_MAPS[key] = view
         if len(_TENSOR_MAPS) > TENSOR_MAP_CACHE:
             _TENSOR_MAPS.popitem(last=False)
@@ -293,7 +207,7 @@ def _function(config: Fa3Config, device: torch.device, source: str | None = None
         cubin = build_cubin(config, source=source, compiler=compiler)
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
-            _FUNCTIONS[key] = _driver().load_function(cubin, config.smem_bytes)
+            _FUNCTIONS[key] = driver().load_function(cubin, config.smem_bytes, ENTRY, COUNTS_ENTRY)
     return _FUNCTIONS[key]
 
 
@@ -327,7 +241,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3
     if d not in SUPPORTED_HEAD_DIMS or d != config.head_dim:
         raise LaunchError(f"head dim {d} (config built for {config.head_dim})",
                           hint=f"D must be one of {SUPPORTED_HEAD_DIMS} and match the config")
-    if _capability(q.device.index) != (9, 0):
+    if capability(q.device.index) != (9, 0):
         raise LaunchError(f"{torch.cuda.get_device_name(q.device)} is not sm_90",
                           hint="this kernel needs a Hopper GPU (H100/H200)")
 
@@ -375,8 +289,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                           hint="the kernel takes row maxima of unscaled scores, which needs scale > 0; "
                                "the default is 1/sqrt(D)")
     func, counts_func = _function(config, q.device, variant.source if variant is not None else None, compiler)
-    drv = _driver()
-    tiles, sms = math.ceil(nq / config.block_m) * hq * b, _sm_count(q.device.index)
+    tiles, sms = math.ceil(nq / config.block_m) * hq * b, sm_count(q.device.index)
     ctas = min(tiles, sms) if config.persistent else tiles
     grid = (min(ctas, max_ctas) if max_ctas else ctas, 1, 1)
     # concurrent CTAs: the grid, or (one tile per CTA) as many as fit, one per SM
@@ -391,9 +304,8 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                ctypes.c_int32(nq), ctypes.c_int32(nk),
                ctypes.c_int32(hq), ctypes.c_int32(hkv), ctypes.c_int32(b), ctypes.c_float(scale),
                variant.args if variant is not None else ctypes.c_int32(0)]   # VariantArgs
-    params = (ctypes.c_void_p * len(maps + scalars))(*[ctypes.addressof(x) for x in maps + scalars])
-    drv.check(drv.lib.cuLaunchKernel(func, *grid, config.threads, 1, 1, config.smem_bytes,
-                                     ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+    driver().launch(func, grid, (config.threads, 1, 1), config.smem_bytes, stream,
+                    pack_params(maps + scalars))
     return out, lse
 
 
@@ -433,10 +345,9 @@ def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, 
         counts = torch.empty(b * hq * num_m, device=device, dtype=torch.int32)
         params = [ctypes.c_uint64(counts.data_ptr()), ctypes.c_int32(nq), ctypes.c_int32(nk), ctypes.c_int32(hq),
                   ctypes.c_int32(hkv), ctypes.c_int32(b), variant.args]
-        argv = (ctypes.c_void_p * len(params))(*[ctypes.addressof(x) for x in params])
-        drv, threads = _driver(), 128
+        threads = 128
         stream = torch.cuda.current_stream(device).cuda_stream
-        drv.check(drv.lib.cuLaunchKernel(counts_func, math.ceil(counts.numel() / threads), 1, 1, threads, 1, 1, 0,
-                                         ctypes.c_void_p(stream), argv, None), "cuLaunchKernel")
+        driver().launch(counts_func, (math.ceil(counts.numel() / threads), 1, 1), (threads, 1, 1), 0,
+                        stream, pack_params(params))
         cache[key] = lpt_order(counts.view(b * hq, num_m), ctas)
     return cache[key]

@@ -1,4 +1,4 @@
-"""One timing protocol for our kernels and every baseline (DESIGN.md, "Timing").
+"""One timing protocol for our kernels and every baseline (docs/DESIGN.md, "Timing").
 
     warm-up calls (compilation, autotuning and lazy init stay out of the numbers), then `reps`
     timed calls, each bracketed by its own pair of CUDA events on the current stream, with the L2

@@ -52,7 +52,34 @@ class TrialLog:
     def read(self) -> list[dict]:
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        out = []
+        for i, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            if line.strip():
+                out.append(_json_line(line, f"{self.path}:{i}"))
+        return out
+
+
+def _json_line(line: str, where: str) -> dict:
+    from cubridge.config import ConfigError
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        rec = e.msg
+    if not isinstance(rec, dict) or "number" not in rec:
+        raise ConfigError(f"not a trial record ({rec if isinstance(rec, str) else 'fields missing'}): the trial "
+                          "log was edited or damaged", where=where,
+                          hint="restore the file, or delete this line (its trial will be run again) and --resume")
+    return rec
+
+
+def read_json(path: Path, where: str):
+    """A JSON artifact a resumed run depends on; a torn or edited one is a located error."""
+    from cubridge.config import ConfigError
+    try:
+        return json.loads(Path(path).read_text(errors="replace"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}): the run directory was edited or "
+                          "damaged", where=where, hint="restore it, or start a fresh run with --out DIR") from None
 
 
 def write_json(path: Path, data) -> None:
@@ -64,6 +91,28 @@ def write_json(path: Path, data) -> None:
     with open(tmp) as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def portable_config(config: dict) -> dict:
+    """A config's JSON with no absolute path of this machine: the run directory is relocatable
+    (moved or copied to another machine, it loads the same), so it records its output as "." and
+    the config file by name only.
+
+    >>> portable_config({"output": "/home/u/out/x", "path": "/home/u/configs/x.yaml", "dtype": "bf16"})
+    {'output': '.', 'path': 'x.yaml', 'dtype': 'bf16'}
+    """
+    out = dict(config)
+    if "output" in out:
+        out["output"] = "."
+    if out.get("path"):
+        out["path"] = Path(out["path"]).name
+    return out
+
+
+def portable_options(options: list[str]) -> list[str]:
+    """Compiler options as a run directory records them: the reference kernel's include folder
+    (-I, an absolute path of the tuning machine) is left out; cubridge.paths finds it on load."""
+    return [o for o in options if not o.startswith("-I")]
 
 
 # ------------------------------------------------------------------ front and dispatch

@@ -13,20 +13,20 @@ from collections import Counter
 from pathlib import Path
 
 from cubridge.search import artifacts
-from cubridge.search.api import Job, TrialState
+from cubridge.vocab import Job, TrialState
 from cubridge.search.space import SPACES
 
 
 def compile_population(cfg, verified, runner, say) -> dict:
     """Lower and compile each verified candidate at its first measured-default config (no GPU needed)."""
-    from cubridge.search.tuner import _payload, run_jobs
+    from cubridge.search.messages import payload, run_jobs
     jobs, labels = [], {}
     for c in verified:
         space = SPACES[c.reference]
         valid = [p for p in space.best_known(cfg.shapes.head_dim) if not space.problems(p, cfg.shapes.head_dim, cfg.arch)]
         point = (valid or space.points(cfg.shapes.head_dim, cfg.arch))[0]
         labels[c.id] = space.label(point)
-        jobs.append(Job("compile", _payload(cfg, c, point), cfg.runner.timeout_s, needs_gpu=False))
+        jobs.append(Job("compile", payload(cfg, c, point), cfg.runner.timeout_s, needs_gpu=False))
     say(f"compiling {len(jobs)} verified candidate(s) at one config each")
     done = run_jobs(runner, jobs)
     out = {}
@@ -38,14 +38,14 @@ def compile_population(cfg, verified, runner, say) -> dict:
 
 
 def _bench(cfg, pop, dispatch, runner, say) -> dict:
-    from cubridge.search.tuner import _payload, run_jobs
+    from cubridge.search.messages import payload, run_jobs
     by_id = {c.id: c for c in pop}
-    entries = [{**_payload(cfg, by_id[e["candidate"]], e["config"]),
+    entries = [{**payload(cfg, by_id[e["candidate"]], e["config"]),
                 "shape": {"key": e["shape"], "batch": e["batch"], "seqlen": e["seqlen"],
                           "query_len": e.get("query_len", e["seqlen"])}} for e in dispatch]
-    payload = {**_payload(cfg, by_id[dispatch[0]["candidate"]]), "candidate": "bench", "entries": entries}
+    body = {**payload(cfg, by_id[dispatch[0]["candidate"]]), "candidate": "bench", "entries": entries}
     say(f"timing the chosen kernel(s) beside the baselines at {len(entries)} shape(s)")
-    res = run_jobs(runner, [Job("bench", payload, 2 * cfg.runner.timeout_s, needs_gpu=True)])["bench"]
+    res = run_jobs(runner, [Job("bench", body, 2 * cfg.runner.timeout_s, needs_gpu=True)])["bench"]
     if res.outcome.state != TrialState.OK:
         say(f"side-by-side bench: {res.outcome.state.value}: {_first(res.outcome.reason)}")
     return {"outcome": res.outcome.to_json(), **res.data}
@@ -55,18 +55,18 @@ def _race(cfg, pop, front, runner, say) -> dict:
     """The final race (artifacts.finalists): one GPU job times each shape's finalists round-robin.
     {} where no shape has two finalists; on failure the search's own times decide (said here and
     in the report)."""
-    from cubridge.search.tuner import _payload, run_jobs
+    from cubridge.search.messages import payload, run_jobs
     by_shape = artifacts.finalists(front, cfg.shapes.targets)
     raced = [k for k, v in by_shape.items() if len(v) >= 2]
     if not raced:
         return {}
     by_id, by_num = {c.id: c for c in pop}, {r["number"]: r for r in front}
     nums = sorted({n for k in raced for n in by_shape[k]})
-    fin = {str(n): _payload(cfg, by_id[by_num[n]["proposal_id"]], by_num[n]["config"]["point"]) for n in nums}
-    payload = {**_payload(cfg, by_id[by_num[nums[0]]["proposal_id"]]), "candidate": "race", "finalists": fin,
+    fin = {str(n): payload(cfg, by_id[by_num[n]["proposal_id"]], by_num[n]["config"]["point"]) for n in nums}
+    body = {**payload(cfg, by_id[by_num[nums[0]]["proposal_id"]]), "candidate": "race", "finalists": fin,
                "by_shape": {k: by_shape[k] for k in raced}}
     say(f"final race: {len(nums)} finalist config(s) timed round-robin at {len(raced)} shape(s)")
-    res = run_jobs(runner, [Job("race", payload, 2 * cfg.runner.timeout_s, needs_gpu=True)])["race"]
+    res = run_jobs(runner, [Job("race", body, 2 * cfg.runner.timeout_s, needs_gpu=True)])["race"]
     if res.outcome.state != TrialState.OK:
         say(f"final race: {res.outcome.state.value}: {_first(res.outcome.reason)}; the search's own times decide")
         return {"outcome": res.outcome.to_json(), "by_shape": by_shape, "shapes": {}}
@@ -75,7 +75,7 @@ def _race(cfg, pop, front, runner, say) -> dict:
 
 def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=None, status=None, message="",
                stop_reason="", notes=(), say=print):
-    from cubridge.search.tuner import TuneResult
+    from cubridge.search.messages import TuneResult
     records = sorted(records, key=lambda r: r["number"])
     targets = cfg.shapes.targets
     front = artifacts.pareto_front(records, [t.key for t in targets])
@@ -98,6 +98,7 @@ def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=No
         artifacts.write_json(out / "dispatch.json", _dispatch_doc(cfg, dispatch, files))
     manifest = _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status,
                          message, stop_reason, files)
+    manifest["trials"]["log"] = "trials.jsonl" if (out / "trials.jsonl").is_file() else None
     manifest["race"] = race or None
     manifest["proposer_notes"] = list(notes)
     artifacts.write_json(out / "manifest.json", manifest)
@@ -122,7 +123,7 @@ def _sha(data: bytes | str) -> str:
 def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
     """CuIR of every verified candidate, CUDA and cubins of the dispatch entries (where built),
     and a copy of the spec; returns paths relative to `out` by (candidate, label)."""
-    from cubridge.search.jobs import lower_kernel, lowering
+    from cubridge.search.building import lower_kernel, lowering
     from cubridge.spec import load_spec
     spec = load_spec(cfg.spec)
     if Path(spec.path).is_file():
@@ -142,7 +143,7 @@ def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
                 lowered, options = lower_kernel({"text": by_id[e["candidate"]].proposal.text, "candidate": e["candidate"],
                                                  "reference": e["reference"], "config": e["config"],
                                                  "head_dim": cfg.shapes.head_dim, "dtype": cfg.dtype})
-                entry["nvcc_options"] = options
+                entry["nvcc_options"] = artifacts.portable_options(options)
                 (kdir / f"{name}.cu").write_text(lowered.source)
                 entry.update(cuda=f"kernel/{name}.cu", entry=getattr(lowered, "entry", None))
             except Exception as ex:   # noqa: BLE001 - the artifact says what is missing
@@ -168,7 +169,7 @@ def _dispatch_doc(cfg, dispatch, files) -> dict:
 def _versions() -> dict:
     import optuna
     import torch
-    from cubridge import __version__
+    from cubridge.version import __version__
     v = {"cubridge": __version__, "python": platform.python_version(), "torch": torch.__version__,
          "optuna": optuna.__version__, "cuda_runtime_of_torch": torch.version.cuda}
     try:
@@ -190,7 +191,7 @@ def _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, row
     refs = {r: {f: _sha((ref_kernel_dir(r) / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir")
                 if (ref_kernel_dir(r) / f).is_file()} for r in cfg.references}
     return {"status": status, "message": message, "name": cfg.name, "search_key": cfg.search_key,
-            "config": cfg.to_json(), "spec": {"name": spec.name, "source": cfg.spec, "sha256": _sha(spec.source)},
+            "config": artifacts.portable_config(cfg.to_json()), "spec": {"name": spec.name, "source": Path(cfg.spec).name, "sha256": _sha(spec.source)},
             "references": refs, "host": _versions(), "device": device,
             "candidates": [{"id": c.id, "reference": c.reference, "origin": c.proposal.origin,
                             "notes": list(c.proposal.notes), **verdicts[c.id].to_json()} for c in pop],
@@ -268,6 +269,9 @@ def _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, s
         sections.append(("Final race", _race_section(race, records, dispatch)))
     if dispatch:
         sections.append(("Dispatch table (dispatch.json)", "\n".join(table)))
-    sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; "
-                                  "`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel."))
+    # Only a tuned run has a kernel to load; after a dry run, without a GPU or after failures the
+    # report must not promise one.
+    load = ("`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel." if status == "tuned" and dispatch
+            else f"there is no tuned kernel to load ({status}).")
+    sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; {load}"))
     return artifacts.render_report(title, status_line, rows, sections, plot_note)

@@ -27,7 +27,7 @@ import torch
 
 from cubridge import rule
 from cubridge.errors import CubridgeError
-from cubridge.search.api import Outcome, TrialState
+from cubridge.vocab import Outcome, TrialState
 
 DEFAULT_SHAPES = ((2, 4, 2, 300, 64, 0), (1, 2, 2, 77, 64, 1), (1, 4, 1, 130, 128, 2))
 
@@ -94,8 +94,8 @@ def lift_check_job(p: dict):
 def lift_acceptor(runner, *, launcher: str, spec: str, device: str = "cuda", dtype: str = "bf16",
                   spec_params: dict | None = None, params: dict | None = None, timeout_s: float = 300.0):
     """accept(LiftCandidate) -> Outcome for cubridge.llm.lift.lift: the lift check as a runner job."""
-    from cubridge.search.api import Job, Proposal
-    from cubridge.search.tuner import run_jobs
+    from cubridge.vocab import Job, Proposal
+    from cubridge.search.messages import run_jobs
 
     def accept(candidate) -> Outcome:
         pid = Proposal(candidate.cuir, "lift").id

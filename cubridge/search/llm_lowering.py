@@ -14,7 +14,7 @@ from pathlib import Path
 from cubridge.cuir.parser import parse, parse_file
 from cubridge.errors import CubridgeError
 from cubridge.paths import ref_kernel_dir
-from cubridge.search.api import Job, Outcome, TrialState
+from cubridge.vocab import Job, Outcome, TrialState
 
 LLM_KINDS = ("vllm", "openai")
 
@@ -45,8 +45,8 @@ def lowering_overrides(cfg, verified, runner, out: Path, say=print, *, backend=N
     if backend is None:
         from cubridge.llm.options import parse_options
         from cubridge.llm.proposer import make_backend
-        from cubridge.search.tuner import _proposer_options
-        backend = make_backend(cfg.proposer.kind, parse_options(cfg.proposer.kind, _proposer_options(cfg, out)))
+        from cubridge.search.messages import proposer_options
+        backend = make_backend(cfg.proposer.kind, parse_options(cfg.proposer.kind, proposer_options(cfg, out)))
     from cubridge.llm.lower import lower as llm_lower
     for c, why in need:
         say(f"  {c.id}: no deterministic lowering ({why.message}); asking the model for a patch")
@@ -73,15 +73,15 @@ def acceptor(cfg, cand, runner):
     """accept(LowerCandidate) -> Outcome: compile the patched kernel and run the GPU verification
     on a runner worker at the reference's default tile config (no timing)."""
     from cubridge.search.space import SPACES
-    from cubridge.search.tuner import _payload, run_jobs
+    from cubridge.search.messages import payload, run_jobs
     space = SPACES[cand.reference]
     valid = [p for p in space.best_known(cfg.shapes.head_dim) if not space.problems(p, cfg.shapes.head_dim, cfg.arch)]
     point = (valid or space.points(cfg.shapes.head_dim, cfg.arch))[0]
 
     def accept(candidate) -> Outcome:
-        payload = _payload(cfg, cand, point, cuda_source=candidate.source)
-        payload["shapes"] = []                      # check only: the GPU half of the rule
-        res = run_jobs(runner, [Job("measure", payload, cfg.runner.timeout_s, needs_gpu=True)])[cand.id]
+        body = payload(cfg, cand, point, cuda_source=candidate.source)
+        body["shapes"] = []                      # check only: the GPU half of the rule
+        res = run_jobs(runner, [Job("measure", body, cfg.runner.timeout_s, needs_gpu=True)])[cand.id]
         if res.outcome.state == TrialState.OK:
             return Outcome(TrialState.OK, res.outcome.reason)
         return res.outcome

@@ -1,5 +1,5 @@
 """GPU side of the measure and bench jobs: the verification rule on the compiled kernel, timing at
-the target shapes, and the baselines timed beside it (DESIGN.md, "Verification", "Timing").
+the target shapes, and the baselines timed beside it (docs/DESIGN.md, "Verification", "Timing").
 
 Runs only inside a runner's worker with a GPU; imported lazily by cubridge.search.jobs. A CUDA
 error leaves the worker's context unusable, so such a result carries data["restart_worker"] and
@@ -19,7 +19,7 @@ import math
 import torch
 
 from cubridge import rule
-from cubridge.search.api import Outcome, TrialState
+from cubridge.vocab import Outcome, TrialState
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Ragged lengths (no tile multiple), GQA and MHA, two seeds: the GPU half of the verification rule.
@@ -56,7 +56,7 @@ def _driver_version() -> str:
 
 
 def _spec(p):
-    from cubridge.search.jobs import spec_for
+    from cubridge.search.building import spec_for
     return spec_for(p)
 
 
@@ -201,7 +201,7 @@ def time_ms(fn, args: tuple = ()) -> float:
 
 def _built(entry: dict):
     """prepare(extra, device) of one kernel payload (lowered and compiled through the cache)."""
-    from cubridge.search.jobs import build
+    from cubridge.search.building import build
     lowered, result = build(entry)
     prepare = launcher(entry, lowered, result.cubin)
     if prepare is None:
@@ -211,7 +211,7 @@ def _built(entry: dict):
 
 def _shape_call(prepare, entry: dict, b: int, hq: int, hkv: int, n: int, nq: int | None = None):
     """The call(q, k, v, out) of a prepared kernel at one shape (its extra inputs bound)."""
-    from cubridge.search.jobs import binder_for
+    from cubridge.search.building import binder_for
     from cubridge.search.space import SPACES
     cuir = SPACES[entry["reference"]].to_cuir(entry["config"])
     return prepare(_extras(binder_for(entry), cuir, b, hq, hkv, n, Nq=nq), "cuda")

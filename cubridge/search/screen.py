@@ -6,7 +6,7 @@ which stage rejected it and whose reason is the stage's error message (what an L
 back on retry).
 
 Example:
-    >>> from cubridge.search.api import Proposal
+    >>> from cubridge.vocab import Proposal
     >>> ctx = ScreenContext.build("fa2_sm80", "causal", quick=True)
     >>> screen(Proposal("kernel('x')\\nimport os\\n", "test"), ctx).state.value
     'rejected_parse'
@@ -19,7 +19,7 @@ from cubridge.cuir import nodes as N
 from cubridge.cuir.checker import check
 from cubridge.cuir.parser import parse, parse_file
 from cubridge.errors import CubridgeError, CuIRCheckError, CuIRSyntaxError
-from cubridge.search.api import Outcome, Proposal, TrialState
+from cubridge.vocab import Outcome, Proposal, TrialState
 from cubridge.transfer.taxonomy import StructureError, check_structure
 
 
@@ -46,7 +46,7 @@ class ScreenContext:
 def screen(proposal: Proposal, ctx: ScreenContext, binder=None) -> Outcome:
     """Run the CPU stages. `binder(case) -> extra inputs` supplies a candidate's extra kernel inputs
     (scalars, captured tensors, block tables); the rules proposer provides one."""
-    from cubridge.verify import _run_case, DTYPES
+    from cubridge.verify import run_case, DTYPES
     try:
         prog = parse(proposal.text, source=f"<proposal {proposal.id}>")
     except CuIRSyntaxError as e:
@@ -67,7 +67,7 @@ def screen(proposal: Proposal, ctx: ScreenContext, binder=None) -> Outcome:
             extra = binder(case) if binder else {}
         except CubridgeError as e:
             return Outcome(TrialState.WRONG_ANSWER, f"binding extra inputs at {case}: {e}")
-        res = _run_case(prog, ctx.spec, case, DTYPES["bf16"], {}, ctx.spec_params,
+        res = run_case(prog, ctx.spec, case, DTYPES["bf16"], {}, ctx.spec_params,
                         ("in_order", "reverse"), extra=extra)
         if not res.passed:
             why = res.error or res.verdict.reason

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from cubridge.search.api import Outcome, TrialState
+from cubridge.vocab import Outcome, TrialState
 from cubridge.search.jobs import register
 
 

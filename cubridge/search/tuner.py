@@ -24,41 +24,18 @@ import math
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from cubridge.config import ConfigError, TuneConfig
 from cubridge.runtime.build import available_compiler
 from cubridge.search import artifacts
-from cubridge.search.api import Job, Outcome, Proposal, TrialRecord, TrialState
+from cubridge.vocab import Job, Outcome, Proposal, TrialRecord, TrialState
+from cubridge.search.messages import Candidate, TuneResult, payload, proposer_options, run_jobs
 from cubridge.search.space import SPACES
 
 PROPOSAL_ROUNDS = 3        # ask -> screen -> tell rounds: an LLM proposer repairs its rejects
 MAX_IDLE_ASKS = 200        # consecutive asks that measure nothing (duplicates, invalid) before stopping
-
-
-@dataclass(frozen=True)
-class Candidate:
-    proposal: Proposal
-    reference: str
-    cuda_source: str | None = None    # an accepted LLM lowering, when the generators have none
-
-    @property
-    def id(self) -> str:
-        return self.proposal.id
-
-
-@dataclass
-class TuneResult:
-    status: str                       # tuned | screened | no_gpu | nothing_verified | no_trial_ok
-    message: str
-    out: Path
-    dispatch: list = field(default_factory=list)
-    records: list = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.status in ("tuned", "screened") else 1
 
 
 # ------------------------------------------------------------------ output directory
@@ -66,7 +43,7 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
     out = cfg.output
     run = out / "run.json"
     if run.is_file() and (out / "population.json").is_file():      # a run that did some work
-        prev = json.loads(run.read_text())
+        prev = artifacts.read_json(run, where=f"{cfg.path}: output")
         if not resume:
             raise ConfigError(f"{out} already holds a run ({prev.get('name')})", where=f"{cfg.path}: output",
                               hint="pass --resume to continue it, or --out DIR for a fresh one")
@@ -74,21 +51,11 @@ def prepare_output(cfg: TuneConfig, resume: bool) -> Path:
             raise ConfigError(f"{out} holds a run of a different search (spec, references, shapes, dtype, arch "
                               "or objectives changed)", where=f"{cfg.path}: output",
                               hint="resume with the config it was started with, or use --out DIR")
+        artifacts.TrialLog(out / "trials.jsonl").read()     # a damaged log refuses the resume before any work
     out.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key, "config": cfg.to_json()})
+    artifacts.write_json(run, {"name": cfg.name, "search_key": cfg.search_key,
+                              "config": artifacts.portable_config(cfg.to_json())})
     return out
-
-
-def _payload(cfg: TuneConfig, cand: Candidate, point=None, **extra) -> dict:
-    s = cfg.shapes
-    if getattr(cand, "cuda_source", None) and "cuda_source" not in extra:
-        extra["cuda_source"] = cand.cuda_source        # an accepted LLM lowering (llm_lowering.py)
-    return {"candidate": cand.id, "reference": cand.reference, "origin": cand.proposal.origin,
-            "text": cand.proposal.text, "spec": cfg.spec, "spec_params": cfg.spec_params, "head_dim": s.head_dim,
-            "heads_q": s.heads_q, "heads_kv": s.heads_kv, "dtype": cfg.dtype, "arch": cfg.arch, "config": point,
-            "cache_dir": str((cfg.output / "cache").resolve()),
-            "shapes": [{"key": t.key, "batch": t.batch, "seqlen": t.seqlen, "query_len": t.nq} for t in s.targets],
-            "spec_source": Path(cfg.spec).read_text() if Path(cfg.spec).is_file() else None, **extra}
 
 
 # ------------------------------------------------------------------ population and screening
@@ -97,7 +64,8 @@ def load_population(out: Path) -> list[Candidate]:
     if not path.is_file():
         return []
     return [Candidate(Proposal((out / "candidates" / f"{c['id']}.cuir").read_text(), c["origin"], c["attempt"],
-                               c["parent"], tuple(c["notes"])), c["reference"]) for c in json.loads(path.read_text())]
+                               c["parent"], tuple(c["notes"])), c["reference"])
+            for c in artifacts.read_json(path, where="--resume")]
 
 
 def _save_population(out: Path, pop: list[Candidate]) -> None:
@@ -115,7 +83,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
     """Ask every reference's proposer, screen, tell, repeat (bounded); candidates and verdicts
     persist in the output directory, so a resumed run screens nothing twice. Returns the
     population, its verdicts, and notes on proposers that proposed nothing."""
-    from cubridge.search.proposers import make_proposer
+    from cubridge.registry import make_proposer
     from cubridge.search.screen import ScreenContext
     pop = load_population(out)
     verdicts = {k: Outcome(TrialState(v["state"]), v["reason"]) for k, v in _read(out / "screen.json", {}).items()}
@@ -128,7 +96,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
             ctx = ScreenContext.build(ref, cfg.spec, spec_params=cfg.spec_params, quick=True,
                                       head_dims=(cfg.shapes.head_dim,))
             for kind in kinds:
-                options = _proposer_options(cfg, out) if kind == cfg.proposer.kind else {}
+                options = proposer_options(cfg, out) if kind == cfg.proposer.kind else {}
                 proposers[(ref, kind)] = make_proposer(kind, ctx, options)
     for round_ in range(PROPOSAL_ROUNDS if proposers else 1):
         for (ref, kind), prop in proposers.items():
@@ -145,7 +113,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
         if not todo:
             break
         say(f"screening {len(todo)} candidate(s) on CPU (parse, check, taxonomy, interpreter)")
-        results = run_jobs(runner, [Job("screen", _payload(cfg, c, quick=quick), cfg.runner.timeout_s, needs_gpu=False)
+        results = run_jobs(runner, [Job("screen", payload(cfg, c, quick=quick), cfg.runner.timeout_s, needs_gpu=False)
                                     for c in todo])
         for c in todo:
             verdicts[c.id] = results[c.id].outcome
@@ -156,18 +124,8 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
     return pop, verdicts, notes
 
 
-def run_jobs(runner, jobs: list[Job]) -> dict:
-    """Submit and wait for every job; results by candidate id."""
-    runner.submit(jobs)
-    done = {}
-    while len(done) < len(jobs):
-        for r in runner.results(timeout_s=5.0):
-            done[r.job.payload["candidate"]] = r
-    return done
-
-
 def _read(path: Path, default):
-    return json.loads(path.read_text()) if path.is_file() else default
+    return artifacts.read_json(path, where="--resume") if path.is_file() else default
 
 
 # ------------------------------------------------------------------ the search
@@ -259,8 +217,8 @@ class Search:
             self._record(trial.number, cand, point, Outcome(TrialState.CONFIG_INVALID, "; ".join(problems)))
             self._tell(trial.number, self.records[trial.number])
             return False
-        payload = _payload(self.cfg, cand, point, trial=trial.number)
-        self.runner.submit([Job("measure", payload, self.cfg.runner.timeout_s, needs_gpu=True)])
+        body = payload(self.cfg, cand, point, trial=trial.number)
+        self.runner.submit([Job("measure", body, self.cfg.runner.timeout_s, needs_gpu=True)])
         self.inflight[trial.number] = (cand, point)
         return True
 
@@ -359,6 +317,13 @@ def open_study(cfg: TuneConfig, n_objectives: int):
 def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = False, quick_screen: bool = False,
          progress=None, say=print) -> TuneResult:
     """Run one config end to end; returns what happened (never raises for a bad candidate or trial)."""
+    from cubridge.search.lock import RunLock
+    # One run per output directory: taken before anything there is read, held to the end.
+    with RunLock(cfg.output, where=f"{cfg.path}: output"):
+        return _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say)
+
+
+def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> TuneResult:
     from cubridge.search.finish import compile_population, finish_run
     own = runner is None
     if own:
@@ -377,9 +342,12 @@ def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = 
             return finish_run(cfg, out, pop, verdicts, status="nothing_verified", runner=runner, say=say, notes=notes,
                               message="no candidate passed the CPU stages: nothing to tune")
         if dry_run or runner.num_gpus == 0:
-            compiled = compile_population(cfg, verified, runner, say) if available_compiler() else {}
-            why = "--dry-run: stopped after screening and compiling on purpose" if dry_run else \
-                "timing needs a GPU: this runner has none, so nothing was timed or tuned"
+            compiler = available_compiler()
+            compiled = compile_population(cfg, verified, runner, say) if compiler else {}
+            done = "screening and compiling" if compiler else \
+                "screening (compile skipped: neither nvcc nor NVRTC is on this machine)"
+            why = f"--dry-run: stopped after {done} on purpose" if dry_run else \
+                f"timing needs a GPU: this runner has none, so nothing was timed or tuned (stopped after {done})"
             return finish_run(cfg, out, pop, verdicts, compiled=compiled, runner=runner, say=say,
                               status="screened" if dry_run else "no_gpu", message=why)
         from cubridge.search.llm_lowering import lowering_overrides
@@ -395,15 +363,3 @@ def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = 
     finally:
         if own:
             runner.close()
-
-
-def _proposer_options(cfg, out) -> dict:
-    """The proposer's options, with defaults that follow from the run: an LLM proposer logs into
-    <output>/llm, and with the Ray runner the in-process vLLM engine runs in a Ray actor that
-    holds its GPUs (so timing workers are not scheduled on them)."""
-    options = dict(cfg.proposer.options)
-    if cfg.proposer.kind in ("vllm", "openai"):
-        options.setdefault("out_dir", str(Path(out) / "llm"))
-    if cfg.proposer.kind == "vllm" and cfg.runner.kind == "ray":
-        options.setdefault("ray_actor", True)
-    return options

@@ -1,4 +1,4 @@
-"""The built-in variant specs (DESIGN.md, "Variant specs"); each file is an example of the format.
+"""The built-in variant specs (docs/DESIGN.md, "Variant specs"); each file is an example of the format.
 
 A spec is a plain Python file; cubridge.spec.load_spec reads it:
 
@@ -32,7 +32,7 @@ A spec is a plain Python file; cubridge.spec.load_spec reads it:
 Where a definition uses "N", the specs use Nk (the number of keys a query row ranges over).
 """
 
-# DESIGN.md order; cubridge.spec.builtin_specs() returns this list.
+# docs/DESIGN.md order; cubridge.spec.builtin_specs() returns this list.
 BUILTIN = (
     "full",
     "causal",

@@ -14,8 +14,8 @@ Example:
 from __future__ import annotations
 
 from cubridge.errors import CubridgeError
-from cubridge.search.api import Outcome, Proposal, Proposer
-from cubridge.search.proposers import register
+from cubridge.vocab import Outcome, Proposal, Proposer
+from cubridge.registry import register
 from cubridge.transfer.rules import transfer
 
 

@@ -1,4 +1,4 @@
-"""The rule taxonomy of DESIGN.md as data, and the structural checker that enforces it.
+"""The rule taxonomy of docs/DESIGN.md as data, and the structural checker that enforces it.
 
 A transfer may change only: score transforms, mask predicates, the iteration space, the
 normalisation (with its epilogue), extra inputs and outputs, and the head mapping. Each rule names
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from cubridge.cuir import nodes as N
 from cubridge.errors import CubridgeError
 
-_ELEMENTWISE = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "relu", "abs", "sqrt", "rsqrt",
+_ELEMENTWISE = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "relu", "abs", "sqrt", "rsqrt", "erf",
                 "maximum", "minimum", "where", "cast", "row_index", "col_index", "gather", "min", "max",
                 "cdiv", "full", "zeros")
 

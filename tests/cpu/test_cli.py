@@ -34,9 +34,9 @@ def test_verify_ir_fails_on_the_wrong_spec(capsys):
 
 def test_verify_ir_one_shape_by_path_f16(capsys):
     code, out, _ = run(capsys, "verify-ir", str(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), "--spec", "full",
-                       "--param", "CAUSAL=0", "--shape", "1,4,2,70,16", "--seeds", "2", "--dtype", "f16")
+                       "--param", "CAUSAL=0", "--shape", "1,4,2,70,16", "--seeds", "2", "--dtype", "fp16")
     assert code == 0, out
-    assert "(f16;" in out and "2/2 cases passed" in out
+    assert "(fp16;" in out and "2/2 cases passed" in out
 
 
 def test_verify_ir_reports_a_broken_program(capsys, tmp_path):
@@ -174,7 +174,8 @@ def test_lower_writes_cuda_from_a_transfer_file_or_a_spec(tmp_path, capsys):
     cuir = tmp_path / "p.cuir"
     assert main(["transfer", "prefixlm", "--ref", "fa3_sm90", "--no-verify", "--out", str(cuir)]) == 0
     out = tmp_path / "p.cu"
-    assert main(["lower", str(cuir), "--ref", "fa3_sm90", "--out", str(out)]) == 0
+    assert cuir.read_text().startswith("# WARNING: NOT VERIFIED - written with --no-verify")
+    assert main(["lower", str(cuir), "--ref", "fa3_sm90", "--spec", "prefixlm", "--quick", "--out", str(out)]) == 0
     text = out.read_text()
     assert "mask_pred" in text and "va.C0" in text and "// @cuir-region kv_range" in text
     assert main(["lower", "relative_pos", "--ref", "fa2_sm80", "--out", str(tmp_path / "r.cu")]) == 0

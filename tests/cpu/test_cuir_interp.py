@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cubridge.cuir.analysis import analyze
+from cubridge.analysis import analyze
 from cubridge.cuir.interp import SCHEDULES, interpret
 from cubridge.cuir.parser import parse
 from cubridge.errors import CuIRRuntimeError

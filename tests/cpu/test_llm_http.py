@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from cubridge.errors import CubridgeError
-from cubridge.search.api import TrialState
-from cubridge.search.proposers import available, make_proposer
+from cubridge.vocab import TrialState
+from cubridge.registry import available, make_proposer
 from cubridge.search.screen import ScreenContext, screen
 from cubridge.transfer.proposer import RulesProposer
 from cubridge.verify import Case

@@ -18,7 +18,7 @@ from cubridge.llm.lower import LowerCandidate, LowerTask, changed_regions, lower
 from cubridge.llm.openai_http import OpenAIHTTPBackend
 from cubridge.llm.regions import find_regions, region_text, strip_markers
 from cubridge.paths import ref_kernel_dir
-from cubridge.search.api import Outcome, TrialState
+from cubridge.vocab import Outcome, TrialState
 from cubridge.spec import load_spec
 from cubridge.transfer.rules import transfer
 from cubridge.verify import Case

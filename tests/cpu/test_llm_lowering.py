@@ -12,8 +12,8 @@ from cubridge.cuir.printer import to_text
 from cubridge.lower import LowerError, lower
 from cubridge.paths import ref_kernel_dir
 from cubridge.search import llm_lowering
-from cubridge.search.api import JobResult, Outcome, Proposal, Runner, TrialState
-from cubridge.search.tuner import Candidate
+from cubridge.vocab import JobResult, Outcome, Proposal, Runner, TrialState
+from cubridge.search.messages import Candidate
 from cubridge.spec import load_spec
 from cubridge.transfer.rules import transfer
 
@@ -116,14 +116,14 @@ def test_rules_runs_say_an_llm_could_patch_it(tmp_path):
 
 
 def test_an_accepted_patch_replaces_the_lowering_in_jobs(tmp_path):
-    from cubridge.search.jobs import lower_kernel
-    from cubridge.search.tuner import _payload
+    from cubridge.search.building import lower_kernel
+    from cubridge.search.messages import payload
     from dataclasses import replace
     cand = replace(_unlowerable_candidate(), cuda_source="// patched kernel\n")
     cfg = _cfg(tmp_path)
     from cubridge.search.space import SPACES
     point = SPACES["fa3_sm90"].best_known(128)[0]
-    p = _payload(cfg, cand, point)
+    p = payload(cfg, cand, point)
     assert p["cuda_source"] == "// patched kernel\n"
     lowered, options = lower_kernel(p)
     assert lowered.source == "// patched kernel\n" and any(o.startswith("-DBLOCK_M=") for o in options)

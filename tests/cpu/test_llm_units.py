@@ -14,7 +14,7 @@ from cubridge.llm.prompting import ADVICE, numbered, render_ops, render_taxonomy
 from cubridge.llm.regions import (PatchError, annotate, apply_patch, check_confined, find_regions,
                                   marked_blocks, region_text, strip_markers)
 from cubridge.paths import ref_kernel_dir
-from cubridge.search.api import TrialState
+from cubridge.vocab import TrialState
 from cubridge.transfer.taxonomy import TAXONOMY
 
 PROGRAM = "kernel('k')\nx = zeros(f32, [16, 16])\n"

@@ -19,8 +19,8 @@ from cubridge.llm.backend import Request, Sampling
 from cubridge.llm.envelope import TRANSFER
 from cubridge.llm.vllm_backend import (VLLMBackend, engine_kwargs, import_vllm, make_sampling_params,
                                        sampling_kwargs)
-from cubridge.search.api import TrialState
-from cubridge.search.proposers import make_proposer
+from cubridge.vocab import TrialState
+from cubridge.registry import make_proposer
 from cubridge.search.screen import ScreenContext, screen
 from cubridge.transfer.proposer import RulesProposer
 from cubridge.verify import Case
@@ -235,7 +235,7 @@ def test_missing_ray_says_how_to_install(monkeypatch, tmp_path, model_dir):
 
 def test_importing_the_llm_package_imports_no_optional_dependency():
     code = ("import sys, cubridge.llm, cubridge.llm.ray_actor\n"
-            "from cubridge.search.proposers import available\n"
+            "from cubridge.registry import available\n"
             "assert {'vllm', 'openai'} <= set(available())\n"
             "bad = [m for m in ('vllm', 'ray', 'openai', 'requests', 'httpx') if m in sys.modules]\n"
             "assert not bad, bad\n")

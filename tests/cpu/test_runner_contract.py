@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cubridge.search.api import Job, Runner, TrialState
+from cubridge.vocab import Job, Runner, TrialState
 from cubridge.search.runners import make_runner
 
 KINDS = ["local", "ray", "replay"]

@@ -12,7 +12,7 @@ import optuna
 import pytest
 
 from cubridge.config import ConfigError, load_config
-from cubridge.search.api import TrialState
+from cubridge.vocab import TrialState
 from cubridge.search.progress import Progress
 from cubridge.search.runners import make_runner
 from cubridge.search.space import SPACES
@@ -284,7 +284,7 @@ def test_gpu_check_applies_the_verification_rule(tmp_path):
 
 def test_a_worker_rebuilds_a_spec_file_it_cannot_see(tmp_path):
     from cubridge.paths import REPO_DIR
-    from cubridge.search.jobs import spec_for
+    from cubridge.search.building import spec_for
     source = (REPO_DIR / "cubridge/specs/prefixlm.py").read_text()
     spec = spec_for({"spec": str(tmp_path / "elsewhere" / "my_prefix.py"), "spec_source": source})
     assert spec.params == {"prefix": None} and spec.path.endswith("my_prefix.py")
@@ -292,11 +292,11 @@ def test_a_worker_rebuilds_a_spec_file_it_cannot_see(tmp_path):
 
 def test_llm_proposer_options_follow_the_run(tmp_path):
     from types import SimpleNamespace as NS
-    from cubridge.search.tuner import _proposer_options
+    from cubridge.search.messages import proposer_options
     cfg = NS(proposer=NS(kind="vllm", options={"model": "/m"}), runner=NS(kind="ray"))
-    opts = _proposer_options(cfg, tmp_path)
+    opts = proposer_options(cfg, tmp_path)
     assert opts["out_dir"] == str(tmp_path / "llm") and opts["ray_actor"] is True
     cfg = NS(proposer=NS(kind="openai", options={"out_dir": "mine"}), runner=NS(kind="local"))
-    assert _proposer_options(cfg, tmp_path) == {"out_dir": "mine"}
+    assert proposer_options(cfg, tmp_path) == {"out_dir": "mine"}
     cfg = NS(proposer=NS(kind="rules", options={}), runner=NS(kind="ray"))
-    assert _proposer_options(cfg, tmp_path) == {}
+    assert proposer_options(cfg, tmp_path) == {}

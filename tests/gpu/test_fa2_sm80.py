@@ -1,4 +1,4 @@
-"""GPU checks of ref_kernels/fa2_sm80 under the verification rule of DESIGN.md.
+"""GPU checks of ref_kernels/fa2_sm80 under the verification rule of docs/DESIGN.md.
 
 golden = attention in float64 (on the GPU), ref = the same math in the kernel dtype; out and LSE
 pass iff max|x - golden| <= 2 max|ref - golden| + 1e-5 (cubridge.rule.compare). Also: outputs

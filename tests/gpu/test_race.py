@@ -7,10 +7,10 @@ from cubridge.config import load_config
 from cubridge.cuir.parser import parse_file
 from cubridge.cuir.printer import to_text
 from cubridge.paths import ref_kernel_dir
-from cubridge.search.api import Job, Proposal, TrialState
+from cubridge.vocab import Job, Proposal, TrialState
 from cubridge.search.jobs import run_job
 from cubridge.search.space import SPACES
-from cubridge.search.tuner import Candidate, _payload
+from cubridge.search.messages import Candidate, payload
 from cubridge.spec import load_spec
 from cubridge.transfer.rules import transfer
 
@@ -25,12 +25,12 @@ def test_race_times_each_finalist_round_robin(tmp_path):
     cand = Candidate(Proposal(to_text(transfer(ref, load_spec("prefixlm")).program), "rules"), "fa3_sm90")
     points = SPACES["fa3_sm90"].best_known(128)
     assert len(points) >= 3
-    finalists = {str(i): _payload(cfg, cand, pt) for i, pt in enumerate(points[:3])}
+    finalists = {str(i): payload(cfg, cand, pt) for i, pt in enumerate(points[:3])}
     finalists["9"] = {**finalists["0"], "text": "this is not CuIR"}    # cannot build: drops out
     k1, k2 = (t.key for t in cfg.shapes.targets)
-    payload = {**_payload(cfg, cand), "candidate": "race", "finalists": finalists,
+    body = {**payload(cfg, cand), "candidate": "race", "finalists": finalists,
                "by_shape": {k1: [0, 1, 2, 9], k2: [2]}}
-    res = run_job(Job("race", payload, 600, needs_gpu=True))
+    res = run_job(Job("race", body, 600, needs_gpu=True))
     assert res.outcome.state == TrialState.OK, res.outcome.reason
     times = res.data["shapes"]
     assert set(times) == {k1}                                # k2 had one finalist: nothing to race

@@ -1,4 +1,4 @@
-"""Runners behind cubridge.search.api.Runner: local (spawned processes, default), ray, replay.
+"""Runners behind cubridge.vocab.Runner: local (spawned processes, default), ray, replay.
 
 `make_runner(kind, ...)` builds one by name; only runners/ray_runner.py imports ray.
 """

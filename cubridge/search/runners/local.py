@@ -11,7 +11,7 @@ The driver side has no thread: dispatch, timeouts and restarts happen inside sub
 results(), which the tuner calls in its loop.
 
 Example:
-    >>> from cubridge.search.api import Job
+    >>> from cubridge.vocab import Job
     >>> with LocalRunner(gpus=0) as r:                                   # doctest: +SKIP
     ...     r.submit([Job("echo", {"x": 1}, needs_gpu=False)])
     ...     [res.data for res in r.results(timeout_s=60)]
@@ -26,7 +26,7 @@ import time
 from collections import deque
 from multiprocessing.connection import wait
 
-from cubridge.search.api import Job, JobResult, Outcome, Runner, TrialState
+from cubridge.vocab import Job, JobResult, Outcome, Runner, TrialState
 
 BOOT_TIMEOUT_S = 120.0       # a worker that has not said "ready" by then is replaced
 

@@ -8,7 +8,7 @@ as TIMEOUT (the actor is killed and replaced, a task is cancelled). Only the dri
 study and the trial log: workers just return JobResults.
 
 Example:
-    >>> from cubridge.search.api import Job
+    >>> from cubridge.vocab import Job
     >>> r = RayRunner(num_cpus=2)                                        # doctest: +SKIP
     >>> r.submit([Job("echo", {"x": 1}, needs_gpu=False)])              # doctest: +SKIP
     >>> r.results(timeout_s=60)[0].data                                  # doctest: +SKIP
@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import (ActorDiedError, GetTimeoutError, RayActorError, RayError, TaskCancelledError,
                             WorkerCrashedError)
 
-from cubridge.search.api import Job, JobResult, Outcome, Runner, TrialState
+from cubridge.vocab import Job, JobResult, Outcome, Runner, TrialState
 
 MAX_RESTARTS = 8
 

@@ -15,7 +15,7 @@ so: replay never invents a measurement. `record()` turns real JobResults into su
 
 Example:
     >>> import json, tempfile
-    >>> from cubridge.search.api import Job
+    >>> from cubridge.vocab import Job
     >>> f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     >>> json.dump({"results": [{"kind": "echo", "match": {}, "outcome": {"state": "ok"}}]}, f); f.close()
     >>> r = ReplayRunner(f.name); r.submit([Job("echo", {"x": 1})])
@@ -30,7 +30,7 @@ from collections import deque
 from pathlib import Path
 
 from cubridge.errors import CubridgeError
-from cubridge.search.api import Job, JobResult, Outcome, Runner, TrialState
+from cubridge.vocab import Job, JobResult, Outcome, Runner, TrialState
 
 
 def _outcome(d: dict) -> Outcome:

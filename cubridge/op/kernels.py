@@ -1,0 +1,144 @@
+"""One dispatch bucket of a run directory, made launchable: the lowered kernel (for its argument
+layout), the binder of its extra inputs, the cubin (the run's own, else compiled once), and per
+shape a `Prepared` launch.
+
+Nothing here imports cubridge.search's jobs or measure: a run directory loads with the lowering
+(pure Python), the rules transfer (for the binder) and the runtime's driver path. The compiler is
+needed only where the run carries no cubin for the bucket.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cubridge.errors import LaunchError
+from cubridge.load import check_arch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@functools.lru_cache(maxsize=None)
+def device_checked(arch: str, index: int) -> bool:
+    """check_arch once per (arch, device)."""
+    check_arch(arch, torch.cuda.get_device_capability(index), torch.cuda.get_device_name(index))
+    return True
+
+
+@dataclass
+class Prepared:
+    """Everything a call at one shape needs but the tensors: launch(q, k, v, out, lse) on the current stream."""
+    launch: object
+    lse_scratch: torch.Tensor        # where the kernel writes LSE when the caller did not ask for it
+    keep: object = None              # the packed extra inputs the launch points to
+
+
+class Bucket:
+    """A dispatch entry of a run directory, loaded lazily."""
+
+    def __init__(self, directory: Path, dispatch: dict, entry: dict):
+        self.directory, self.dispatch, self.entry = directory, dispatch, entry
+        self.reference = entry["reference"]
+        self._lowered = self._bind = None
+        self._functions: dict = {}
+
+    # -------------------------------------------------------------- loading
+    def lowered(self):
+        if self._lowered is None:
+            from cubridge.cuir.parser import parse
+            from cubridge.lower import lower
+            text = (self.directory / self.entry["cuir"]).read_text()
+            self._lowered = lower(parse(text, source=str(self.directory / self.entry["cuir"])), self.reference)
+        return self._lowered
+
+    @property
+    def softmax(self) -> bool:
+        ir = self.lowered().ir
+        return ir is None or ir.norm == "softmax"
+
+    def binder(self):
+        """bind(Nq=, Nk=, Hq=, Hkv=, B=, params=, device=) -> extra inputs, or None for none. Rules
+        candidates are re-derived from the run's spec copy and must give the run's exact CuIR."""
+        if self._bind is None:
+            self._bind = _rules_binder(self.directory, self.dispatch, self.entry)
+        return self._bind or None
+
+    def cuir_params(self) -> dict:
+        from cubridge.search.space import SPACES
+        return SPACES[self.reference].to_cuir(self.entry["config"])
+
+    def fa3_config(self):
+        from cubridge.runtime.fa3_sm90 import Fa3Config
+        p, d = self.entry["config"], self.dispatch
+        return Fa3Config(head_dim=int(d["head_dim"]), block_m=p["block_m"], block_n=p["block_n"], stages=p["stages"],
+                         persistent=bool(p.get("persistent")), causal=False, bf16=d["dtype"] == "bf16")
+
+    def cubin(self) -> bytes:
+        """The run's cubin for this bucket; compiled (once, cached on disk) only where it has none."""
+        if self.entry.get("cubin") and (self.directory / self.entry["cubin"]).is_file():
+            return (self.directory / self.entry["cubin"]).read_bytes()
+        from cubridge.runtime.build import NO_COMPILER, available_compiler, compile_cubin
+        from cubridge.paths import ref_kernel_dir
+        compiler = available_compiler()
+        if compiler is None:
+            raise LaunchError(f"the run carries no cubin for {self.entry['label']} and {NO_COMPILER}",
+                              where=str(self.directory / "dispatch.json"),
+                              hint="tune on a machine with nvcc (the run then carries its cubins)")
+        options = ["-std=c++17", *self.fa3_config().defines(), f"-I{ref_kernel_dir(self.reference)}"]
+        return compile_cubin(self.lowered().source, arch=self.dispatch["arch"], options=options,
+                             compiler=compiler, name=f"{self.entry['candidate']}.cu").cubin
+
+    # -------------------------------------------------------------- per shape
+    def prepare(self, device: torch.device, b: int, hq: int, hkv: int, nq: int, nk: int, scale: float,
+                runtime: dict) -> Prepared:
+        bind = self.binder()
+        extra = {}
+        if bind is not None:
+            kw = {"runtime": runtime} if runtime else {}
+            extra = bind(Nq=nq, Nk=nk, Hq=hq, Hkv=hkv, B=b, params=self.cuir_params(), device=device, **kw)
+        launchable = self.lowered().args(extra, device)
+        lse = torch.empty((b, hq, nq), device=device, dtype=torch.float32)
+        if self.reference == "fa3_sm90":
+            from cubridge.runtime.fa3_fast import Fa3Launch, load_cubin
+            config = self.fa3_config()
+            key = device.index
+            if key not in self._functions:
+                self._functions[key] = load_cubin(self.cubin(), config, device)
+            func, counts = self._functions[key]
+            return Prepared(Fa3Launch(func, counts, config, device, b, hq, hkv, nq, nk, scale, launchable), lse, launchable)
+        if self.reference == "fa2_sm80":
+            return Prepared(self._fa2_launch(launchable, scale), lse, launchable)
+        raise LaunchError(f"no launch path for reference kernel {self.reference!r}", where="cubridge.load",
+                          hint="the op launches fa3_sm90 and fa2_sm80 kernels")
+
+    def _fa2_launch(self, launchable, scale):
+        """fa2_sm80 goes through its CuPy runtime (eager only: it compiles from source with NVRTC or
+        nvcc and is not CUDA-graph safe)."""
+        from cubridge.runtime.build import default_compiler
+        from cubridge.runtime.fa2_sm80 import Config, Fa2Sm80
+        p = self.entry["config"]
+        kernel = Fa2Sm80(Config(p["block_m"], p["block_n"], p["stages"], p["warps"]), compiler=default_compiler())
+
+        def launch(q, k, v, out, lse):
+            kernel(q, k, v, causal=False, out=out, lse=lse, sm_scale=scale, variant=launchable)
+        return launch
+
+
+def _rules_binder(directory: Path, dispatch: dict, entry: dict):
+    """The rules candidate's bind, or False when the candidate needs none (other origins)."""
+    if entry.get("origin") != "rules":
+        return False
+    from cubridge.cuir.parser import parse_file
+    from cubridge.paths import ref_kernel_dir
+    from cubridge.spec import load_spec
+    from cubridge.transfer.rules import transfer
+    spec = load_spec(str(directory / dispatch["spec"]))
+    ref = parse_file(ref_kernel_dir(entry["reference"]) / "kernel.cuir")
+    cand = transfer(ref, spec, spec_params=dict(dispatch.get("spec_params") or {}))
+    if cand.text.strip() != (directory / entry["cuir"]).read_text().strip():
+        raise LaunchError("the rules transfer of this checkout gives another kernel than the run's "
+                          f"{entry['cuir']}", where=str(directory / "dispatch.json"),
+                          hint="load the run with the cubridge version that tuned it, or tune again")
+    return cand.bind

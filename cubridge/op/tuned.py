@@ -1,0 +1,185 @@
+"""`TunedOp`: a tuned run as a PyTorch op (`cubridge.load(DIR)` returns one).
+
+    out = attn(q, k, v)                                   # q [B, Hq, N, D], k / v [B, Hkv, N, D]
+    out = attn(q, k, v, layout="bnhd")                    # q [B, N, Hq, D]: out comes back [B, N, Hq, D]
+    out, lse = attn(q, k, v, scale=0.05, return_lse=True) # lse [B, Hq, N] float32 (softmax specs)
+
+The call checks what it is given against what was tuned (dtype, head dim, head counts, layout,
+device, arch) with an error naming the argument and the fix, then launches. Inside
+`torch.compile` it goes through the custom ops `cubridge::attention` / `cubridge::attention_lse`
+(cubridge/op/library.py), whose fake implementations give the output shapes, so a compiled model
+traces through it with no graph break. Eagerly it calls the same implementation directly (the
+dispatcher round trip is host time the op does not need).
+
+Per shape (device, B, Hq, Hkv, N, scale) the first call binds the spec's extra inputs, packs them,
+counts the tile order on the GPU and builds the launch (`Prepared`); every later call allocates
+the output and launches: no host sync, no host-to-device copy, so the call can be captured in a
+CUDA graph once the shape has been seen (a first call inside a capture is refused, saying so).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from pathlib import Path
+
+import torch
+
+from cubridge.errors import LaunchError
+from cubridge.op import library  # noqa: F401 - registers the custom ops torch.compile sees
+from cubridge.op.checks import apply_plan, check_plan
+from cubridge.op.kernels import DTYPES, Bucket, device_checked
+
+LAYOUTS = ("bhnd", "bnhd")
+WHERE = "cubridge op"
+_OPS: "weakref.WeakValueDictionary[int, TunedOp]" = weakref.WeakValueDictionary()
+_NEXT = [0]
+
+
+def op_for(handle: int) -> "TunedOp":
+    op = _OPS.get(handle)
+    if op is None:
+        raise LaunchError(f"tuned op #{handle} no longer exists", where=WHERE,
+                          hint="keep the object cubridge.load returned alive while a compiled function uses it")
+    return op
+
+
+class TunedOp:
+    def __init__(self, directory: Path, manifest: dict, dispatch: dict):
+        self.directory, self.manifest, self.dispatch = Path(directory), manifest, dispatch
+        self.buckets = dispatch["buckets"]
+        self._buckets = [Bucket(self.directory, dispatch, e) for e in self.buckets]
+        self.dtype = DTYPES[dispatch["dtype"]]
+        self.head_dim = int(dispatch["head_dim"])
+        self.heads = (int(dispatch["heads_q"]), int(dispatch["heads_kv"]))
+        self.runtime_inputs: tuple[str, ...] = _declared_runtime_inputs(self.directory, dispatch)
+        self.softmax = self._buckets[0].softmax   # lowers the CuIR (pure Python; no compiler)
+        self._prepared: dict = {}
+        self._plans: dict = {}
+        self.device_type = "cuda"          # CPU tests set "cpu" and stub the launch
+        self.handle = _NEXT[0]
+        _NEXT[0] += 1
+        _OPS[self.handle] = self
+
+    def __repr__(self) -> str:
+        d = self.dispatch
+        spans = ", ".join((f"N<={b['max_seqlen']}" if b["max_seqlen"] else f"N>{b['min_seqlen'] - 1}") + f": {b['label']}"
+                          for b in self.buckets)
+        return (f"TunedOp({d['spec_name']} from {self.buckets[0]['reference']}, {d['arch']} {d['dtype']} "
+                f"D={d['head_dim']} Hq={self.heads[0]} Hkv={self.heads[1]}; {spans})")
+
+    def select(self, seqlen: int) -> dict:
+        """The dispatch-table entry (config, cubin, kernel files) for a sequence length."""
+        return self.buckets[self._bucket_index(seqlen)]
+
+    def _bucket_index(self, seqlen: int) -> int:
+        if seqlen < 1:
+            raise LaunchError(f"sequence length {seqlen}", where=WHERE, hint="N must be >= 1")
+        for i, e in enumerate(self.buckets):
+            if e["min_seqlen"] <= seqlen and (e["max_seqlen"] is None or seqlen <= e["max_seqlen"]):
+                return i
+        raise LaunchError(f"no dispatch bucket holds N={seqlen}", where=str(self.directory / "dispatch.json"))
+
+    # -------------------------------------------------------------- the call
+    def __call__(self, q, k, v, *, layout: str | None = None, scale: float | None = None, return_lse: bool = False,
+                 **runtime):
+        plan = self._plan(q, k, v, layout)
+        qh, kh, vh = apply_plan(plan, q, k, v)
+        layout = plan[0]
+        scale = self._scale(scale)
+        rt = self._runtime_list(runtime, qh)
+        if return_lse and not self.softmax:
+            raise LaunchError(f"return_lse=True: {self.dispatch['spec_name']} is not a softmax attention, it has no LSE",
+                              where=WHERE, hint="call without return_lse")
+        if torch.compiler.is_compiling() or type(qh) is not torch.Tensor:    # traced, or fake tensors
+            if return_lse:
+                out, lse = torch.ops.cubridge.attention_lse(qh, kh, vh, self.handle, scale, rt)
+            else:
+                out, lse = torch.ops.cubridge.attention(qh, kh, vh, self.handle, scale, rt), None
+        else:
+            out, lse = self.forward(qh, kh, vh, scale, rt, return_lse)
+        if layout == "bnhd":
+            out = out.transpose(1, 2)
+        return (out, lse) if return_lse else out
+
+    def _plan(self, q, k, v, layout):
+        """check_plan, remembered per (layout, shapes, strides, dtypes, devices) when eager: a
+        repeated call costs one dictionary lookup, not the checks (~7 us of Python)."""
+        if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+            return check_plan(self, q, k, v, layout)
+        key = (layout, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = check_plan(self, q, k, v, layout)
+        return plan
+
+    def _scale(self, scale) -> float:
+        if scale is None:
+            return 1.0 / math.sqrt(self.head_dim)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale > 0 and math.isfinite(scale)):
+            raise LaunchError(f"scale={scale!r} is not a positive finite number", where=f"{WHERE}: scale",
+                              hint="pass a Python float > 0, or leave it out for 1/sqrt(D)")
+        return float(scale)
+
+    def _runtime_list(self, runtime: dict, q) -> list:
+        """The runtime inputs in declared order; an unknown or missing name is an error."""
+        unknown = sorted(set(runtime) - set(self.runtime_inputs))
+        if unknown:
+            declared = ", ".join(self.runtime_inputs) or "none"
+            raise LaunchError(f"unexpected keyword argument(s) {', '.join(unknown)}: spec "
+                              f"{self.dispatch['spec_name']!r} declares runtime inputs: {declared}", where=WHERE,
+                              hint="pass only the runtime inputs the spec declares (RUNTIME_INPUTS in its file)")
+        missing = [n for n in self.runtime_inputs if n not in runtime]
+        if missing:
+            raise LaunchError(f"missing runtime input(s) {', '.join(missing)} of spec {self.dispatch['spec_name']!r}",
+                              where=WHERE, hint=f"pass them as keywords: attn(q, k, v, {missing[0]}=tensor)")
+        for n in self.runtime_inputs:
+            t = runtime[n]
+            if not isinstance(t, torch.Tensor) or t.device != q.device:
+                raise LaunchError(f"runtime input {n} must be a tensor on {q.device}, got "
+                                  f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.device}",
+                                  where=f"{WHERE}: {n}", hint=f"move it with {n}.to(q.device)")
+        return [runtime[n] for n in self.runtime_inputs]
+
+    # -------------------------------------------------------------- the launch
+    def forward(self, q, k, v, scale: float, rt: list, want_lse: bool):
+        """(out, lse or None) for bhnd views that checks.bhnd_views accepted."""
+        b, hq, n, d = q.shape
+        out = torch.empty((b, hq, n, d), dtype=q.dtype, device=q.device)
+        if b * hq * n == 0:
+            lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
+            return out, (lse if want_lse else None)
+        prep = self._prepared.get((q.shape, k.shape, q.device, scale)) if not rt else None
+        if prep is None:
+            prep = self._prepare(q, k, scale, rt)
+        lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device) if want_lse else prep.lse_scratch
+        prep.launch(q, k, v, out, lse)
+        return out, (lse if want_lse else None)
+
+    def _prepare(self, q, k, scale: float, rt: list):
+        if torch.cuda.is_current_stream_capturing():
+            raise LaunchError(f"first call at shape q {tuple(q.shape)} inside a CUDA graph capture: binding the "
+                              "spec's inputs and counting the tile order copy to the GPU, which a capture forbids",
+                              where=WHERE, hint="call the op once at this shape before capturing (a warm-up run)")
+        device = q.device
+        device_checked(self.dispatch["arch"], device.index if device.index is not None else torch.cuda.current_device())
+        b, hq, n, _ = q.shape
+        bucket = self._buckets[self._bucket_index(n)]
+        runtime = dict(zip(self.runtime_inputs, rt))
+        prep = bucket.prepare(device, b, hq, k.shape[1], n, k.shape[2], scale, runtime)
+        if not rt:
+            self._prepared[(q.shape, k.shape, q.device, scale)] = prep
+        return prep
+
+    def warmup(self, q, k, v, **kw) -> None:
+        """Build the per-shape state for these inputs (what a first call does), e.g. before a capture."""
+        self(q, k, v, **kw)
+
+
+def _declared_runtime_inputs(directory: Path, dispatch: dict) -> tuple[str, ...]:
+    """The names of the tensors a call supplies (the spec's runtime inputs, in declared order)."""
+    if "runtime_inputs" in dispatch:
+        return tuple(dispatch["runtime_inputs"])
+    from cubridge.spec import load_spec
+    spec = load_spec(str(directory / dispatch["spec"]))
+    return tuple(getattr(spec, "runtime_inputs", None) or ())

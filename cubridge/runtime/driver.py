@@ -1,0 +1,132 @@
+"""The CUDA driver API through ctypes: the few calls cubridge's launchers need (module load,
+function lookup, dynamic shared memory, TMA tensor maps, kernel launch), errors turned into
+cubridge.errors.LaunchError. No CUDA Python package is needed; libcuda.so.1 is opened on first use.
+
+Public names (other modules build on them; keep them stable): Driver, driver(), sm_count(),
+capability(), pack_params() and the CU_* / TENSOR_MAP_* constants.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from cubridge.errors import LaunchError
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
+CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION_L2_128B = 2
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0   # out-of-bounds elements read as zero
+TENSOR_MAP_BYTES = 128
+TENSOR_MAP_ALIGN = 64
+PANEL_COLS = 64          # default TMA box width for 2-byte data: 128 bytes, the swizzle span
+
+
+class Driver:
+    """The handful of CUDA driver calls cubridge needs, with errors turned into exceptions."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+        self.lib.cuTensorMapEncodeTiled.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p,
+            u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.lib.cuLaunchKernel.argtypes = [
+            ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+        self.lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                                 ctypes.c_char_p]
+        self.lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(result, ctypes.byref(msg))
+            text = msg.value.decode() if msg.value else "unknown error"
+            raise LaunchError(f"{what} failed: CUDA driver error {result} ({text})")
+
+    def load_module(self, cubin: bytes) -> ctypes.c_void_p:
+        """Loads a cubin into the current context (the caller makes the right one current)."""
+        module = ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+        return module
+
+    def get_function(self, module: ctypes.c_void_p, entry: bytes, smem_bytes: int | None = None
+                     ) -> ctypes.c_void_p:
+        """The entry `entry` of `module`; with smem_bytes, its dynamic shared memory limit set."""
+        func = ctypes.c_void_p()
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(func), module, entry),
+                   "cuModuleGetFunction")
+        if smem_bytes is not None:
+            self.check(self.lib.cuFuncSetAttribute(
+                func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
+                "cuFuncSetAttribute")
+        return func
+
+    def load_function(self, cubin: bytes, smem_bytes: int, entry: bytes,
+                      *others: bytes) -> tuple[ctypes.c_void_p, ...]:
+        """Loads `cubin`; returns `entry` (its dynamic shared memory set) and then each of `others`."""
+        module = self.load_module(cubin)
+        return (self.get_function(module, entry, smem_bytes),
+                *(self.get_function(module, name) for name in others))
+
+    def tensor_map(self, t: torch.Tensor, rows_per_box: int,
+                   panel_cols: int = PANEL_COLS) -> ctypes.Array:
+        """3-D map over a [B, H, N, D] tensor seen as (D, N, B*H): zero fill stops at each head's N.
+        The box is panel_cols x rows_per_box x 1, swizzled 128B."""
+        b, h, n, d = t.shape
+        elem = t.element_size()
+        dtype = (CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
+                 else CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+        dims = (ctypes.c_uint64 * 3)(d, n, b * h)
+        strides = (ctypes.c_uint64 * 2)(d * elem, n * d * elem)
+        box = (ctypes.c_uint32 * 3)(panel_cols, rows_per_box, 1)
+        elem_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
+        raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
+        offset = (-ctypes.addressof(raw)) % TENSOR_MAP_ALIGN
+        view = (ctypes.c_uint8 * TENSOR_MAP_BYTES).from_buffer(raw, offset)
+        self.check(self.lib.cuTensorMapEncodeTiled(
+            ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+            "cuTensorMapEncodeTiled")
+        return view
+
+    def launch(self, func: ctypes.c_void_p, grid: tuple[int, int, int], block: tuple[int, int, int],
+               smem_bytes: int, stream: int, params: ctypes.Array) -> None:
+        """cuLaunchKernel on `stream` (a raw CUstream handle) with params from pack_params()."""
+        self.check(self.lib.cuLaunchKernel(func, *grid, *block, smem_bytes, ctypes.c_void_p(stream),
+                                           params, None), "cuLaunchKernel")
+
+
+def pack_params(args) -> ctypes.Array:
+    """The kernelParams array for cuLaunchKernel: the address of each ctypes object in `args`
+    (which must stay alive until the launch call returns)."""
+    return (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
+
+
+_DRIVER: Driver | None = None
+
+
+def driver() -> Driver:
+    """The process-wide Driver (libcuda opened on first call)."""
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = Driver()
+    return _DRIVER
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)

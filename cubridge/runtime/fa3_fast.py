@@ -1,0 +1,158 @@
+"""The cached launch of a (lowered) fa3_sm90 kernel: the tuned op's fast path.
+
+fa3_forward re-derives everything on every call (config checks, the capability query, the grid,
+the tile order, the packed argument list). An op called thousands of times at one shape needs none
+of that again: `Fa3Launch` is built once per (kernel, shape) and keeps the loaded function, the
+grid, the tile order (computed on the GPU once, at build time, never inside a CUDA-graph capture)
+and the packed scalar tail of the argument list. A call then only encodes (or finds in a cache) the
+four TMA descriptors, fetches the stream's tile counter and calls cuLaunchKernel: no host sync, no
+allocation, no host-to-device copy, so it can be captured in a CUDA graph.
+
+Strided inputs: the kernel's TMA maps are 3-D, (D, N, B*H), so a [B, H, N, D] view is readable in
+place when its last dim is contiguous and B and H collapse into one stride (contiguous [B, H, N, D],
+any row stride such as a [B, N, H, D] buffer seen as [B, H, N, D] when B == 1 or H == 1).
+`bh_strides` says whether a view qualifies.
+
+Example (on an sm_90 GPU):
+    >>> fn, counts = load_cubin(cubin, config, q.device)                     # doctest: +SKIP
+    >>> launch = Fa3Launch(fn, counts, config, q.device, B, Hq, Hkv, N, N, 0.088, variant)   # doctest: +SKIP
+    >>> launch(q, k, v, out, lse)                                            # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from collections import OrderedDict
+
+import torch
+
+from cubridge.errors import LaunchError
+from cubridge.runtime import fa3_sm90 as fa3
+
+MAX_STRIDE_BYTES = 1 << 40     # cuTensorMapEncodeTiled: global strides below 2^40 and multiples of 16 B
+_MAPS: OrderedDict = OrderedDict()
+MAP_CACHE = 512
+_LOADED: dict = {}
+
+
+def bh_strides(t: torch.Tensor) -> tuple[int, int] | None:
+    """(row stride, head stride) in elements of a [B, H, N, D] view that the kernel's 3-D TMA map
+    (D, N, B*H) can address in place, or None when it cannot (last dim not contiguous, B and H not
+    one stride, a stride or the address not 16-byte aligned, a zero stride).
+
+    >>> bh_strides(torch.empty(2, 4, 8, 64))
+    (64, 512)
+    >>> bh_strides(torch.empty(1, 8, 4, 64).transpose(1, 2))     # [B=1, N, H, D] seen as [B, H, N, D]
+    (256, 64)
+    >>> bh_strides(torch.empty(2, 8, 4, 64).transpose(1, 2)) is None
+    True
+    """
+    strides = layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size())
+    return strides if strides is not None and t.data_ptr() % 16 == 0 else None
+
+
+def layout_strides(shape: tuple, stride: tuple, elem: int) -> tuple[int, int] | None:
+    """bh_strides from the shape and strides alone (what a traced, fake tensor has)."""
+    b, h, n, d = shape
+    sb, sh, sn, sd = stride
+    if d > 1 and sd != 1:
+        return None
+    if n == 1:
+        sn = d
+    if b == 1 and h == 1:
+        sbh = n * sn
+    elif b == 1:
+        sbh = sh
+    elif h == 1:
+        sbh = sb
+    elif sb == h * sh:
+        sbh = sh
+    else:
+        return None
+    for s in (sn, sbh):
+        if s <= 0 or (s * elem) % 16 or s * elem >= MAX_STRIDE_BYTES:
+            return None
+    return sn, sbh
+
+
+def tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
+    """The TMA descriptor of a [B, H, N, D] view (bh_strides must accept it), cached by address,
+    shape, strides and dtype: a reused buffer (the caching allocator hands the same block to the
+    next output of the same size) costs a dictionary lookup."""
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, rows_per_box)
+    view = _MAPS.get(key)
+    if view is not None:
+        return view
+    view = _encode(t, rows_per_box)
+    _MAPS[key] = view
+    if len(_MAPS) > MAP_CACHE:
+        _MAPS.popitem(last=False)
+    return view
+
+
+def _encode(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
+    strides = bh_strides(t)
+    if strides is None:
+        raise LaunchError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not addressable by "
+                          "the kernel's 3-D TMA map (strides or address not 16-byte aligned)",
+                          hint="pass a fresh copy (.clone(memory_format=torch.contiguous_format))")
+    b, h, n, d = t.shape
+    drv, elem = fa3._driver(), t.element_size()
+    dtype = (fa3.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16 else fa3.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    dims = (ctypes.c_uint64 * 3)(d, n, b * h)
+    gstrides = (ctypes.c_uint64 * 2)(strides[0] * elem, strides[1] * elem)
+    box = (ctypes.c_uint32 * 3)(fa3.PANEL_COLS, rows_per_box, 1)
+    ones = (ctypes.c_uint32 * 3)(1, 1, 1)
+    raw = ctypes.create_string_buffer(fa3.TENSOR_MAP_BYTES + fa3.TENSOR_MAP_ALIGN)
+    offset = (-ctypes.addressof(raw)) % fa3.TENSOR_MAP_ALIGN
+    view = (ctypes.c_uint8 * fa3.TENSOR_MAP_BYTES).from_buffer(raw, offset)
+    drv.check(drv.lib.cuTensorMapEncodeTiled(
+        ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, gstrides, box, ones,
+        fa3.CU_TENSOR_MAP_INTERLEAVE_NONE, fa3.CU_TENSOR_MAP_SWIZZLE_128B, fa3.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        fa3.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return view
+
+
+def load_cubin(cubin: bytes, config: fa3.Fa3Config, device: torch.device):
+    """(attention function, tile-count function) of a cubin on `device`, loaded once."""
+    key = (hash(cubin), len(cubin), config.smem_bytes, device.index)
+    if key not in _LOADED:
+        with torch.cuda.device(device):
+            torch.cuda.current_stream().synchronize()   # makes the primary context current
+            _LOADED[key] = fa3._driver().load_function(cubin, config.smem_bytes)
+    return _LOADED[key]
+
+
+class Fa3Launch:
+    """One kernel at one shape, ready to launch on the current stream: call(q, k, v, out, lse)."""
+
+    def __init__(self, func, counts_func, config: fa3.Fa3Config, device: torch.device, b: int, hq: int, hkv: int,
+                 nq: int, nk: int, scale: float, variant=None):
+        if not (scale > 0 and math.isfinite(scale)):
+            raise LaunchError(f"scale={scale!r} is not a positive finite number", where="scale",
+                              hint="the kernel takes row maxima of unscaled scores; the default is 1/sqrt(D)")
+        self.func, self.config, self.device, self.variant = func, config, device, variant
+        sms = fa3._sm_count(device.index)
+        tiles = math.ceil(nq / config.block_m) * hq * b
+        self.grid = min(tiles, sms) if config.persistent else tiles
+        self.order = (fa3.tile_order(counts_func, config, variant, device, b, hq, hkv, nq, nk, min(self.grid, sms))
+                      if variant is not None else None)
+        self._tail = [ctypes.c_uint64(self.order.data_ptr() if self.order is not None else 0),
+                      ctypes.c_int32(nq), ctypes.c_int32(nk), ctypes.c_int32(hq), ctypes.c_int32(hkv),
+                      ctypes.c_int32(b), ctypes.c_float(scale),
+                      variant.args if variant is not None else ctypes.c_int32(0)]
+        self._tail_ptrs = [ctypes.addressof(x) for x in self._tail]
+        self._argv = ctypes.c_void_p * (6 + len(self._tail))
+        self._lib = fa3._driver().lib
+
+    def __call__(self, q, k, v, out, lse) -> None:
+        c = self.config
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        counter = fa3._tile_counter(self.device, stream)
+        head = [tensor_map(q, c.block_m), tensor_map(k, c.block_n), tensor_map(v, c.block_n),
+                tensor_map(out, fa3.WG_ROWS), ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr())]
+        argv = self._argv(*[ctypes.addressof(x) for x in head], *self._tail_ptrs)
+        result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, c.threads, 1, 1, c.smem_bytes,
+                                          ctypes.c_void_p(stream), argv, None)
+        if result:
+            fa3._driver().check(result, "cuLaunchKernel")

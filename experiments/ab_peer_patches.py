@@ -1,0 +1,192 @@
+"""Issue 18, item 4: A/B of FA4-inspired changes to fa3_sm90, each verified, timed round-robin
+beside the unpatched kernel and FlashAttention-4 (ref_kernels/fa3_sm90/NOTES.md v17 has the
+predictions).
+
+Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/) are applied to
+a copy of the kernel directory; the patched kernel.cu (with any patched header inlined) is
+launched as a "variant" source, so the launch is the product's own. The unpatched kernel runs the
+same way (`unpatched`), so only the source differs; `dense` is the product path, and the config
+rows (FA4's tile shape, FA4's one-tile-per-CTA grid) run the product path with another Fa3Config.
+Every system is checked first: output NaN-poisoned, then the rule at sampled rows (float64 golden,
+bf16 ref), inputs unchanged, a bitwise rerun, and the patched output against the unpatched one.
+
+    python experiments/ab_peer_patches.py --out $OUT/ab.json [--quick] [--patches NAME ...]
+    python experiments/ab_peer_patches.py --build-only      # apply + compile every patch (CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES = ROOT / "experiments" / "patches"
+KERNEL_REL = Path("ref_kernels") / "fa3_sm90"
+# (variant, D, Hq, Hkv, N): where the gap to FA4 is (ANCHORS.md), short and long
+SHAPES = [("causal", 128, 32, 32, 8192), ("full", 128, 32, 32, 8192), ("causal", 128, 32, 32, 1024),
+          ("full", 128, 32, 32, 1024), ("causal", 64, 32, 32, 1024), ("causal", 128, 64, 8, 8192)]
+QUICK_SHAPES = SHAPES[:3]
+
+
+def patch_names() -> list[str]:
+    return sorted(p.stem for p in PATCHES.glob("*.patch"))
+
+
+def _apply(patch: Path, cwd: str) -> subprocess.CompletedProcess:
+    """patch(1), or git apply where the image has no patch binary."""
+    try:
+        return subprocess.run(["patch", "-p1", "--forward", "-s", "-i", str(patch)], cwd=cwd,
+                              capture_output=True, text=True)
+    except FileNotFoundError:
+        return subprocess.run(["git", "apply", "-p1", "--unsafe-paths", str(patch)], cwd=cwd,
+                              capture_output=True, text=True)
+
+
+def patched_source(name: str) -> str:
+    """kernel.cu with the patch applied, headers the patch changed inlined (the build includes
+    the product's headers from ref_kernels/fa3_sm90, not the copy's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(ROOT / KERNEL_REL, Path(tmp) / KERNEL_REL)
+        done = _apply(PATCHES / f"{name}.patch", tmp)
+        if done.returncode != 0:
+            raise SystemExit(f"error: experiments/patches/{name}.patch: does not apply to "
+                             f"{KERNEL_REL}: {done.stdout.strip()} {done.stderr.strip()} "
+                             "(regenerate it against the current kernel)")
+        text = (Path(tmp) / KERNEL_REL / "kernel.cu").read_text()
+        for header in re.findall(r'#include "([^"]+)"', text):
+            mine, orig = Path(tmp) / KERNEL_REL / header, ROOT / KERNEL_REL / header
+            if mine.exists() and mine.read_text() != orig.read_text():
+                text = text.replace(f'#include "{header}"', mine.read_text())
+        return text
+
+
+def configs_for(shape):
+    """name -> Fa3Config: the default, and FA4's choices where they differ from ours."""
+    from cubridge.runtime.fa3_sm90 import Fa3Config, default_config
+    name, d, _, _, n = shape
+    causal = name == "causal"
+    base = default_config(d, causal, seqlen=n)
+    fa4_tile = Fa3Config(d, 192 if d == 64 else 128, 128, 2, causal, True, persistent=True)
+    out = {"default": base}
+    if (fa4_tile.block_m, fa4_tile.block_n, fa4_tile.stages) != (base.block_m, base.block_n, base.stages):
+        out["fa4_tile"] = fa4_tile
+    out["fa4_grid"] = replace(base, persistent=False)   # one tile per CTA, as FA4's SM90 forward
+    return out
+
+
+def build_all(patches, shapes):
+    """Compile every (source, config) the run needs, in parallel (nvcc runs outside the GIL)."""
+    from cubridge.runtime.fa3_sm90 import build_cubin
+    jobs = {(None, c) for s in shapes for c in configs_for(s).values()}
+    jobs |= {(p, configs_for(s)["default"]) for s in shapes for p in patches}
+    sources = {p: patched_source(p) for p in patches}
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda j: build_cubin(j[1], source=sources[j[0]] if j[0] else None), jobs))
+    return sources
+
+
+class _NoArgs(ctypes.Structure):          # the dense kernel's VariantArgs (one unused int)
+    _fields_ = [("unused", ctypes.c_int32)]
+
+
+def run_shape(shape, sources, args, result):
+    import torch
+    from peer_systems import SampledCheck, Unsupported, make_fa4
+    from cubridge.lower import Launchable
+    from cubridge.runtime.fa3_sm90 import fa3_forward
+    from cubridge.runtime.timing import bench_round_robin, tflops
+    from cubridge.spec import count_attended, load_spec
+    name, d, hq, hkv, n = shape
+    b = 16384 // n
+    hooks = load_spec(name).hooks_for(n, n, hq, hkv, "cuda")
+    flops = 4.0 * d * count_attended(hooks, b, hq, n, n, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(7 * n + d + hq)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+    saved = [t.clone() for t in (q, k, v)]
+    check = SampledCheck(q, k, v, hooks)
+    causal, cfgs = name == "causal", configs_for(shape)
+    systems = {}
+    for label, cfg in cfgs.items():
+        systems["dense" if label == "default" else label] = (cfg, None)
+    systems["unpatched"] = (cfgs["default"], Launchable((ROOT / KERNEL_REL / "kernel.cu").read_text(), _NoArgs(0), []))
+    for p, text in sources.items():
+        systems[p] = (cfgs["default"], Launchable(text, _NoArgs(0), []))
+    fns, infos, base_out = [], [], None
+    for label, (cfg, variant) in systems.items():
+        out = torch.full_like(q, float("nan"))
+        fn = (lambda cfg=cfg, variant=variant, out=out:
+              fa3_forward(q, k, v, causal=causal, config=cfg, out=out, variant=variant)[0])
+        first = fn().clone()
+        torch.cuda.synchronize()
+        verdict = check.verdict(first)
+        status = "pass" if verdict.passed else f"FAIL {verdict}"
+        if bool(torch.isnan(first).any()):
+            status = "FAIL: an output element was not written (NaN poison left)"
+        if not all(torch.equal(a, s) for a, s in zip((q, k, v), saved)):
+            status = "FAIL: inputs changed"
+        if not torch.equal(fn(), first):
+            status = "FAIL: rerun not bitwise equal"
+        if label == "unpatched":
+            base_out = first
+        same = None if base_out is None or label in ("dense", "fa4_tile", "fa4_grid") else bool(torch.equal(first, base_out))
+        fns.append(fn)
+        infos.append({"system": label, "config": f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}",
+                      "check": status, "max_err": verdict.max_err, "bitwise_equal_unpatched": same})
+    try:
+        fa4_fn, _ = make_fa4(name, q, k, v)
+        fa4_status = "pass" if check.verdict(fa4_fn()).passed else "FAIL (rule at sampled rows)"
+        fns.append(fa4_fn)
+        infos.append({"system": "fa4", "config": "flash_attn_func", "check": fa4_status, "bitwise_equal_unpatched": None})
+    except Unsupported as e:
+        result["skipped"].append({"shape": list(shape), "system": "fa4", "reason": str(e)})
+    times = bench_round_robin(fns, warmup=5, reps=args.reps)
+    base_ms = times[[i["system"] for i in infos].index("unpatched")].median_ms
+    for info, t in zip(infos, times):
+        row = {"variant": name, "D": d, "Hq": hq, "Hkv": hkv, "N": n, "B": b, **info,
+               "ms": round(t.median_ms, 4), "tflops": round(tflops(flops, t.median_ms), 1),
+               "speedup_vs_unpatched": round(base_ms / t.median_ms, 3)}
+        result["rows"].append(row)
+        print(f"{name:<7} D{d:<4} {hq}/{hkv:<3} N={n:<6} {info['system']:<18} {info['config']:<12} "
+              f"{row['tflops']:7.1f} TFLOPS  x{row['speedup_vs_unpatched']:.3f}  {info['check'][:60]}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--patches", nargs="*", default=None, help=f"default: all ({', '.join(patch_names())})")
+    ap.add_argument("--quick", action="store_true", help="causal / full D128 8k and causal 1k only")
+    ap.add_argument("--build-only", action="store_true", help="apply and compile every patch, no GPU")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    patches = patch_names() if args.patches is None else args.patches
+    missing = [p for p in patches if not (PATCHES / f"{p}.patch").exists()]
+    if missing:
+        ap.error(f"--patches: no experiments/patches/{missing[0]}.patch (have: {', '.join(patch_names())})")
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    sources = build_all(patches, shapes)
+    print(f"built {len(patches)} patch(es) x their configs: {', '.join(patches)}", flush=True)
+    if args.build_only:
+        return 0
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
+              "torch": torch.__version__, "patches": patches, "rows": [], "skipped": [],
+              "protocol": f"bench_round_robin, 5 warm-ups, median of {args.reps}, L2 flushed"}
+    for shape in shapes:
+        run_shape(shape, sources, args, result)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

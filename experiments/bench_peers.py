@@ -1,0 +1,225 @@
+"""Issue 18, item 1: ours against the strongest peers, one process, round-robin timer.
+
+Per shape every system (experiments/peer_systems.py: cubridge/fa3_sm90, fa4, flex_flash, flex,
+sdpa_cudnn) is built and run once, its output checked under the verification rule at sampled
+rows (float64 golden, bf16 ref) and against ours over the whole output; then all that ran are
+timed together with cubridge.runtime.timing.bench_round_robin (L2 flushed before every call).
+A system that cannot run is recorded with its reason; one that fails the check is timed but
+marked (`check` starts with FAIL) and never counts as the best peer.
+TFLOPS = 4 * D * (attended pairs, counted from the spec's mask) / time; 16k tokens per shape.
+
+    python experiments/bench_peers.py --out $OUT/peers.json            # everything (long)
+    python experiments/bench_peers.py --quick --out $OUT/peers.json    # dense D128 + 3 variants, 1k / 8k
+    python experiments/bench_peers.py --plan                           # list the shapes, no GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_systems import SampledCheck, Unsupported, makers, max_diff  # noqa: E402
+
+from cubridge.runtime.timing import bench_round_robin, tflops  # noqa: E402
+from cubridge.spec import builtin_specs, count_attended, load_spec  # noqa: E402
+
+TOKENS = 16384
+LENGTHS = [1024, 4096, 8192, 16384]
+HEADS = {"mha": (32, 32), "gqa": (64, 8)}        # Llama2-7B; GQA 64/8 (Qwen2.5-72B)
+QUICK_VARIANTS = ["prefixlm", "global_sliding_window", "relative_pos"]
+PEERS = ("fa4", "flex_flash", "sdpa_cudnn", "flex")
+OURS = "cubridge/fa3_sm90"
+
+
+def plan(args) -> list[tuple[str, int, int, int, int]]:
+    """(variant, D, Hq, Hkv, N) in the order timed: the most wanted shapes first."""
+    shapes = []
+    for n in args.n:
+        for d in args.dense_d:
+            for heads in args.dense_heads:
+                for name in ("causal", "full"):
+                    shapes.append((name, d, *HEADS[heads], n))
+        for name in args.variants:
+            shapes.append((name, 128, *HEADS["mha"], n))
+    return shapes
+
+
+def versions() -> dict:
+    from importlib import metadata
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        out["cudnn"] = torch.backends.cudnn.version()
+    for dist in ("flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels", "triton", "nvidia-cudnn-frontend"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def prebuild(shapes, ours_variants) -> None:
+    """Compile our cubins for every shape up front, in parallel (nvcc runs outside the GIL): one
+    at a time they took most of a device call."""
+    from concurrent.futures import ThreadPoolExecutor
+    from cubridge.runtime.fa3_sm90 import build_cubin, default_config
+    jobs = set()
+    for name, d, _, _, n in shapes:
+        if name in ("causal", "full"):
+            jobs.add((default_config(d, name == "causal", seqlen=n), None))
+        else:
+            jobs.add((default_config(d, False, True, n, variant=True), ours_variants.lowered(name)[2]))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda job: build_cubin(job[0], source=job[1]), jobs))
+
+
+def run_shape(name, d, hq, hkv, n, args, ours_variants, result):
+    b = max(1, TOKENS // n)
+    spec = load_spec(name)
+    hooks = spec.hooks_for(n, n, hq, hkv, "cuda")
+    flops = 4.0 * d * count_attended(hooks, b, hq, n, n, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1000 * n + d + hq)
+    q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    check = SampledCheck(q, k, v, hooks)
+    base = {"variant": name, "N": n, "B": b, "D": d, "Hq": hq, "Hkv": hkv, "dtype": "bf16"}
+    ran, ours_out = [], None
+    for system, make in makers(name, hooks, q, k, v, ours_variants).items():
+        if system not in args.systems and system != OURS:
+            continue
+        try:
+            t0 = time.time()
+            fn, note = make()
+            out = fn()
+            torch.cuda.synchronize()
+            verdict = check.verdict(out)
+            diff = max_diff(out, ours_out) if ours_out is not None else 0.0
+            if system == OURS:
+                ours_out = out.clone()
+            status = "pass" if verdict.passed else f"FAIL {verdict}"
+            ran.append((system, fn, {"check": status, "max_err": verdict.max_err, "bound": verdict.bound,
+                                     "max_diff_vs_ours": round(diff, 6), "note": note,
+                                     "setup_s": round(time.time() - t0, 1)}))
+        except Unsupported as e:
+            result["skipped"].append({**base, "system": system, "reason": str(e)})
+        except Exception as e:  # noqa: BLE001 (a peer that breaks is recorded, not fatal)
+            result["skipped"].append({**base, "system": system,
+                                      "reason": f"{type(e).__name__}: {str(e)[:300]}"})
+            traceback.print_exc(limit=2)
+        finally:
+            torch.cuda.empty_cache()
+    if not ran:
+        return
+    times = bench_round_robin([fn for _, fn, _ in ran], warmup=args.warmup, reps=args.reps)
+    for (system, _, info), t in zip(ran, times):
+        row = {"system": system, **base, "ms": round(t.median_ms, 4), "p20_ms": round(t.p20_ms, 4),
+               "p80_ms": round(t.p80_ms, 4), "tflops": round(tflops(flops, t.median_ms), 1), **info}
+        result["rows"].append(row)
+        flag = "" if info["check"] == "pass" else "  << " + info["check"][:70]
+        print(f"{name:<22} D{d:<4} {hq:>3}/{hkv:<3} N={n:<6} {system:<18} {row['ms']:9.3f} ms "
+              f"{row['tflops']:7.1f} TFLOPS  diff {info['max_diff_vs_ours']:.2e}{flag}", flush=True)
+
+
+def summary(result) -> list[dict]:
+    """Per shape: ours, each peer, the best peer that passed its check, and ours / best."""
+    table = {}
+    for r in result["rows"]:
+        key = (r["variant"], r["D"], r["Hq"], r["Hkv"], r["N"])
+        table.setdefault(key, {})[r["system"]] = r
+    lines = []
+    for key, by in table.items():
+        ours = by.get(OURS)
+        peers = {s: by[s] for s in PEERS if s in by}
+        good = {s: r["tflops"] for s, r in peers.items() if r["check"] == "pass"}
+        best = max(good, key=good.get) if good else None
+        lines.append({"variant": key[0], "D": key[1], "Hq": key[2], "Hkv": key[3], "N": key[4],
+                      "ours": ours["tflops"] if ours else None,
+                      "ours_check": ours["check"] if ours else None,
+                      **{s: (r["tflops"], r["check"] == "pass") for s, r in peers.items()},
+                      "best_peer": best, "ratio": round(ours["tflops"] / good[best], 3)
+                      if ours and best and ours["check"] == "pass" else None})
+    return lines
+
+
+def print_table(lines) -> None:
+    print(f"\n{'variant':<22} {'D':>3} {'heads':>6} {'N':>6} {'ours':>7} " +
+          " ".join(f"{p:>11}" for p in PEERS) + f" {'best peer':>11} {'ours/best':>9}")
+    for ln in lines:
+        cells = []
+        for p in PEERS:
+            if p in ln:
+                tf, ok = ln[p]
+                cells.append(f"{tf:10.1f}{' ' if ok else '!'}")
+            else:
+                cells.append(f"{'-':>11}")
+        ratio = f"{ln['ratio']:9.3f}" if ln["ratio"] is not None else f"{'-':>9}"
+        ours = f"{ln['ours']:7.1f}" if ln["ours"] is not None else f"{'-':>7}"
+        print(f"{ln['variant']:<22} {ln['D']:>3} {ln['Hq']:>3}/{ln['Hkv']:<2} {ln['N']:>6} {ours} " +
+              " ".join(cells) + f" {ln['best_peer'] or '-':>11} {ratio}")
+    print("('!' = failed the check: timed, never the best peer)")
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--quick", action="store_true", help="dense D128 MHA + 3 variants at 1k and 8k")
+    ap.add_argument("--plan", action="store_true", help="print the shapes and exit (no GPU)")
+    ap.add_argument("--n", type=int, nargs="+", default=LENGTHS)
+    ap.add_argument("--dense-d", type=int, nargs="*", default=[128, 64])
+    ap.add_argument("--dense-heads", nargs="*", default=["mha", "gqa"], choices=list(HEADS))
+    ap.add_argument("--variants", nargs="*",
+                    default=[s for s in builtin_specs() if s not in ("full", "causal")])
+    ap.add_argument("--systems", nargs="+", default=list(PEERS), help="peers to run (ours always runs)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n, args.dense_d, args.dense_heads = [1024, 8192], [128], ["mha"]
+        args.variants, args.reps = QUICK_VARIANTS, min(args.reps, 20)
+    unknown = [s for s in args.systems if s not in PEERS]
+    if unknown:
+        ap.error(f"--systems: unknown {unknown}; choose from {list(PEERS)}")
+    bad = [v for v in args.variants if v not in builtin_specs()]
+    if bad:
+        ap.error(f"--variants: unknown {bad}; built-in specs are {builtin_specs()}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    shapes = plan(args)
+    if args.plan:
+        for s in shapes:
+            print(*s)
+        return 0
+    if not torch.cuda.is_available():
+        print("error: bench_peers.py: no CUDA device (use --plan to list the shapes)", file=sys.stderr)
+        return 2
+    from bench_variants import Ours
+    ours_variants = Ours()
+    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
+              "versions": versions(), "tokens": TOKENS,
+              "protocol": f"bench_round_robin, {args.warmup} warm-ups, median of {args.reps}, L2 flushed; "
+                          "check = rule at sampled rows (float64 golden, bf16 ref)",
+              "rows": [], "skipped": []}
+    prebuild(shapes, ours_variants)
+    for shape in shapes:
+        run_shape(*shape, args, ours_variants, result)
+        result["summary"] = summary(result)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+    print_table(result.get("summary", []))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

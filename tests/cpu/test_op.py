@@ -1,0 +1,218 @@
+"""The tuned op on CPU: every refusal (each names the argument and the fix), the fake
+implementation (FakeTensorMode, torch.library.opcheck, torch.compile(fullgraph=True)), the
+per-shape caches (a repeated call re-checks and re-prepares nothing) and relocatable runs. The
+launch is stubbed: the stub writes q into out, so data flow through the op is observable.
+GPU behaviour: tests/gpu/test_op.py."""
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+
+import pytest
+import torch
+
+import cubridge
+from cubridge.config import load_config
+from cubridge.errors import LaunchError
+from cubridge.op.kernels import Prepared
+from cubridge.runtime.fa3_fast import layout_strides
+from cubridge.search.runners import make_runner
+from cubridge.search.testing_jobs import synthetic_recording
+from cubridge.search.tuner import tune
+
+BF = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("op")
+    p = tmp / "c.yaml"
+    p.write_text(textwrap.dedent(f"""\
+        spec: share_question
+        reference: fa3_sm90
+        shapes: {{heads_q: 8, heads_kv: 2, head_dim: 128, lengths: [1024, 8192]}}
+        budget: {{trials: 4, minutes: 2}}
+        output: {tmp / 'run'}
+        """))
+    cfg = load_config(p)
+    (tmp / "r.json").write_text(json.dumps(synthetic_recording("fa3_sm90", 128, "sm_90a", cfg.shapes.targets)))
+    tune(cfg, runner=make_runner("replay", replay=tmp / "r.json"), say=lambda *_: None)
+    return cfg.output
+
+
+def stubbed(run_dir, counts=None):
+    """A TunedOp that accepts CPU tensors and 'launches' out.copy_(q)."""
+    attn = cubridge.load(run_dir)
+    attn.device_type = "cpu"
+    counts = counts if counts is not None else {}
+
+    def prepare(q, k, scale, rt):
+        counts["prepare"] = counts.get("prepare", 0) + 1
+        prep = Prepared(lambda q, k, v, out, lse: (out.copy_(q), lse.fill_(scale)), torch.empty(q.shape[:3]))
+        attn._prepared[(q.shape, k.shape, q.device, scale)] = prep
+        return prep
+    attn._prepare = prepare
+    return attn
+
+
+def qkv(b=2, n=64, hq=8, hkv=2, d=128, dtype=BF):
+    g = torch.Generator().manual_seed(n)
+    return (torch.randn(b, hq, n, d, generator=g).to(dtype), torch.randn(b, hkv, n, d, generator=g).to(dtype),
+            torch.randn(b, hkv, n, d, generator=g).to(dtype))
+
+
+# ------------------------------------------------------------------ refusals
+def test_refusals_name_the_argument_and_the_fix(run_dir):
+    attn = stubbed(run_dir)
+    q, k, v = qkv()
+    cases = [
+        (dict(args=(q.half(), k.half(), v.half())), r"cubridge op: q: q is torch.float16.*built for bf16(.|\n)*hint: convert"),
+        (dict(args=(q[..., :64], k[..., :64], v[..., :64])), r"q: q has head dim 64(.|\n)*hint: tune a config with head_dim: 64"),
+        (dict(args=(q[0], k, v)), r"q: q must be a 4-d torch.Tensor, got \(8, 64, 128\)"),
+        (dict(args=(q, "k", v)), r"k: k must be a 4-d torch.Tensor, got str"),
+        (dict(args=(q, k, v), layout="nhbd"), r"layout: layout='nhbd'(.|\n)*hint: pass layout='bhnd'"),
+        (dict(args=(q[:, :3], k, v)), r"tuned for Hq=8, Hkv=2 and neither layout"),
+        (dict(args=(q, k, v[:, :, :32])), r"k and v must have one shape"),
+        (dict(args=(q[:, :, :32], k, v)), r"32 queries and k 64 keys; this kernel was tuned for Nq == Nk"),
+        (dict(args=(q, k, v), scale=-1.0), r"scale: scale=-1.0 is not a positive finite number"),
+        (dict(args=(q, k, v), scale=float("nan")), r"scale=nan is not a positive finite"),
+        (dict(args=(q, k, v), scale=True), r"scale=True"),
+        (dict(args=(q, k, v), scale=torch.tensor(0.1)), r"scale=tensor"),
+        (dict(args=(q, k, v), doc_ids=torch.zeros(2, 64)), r"unexpected keyword argument\(s\) doc_ids: spec "
+                                                           r"'share_question' declares runtime inputs: none"),
+    ]
+    for kw, pattern in cases:
+        kw = dict(kw)
+        with pytest.raises(LaunchError, match=pattern):
+            attn(*kw.pop("args"), **kw)
+
+
+def test_a_layout_is_never_misread(run_dir):
+    attn = stubbed(run_dir)
+    q, k, v = qkv()
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))      # [B, N, H, D]
+    with pytest.raises(LaunchError, match=r"they look like \[B, N, H, D\](.|\n)*hint: pass layout='bnhd'"):
+        attn(qt, kt, vt)
+    with pytest.raises(LaunchError, match=r"layout='bhnd' reads q \(2, 64, 8, 128\) as Hq=64(.|\n)*pass layout='bnhd'"):
+        attn(qt, kt, vt, layout="bhnd")
+    with pytest.raises(LaunchError, match=r"layout='bnhd' reads(.|\n)*look like bhnd tensors: pass layout='bhnd'"):
+        attn(q, k, v, layout="bnhd")
+    out = attn(qt, kt, vt, layout="bnhd")
+    assert out.shape == qt.shape and torch.equal(out, qt)                   # the stub copies q through
+    attn.heads = (8, 8)                                                     # MHA with N == H: ambiguous
+    q8 = torch.randn(1, 8, 8, 128, dtype=BF)
+    with pytest.raises(LaunchError, match="ambiguous(.|\n)*pass layout='bhnd' or layout='bnhd'"):
+        attn(q8, q8, q8)
+    assert torch.equal(attn(q8, q8, q8, layout="bnhd"), q8)
+
+
+def test_strides_read_in_place_copied_or_refused(run_dir):
+    attn = stubbed(run_dir)
+    q, k, v = qkv()
+    bnhd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+    views = [t.transpose(1, 2) for t in bnhd]                               # transformers' [B, H, N, D] views
+    assert torch.equal(attn(*views), q)                                     # B = 2: copied once
+    assert attn._plans[next(reversed(attn._plans))][1] == (True, True, True)
+    one = [t[:1].transpose(1, 2) for t in bnhd]                             # B = 1: read in place
+    assert torch.equal(attn(*one), q[:1])
+    assert attn._plans[next(reversed(attn._plans))][1] == (False, False, False)
+    bad = torch.randn(2, 8, 128, 64, dtype=BF).transpose(-1, -2)            # D not contiguous
+    with pytest.raises(LaunchError, match=r"q: q has strides .* last \(head\) dim is not contiguous(.|\n)*\.contiguous\(\)"):
+        attn(bad, k, v)
+
+
+def test_layout_strides_follow_the_kernels_tma_map():
+    assert layout_strides((2, 4, 8, 64), (2048, 512, 64, 1), 2) == (64, 512)
+    assert layout_strides((1, 8, 4, 64), (2048, 64, 512, 1), 2) == (512, 64)      # B = 1 bnhd view
+    assert layout_strides((2, 8, 4, 64), (2048, 64, 512, 1), 2) is None           # B and H do not collapse
+    assert layout_strides((2, 1, 4, 64), (4096, 256, 1024, 1), 2) == (1024, 4096)  # H = 1: B's stride
+    assert layout_strides((2, 4, 8, 64), (2048, 512, 65, 1), 2) is None           # 130-byte rows
+    assert layout_strides((2, 4, 8, 64), (0, 0, 64, 1), 2) is None                # broadcast heads
+
+
+def test_lse_only_for_softmax(run_dir):
+    attn = stubbed(run_dir)
+    q, k, v = qkv()
+    out, lse = attn(q, k, v, return_lse=True, scale=0.25)
+    assert torch.equal(out, q) and lse.shape == (2, 8, 64) and bool((lse == 0.25).all())
+    attn.softmax = False
+    with pytest.raises(LaunchError, match="not a softmax attention, it has no LSE"):
+        attn(q, k, v, return_lse=True)
+
+
+# ------------------------------------------------------------------ caches
+def test_a_repeated_call_rechecks_and_reprepares_nothing(run_dir, monkeypatch):
+    from cubridge.op import tuned
+    counts = {}
+    attn = stubbed(run_dir, counts)
+    checks = []
+    real = tuned.check_plan
+    monkeypatch.setattr(tuned, "check_plan", lambda *a: checks.append(1) or real(*a))
+    q, k, v = qkv()
+    for _ in range(5):
+        attn(q, k, v)
+    assert counts["prepare"] == 1 and len(checks) == 1
+    attn(*qkv(n=96))                                  # a new shape: checked and prepared once more
+    assert counts["prepare"] == 2 and len(checks) == 2
+    attn(q, k, v, scale=0.5)                          # scale is part of the prepared launch
+    assert counts["prepare"] == 3 and len(checks) == 2
+
+
+# ------------------------------------------------------------------ the fake implementation
+def test_torch_compile_fullgraph_traces_through_the_op(run_dir):
+    attn = stubbed(run_dir)
+    q, k, v = qkv()
+
+    def f(q, k, v):
+        o, lse = attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="bnhd", return_lse=True)
+        return o * 2, lse + 1
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+    o, lse = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+    assert len(graphs) == 1 and "cubridge.attention_lse" in str(graphs[0].graph)
+    assert torch.equal(o, 2 * q.transpose(1, 2)) and lse.shape == (2, 8, 64)
+    o2 = torch.compile(lambda a, b, c: attn(a, b, c) + 0, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(o2, q)
+
+
+def test_fake_tensor_mode_and_opcheck(run_dir):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    attn = stubbed(run_dir)
+    q, k, v = qkv()
+    attn(q, k, v)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        out, lse = attn(fq, fk, fv, return_lse=True)
+        assert out.shape == q.shape and out.dtype == BF and lse.shape == (2, 8, 64) and lse.dtype == torch.float32
+    torch.library.opcheck(torch.ops.cubridge.attention.default, (q, k, v, attn.handle, 0.125, []),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.cubridge.attention_lse.default, (q, k, v, attn.handle, 0.125, []),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------ relocatable runs
+def test_a_moved_run_loads_its_cubins_without_a_compiler(run_dir, tmp_path, monkeypatch):
+    from cubridge.runtime import build
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(run_dir, moved)
+    shutil.rmtree(moved / "cache", ignore_errors=True)
+    for name in ("dispatch.json", "manifest.json", "run.json"):
+        text = (moved / name).read_text()
+        assert str(run_dir) not in text and "/ref_kernels/" not in text, f"{name} holds an absolute path"
+    dispatch = json.loads((moved / "dispatch.json").read_text())
+    (moved / "cubins").mkdir(exist_ok=True)
+    for e in dispatch["buckets"]:                     # the replay run timed nothing: give it cubins
+        e["cubin"] = f"cubins/{e['label']}.cubin"
+        (moved / e["cubin"]).write_bytes(b"CUBIN " + e["label"].encode())
+    (moved / "dispatch.json").write_text(json.dumps(dispatch))
+    monkeypatch.setattr(build, "available_compiler", lambda: None)
+    monkeypatch.setattr(build, "compile_cubin", lambda *a, **k: pytest.fail("compiled at load"))
+    attn = cubridge.load(moved)
+    assert [b.cubin() for b in attn._buckets] == [b"CUBIN " + e["label"].encode() for e in dispatch["buckets"]]
+    (moved / dispatch["buckets"][0]["cubin"]).unlink()
+    with pytest.raises(LaunchError, match="carries no cubin .* no CUDA compiler here"):
+        cubridge.load(moved)._buckets[0].cubin()

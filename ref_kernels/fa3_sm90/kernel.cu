@@ -101,7 +101,7 @@ constexpr bool kProducerReadsTable = false;   // true: the range comes from a bl
 __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int m_block, int m0,
                                             int seqlen_q, int seqlen_k) {
   const int kv_stop = kCausal ? min(seqlen_k, m0 + kBlockM) : seqlen_k;   // kv <= q (positions)
-  const int n_end = (kv_stop + kBlockN - 1) / kBlockN;
+  const int n_end = max(0, (kv_stop + kBlockN - 1) / kBlockN);            // Nq > Nk: rows before key 0
   int full_end = seqlen_k / kBlockN;                                       // ragged tail is partial
   if (kCausal) full_end = min(full_end, (m0 + 1) / kBlockN);               // max kv <= min q
   return KvRange{0, n_end, 0, max(0, min(full_end, n_end))};

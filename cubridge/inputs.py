@@ -95,6 +95,15 @@ def _check_decl(name, item: RuntimeInput, params: dict, where: str):
             bad(f"size {d!r}", f"use {', '.join(SHAPE_SYMBOLS)}, a positive int or a named size")
 
 
+def check_query_length(Nq: int, Nk: int, where: str):
+    """Queries are aligned to the end of the keys (query i at position Nk - Nq + i), so there can
+    be no more queries than keys."""
+    if Nq > Nk:
+        raise SpecError(f"Nq={Nq} > Nk={Nk}: queries are aligned to the end of the keys (query i sits "
+                        f"at position Nk - Nq + i), so Nq may not exceed Nk", where=where,
+                        hint="give at least as many keys as queries (a KV-cache prefill has Nq <= Nk)")
+
+
 def sizes(Nk: int, Hq: int, Hkv: int, B: int) -> dict:
     return {"B": B, "Hq": Hq, "Hkv": Hkv, "Nk": Nk, "N": Nk}
 

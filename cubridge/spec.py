@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from cubridge import inputs as rt
+from cubridge.inputs import check_query_length  # noqa: F401 (re-exported)
 from cubridge.errors import SpecError
 from cubridge.specs import BUILTIN, EXAMPLES
 
@@ -351,15 +352,6 @@ def _broadcast_count(mask: torch.Tensor, full: tuple[int, ...]) -> int:
     shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
     copies = math.prod(n for n, m in zip(full, shape) if m == 1)
     return int(mask.sum(dtype=torch.int64)) * copies
-
-
-def check_query_length(Nq: int, Nk: int, where: str):
-    """Queries are aligned to the end of the keys (query i at position Nk - Nq + i), so there can
-    be no more queries than keys."""
-    if Nq > Nk:
-        raise SpecError(f"Nq={Nq} > Nk={Nk}: queries are aligned to the end of the keys (query i sits "
-                        f"at position Nk - Nq + i), so Nq may not exceed Nk", where=where,
-                        hint="give at least as many keys as queries (a KV-cache prefill has Nq <= Nk)")
 
 
 def _check_heads(Hq: int, Hkv: int, where: str):

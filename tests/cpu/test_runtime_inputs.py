@@ -273,3 +273,29 @@ def test_document_lowers_and_its_table_kernel_compiles(document, tmp_path):
     for cmd in jobs:
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ other kinds of runtime input
+SUPPORT = __import__("pathlib").Path(__file__).parents[1] / "support" / "specs"
+
+
+@pytest.mark.parametrize("ref", REFS)
+@pytest.mark.parametrize("name", ["prefix_lengths", "bias_table"])
+def test_per_sequence_lengths_and_a_bias_table_verify(programs, ref, name):
+    """prefix_len [B] (a mask: block table per call) and bias [Hq, buckets] (a score_mod: passed
+    through, no table), sampled by kind and given explicitly."""
+    spec = load_spec(SUPPORT / f"{name}.py")
+    cases = [Case(2, 4, 2, 100, 260, 16, 0), Case(1, 2, 1, 200, 200, 16, 1)]
+    assert verify_transfer(programs[ref], spec, cases=cases, schedules=("in_order",)).passed
+    cand = transfer(programs[ref], spec)
+    case = cases[0]
+    values = ({"prefix_len": torch.tensor([0, 250])} if name == "prefix_lengths"
+              else {"bias": 3 * torch.randn(4, 32, generator=torch.Generator().manual_seed(2))})
+    assert _interpreted_error(cand, spec, case, values).passed
+    assert cand.table == (name == "prefix_lengths") and list(cand.runtime.values()) == list(spec.runtime_inputs)
+
+
+def test_a_named_size_from_params_is_checked():
+    spec = load_spec(SUPPORT / "bias_table.py")
+    with pytest.raises(LaunchError, match=r"bias has shape \[4, 31\], expected \[Hq, buckets\] = \[4, 32\]"):
+        spec.runtime_for(10, 10, 4, 2, 1, torch.device("cpu"), {"bias": torch.zeros(4, 31)}, {"buckets": 32})

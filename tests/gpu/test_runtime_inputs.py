@@ -179,3 +179,15 @@ def test_reference_kernels_causal_is_end_aligned(ref):
     golden = spec.run_reference(q.double(), k.double(), v.double())
     verdict = rule.compare(out, golden, spec.run_reference(q, k, v))
     assert verdict.passed, str(verdict)
+
+
+SUPPORT = __import__("pathlib").Path(__file__).parents[1] / "support" / "specs"
+
+
+@pytest.mark.parametrize("ref", ["fa3_sm90", "fa2_sm80"])
+def test_prefix_lengths_and_bias_table_change_between_calls(ref):
+    g = torch.Generator().manual_seed(9)
+    prefix = lambda B, Nk, call: {"prefix_len": torch.randint(0, Nk + 1, (B,), generator=g).cuda()}  # noqa: E731
+    bias = lambda B, Nk, call: {"bias": (3 * torch.randn(4, 32, generator=g)).cuda()}  # noqa: E731
+    _verify(ref, str(SUPPORT / "prefix_lengths.py"), (3, 4, 2, 900, 1500, 128), prefix, calls=2)
+    _verify(ref, str(SUPPORT / "bias_table.py"), (2, 4, 4, 1000, 1000, 64), bias, calls=2)

@@ -34,6 +34,12 @@ TEMPLATE = """\
 // 1 partial, 2 full, over the valid rows and columns of the tile (the kernel masks a ragged tail
 // itself). heads_eval is 1 when the mask does not read h: the class is then copied to every head.
 {variant}
+// The interval bound of the mask's index-only part (sound: false only for a tile with no attended
+// pair): such tiles are empty without evaluating the mask (causal: the upper half of the tiles).
+__device__ __forceinline__ bool tile_may(const VariantArgs& va, int b, int h, int q_lo, int q_hi, int k_lo,
+                                         int k_hi, int seqlen_k) {{
+  return {may};
+}}
 extern "C" __global__ void {entry}(const __grid_constant__ VariantArgs va, int* __restrict__ out,
                                    int seqlen_q, int seqlen_k, int block_m, int block_n,
                                    int heads_eval, int heads_out) {{
@@ -42,6 +48,10 @@ extern "C" __global__ void {entry}(const __grid_constant__ VariantArgs va, int* 
   const int q0 = m * block_m, k0 = n * block_n, shift = seqlen_k - seqlen_q;
   const int rows = min(block_m, seqlen_q - q0), cols = min(block_n, seqlen_k - k0);
   bool any = false, all = true;
+  if (!tile_may(va, b, h, q0 + shift, q0 + rows - 1 + shift, k0, k0 + cols - 1, seqlen_k)) {{
+    any = false;
+    all = rows * cols == 0;
+  }} else
   for (int base = 0; base < rows * cols; base += blockDim.x) {{
     const int e = base + threadIdx.x;
     if (e < rows * cols) {{
@@ -73,10 +83,25 @@ def table_source(program: N.Program):
         ir = extract(program)
         if ir.mask is None:
             raise ValueError("table_source: the program has no mask predicate")
-        source = TEMPLATE.format(variant=gen.extra_io(ir) + gen.mask(ir), entry=ENTRY)
+        source = TEMPLATE.format(variant=gen.extra_io(ir) + gen.mask(ir), may=_may(ir), entry=ENTRY)
         reads_h = any(isinstance(e, N.Name) and e.id == "h" for e in N.walk_expr(ir.mask))
         _LOWERED[key] = (program, LoweredKernel("block_table", source, _fields(ir), ir), reads_h)
     return _LOWERED[key][1:]
+
+
+def _may(ir) -> str:
+    """C of the interval part of the tile predicate (ir.may), or "true" where there is none."""
+    if ir.may is None:
+        return "true"
+    from cubridge.lower.cexpr import LowerError, to_c
+    names = {n: (f"va.{n}", t) for n, t in ir.scalars}
+    names.update({k: (k, "int") for k in ("q_lo", "q_hi", "k_lo", "k_hi", "b", "h")})
+    names.update({"NQ": ("seqlen_k", "int"), "NK": ("seqlen_k", "int")})   # NQ: the end of the positions
+    tables = {n: (f"va.{n}", [f"va.{n}_n{d}" for d in range(nd)], t) for n, t, nd in ir.tables}
+    try:
+        return to_c(ir.may, names, tables)
+    except LowerError:      # a name the table kernel does not have: evaluate every tile
+        return "true"
 
 
 def _kernel(source: str, device: torch.device):

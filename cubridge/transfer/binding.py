@@ -32,6 +32,10 @@ from cubridge.errors import LaunchError
 from cubridge.spec import check_query_length
 
 
+# Shapes whose static part a candidate keeps (a model calls a handful; a tuner's checks a few more).
+CACHED_SHAPES = 64
+
+
 @dataclass
 class _Static:
     """What one shape fixes."""
@@ -56,6 +60,8 @@ def bind(cand, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict 
     key = (Nq, Nk, Hq, Hkv, B, cfg.get("BLOCK_M"), cfg.get("BLOCK_N"), str(device))
     static = cand.cache.get(key)
     if static is None:
+        if len(cand.cache) >= CACHED_SHAPES:
+            cand.cache.pop(next(iter(cand.cache)))          # the oldest shape
         static = cand.cache[key] = _static(cand, Nq, Nk, Hq, Hkv, B, cfg, device, values)
     inputs = dict(static.consts)
     inputs.update(static.captures)

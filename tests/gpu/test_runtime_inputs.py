@@ -146,7 +146,8 @@ def _verify(ref, name, shape, runtime_of=lambda B, Nk, call: None, calls=1):
 
 
 @pytest.mark.parametrize("ref", ["fa3_sm90", "fa2_sm80"])
-@pytest.mark.parametrize("shape", [(2, 8, 2, 2000, 2000, 128), (1, 4, 4, 700, 3000, 64)],
+# One head dim (128) throughout: every (variant, kernel) pair compiles once.
+@pytest.mark.parametrize("shape", [(2, 8, 2, 2000, 2000, 128), (1, 4, 4, 700, 3000, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_document_kernel_with_two_layouts_in_a_row(ref, shape):
     _verify(ref, "document", shape, lambda B, Nk, call: {"doc_ids": documents(B, Nk, 10 + call)}, calls=2)
@@ -154,7 +155,7 @@ def test_document_kernel_with_two_layouts_in_a_row(ref, shape):
 
 @pytest.mark.parametrize("ref", ["fa3_sm90", "fa2_sm80"])
 @pytest.mark.parametrize("name", ["causal", "prefixlm", "document", "share_question", "relative_pos"])
-@pytest.mark.parametrize("shape", [(1, 8, 2, 128, 2048, 128), (2, 4, 1, 77, 1000, 64), (1, 2, 2, 1, 300, 128)],
+@pytest.mark.parametrize("shape", [(1, 8, 2, 128, 2048, 128), (2, 4, 1, 77, 1000, 128), (1, 2, 2, 1, 300, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_fewer_queries_than_keys(ref, name, shape):
     _verify(ref, name, shape)
@@ -190,4 +191,4 @@ def test_prefix_lengths_and_bias_table_change_between_calls(ref):
     prefix = lambda B, Nk, call: {"prefix_len": torch.randint(0, Nk + 1, (B,), generator=g).cuda()}  # noqa: E731
     bias = lambda B, Nk, call: {"bias": (3 * torch.randn(4, 32, generator=g)).cuda()}  # noqa: E731
     _verify(ref, str(SUPPORT / "prefix_lengths.py"), (3, 4, 2, 900, 1500, 128), prefix, calls=2)
-    _verify(ref, str(SUPPORT / "bias_table.py"), (2, 4, 4, 1000, 1000, 64), bias, calls=2)
+    _verify(ref, str(SUPPORT / "bias_table.py"), (2, 4, 4, 1000, 1000, 128), bias, calls=2)

@@ -299,3 +299,20 @@ def test_a_named_size_from_params_is_checked():
     spec = load_spec(SUPPORT / "bias_table.py")
     with pytest.raises(LaunchError, match=r"bias has shape \[4, 31\], expected \[Hq, buckets\] = \[4, 32\]"):
         spec.runtime_for(10, 10, 4, 2, 1, torch.device("cpu"), {"bias": torch.zeros(4, 31)}, {"buckets": 32})
+
+
+def test_a_spec_can_sample_its_own_runtime_inputs(tmp_path):
+    path = _spec_file(tmp_path, """
+        import torch
+        from cubridge.spec import Hooks
+        from cubridge.specs.document import reference
+        RUNTIME_INPUTS = {"doc_ids": ("B", "Nk")}
+        def sample_runtime_inputs(Nq, Nk, Hq, Hkv, B, device, generator):
+            return {"doc_ids": (torch.arange(Nk, device=device) // 10).expand(B, Nk).to(torch.int32)}
+        def hooks(Nq, Nk, Hq, Hkv, device, *, doc_ids):
+            return Hooks(mask_mod=lambda b, h, q, kv: (kv <= q) & (doc_ids[b, q] == doc_ids[b, kv]))
+        """)
+    spec = load_spec(path)
+    ids = spec.runtime_for(5, 40, 2, 1, 3, torch.device("cpu"), None, {})["doc_ids"]
+    assert ids.shape == (3, 40) and ids[0, 39] == 3
+    assert spec.picture(12).splitlines()[10] == "..........#."

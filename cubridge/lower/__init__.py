@@ -80,7 +80,8 @@ def _struct_type(fields: tuple):
     return _STRUCTS[fields]
 
 
-def _fields(ir: VariantIR) -> list:
+def struct_fields(ir: VariantIR) -> list:
+    """The VariantArgs layout of a variant: (field name, "ptr" | "int" | "float")."""
     out = []
     for n, _, nd in ir.tables:
         out.append((n, "ptr"))
@@ -100,4 +101,4 @@ def lower(program: N.Program, ref: str) -> LoweredKernel:
     else:
         raise LowerError(f"no deterministic lowering for reference kernel {ref!r}",
                          hint="lowering exists for: fa2_sm80, fa3_sm90")
-    return LoweredKernel(ref, gen.lower_source(source, ir), _fields(ir), ir)
+    return LoweredKernel(ref, gen.lower_source(source, ir), struct_fields(ir), ir)

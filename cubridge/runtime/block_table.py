@@ -77,7 +77,7 @@ def table_source(program: N.Program):
     """(CUDA source of the table kernel, its LoweredKernel for packing VariantArgs, reads h)."""
     key = id(program)
     if key not in _LOWERED:
-        from cubridge.lower import LoweredKernel, _fields
+        from cubridge.lower import LoweredKernel, struct_fields
         from cubridge.lower import hooks as gen
         from cubridge.lower.variant import extract
         ir = extract(program)
@@ -85,7 +85,7 @@ def table_source(program: N.Program):
             raise ValueError("table_source: the program has no mask predicate")
         source = TEMPLATE.format(variant=gen.extra_io(ir) + gen.mask(ir), may=_may(ir), entry=ENTRY)
         reads_h = any(isinstance(e, N.Name) and e.id == "h" for e in N.walk_expr(ir.mask))
-        _LOWERED[key] = (program, LoweredKernel("block_table", source, _fields(ir), ir), reads_h)
+        _LOWERED[key] = (program, LoweredKernel("block_table", source, struct_fields(ir), ir), reads_h)
     return _LOWERED[key][1:]
 
 

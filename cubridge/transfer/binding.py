@@ -83,15 +83,14 @@ def kernel_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _static(cand, Nq, Nk, Hq, Hkv, B, cfg, device, values) -> _Static:
-    from cubridge.transfer.rules import _consts, _skeleton, _trace
-    form = _trace(cand.spec, Nq, Nk, Hq, Hkv, cand.spec_params, device, runtime=values, B=B)
-    if _skeleton(form) != cand.skeleton:
+    from cubridge.transfer.forms import trace_at
+    skeleton, consts, captured = trace_at(cand.spec, Nq, Nk, Hq, Hkv, cand.spec_params, device, runtime=values, B=B)
+    if skeleton != cand.skeleton:
         from cubridge.transfer.trace import TraceError
         raise TraceError(f"the hooks of {cand.spec.name!r} trace to a different structure at "
                          f"Nq={Nq}, Nk={Nk}, Hq={Hq}: the transfer cannot be reused at this shape",
                          where=cand.spec.path, hint="make the hooks' structure independent of the shape")
-    consts = _consts(form)
-    static_caps = {n: t for n, t in form.captures.items() if n not in cand.runtime and n not in cand.derived}
+    static_caps = {n: t for n, t in captured.items() if n not in cand.runtime and n not in cand.derived}
     captures = {n: _static_tensor(t, device) for n, t in static_caps.items()}
     table = None
     if cand.table and not cand.table_reads_runtime:
@@ -111,14 +110,14 @@ def _static_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _derived(cand, Nq, Nk, Hq, Hkv, B, device, values) -> dict:
     """Captures the hooks compute from runtime inputs: the hooks are re-run on this call's values."""
-    from cubridge.transfer.rules import _trace
+    from cubridge.transfer.forms import trace_at
     _refuse_in_capture(cand, "its hooks derive captured tensors from runtime inputs")
-    form = _trace(cand.spec, Nq, Nk, Hq, Hkv, cand.spec_params, device, runtime=values, B=B)
-    return {n: _static_tensor(form.captures[n], device) for n in cand.derived}
+    captured = trace_at(cand.spec, Nq, Nk, Hq, Hkv, cand.spec_params, device, runtime=values, B=B)[2]
+    return {n: _static_tensor(captured[n], device) for n in cand.derived}
 
 
 def host_table(cand, hooks, B, Hq, Nq, Nk, cfg, device) -> torch.Tensor:
-    from cubridge.transfer.rules import block_classes
+    from cubridge.transfer.forms import block_classes
     table = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"], cand.per_bh, device)
     return table if device.type == "cpu" else table.to(device=device, dtype=torch.int32)
 

@@ -29,18 +29,19 @@ Example:
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
+from cubridge.transfer.forms import (EMPTY, FULL, PARTIAL, PROBE_B, block_classes, consts, map_consts,  # noqa: F401
+                                     skeleton, trace_form)
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure
-from cubridge.transfer.trace import TraceError, trace_mask, trace_score
+from cubridge.transfer.trace import TraceError
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 # Shapes the hooks are traced at to tell fixed constants from shape-dependent ones: a constant
@@ -48,20 +49,6 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 # time. Odd sizes and two head counts make an accidental match unlikely; verification at other
 # shapes would catch one.
 PROBES = ((97, 131, 4, 2), (211, 173, 8, 2))
-
-
-@dataclass
-class _Form:
-    """The traced hooks at one shape."""
-    mask: object            # CuIR expression or None
-    score: object
-    norm_kind: str
-    bias: object            # CuIR Const
-    scale: object
-    captures: dict          # name -> tensor
-
-    def nodes(self):
-        return (self.mask, self.score, self.bias, self.scale)
 
 
 @dataclass
@@ -103,8 +90,8 @@ def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_par
     """Target CuIR for `spec`, valid at every shape; `Candidate.bind` gives its extra inputs."""
     spec_params = dict(spec_params or {})
     runtime = [_probe_runtime(spec, p, spec_params, device) for p in PROBES]
-    forms = [_trace(spec, *p, spec_params, device, runtime=r) for p, r in zip(PROBES, runtime)]
-    if _skeleton(forms[0]) != _skeleton(forms[1]):
+    forms = [trace_form(spec, *p, spec_params, device, runtime=r) for p, r in zip(PROBES, runtime)]
+    if skeleton(forms[0]) != skeleton(forms[1]):
         raise TraceError(f"the hooks of {spec.name!r} trace to different structures at different shapes",
                          where=spec.path, hint="make the hooks' structure independent of the shape")
     generic, slots = _generalise(forms)
@@ -135,15 +122,11 @@ def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_par
     program = N.Program(body, source=f"<{spec.name} from {reference.name}>")
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
-    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _skeleton(forms[0]),
+    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, skeleton(forms[0]),
                      from_runtime, derived, table and bool(names & (set(from_runtime) | set(derived))))
 
 
 # ------------------------------------------------------------------ tracing and generalising
-# Batch of the probe shapes: 2, so that a mask reading b indexes a runtime input's batch dim.
-PROBE_B = 2
-
-
 def _probe_runtime(spec, probe, spec_params, device, seed=None) -> dict:
     if not spec.runtime_inputs:
         return {}
@@ -161,60 +144,15 @@ def _runtime_captures(spec, form, runtime: dict, spec_params, device) -> tuple[d
     if not runtime:
         return direct, ()
     other = _probe_runtime(spec, PROBES[0], spec_params, device, seed=1)
-    again = _trace(spec, *PROBES[0], spec_params, device, runtime=other)
+    again = trace_form(spec, *PROBES[0], spec_params, device, runtime=other)
     derived = tuple(c for c, t in form.captures.items() if c not in direct
                     and (t.shape != again.captures[c].shape or not torch.equal(t, again.captures[c])))
     return direct, derived
 
 
-def _trace(spec, Nq, Nk, Hq, Hkv, spec_params, device, runtime=None, B=PROBE_B) -> _Form:
-    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=runtime, **spec_params)
-    mask = trace_mask(hooks.mask_mod) if hooks.mask_mod is not None else None
-    score = trace_score(hooks.score_mod) if hooks.score_mod is not None else None
-    caps = {**(mask.captures if mask else {}), **(score.captures if score else {})}
-    norm = hooks.normalization
-    return _Form(mask.expr if mask else None, score.expr if score else None, norm.kind,
-                 N.Const(float(norm.bias)), N.Const(float(norm.scale)),
-                 {c.name: c.tensor for c in caps.values()})
-
-
-def _is_num(e) -> bool:
-    return isinstance(e, N.Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool)
-
-
-def _map_consts(e, fn):
-    """Rebuild expression e with every numeric constant c replaced by fn(c) (in traversal order)."""
-    if e is None:
-        return None
-    if _is_num(e):
-        return fn(e)
-    if isinstance(e, (N.BinOp, N.Compare)):
-        return replace(e, left=_map_consts(e.left, fn), right=_map_consts(e.right, fn))
-    if isinstance(e, N.UnaryOp):
-        return replace(e, operand=_map_consts(e.operand, fn))
-    if isinstance(e, N.BoolOp):
-        return replace(e, values=tuple(_map_consts(v, fn) for v in e.values))
-    if isinstance(e, N.IfExp):
-        return replace(e, test=_map_consts(e.test, fn), body=_map_consts(e.body, fn), orelse=_map_consts(e.orelse, fn))
-    if isinstance(e, N.Call):
-        return replace(e, args=tuple(_map_consts(a, fn) for a in e.args))
-    return e
-
-
-def _consts(form: _Form) -> list:
-    out = []
-    for node in form.nodes():
-        _map_consts(node, lambda c: out.append(c.value) or c)
-    return out
-
-
-def _skeleton(form: _Form) -> tuple:
-    return tuple(_map_consts(n, lambda c: N.Const(0)) for n in form.nodes()) + (form.norm_kind, tuple(form.captures))
-
-
 def _generalise(forms):
     """Constants that differ between the probe shapes become scalar inputs C0, C1, ..."""
-    a, b = _consts(forms[0]), _consts(forms[1])
+    a, b = consts(forms[0]), consts(forms[1])
     slots = []
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -226,28 +164,7 @@ def _generalise(forms):
     def sub(c):
         i = next(counter)
         return N.Name(names[i]) if i in names else c
-    return tuple(_map_consts(n, sub) for n in forms[0].nodes()), slots
-
-
-def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.Tensor:
-    """Class of every (query tile, KV tile): 0 empty, 1 partial, 2 full, from the mask itself
-    (exact, at call time). Shape [NQT, NKT], or [B, Hq, NQT, NKT] when the mask reads b or h."""
-    nqt, nkt = -(-Nq // BM), -(-Nk // BN)
-    offset = Nk - Nq            # queries aligned to the end of the keys
-    bs, hs = (B, Hq) if per_bh else (1, 1)
-    b = torch.arange(bs, device=device).view(bs, 1, 1, 1)
-    h = torch.arange(hs, device=device).view(1, hs, 1, 1)
-    kv = torch.arange(nkt * BN, device=device).view(1, 1, 1, -1)
-    out = torch.empty(bs, hs, nqt, nkt, dtype=torch.int64, device=device)
-    for i in range(nqt):
-        q = torch.arange(offset + i * BM, offset + min((i + 1) * BM, Nq), device=device).view(1, 1, -1, 1)
-        m = hooks.mask_mod(b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
-        m = m.expand(bs, hs, q.shape[2], nkt * BN).reshape(bs, hs, q.shape[2], nkt, BN)
-        valid = (kv < Nk).reshape(1, 1, 1, nkt, BN)
-        anyv = m.any(dim=(2, 4))
-        allv = (m | ~valid).all(dim=(2, 4))
-        out[:, :, i] = torch.where(allv, FULL, torch.where(anyv, PARTIAL, EMPTY))
-    return (out if per_bh else out[0, 0]).to("cpu")
+    return tuple(map_consts(n, sub) for n in forms[0].nodes()), slots
 
 
 def _is_true(e) -> bool:

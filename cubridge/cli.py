@@ -30,10 +30,10 @@ def _dtype(text: str) -> str:
 
 def _program(arg: str):
     from cubridge.cuir.parser import parse_file
-    from cubridge.paths import ref_kernel_dir
+    from cubridge.runtime.kernels import reference_kernel
     path = Path(arg)
     if not path.exists() and "/" not in arg and not arg.endswith(".cuir"):
-        path = ref_kernel_dir(arg) / "kernel.cuir"
+        path = reference_kernel(arg).cuir_path()
     return parse_file(path)
 
 
@@ -150,15 +150,15 @@ def cmd_specs(a) -> int:
 def cmd_transfer(a) -> int:
     from cubridge import gate
     from cubridge.cuir.parser import parse_file
-    from cubridge.paths import ref_kernel_dir
+    from cubridge.runtime.kernels import reference_kernel
     from cubridge.spec import load_spec
     from cubridge.transfer.rules import transfer
     from cubridge.verify import default_cases, verify_transfer
     out = gate.check_out_path(a.out)
-    ref = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
+    ref = parse_file(reference_kernel(a.ref).cuir_path())
     spec = load_spec(a.spec)
     spec.resolved_params(**_spec_params(a.spec_param))
-    cand = transfer(ref, spec, params=_params(a.param), spec_params=_spec_params(a.spec_param))
+    cand = transfer(ref, spec, spec_params=_spec_params(a.spec_param))
     report = None
     if not a.no_verify:
         report = verify_transfer(ref, spec, params=_params(a.param), cases=default_cases(a.head_dim, quick=a.quick),
@@ -190,16 +190,16 @@ def cmd_transfer(a) -> int:
 
 def cmd_lower(a) -> int:
     import shutil
-    import subprocess
-    import tempfile
+
     from cubridge import gate
     from cubridge.cuir.parser import parse_file
     from cubridge.lower import lower
-    from cubridge.paths import ref_kernel_dir
+    from cubridge.runtime.build import compile_cubin
+    from cubridge.runtime.kernels import reference_kernel
     from cubridge.spec import load_spec
     out = gate.check_out_path(a.out)
     target = Path(a.target)
-    ref_program = parse_file(ref_kernel_dir(a.ref) / "kernel.cuir")
+    ref_program = parse_file(reference_kernel(a.ref).cuir_path())
     spec_params = _spec_params(a.spec_param)
     if target.suffix == ".cuir":
         program, what = parse_file(target), str(target)
@@ -235,16 +235,14 @@ def cmd_lower(a) -> int:
         return 0
     if shutil.which("nvcc") is None:
         raise CubridgeError("--compile needs nvcc on PATH", hint="install the CUDA toolkit or drop --compile")
-    arch = (["-gencode=arch=compute_90a,code=sm_90a"] if a.ref == "fa3_sm90" else ["-arch=sm_80", "-DIS_BF16=1"])
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "variant.cu"
-        src.write_text(kernel.source)
-        cmd = ["nvcc", "-cubin", "-std=c++17", "-O3", *arch, f"-DHEAD_DIM={a.head_dim}",
-               f"-I{ref_kernel_dir(a.ref)}", "--resource-usage", "-o", str(src.with_suffix(".cubin")), str(src)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-    report = [ln.strip() for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln or "error" in ln]
-    print("\n".join(report[-4:]) or r.stderr[-2000:], file=sys.stderr)
-    return 0 if r.returncode == 0 else 1
+    ref = reference_kernel(a.ref)
+    point = ref.space.best_known(a.head_dim)[0]          # the kernel's measured default tiles
+    options = [*ref.compile_options(point, a.head_dim, "bf16"), "--resource-usage"]
+    result = compile_cubin(kernel.source, arch=ref.arch, options=options, compiler="nvcc", use_cache=False)
+    report = [ln.strip() for ln in result.log.splitlines() if "registers" in ln or "spill" in ln]
+    print(f"compiled for {ref.arch} at {ref.space.label(point)}, D={a.head_dim}, bf16", file=sys.stderr)
+    print("\n".join(report[-4:]), file=sys.stderr)
+    return 0
 
 
 def cmd_lift(a) -> int:
@@ -321,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("spec", help="a spec name or a .py file")
     t.add_argument("--ref", default="fa3_sm90", help="reference kernel (fa2_sm80, fa3_sm90)")
     t.add_argument("--shape", default="1,4,2,1000,64", help="B,Hq,Hkv,N,D at which to show the extra inputs")
-    t.add_argument("--param", action="append", metavar="NAME=VALUE")
+    t.add_argument("--param", action="append", metavar="NAME=VALUE",
+                   help="a tile param (BLOCK_M=64) for the verification cases and the extra inputs shown")
     t.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
     t.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head dim of the verification cases")
     t.add_argument("--quick", action="store_true")

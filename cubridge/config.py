@@ -485,17 +485,16 @@ def _check_memory(shapes: Shapes, arch: str, r: _Reader) -> None:
 
 
 def _check_references(refs, arch: str, head_dim: int, r: _Reader, is_list: bool) -> None:
-    from cubridge.paths import ref_kernel_names
-    from cubridge.search.space import SPACES
+    from cubridge.runtime.kernels import kernel_names, reference_kernel
+    known = kernel_names()
     for i, ref in enumerate(refs):
         fld = f"reference[{i}]" if is_list else "reference"
-        known = [k for k in ref_kernel_names() if k in SPACES]
         if ref not in known:
             close = difflib.get_close_matches(ref, known, n=1)
             maybe = f" (did you mean {close[0]!r}?)" if close else ""
             raise r.error(fld, f"unknown reference kernel {ref!r}{maybe}",
                           hint=f"reference kernels (ref_kernels/): {', '.join(known)}")
-        space = SPACES[ref]
+        space = reference_kernel(ref).space
         if arch not in space.arches:
             raise r.error("arch", f"{ref} does not run on {arch}", hint=f"{ref} needs one of {', '.join(space.arches)}")
         if head_dim not in space.head_dims:

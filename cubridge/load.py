@@ -16,10 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cubridge.errors import CubridgeError, LaunchError
-
-# What a cubin built for an arch runs on: sm_90a only on 9.0; sm_80 SASS on any 8.x.
-ARCH_RUNS_ON = {"sm_90a": lambda cap: cap == (9, 0), "sm_80": lambda cap: cap[0] == 8}
+from cubridge.archs import ARCH_RUNS_ON, check_arch  # noqa: F401 - part of this module's API
+from cubridge.errors import CubridgeError
 
 
 def load(directory):
@@ -41,11 +39,3 @@ def read_run(directory: Path) -> tuple[dict, dict]:
                             where=str(d), hint="run cubridge-tune on a GPU machine (without --dry-run)")
     return manifest, json.loads((d / "dispatch.json").read_text())
 
-
-def check_arch(built: str, capability: tuple[int, int], device_name: str = "this GPU") -> None:
-    """Raise unless a cubin built for `built` runs on a device of `capability`."""
-    runs = ARCH_RUNS_ON.get(built)
-    if runs is None or not runs(tuple(capability)):
-        raise LaunchError(f"the kernel was built for {built}; {device_name} is sm_{capability[0]}{capability[1]}",
-                          where="cubridge.load", hint=f"tune again on this GPU: cubridge-tune CONFIG with arch: "
-                                                      f"{'sm_90a' if tuple(capability) == (9, 0) else 'sm_80'}")

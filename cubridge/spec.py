@@ -306,6 +306,19 @@ def count_attended(hooks: Hooks, B: int, Hq: int, Nq: int, Nk: int, device="cpu"
     """
     if hooks.mask_mod is None:
         return B * Hq * Nq * Nk
+    from cubridge.transfer.pairs import count_pairs     # tile by tile, from the traced mask
+    fast = count_pairs(hooks, B, Hq, Nq, Nk)
+    if fast is not None:
+        return fast
+    return count_attended_pairwise(hooks, B, Hq, Nq, Nk, device, chunk_elems=chunk_elems)
+
+
+def count_attended_pairwise(hooks: Hooks, B: int, Hq: int, Nq: int, Nk: int, device="cpu", *,
+                            chunk_elems: int = CHUNK_ELEMS) -> int:
+    """count_attended by evaluating the mask_mod on every pair (a block of query rows at a time):
+    for masks the tracer does not take, and as the check of the tile-by-tile count."""
+    if hooks.mask_mod is None:
+        return B * Hq * Nq * Nk
     rows = max(1, chunk_elems // (B * Hq * Nk))
     total = 0
     for start in range(0, Nq, rows):
@@ -336,7 +349,8 @@ def mask_picture(hooks: Hooks, Nq: int, Nk: int, b: int = 0, h: int = 0) -> str:
 def _eval_mask(hooks: Hooks, b, h, q_idx, kv_idx) -> torch.Tensor:
     if hooks.mask_mod is None:
         return torch.ones((), dtype=torch.bool, device=q_idx.device)
-    return torch.as_tensor(hooks.mask_mod(b, h, q_idx, kv_idx), device=q_idx.device).bool()
+    from cubridge.transfer.evalmod import mask_values    # FlexAttention's per-element idioms too
+    return mask_values(hooks.mask_mod, b, h, q_idx, kv_idx)
 
 
 def _broadcast_count(mask: torch.Tensor, full: tuple[int, ...]) -> int:

@@ -148,7 +148,7 @@ def verify_transfer(reference: N.Program, spec, *, params: dict | None = None, c
     dname = {torch.bfloat16: "bf16", torch.float16: "f16"}[tdtype]
     report = Report(f"{reference.name} -> {spec.name}", spec.name, USER_DTYPE[dname], {**reference.params(), **(params or {})})
     try:
-        cand = transfer(reference, spec, params=params, spec_params=spec_params)
+        cand = transfer(reference, spec, spec_params=spec_params)
     except CubridgeError as e:
         report.results.append(CaseResult((cases or default_cases())[0], None, f"transfer: {str(e).splitlines()[0]}"))
         return report

@@ -47,6 +47,8 @@ class Proposal:
     attempt: int = 0                           # retry number for this slot of the population
     parent: str | None = None                  # id of the proposal this one repairs
     notes: tuple[str, ...] = ()                # e.g. rules applied, model name, sampling seed
+    # How a worker binds its extra inputs (transfer.rules.Binding.to_json()); None: it reads none.
+    binding: dict | None = field(default=None, compare=False, hash=False)
 
     @property
     def id(self) -> str:

@@ -2,7 +2,8 @@
 beside the unpatched kernel and FlashAttention-4 (ref_kernels/fa3_sm90/NOTES.md v17 has the
 predictions).
 
-Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/) are applied to
+Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/: softmax_overlap,
+lazy_rescale, max_four_chains, k_before_v, and all_four = the four together) are applied to
 a copy of the kernel directory; the patched kernel.cu (with any patched header inlined) is
 launched as a "variant" source, so the launch is the product's own. The unpatched kernel runs the
 same way (`unpatched`), so only the source differs; `dense` is the product path, and the config
@@ -51,9 +52,8 @@ def _apply(patch: Path, cwd: str) -> subprocess.CompletedProcess:
                               capture_output=True, text=True)
 
 
-def patched_source(name: str) -> str:
-    """kernel.cu with the patch applied, headers the patch changed inlined (the build includes
-    the product's headers from ref_kernels/fa3_sm90, not the copy's)."""
+def patched_files(name: str) -> dict[str, str]:
+    """file name -> patched text, for every file of ref_kernels/fa3_sm90 the patch changed."""
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(ROOT / KERNEL_REL, Path(tmp) / KERNEL_REL)
         done = _apply(PATCHES / f"{name}.patch", tmp)
@@ -61,12 +61,31 @@ def patched_source(name: str) -> str:
             raise SystemExit(f"error: experiments/patches/{name}.patch: does not apply to "
                              f"{KERNEL_REL}: {done.stdout.strip()} {done.stderr.strip()} "
                              "(regenerate it against the current kernel)")
-        text = (Path(tmp) / KERNEL_REL / "kernel.cu").read_text()
-        for header in re.findall(r'#include "([^"]+)"', text):
-            mine, orig = Path(tmp) / KERNEL_REL / header, ROOT / KERNEL_REL / header
-            if mine.exists() and mine.read_text() != orig.read_text():
-                text = text.replace(f'#include "{header}"', mine.read_text())
-        return text
+        return {f.name: f.read_text() for f in (Path(tmp) / KERNEL_REL).iterdir()
+                if f.is_file() and f.read_text() != (ROOT / KERNEL_REL / f.name).read_text()}
+
+
+def inline_headers(text: str, changed: dict[str, str]) -> str:
+    """`text` with each changed header's #include replaced by its patched body (the build's -I
+    finds the product's headers, not the copy's)."""
+    for header, body in changed.items():
+        if header != "kernel.cu":
+            body = "\n".join(ln for ln in body.splitlines() if ln.strip() != "#pragma once")
+            text = text.replace(f'#include "{header}"', body)
+    return text
+
+
+def patched_source(name: str) -> str:
+    """kernel.cu with the patch applied and the headers it changed inlined."""
+    changed = patched_files(name)
+    return inline_headers(changed.get("kernel.cu", (ROOT / KERNEL_REL / "kernel.cu").read_text()), changed)
+
+
+def header_only(name: str) -> dict[str, str] | None:
+    """The changed headers of a patch that leaves kernel.cu alone (it then applies to every
+    lowered variant too, which includes the same headers), else None."""
+    changed = patched_files(name)
+    return None if "kernel.cu" in changed else changed
 
 
 def configs_for(shape):
@@ -159,6 +178,65 @@ def run_shape(shape, sources, args, result):
               f"{row['tflops']:7.1f} TFLOPS  x{row['speedup_vs_unpatched']:.3f}  {info['check'][:60]}", flush=True)
 
 
+def variant_runners(header_patches):
+    """label -> bench_variants.Ours: the lowered variants as shipped, and with each header-only
+    patch's headers inlined into the lowered source."""
+    from bench_variants import Ours
+    runners = {"unpatched": Ours()}
+    for p, changed in header_patches.items():
+        runners[p] = Ours(transform=lambda src, changed=changed: inline_headers(src, changed))
+    return runners
+
+
+def build_variants(runners, variants, n):
+    from cubridge.runtime.fa3_sm90 import build_cubin, default_config
+    cfg = default_config(128, False, True, n, variant=True)
+    jobs = [(ours, v) for ours in runners.values() for v in variants]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda j: build_cubin(cfg, source=j[0].lowered(j[1])[2]), jobs))
+
+
+def run_variant(name, n, runners, args, result):
+    """One lowered variant (Llama2-7B heads, D = 128) under each runner: checked, then timed."""
+    import torch
+    from peer_systems import SampledCheck
+    from cubridge.runtime.timing import bench_round_robin, tflops
+    from cubridge.spec import count_attended, load_spec
+    b, h, d = 16384 // n, 32, 128
+    hooks = load_spec(name).hooks_for(n, n, h, h, "cuda")
+    flops = 4.0 * d * count_attended(hooks, b, h, n, n, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(11 * n + 5)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    saved = [t.clone() for t in (q, k, v)]
+    check = SampledCheck(q, k, v, hooks)
+    fns, infos, base_out = [], [], None
+    for label, ours in runners.items():
+        out = torch.full_like(q, float("nan"))
+        run = ours.fn(name, q, k, v, out=out)
+        fn = (lambda run=run, out=out: (run(), out)[1])
+        first = fn().clone()
+        verdict = check.verdict(first)
+        status = "pass" if verdict.passed else f"FAIL {verdict}"
+        if bool(torch.isnan(first).any()):
+            status = "FAIL: an output element was not written (NaN poison left)"
+        if not all(torch.equal(a, s) for a, s in zip((q, k, v), saved)):
+            status = "FAIL: inputs changed"
+        if not torch.equal(fn(), first):
+            status = "FAIL: rerun not bitwise equal"
+        base_out = first if base_out is None else base_out
+        fns.append(fn)
+        infos.append({"system": label, "config": "variant default", "check": status, "max_err": verdict.max_err,
+                      "bitwise_equal_unpatched": bool(torch.equal(first, base_out))})
+    times = bench_round_robin(fns, warmup=5, reps=args.reps)
+    for info, t in zip(infos, times):
+        row = {"variant": name, "D": d, "Hq": h, "Hkv": h, "N": n, "B": b, **info, "ms": round(t.median_ms, 4),
+               "tflops": round(tflops(flops, t.median_ms), 1),
+               "speedup_vs_unpatched": round(times[0].median_ms / t.median_ms, 3)}
+        result["rows"].append(row)
+        print(f"{name:<22} N={n:<6} {info['system']:<18} {row['tflops']:7.1f} TFLOPS  "
+              f"x{row['speedup_vs_unpatched']:.3f}  {info['check'][:60]}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -166,23 +244,38 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="causal / full D128 8k and causal 1k only")
     ap.add_argument("--build-only", action="store_true", help="apply and compile every patch, no GPU")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="also A/B these lowered variants at --variant-n under the header-only patches")
+    ap.add_argument("--variant-n", type=int, default=8192)
+    ap.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True,
+                    help="the dense shapes (--no-dense: variants only)")
     args = ap.parse_args(argv)
     patches = patch_names() if args.patches is None else args.patches
     missing = [p for p in patches if not (PATCHES / f"{p}.patch").exists()]
     if missing:
         ap.error(f"--patches: no experiments/patches/{missing[0]}.patch (have: {', '.join(patch_names())})")
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    sources = build_all(patches, shapes)
-    print(f"built {len(patches)} patch(es) x their configs: {', '.join(patches)}", flush=True)
+    shapes = (QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
+    sources = build_all(patches, shapes) if shapes else {}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    runners = None
+    if args.variants:
+        headers = {p: header_only(p) for p in patches}
+        runners = variant_runners({p: c for p, c in headers.items() if c is not None})
+        build_variants(runners, args.variants, args.variant_n)
+    print(f"built {len(patches)} patch(es) x their configs: {', '.join(patches)}"
+          + (f"; variants {args.variants} x {list(runners)}" if runners else ""), flush=True)
     if args.build_only:
         return 0
     import torch
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
               "torch": torch.__version__, "patches": patches, "rows": [], "skipped": [],
               "protocol": f"bench_round_robin, 5 warm-ups, median of {args.reps}, L2 flushed"}
     for shape in shapes:
         run_shape(shape, sources, args, result)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+    for name in args.variants:
+        run_variant(name, args.variant_n, runners, args, result)
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     return 0

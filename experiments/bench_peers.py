@@ -105,6 +105,8 @@ def run_shape(name, d, hq, hkv, n, args, ours_variants, result):
             if system == OURS:
                 ours_out = out.clone()
             status = "pass" if verdict.passed else f"FAIL {verdict}"
+            if not bool(torch.isfinite(out).all()):     # ours was NaN-poisoned: also catches unwritten rows
+                status = "FAIL: NaN/Inf in the output (the sampled rows are only part of it)"
             ran.append((system, fn, {"check": status, "max_err": verdict.max_err, "bound": verdict.bound,
                                      "max_diff_vs_ours": round(diff, 6), "note": note,
                                      "setup_s": round(time.time() - t0, 1)}))

@@ -6,9 +6,13 @@
 #   usage (repo root, H100):  bash experiments/device_s7_fa4.sh STAGE...
 #   stages: bench1k  bench8k  (bench_peers --quick at one length each: ~4-6 min, FA4 / Flex JIT)
 #           ncu      (ncu_compare: ours and FA4, causal D128 8k and 1k: ~3-4 min)
-#           ab       (ab_peer_patches --quick: 3 patches + FA4's tile / grid, 3 shapes: ~3-4 min)
+#           ab       (ab_peer_patches --quick: 5 patches + FA4's tile / grid, 3 shapes: ~4-6 min,
+#                    most of it nvcc)
 #           abfull   (ab_peer_patches, all 6 shapes: ~6-8 min)
-# One device call is 10 minutes at most: run `bench1k`, `bench8k` and `ncu ab` as three calls,
+#           abvar    (softmax_overlap, the header-only patch, on lowered prefixlm, sigmoid and
+#                     relative_pos at 8k: ~3 min)
+# One device call is 10 minutes at most: run `ab abvar` (the patches first: they decide what the
+# next change is), then `bench8k`, `bench1k`, `ncu` as separate calls,
 # each right after the FA4 libraries were unpacked (pack-fa4.sh's call 1, carry [".fa4libs"]:
 # bash .fa4libs/unpack.sh); carry [".fa4whl"] on these calls. If the libraries are gone and
 # .fa4libs was carried too, this script unpacks them itself.
@@ -19,7 +23,17 @@ LOG="$OUT/fa4_s7.log"
 TMP=$(mktemp -d)
 exec > >(tee -a "$LOG") 2>&1
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
-[ $# -gt 0 ] || { echo "error: device_s7_fa4.sh: name at least one stage (bench1k bench8k ncu ab abfull)"; exit 2; }
+# The device call ends at 600 s: every stage gets at most what is left of BUDGET (minus the
+# collect step's margin), so the two files are always written.
+START=$(date +%s)
+BUDGET=${BUDGET:-570}
+left() { local want=$1 rest=$((BUDGET - 25 - ($(date +%s) - START))); echo $((want < rest ? want : rest)); }
+run_for() {   # run_for SECONDS CMD...: skip with a note when under a minute is left
+  local t; t=$(left "$1"); shift
+  if [ "$t" -lt 60 ]; then echo "skipped (only ${t}s of the call left): $*"; return; fi
+  timeout "$t" "$@"
+}
+[ $# -gt 0 ] || { echo "error: device_s7_fa4.sh: name at least one stage (bench1k bench8k ncu ab abfull abvar)"; exit 2; }
 
 step "environment"
 if ! source .fa4whl/env.sh; then
@@ -38,15 +52,19 @@ for stage in "$@"; do
     bench1k|bench8k)
       n=$([ "$stage" = bench1k ] && echo 1024 || echo 8192)
       step "bench_peers --quick N=$n"
-      timeout 540 python3 experiments/bench_peers.py --quick --n "$n" --out "$TMP/$stage.json" 2>&1 | grep -v "^\s*$" | tail -40 ;;
+      run_for 540 python3 experiments/bench_peers.py --quick --n "$n" --out "$TMP/$stage.json" 2>&1 | grep -v "^\s*$" | tail -40 ;;
     ncu)
       step "ncu: ours vs FA4, causal D128"
-      timeout 400 python3 experiments/ncu_compare.py --timeout 180 --out "$TMP/ncu.json" 2>&1 | tail -12 ;;
+      run_for 400 python3 experiments/ncu_compare.py --timeout 180 --out "$TMP/ncu.json" 2>&1 | tail -12 ;;
     ab|abfull)
       step "A/B of the FA4-inspired patches ($stage)"
       quick=$([ "$stage" = ab ] && echo --quick || true)
-      timeout 480 python3 experiments/ab_peer_patches.py $quick --reps 25 --out "$TMP/$stage.json" 2>&1 | tail -45 ;;
-    *) echo "unknown stage $stage (bench1k bench8k ncu ab abfull)" ;;
+      run_for 480 python3 experiments/ab_peer_patches.py $quick --reps 25 --out "$TMP/$stage.json" 2>&1 | tail -45 ;;
+    abvar)
+      step "A/B of softmax_overlap on lowered variants"
+      run_for 300 python3 experiments/ab_peer_patches.py --no-dense --patches softmax_overlap \
+        --variants prefixlm sigmoid relative_pos --reps 25 --out "$TMP/$stage.json" 2>&1 | tail -12 ;;
+    *) echo "unknown stage $stage (bench1k bench8k ncu ab abfull abvar)" ;;
   esac
 done
 

@@ -41,11 +41,11 @@ def make_ours(name, q, k, v, ours_variants):
     if name in DENSE:
         causal = name == "causal"
         cfg = default_config(q.shape[-1], causal, seqlen=q.shape[2])
-        out = torch.empty_like(q)
+        out = torch.full_like(q, float("nan"))          # poisoned: an unwritten element shows
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         note = f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}"
         return (lambda: fa3_forward(q, k, v, causal=causal, config=cfg, out=out, lse=lse)[0]), note
-    out = torch.empty_like(q)
+    out = torch.full_like(q, float("nan"))
     run = ours_variants.fn(name, q, k, v, out=out)
     return (lambda: (run(), out)[1]), "lowered variant, default config"
 

@@ -229,7 +229,7 @@ class _Checker:
         dts = [v.dtype for v in (a, b) if isinstance(v, Tile)]
         if what in ("&", "|", "^", "~") and all(d in ("bool", "i32") for d in dts):
             return Tile(dts[0], shape)
-        if all(d == "i32" for d in dts) and what in ("+", "-", "*", "//", "%") and \
+        if all(d == "i32" for d in dts) and what in ("+", "-", "*", "//", "%", "<<", ">>") and \
                 all(v.kind == "int" for v in (a, b) if isinstance(v, Scalar)):
             return Tile("i32", shape)
         return Tile("f32", shape)
@@ -312,7 +312,7 @@ def _fold(op, a, b):
     try:
         return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
                 "//": lambda: a // b, "%": lambda: a % b, "&": lambda: a & b, "|": lambda: a | b,
-                "^": lambda: a ^ b, "<": lambda: a < b, "<=": lambda: a <= b, ">": lambda: a > b,
+                "^": lambda: a ^ b, "<<": lambda: a << b, ">>": lambda: a >> b, "<": lambda: a < b, "<=": lambda: a <= b, ">": lambda: a > b,
                 ">=": lambda: a >= b, "==": lambda: a == b, "!=": lambda: a != b}[op]()
     except (ZeroDivisionError, TypeError):
         return None

@@ -449,6 +449,8 @@ class _Interpreter(HeaderMixin, MemoryMixin):
         if op == "&": return a & b
         if op == "|": return a | b
         if op == "^": return a ^ b
+        if op == "<<": return a << b
+        if op == ">>": return a >> b      # arithmetic, as torch's and CUDA's >> of a signed int
         if op == "<": return a < b
         if op == "<=": return a <= b
         if op == ">": return a > b

@@ -109,6 +109,11 @@ REGIONS = ("head_map", "kv_range", "load_q", "load_kv", "qk", "score", "mask", "
 # Regions of a CUDA kernel that CuIR expresses without a `with region(...)` block: extra_io is the
 # program header's extra declarations (global_input / scalar_input beyond Q, K, V).
 CUDA_ONLY_REGIONS = ("extra_io",)
+# Regions of the backward programs (ref_kernels/fa2_bwd_sm80/*.cuir): the query tiles per KV tile,
+# the normalisation's backward (P from LSE, dS), and the three gradient GEMMs. Kept apart from
+# REGIONS, which is the forward lifting vocabulary the LLM prompts list.
+BACKWARD_REGIONS = ("q_range", "softmax_bwd", "dv", "dk", "dq")
+ALL_REGIONS = REGIONS + BACKWARD_REGIONS
 
 
 # ---------------------------------------------------------------- expressions

@@ -18,7 +18,8 @@ from cubridge.cuir import nodes as N
 from cubridge.errors import CuIRSyntaxError
 
 _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
-           ast.Mod: "%", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^"}
+           ast.Mod: "%", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^",
+           ast.LShift: "<<", ast.RShift: ">>"}
 _UNARY = {ast.USub: "-", ast.Not: "not", ast.Invert: "~", ast.UAdd: "+"}
 _CMP = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
 _BOOL = {ast.And: "and", ast.Or: "or"}
@@ -164,8 +165,8 @@ class _Parser:
         if call.func.id == "region":
             if len(call.args) != 1 or call.keywords or as_name:
                 self.fail(s, 'region takes only its name: `with region("softmax"):`')
-            if name not in N.REGIONS:
-                self.fail(s, f"unknown region {name!r}", f"regions: {', '.join(N.REGIONS)}")
+            if name not in N.ALL_REGIONS:
+                self.fail(s, f"unknown region {name!r}", f"regions: {', '.join(N.ALL_REGIONS)}")
             return N.Region(name, body, line=s.lineno)
         kw = {k.arg: self.expr(k.value) for k in call.keywords}
         unknown = set(kw) - {"warps", "count"}

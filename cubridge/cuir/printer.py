@@ -10,7 +10,7 @@ from __future__ import annotations
 from cubridge.cuir import nodes as N
 
 INDENT = "    "
-_PREC = {"or": 2, "and": 3, "not": 4, "cmp": 5, "|": 6, "^": 7, "&": 8, "+": 10, "-": 10,
+_PREC = {"or": 2, "and": 3, "not": 4, "cmp": 5, "|": 6, "^": 7, "&": 8, "<<": 9, ">>": 9, "+": 10, "-": 10,
          "*": 11, "/": 11, "//": 11, "%": 11, "unary": 12, "atom": 14, "ifexp": 1}
 
 

@@ -3,7 +3,7 @@ kernel that the transfer changed (the lifting map), and the launch arguments it 
 
 Example:
     >>> from cubridge.cuir.parser import parse_file
-    >>> from cubridge.paths import ref_kernel_dir
+    >>> from cubridge.runtime.kernels import reference_kernel
     >>> from cubridge.spec import load_spec
     >>> from cubridge.transfer.rules import transfer
     >>> ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.lower.cexpr import LowerError
 from cubridge.lower.variant import VariantIR, extract
-from cubridge.paths import ref_kernel_dir
+from cubridge.runtime.kernels import reference_kernel
 
 __all__ = ["LowerError", "LoweredKernel", "Launchable", "lower"]
 
@@ -91,14 +92,9 @@ def struct_fields(ir: VariantIR) -> list:
 
 
 def lower(program: N.Program, ref: str) -> LoweredKernel:
-    """CUDA source for `program` (a transfer of reference kernel `ref`)."""
+    """CUDA source for `program` (a transfer of reference kernel `ref`): the kernel's own region
+    generator (ReferenceKernel.generator) patches its kernel.cu."""
+    kernel = reference_kernel(ref)
     ir = extract(program)
-    source = (ref_kernel_dir(ref) / "kernel.cu").read_text()
-    if ref == "fa3_sm90":
-        from cubridge.lower import fa3_sm90 as gen
-    elif ref == "fa2_sm80":
-        from cubridge.lower import fa2_sm80 as gen
-    else:
-        raise LowerError(f"no deterministic lowering for reference kernel {ref!r}",
-                         hint="lowering exists for: fa2_sm80, fa3_sm90")
-    return LoweredKernel(ref, gen.lower_source(source, ir), struct_fields(ir), ir)
+    generator = importlib.import_module(kernel.generator)
+    return LoweredKernel(ref, generator.lower_source(kernel.source(), ir), struct_fields(ir), ir)

@@ -60,6 +60,13 @@ _FLOAT_FN = {"exp": "__expf", "exp2": "exp2f", "log": "__logf", "log2": "__log2f
              "erf": "erff"}
 
 
+# Under a cast to an integer the value picks a table entry or a bucket (T5's log-spaced buckets):
+# an approximate log or divide could land on the other side of an integer, so there the
+# accurate CUDA functions and IEEE division are used (what torch computes in fp32).
+_PRECISE_FN = {**_FLOAT_FN, "exp": "expf", "log": "logf", "log2": "log2f", "tanh": "tanhf",
+               "sigmoid": None}      # written out: 1 / (1 + expf(-x))
+
+
 class LowerError(CubridgeError):
     """A CuIR construct has no CUDA lowering here."""
 
@@ -73,6 +80,7 @@ def to_c(e, names: dict, tables: dict | None = None) -> str:
 class _Lower:
     def __init__(self, names, tables):
         self.names, self.tables = names, tables
+        self.precise = False             # inside a cast to an integer
 
     def expr(self, e) -> tuple[str, str]:
         if isinstance(e, N.Const):
@@ -135,6 +143,8 @@ class _Lower:
             if t == "int":
                 return f"cuir_floormod({a}, {b})", "int"
             return f"({_f(a, ta)} - {_f(b, tb)} * floorf({_f(a, ta)} / {_f(b, tb)}))", "float"
+        if e.op == "/" and self.precise:
+            return f"({_f(a, ta)} / {_f(b, tb)})", "float"
         if e.op == "/":
             c = _float_const(e.right)
             if c:                # by a constant: a multiply by its reciprocal (no MUFU.RCP per element)
@@ -151,7 +161,9 @@ class _Lower:
             x, t = args[0]
             if e.op == "abs" and t == "int":
                 return f"abs({x})", "int"
-            return f"{_FLOAT_FN[e.op]}({_f(x, t)})", "float"
+            if e.op == "sigmoid" and self.precise:
+                return f"(1.f / (1.f + expf(-{_f(x, t)})))", "float"
+            return f"{(_PRECISE_FN if self.precise else _FLOAT_FN)[e.op]}({_f(x, t)})", "float"
         if e.op == "relu":
             x, t = args[0]
             return f"fmaxf({_f(x, t)}, 0.f)", "float"
@@ -175,8 +187,12 @@ class _Lower:
         raise LowerError(f"op {e.op}() has no CUDA lowering in a scalar expression")
 
     def cast(self, e):
-        x, t = self.expr(e.args[0])
         to = e.args[1].id if len(e.args) > 1 and isinstance(e.args[1], N.Name) else "f32"
+        outer, self.precise = self.precise, self.precise or to == "i32"
+        try:
+            x, t = self.expr(e.args[0])
+        finally:
+            self.precise = outer
         if to == "i32":                  # C's float -> int conversion truncates toward zero, as torch's
             return (x, t) if t == "int" else (f"int({x})", "int")
         return (f"float({x})", "float") if t != "float" else (x, t)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.load import check_arch
+from cubridge.archs import check_arch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -26,6 +26,7 @@ from cubridge.errors import BuildError
 
 COMPILERS = ("nvcc", "nvrtc")
 DEFAULT_CACHE_DIR = Path("~/.cache/cubridge/kernels")
+CACHE_ENV = "CUBRIDGE_CACHE_DIR"       # the one override of where every cubin is cached
 _ARCH_RE = re.compile(r"^sm_\d+a?$")
 _NVCC_TIMEOUT_S = 600
 
@@ -61,8 +62,12 @@ def _included_headers(options: Sequence[str]) -> str:
     return "".join(parts)
 
 
-def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
-    return Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
+def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """`cache_dir` when given (tests), else $CUBRIDGE_CACHE_DIR, else ~/.cache/cubridge/kernels:
+    one cache for the CLI, the runtime, the tuner's workers and cubridge.load, so a cubin built
+    once (screening, a trial, the bench) is never built again."""
+    chosen = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR
+    return Path(chosen).expanduser()
 
 
 def check_arch(arch: str) -> None:
@@ -114,8 +119,7 @@ def compile_cubin(source: str, *, arch: str, options: Sequence[str] = (), compil
     """Compile `source` for `arch` (e.g. "sm_90") into a cubin.
 
     `options` are the flags both compilers understand (-D..., -std=c++17, -I...); the arch flag and
-    the output mode are added here. The disk cache lives in `cache_dir` (default
-    ~/.cache/cubridge/kernels)."""
+    the output mode are added here. The disk cache lives in resolve_cache_dir(cache_dir)."""
     check_arch(arch)
     if compiler not in COMPILERS:
         raise BuildError(f"unknown compiler {compiler!r}", hint=f"choose one of {COMPILERS}")

@@ -76,23 +76,25 @@ class Driver:
         return (self.get_function(module, entry, smem_bytes),
                 *(self.get_function(module, name) for name in others))
 
-    def tensor_map(self, t: torch.Tensor, rows_per_box: int,
-                   panel_cols: int = PANEL_COLS) -> ctypes.Array:
+    def tensor_map(self, t: torch.Tensor, rows_per_box: int, panel_cols: int = PANEL_COLS,
+                   strides: tuple[int, int] | None = None) -> ctypes.Array:
         """3-D map over a [B, H, N, D] tensor seen as (D, N, B*H): zero fill stops at each head's N.
-        The box is panel_cols x rows_per_box x 1, swizzled 128B."""
+        The box is panel_cols x rows_per_box x 1, swizzled 128B. `strides`: (row, head) strides in
+        elements of a view whose B and H collapse into one stride; default: contiguous."""
         b, h, n, d = t.shape
         elem = t.element_size()
+        row, head = strides if strides is not None else (d, n * d)
         dtype = (CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
                  else CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
         dims = (ctypes.c_uint64 * 3)(d, n, b * h)
-        strides = (ctypes.c_uint64 * 2)(d * elem, n * d * elem)
+        gstrides = (ctypes.c_uint64 * 2)(row * elem, head * elem)
         box = (ctypes.c_uint32 * 3)(panel_cols, rows_per_box, 1)
         elem_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
         raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
         offset = (-ctypes.addressof(raw)) % TENSOR_MAP_ALIGN
         view = (ctypes.c_uint8 * TENSOR_MAP_BYTES).from_buffer(raw, offset)
         self.check(self.lib.cuTensorMapEncodeTiled(
-            ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+            ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, gstrides, box,
             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
             "cuTensorMapEncodeTiled")

@@ -20,7 +20,7 @@ import torch
 from cubridge.errors import LaunchError
 from cubridge.runtime.build import CompileResult, compile_cubin
 from cubridge.runtime.fa2_sm80 import DTYPE_MACRO, SMEM_OPTIN_SM90, smem_limit
-from cubridge.runtime.launch import (LoadedKernel, _check_output, _overlaps, arg_f32, arg_i32, arg_ptr,
+from cubridge.runtime.launch import (LoadedKernel, arg_f32, arg_i32, arg_ptr, check_output, overlaps,
                                      check_attention_args, device_arch)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa2_bwd_sm80"
@@ -259,9 +259,9 @@ def check_backward_args(dout, q, k, v, out, lse, dq=None, dk=None, dv=None, sm_s
                           where="backward inputs")
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t is not None:
-            _check_output(name, t, tuple(like.shape), like.dtype, q, k, v)
+            check_output(name, t, tuple(like.shape), like.dtype, q, k, v)
             for other_name, other in (("dout", dout), ("out", out), ("lse", lse)):
-                if _overlaps(t, other):
+                if overlaps(t, other):
                     raise LaunchError(f"{name} memory: expected separate from {other_name}, got overlapping buffers",
                                       where="backward inputs")
     scale = 1.0 / math.sqrt(shape.head_dim) if sm_scale is None else float(sm_scale)

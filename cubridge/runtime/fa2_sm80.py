@@ -185,19 +185,25 @@ class Fa2Sm80:
         return self.last_build
 
     def kernel(self, head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device,
-               source: str | None = None) -> LoadedKernel:
-        key = (head_dim, dtype, bool(causal), device.index, hash(source) if source else None)
+               source: str | None = None, cubin: bytes | None = None) -> LoadedKernel:
+        """The loaded kernel: `cubin` when given (built elsewhere with options()), else `source`
+        (or kernel.cu) built through the compile cache."""
+        key = (head_dim, dtype, bool(causal), device.index, cubin if cubin is not None else hash(source) if source else None)
         if key not in self._kernels:
-            cubin = self.build(head_dim, dtype, causal, device_arch(device), source).cubin
+            if cubin is None:
+                cubin = self.build(head_dim, dtype, causal, device_arch(device), source).cubin
             self._kernels[key] = LoadedKernel(cubin, ENTRY, device.index)
         return self._kernels[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                 sm_scale: float | None = None, variant=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sm_scale: float | None = None, variant=None, cubin: bytes | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [B, Hq, Nq, D] (q's dtype), lse [B, Hq, Nq] float32 (natural log; -inf where a
-        row attends no key). Causal: key j is seen by query row i iff j <= i + Nk - Nq (queries aligned to the end of the keys).
-        `variant` (a cubridge.lower.Launchable) runs a lowered variant: its source and VariantArgs."""
+        row attends no key). Causal: key j is seen by query row i iff j <= i + Nk - Nq (queries aligned
+        to the end of the keys).
+        `variant` (a cubridge.lower.Launchable) runs a lowered variant: its source and VariantArgs;
+        `cubin`, that source already compiled with options() (the tuner's build), skips the build."""
         shape = check_attention_args(q, k, v, out, lse, head_dims=HEAD_DIMS)
         device = q.device
         if torch.cuda.get_device_capability(device) < (8, 0):
@@ -217,7 +223,7 @@ class Fa2Sm80:
             return out, lse
         scale = 1.0 / math.sqrt(shape.head_dim) if sm_scale is None else float(sm_scale)
         kern = self.kernel(shape.head_dim, shape.dtype, causal, device,
-                           variant.source if variant is not None else None)
+                           variant.source if variant is not None else None, cubin)
         grid = (math.ceil(shape.len_q / config.block_m), shape.heads_q, shape.batch)
         args = (arg_ptr(q), arg_ptr(k), arg_ptr(v), arg_ptr(out), arg_ptr(lse), arg_i32(shape.batch),
                 arg_i32(shape.heads_q), arg_i32(shape.heads_kv), arg_i32(shape.len_q), arg_i32(shape.len_k),

@@ -28,6 +28,7 @@ import torch
 
 from cubridge.errors import LaunchError
 from cubridge.runtime import fa3_sm90 as fa3
+from cubridge.runtime.driver import driver, sm_count
 
 MAX_STRIDE_BYTES = 1 << 40     # cuTensorMapEncodeTiled: global strides below 2^40 and multiples of 16 B
 _MAPS: OrderedDict = OrderedDict()
@@ -96,21 +97,7 @@ def _encode(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
         raise LaunchError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not addressable by "
                           "the kernel's 3-D TMA map (strides or address not 16-byte aligned)",
                           hint="pass a fresh copy (.clone(memory_format=torch.contiguous_format))")
-    b, h, n, d = t.shape
-    drv, elem = fa3._driver(), t.element_size()
-    dtype = (fa3.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16 else fa3.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-    dims = (ctypes.c_uint64 * 3)(d, n, b * h)
-    gstrides = (ctypes.c_uint64 * 2)(strides[0] * elem, strides[1] * elem)
-    box = (ctypes.c_uint32 * 3)(fa3.PANEL_COLS, rows_per_box, 1)
-    ones = (ctypes.c_uint32 * 3)(1, 1, 1)
-    raw = ctypes.create_string_buffer(fa3.TENSOR_MAP_BYTES + fa3.TENSOR_MAP_ALIGN)
-    offset = (-ctypes.addressof(raw)) % fa3.TENSOR_MAP_ALIGN
-    view = (ctypes.c_uint8 * fa3.TENSOR_MAP_BYTES).from_buffer(raw, offset)
-    drv.check(drv.lib.cuTensorMapEncodeTiled(
-        ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, gstrides, box, ones,
-        fa3.CU_TENSOR_MAP_INTERLEAVE_NONE, fa3.CU_TENSOR_MAP_SWIZZLE_128B, fa3.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-        fa3.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    return view
+    return driver().tensor_map(t, rows_per_box, fa3.PANEL_COLS, strides)
 
 
 def load_cubin(cubin: bytes, config: fa3.Fa3Config, device: torch.device):
@@ -119,7 +106,7 @@ def load_cubin(cubin: bytes, config: fa3.Fa3Config, device: torch.device):
     if key not in _LOADED:
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
-            _LOADED[key] = fa3._driver().load_function(cubin, config.smem_bytes)
+            _LOADED[key] = driver().load_function(cubin, config.smem_bytes, fa3.ENTRY, fa3.COUNTS_ENTRY)
     return _LOADED[key]
 
 
@@ -132,7 +119,7 @@ class Fa3Launch:
             raise LaunchError(f"scale={scale!r} is not a positive finite number", where="scale",
                               hint="the kernel takes row maxima of unscaled scores; the default is 1/sqrt(D)")
         self.func, self.config, self.device, self.variant = func, config, device, variant
-        sms = fa3._sm_count(device.index)
+        sms = sm_count(device.index)
         tiles = math.ceil(nq / config.block_m) * hq * b
         self.grid = min(tiles, sms) if config.persistent else tiles
         self.order = (fa3.tile_order(counts_func, config, variant, device, b, hq, hkv, nq, nk, min(self.grid, sms))
@@ -143,16 +130,16 @@ class Fa3Launch:
                       variant.args if variant is not None else ctypes.c_int32(0)]
         self._tail_ptrs = [ctypes.addressof(x) for x in self._tail]
         self._argv = ctypes.c_void_p * (6 + len(self._tail))
-        self._lib = fa3._driver().lib
+        self._lib = driver().lib
 
     def __call__(self, q, k, v, out, lse) -> None:
         c = self.config
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        counter = fa3._tile_counter(self.device, stream)
+        counter = fa3.tile_counter(self.device, stream)
         head = [tensor_map(q, c.block_m), tensor_map(k, c.block_n), tensor_map(v, c.block_n),
                 tensor_map(out, fa3.WG_ROWS), ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr())]
         argv = self._argv(*[ctypes.addressof(x) for x in head], *self._tail_ptrs)
         result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, c.threads, 1, 1, c.smem_bytes,
                                           ctypes.c_void_p(stream), argv, None)
         if result:
-            fa3._driver().check(result, "cuLaunchKernel")
+            driver().check(result, "cuLaunchKernel")

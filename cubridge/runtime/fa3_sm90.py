@@ -34,7 +34,6 @@ from cubridge.runtime.driver import capability, driver, pack_params, sm_count
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
-CACHE_DIR = Path(__file__).resolve().parents[2] / ".cubridge_cache" / "fa3_sm90"
 ENTRY = b"fa3_sm90_fwd"
 COUNTS_ENTRY = b"fa3_sm90_tile_counts"   # KV tiles per work tile, for the longest-first order
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)   # wgmma/setmaxnreg need sm_90a
@@ -149,7 +148,7 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
 
 
 # ------------------------------------------------------------------ build
-def build_cubin(config: Fa3Config, *, cache_dir: Path = CACHE_DIR, source: str | None = None,
+def build_cubin(config: Fa3Config, *, cache_dir: Path | None = None, source: str | None = None,
                 compiler: str | None = None) -> bytes:
     """Compile kernel.cu (or `source`, a lowered variant of it) for `config` to an sm_90a cubin,
     through the shared compile cache (key: source, flags, the included headers, compiler and its
@@ -190,7 +189,7 @@ def _tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
     return view
 
 
-def _tile_counter(device: torch.device, stream: int) -> torch.Tensor:
+def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     """The scheduler's counter pair for launches on `stream`: zeroed once; every launch leaves it
     zero again (the kernel's last producer resets it), and launches on one stream run in order.
     Separate streams get separate pairs, so concurrent launches stay independent."""
@@ -201,10 +200,17 @@ def _tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     return counter
 
 
-def _function(config: Fa3Config, device: torch.device, source: str | None = None, compiler: str | None = None):
-    key = (config, device.index, _digest(source) if source else None, compiler)   # None: the default
+def _function(config: Fa3Config, device: torch.device, source: str | None = None, compiler: str | None = None,
+              cubin: bytes | None = None):
+    """The loaded entries for `config`: of `cubin` when given (keyed by the bytes object, whose
+    hash Python computes once), else of `source` (or kernel.cu) built through the compile cache."""
+    if cubin is not None:
+        key = (config, device.index, cubin)
+    else:
+        key = (config, device.index, _digest(source) if source else None, compiler)   # None: the default
     if key not in _FUNCTIONS:
-        cubin = build_cubin(config, source=source, compiler=compiler)
+        if cubin is None:
+            cubin = build_cubin(config, source=source, compiler=compiler)
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
             _FUNCTIONS[key] = driver().load_function(cubin, config.smem_bytes, ENTRY, COUNTS_ENTRY)
@@ -212,7 +218,8 @@ def _function(config: Fa3Config, device: torch.device, source: str | None = None
 
 
 # ------------------------------------------------------------------ checks and launch
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3Config) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3Config) -> None:
+    """LaunchError naming the problem and the fix for inputs this kernel cannot run at `config`."""
     usage = "expected q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D], contiguous, same dtype and device"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -250,7 +257,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                 softmax_scale: float | None = None, config: Fa3Config | None = None,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                 max_ctas: int | None = None, variant=None,
-                compiler: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                compiler: str | None = None, cubin: bytes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns (o [B, Hq, Nq, D], lse [B, Hq, Nq] float32, natural log).
 
     causal means kv_idx <= q_idx with q_idx the query's position row + Nk - Nq (queries aligned to the
@@ -260,6 +267,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     `variant` (a cubridge.lower.Launchable) runs a lowered variant of the kernel: its CUDA source
     and its VariantArgs (captured tensors, scalars), which must stay alive until the kernel ran.
     `compiler` picks nvcc or NVRTC for the first build of a config (default: nvcc if on PATH).
+    `cubin` runs an already compiled cubin of the variant (built with `config`'s flags) instead.
     """
     if config is None:
         config = default_config(q.shape[-1] if q.dim() == 4 else -1, causal,
@@ -267,7 +275,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                                 variant=variant is not None)
     if config.causal != causal or config.bf16 != (q.dtype == torch.bfloat16):
         raise LaunchError(f"config {config} does not match causal={causal}, dtype={q.dtype}")
-    _check_inputs(q, k, v, config)
+    check_inputs(q, k, v, config)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if out is None:
@@ -289,7 +297,8 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
         raise LaunchError(f"softmax_scale={softmax_scale!r} is not a positive finite number",
                           hint="the kernel takes row maxima of unscaled scores, which needs scale > 0; "
                                "the default is 1/sqrt(D)")
-    func, counts_func = _function(config, q.device, variant.source if variant is not None else None, compiler)
+    func, counts_func = _function(config, q.device, variant.source if variant is not None else None, compiler,
+                                  cubin)
     tiles, sms = math.ceil(nq / config.block_m) * hq * b, sm_count(q.device.index)
     ctas = min(tiles, sms) if config.persistent else tiles
     grid = (min(ctas, max_ctas) if max_ctas else ctas, 1, 1)
@@ -299,7 +308,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     maps = [_tensor_map(q, config.block_m), _tensor_map(k, config.block_n),
             _tensor_map(v, config.block_n), _tensor_map(out, WG_ROWS)]
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    counter = _tile_counter(q.device, stream)
+    counter = tile_counter(q.device, stream)
     scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),
                ctypes.c_uint64(order.data_ptr() if order is not None else 0),
                ctypes.c_int32(nq), ctypes.c_int32(nk),

@@ -53,7 +53,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.numel() * t.element_size()
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
     (a0, a1), (b0, b1) = _span(a), _span(b)
@@ -93,10 +93,10 @@ def check_attention_args(q, k, v, out=None, lse=None, *, head_dims: Sequence[int
                     f"Nq={len_q}, Nk={len_k}, D={head_dim}")
     shape = AttnShape(batch, heads_q, heads_kv, len_q, len_k, head_dim, q.dtype)
     if out is not None:
-        _check_output("out", out, tuple(q.shape), q.dtype, q, k, v)
+        check_output("out", out, tuple(q.shape), q.dtype, q, k, v)
     if lse is not None:
-        _check_output("lse", lse, (batch, heads_q, len_q), torch.float32, q, k, v)
-    if out is not None and lse is not None and _overlaps(out, lse):
+        check_output("lse", lse, (batch, heads_q, len_q), torch.float32, q, k, v)
+    if out is not None and lse is not None and overlaps(out, lse):
         raise _fail("lse memory", "separate from out", "overlapping buffers")
     devices = {t.device for t in (q, k, v, out, lse) if t is not None}
     if len(devices) != 1:
@@ -106,7 +106,7 @@ def check_attention_args(q, k, v, out=None, lse=None, *, head_dims: Sequence[int
     return shape
 
 
-def _check_output(name, t, shape, dtype, *inputs) -> None:
+def check_output(name, t, shape, dtype, *inputs) -> None:
     if not isinstance(t, torch.Tensor):
         raise _fail(name, "a torch.Tensor", type(t).__name__)
     if tuple(t.shape) != shape or t.dtype != dtype:
@@ -114,7 +114,7 @@ def _check_output(name, t, shape, dtype, *inputs) -> None:
     if not t.is_contiguous():
         raise _fail(f"{name} layout", "contiguous", f"strides {t.stride()}")
     for iname, i in zip("qkv", inputs):
-        if _overlaps(t, i):
+        if overlaps(t, i):
             raise _fail(f"{name} memory", "separate from the inputs", f"it overlaps {iname}")
 
 

@@ -123,7 +123,9 @@ def _sha(data: bytes | str) -> str:
 def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
     """CuIR of every verified candidate, CUDA and cubins of the dispatch entries (where built),
     and a copy of the spec; returns paths relative to `out` by (candidate, label)."""
-    from cubridge.search.building import lower_kernel, lowering
+    from cubridge.runtime.build import resolve_cache_dir
+    from cubridge.search.building import lower_kernel
+    from cubridge.search.messages import kernel_job
     from cubridge.spec import load_spec
     spec = load_spec(cfg.spec)
     if Path(spec.path).is_file():
@@ -134,22 +136,19 @@ def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
         if verdicts[c.id].state == TrialState.VERIFIED:
             (kdir / f"{c.id}.cuir").write_text(c.proposal.text)
     by_id, by_num = {c.id: c for c in pop}, {r["number"]: r for r in records}
-    files, lower = {}, lowering()
+    files = {}
     for e in dispatch:
         name = f"{e['candidate']}_{e['label']}"
         entry = {"cuir": f"kernel/{e['candidate']}.cuir", "cuda": None, "cubin": None, "entry": None}
-        if lower is not None:
-            try:
-                lowered, options = lower_kernel({"text": by_id[e["candidate"]].proposal.text, "candidate": e["candidate"],
-                                                 "reference": e["reference"], "config": e["config"],
-                                                 "head_dim": cfg.shapes.head_dim, "dtype": cfg.dtype})
-                entry["nvcc_options"] = artifacts.portable_options(options)
-                (kdir / f"{name}.cu").write_text(lowered.source)
-                entry.update(cuda=f"kernel/{name}.cu", entry=getattr(lowered, "entry", None))
-            except Exception as ex:   # noqa: BLE001 - the artifact says what is missing
-                entry["cuda_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+        try:
+            lowered, options = lower_kernel(kernel_job(cfg, by_id[e["candidate"]], e["config"]))
+            entry["nvcc_options"] = artifacts.portable_options(options)
+            (kdir / f"{name}.cu").write_text(lowered.source)
+            entry.update(cuda=f"kernel/{name}.cu", entry=getattr(lowered, "entry", None))
+        except Exception as ex:   # noqa: BLE001 - the artifact says what is missing
+            entry["cuda_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
         key = by_num[e["trial"]].get("cubin_key")
-        cached = out / "cache" / f"{key}.cubin" if key else None
+        cached = resolve_cache_dir() / f"{key}.cubin" if key else None      # the workers' compile cache
         if cached is not None and cached.is_file():
             cdir.mkdir(exist_ok=True)
             shutil.copyfile(cached, cdir / f"{name}.cubin")
@@ -185,11 +184,12 @@ def _versions() -> dict:
 
 def _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status, message,
               stop_reason, files):
-    from cubridge.paths import ref_kernel_dir
+    from cubridge.runtime.kernels import reference_kernel
     from cubridge.spec import load_spec
     spec = load_spec(cfg.spec)
-    refs = {r: {f: _sha((ref_kernel_dir(r) / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir")
-                if (ref_kernel_dir(r) / f).is_file()} for r in cfg.references}
+    dirs = {r: reference_kernel(r).directory for r in cfg.references}
+    refs = {r: {f: _sha((d / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir") if (d / f).is_file()}
+            for r, d in dirs.items()}
     return {"status": status, "message": message, "name": cfg.name, "search_key": cfg.search_key,
             "config": artifacts.portable_config(cfg.to_json()), "spec": {"name": spec.name, "source": Path(cfg.spec).name, "sha256": _sha(spec.source)},
             "references": refs, "host": _versions(), "device": device,

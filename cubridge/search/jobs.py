@@ -11,14 +11,8 @@ Built-in kinds (payloads are built by cubridge.search.tuner):
 - race    (GPU): each shape's finalist configs timed again round-robin (the tuner's last choice);
 - bench   (GPU): the chosen kernels timed beside the baselines (FlexAttention, SDPA, eager).
 
-Lowering (`cubridge.lower`) is imported lazily; where it is missing, compile / measure / bench
-return a COMPILE_ERROR saying so, never invented numbers. What they use of it:
-
-    lower(program, ref, *, config, head_dim, dtype) -> LoweredKernel with .defines, where offered;
-        else lower(program, ref) (today's form), the -D flags from the reference's runtime Config
-    launcher(lowered, cubin, *, config) -> fn(q, k, v, *, out, **extra), where offered; else
-        LoweredKernel.args(extra, device) run by the reference's runtime (fa3_forward /
-        Fa2Sm80 with variant=...), as tests/gpu/test_variants.py does (cubridge.search.measure)
+What they build and launch comes from the candidate's reference kernel
+(cubridge.runtime.kernels.ReferenceKernel: compile options, launcher); see building.py.
 
 Test-only kinds (sleep, crash, raise, echo) live in cubridge.search.testing_jobs.
 
@@ -34,8 +28,8 @@ import traceback
 from typing import Callable
 
 from cubridge.errors import CubridgeError
-from cubridge.search.building import Unavailable, binder_for, build, reference_program, spec_for
-from cubridge.search.building import lower_kernel, lowering  # noqa: F401 - cubridge.load reads them here
+from cubridge.search.building import binder_for, build, reference_program, spec_for
+from cubridge.search.messages import KernelJob
 from cubridge.vocab import Job, JobResult, Outcome, Proposal, TrialState
 
 _REGISTRY: dict[str, Callable[[dict], tuple]] = {}
@@ -74,24 +68,20 @@ def run_job(job: Job, worker: str = "") -> JobResult:
 def screen_job(p: dict):
     from cubridge.search.screen import ScreenContext, screen
     from cubridge.verify import default_cases
-    ctx = ScreenContext(reference_program(p["reference"]), p["reference"], spec_for(p), dict(p.get("spec_params") or {}),
-                        default_cases(quick=bool(p.get("quick"))), (int(p["head_dim"]),))
-    prop = Proposal(p["text"], p.get("origin", "?"))
-    try:
-        bind = binder_for(p)
-    except CubridgeError as e:
-        return Outcome(TrialState.WRONG_ANSWER, f"binder: {e}"), {"proposal": prop.id}
+    job = KernelJob.from_json(p)
+    ctx = ScreenContext(reference_program(job.reference), job.reference, spec_for(job), dict(job.spec_params),
+                        default_cases(quick=job.quick), (job.head_dim,))
+    prop = Proposal(job.text, job.origin)
+    bind = binder_for(job)
     binder = (lambda case: bind(Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B)) if bind else None
     return screen(prop, ctx, binder), {"proposal": prop.id}
 
 
 # ------------------------------------------------------------------ compile
-def _build_or_failure(p: dict):
+def _build_or_failure(job: KernelJob):
     """(lowered, CompileResult, None) or (None, None, (COMPILE_ERROR outcome, data))."""
     try:
-        lowered, result = build(p)
-    except Unavailable as e:
-        return None, None, (Outcome(TrialState.COMPILE_ERROR, str(e)), {"lowering": False})
+        lowered, result = build(job)
     except CubridgeError as e:
         return None, None, (Outcome(TrialState.COMPILE_ERROR, str(e)[-4000:]), {})
     return lowered, result, None
@@ -102,10 +92,11 @@ def compile_job(p: dict):
     from cubridge.runtime.build import NO_COMPILER, available_compiler
     if available_compiler() is None:
         return Outcome(TrialState.COMPILE_ERROR, NO_COMPILER), {}
-    lowered, result, failure = _build_or_failure(p)
+    job = KernelJob.from_json(p)
+    lowered, result, failure = _build_or_failure(job)
     if failure:
         return failure
-    return (Outcome(TrialState.VERIFIED, f"compiled for {p['arch']} ({len(result.cubin)} B cubin)"),
+    return (Outcome(TrialState.VERIFIED, f"compiled for {job.arch} ({len(result.cubin)} B cubin)"),
             {"cubin_key": result.key, "cached": result.cached, "log": result.log[-2000:]})
 
 
@@ -119,14 +110,15 @@ def lift_job(p: dict):
 
 @register("measure")
 def measure_job(p: dict):
-    lowered, result, failure = _build_or_failure(p)
+    job = KernelJob.from_json(p)
+    lowered, result, failure = _build_or_failure(job)
     if failure:
         return failure
     from cubridge.search import measure
     if not measure.gpu_available():
         return (Outcome(TrialState.VERIFIED, "compiled; timing needs a GPU (none visible to this worker)"),
                 {"cubin_key": result.key})
-    return measure.check_and_time(p, lowered, result.cubin, binder_for(p))
+    return measure.check_and_time(job, lowered, result.cubin, binder_for(job))
 
 
 @register("bench")

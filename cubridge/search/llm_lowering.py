@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cubridge.cuir.parser import parse, parse_file
 from cubridge.errors import CubridgeError
-from cubridge.paths import ref_kernel_dir
+from cubridge.runtime.kernels import reference_kernel
 from cubridge.vocab import Job, Outcome, TrialState
 
 LLM_KINDS = ("vllm", "openai")
@@ -50,8 +50,8 @@ def lowering_overrides(cfg, verified, runner, out: Path, say=print, *, backend=N
     from cubridge.llm.lower import lower as llm_lower
     for c, why in need:
         say(f"  {c.id}: no deterministic lowering ({why.message}); asking the model for a patch")
-        kernel_cu = (ref_kernel_dir(c.reference) / "kernel.cu").read_text()
-        reference = parse_file(ref_kernel_dir(c.reference) / "kernel.cuir")
+        kernel_cu = reference_kernel(c.reference).source()
+        reference = parse_file(reference_kernel(c.reference).cuir_path())
         try:
             sol = llm_lower(kernel_cu, reference, parse(c.proposal.text), backend, acceptor(cfg, c, runner),
                             out_dir=out / "llm", reference_name=c.reference)
@@ -79,8 +79,7 @@ def acceptor(cfg, cand, runner):
     point = (valid or space.points(cfg.shapes.head_dim, cfg.arch))[0]
 
     def accept(candidate) -> Outcome:
-        body = payload(cfg, cand, point, cuda_source=candidate.source)
-        body["shapes"] = []                      # check only: the GPU half of the rule
+        body = payload(cfg, cand, point, cuda_source=candidate.source, shapes=())   # check only: the GPU half of the rule
         res = run_jobs(runner, [Job("measure", body, cfg.runner.timeout_s, needs_gpu=True)])[cand.id]
         if res.outcome.state == TrialState.OK:
             return Outcome(TrialState.OK, res.outcome.reason)

@@ -13,12 +13,12 @@ Example (GPU worker):
 from __future__ import annotations
 
 import ctypes
-import importlib
 import math
 
 import torch
 
 from cubridge import rule
+from cubridge.search.messages import BENCH_KEYS, RACE_KEYS, KernelJob, TargetShape
 from cubridge.vocab import Outcome, TrialState
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,9 +55,9 @@ def _driver_version() -> str:
         return "unknown"
 
 
-def _spec(p):
+def _spec(job: KernelJob):
     from cubridge.search.building import spec_for
-    return spec_for(p)
+    return spec_for(job)
 
 
 def _extras(bind, cuir: dict, B, Hq, Hkv, N, device="cuda", Nq=None) -> dict:
@@ -69,41 +69,12 @@ def _extras(bind, cuir: dict, B, Hq, Hkv, N, device="cuda", Nq=None) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
 
 
-def launcher(p: dict, lowered, cubin: bytes):
-    """`prepare(extra, device) -> call(q, k, v, out)`: the lowering's own `launcher` where it has
-    one, else the reference kernel's runtime running the lowered source as its `variant` (the
-    path tests/gpu/test_variants.py checks). Extra inputs are packed once per shape, outside the
-    timed call. None where neither exists."""
-    from dataclasses import replace
-
-    from cubridge.search.space import SPACES, fa2_config, fa3_config
-    lower = importlib.import_module("cubridge.lower")
-    ref, point = p["reference"], p["config"]
-    if hasattr(lower, "launcher"):
-        fn = lower.launcher(lowered, cubin, config=SPACES[ref].to_cuir(point))
-        return lambda extra, device: (lambda q, k, v, out: fn(q, k, v, out=out, **extra))
-    if not hasattr(lowered, "args"):
-        return None
-    if ref == "fa3_sm90":
-        from cubridge.runtime.fa3_sm90 import fa3_forward
-        cfg = replace(fa3_config(point, int(p["head_dim"])), causal=False, bf16=p["dtype"] == "bf16")
-
-        def run(q, k, v, out, launch):
-            return fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
-    elif ref == "fa2_sm80":
-        from cubridge.runtime.fa2_sm80 import Fa2Sm80
-        from cubridge.runtime.build import default_compiler
-        kernel = Fa2Sm80(fa2_config(point), compiler=default_compiler())
-
-        def run(q, k, v, out, launch):
-            return kernel(q, k, v, causal=False, out=out, variant=launch)
-    else:
-        return None
-
-    def prepare(extra, device):
-        launch = lowered.args(extra, device)        # keeps the packed tensors alive with the call
-        return lambda q, k, v, out: run(q, k, v, out, launch)
-    return prepare
+def launcher(job: KernelJob, lowered, cubin: bytes):
+    """`prepare(extra, device) -> call(q, k, v, out)` of the job's reference kernel for a lowered
+    candidate (ReferenceKernel.launcher). Extra inputs are packed once per shape, outside the
+    timed call."""
+    from cubridge.runtime.kernels import reference_kernel
+    return reference_kernel(job.reference).launcher(lowered, cubin, job.config)
 
 
 def _is_cuda_fault(e: Exception) -> bool:
@@ -111,38 +82,32 @@ def _is_cuda_fault(e: Exception) -> bool:
     return "CUDA" in text or "illegal" in text or "unspecified launch failure" in text
 
 
-NO_LAUNCHER = "this lowering has neither launcher(lowered, cubin, config=...) nor LoweredKernel.args"
-
-
-def check_and_time(p: dict, lowered, cubin: bytes, bind):
+def check_and_time(job: KernelJob, lowered, cubin: bytes, bind):
     """Verification rule at ragged shapes, then the median time at every target shape."""
     from cubridge.search.space import SPACES
-    prepare = launcher(p, lowered, cubin)
-    if prepare is None:
-        return Outcome(TrialState.COMPILE_ERROR, NO_LAUNCHER), {}
-    cuir = SPACES[p["reference"]].to_cuir(p["config"])
-    dtype = DTYPES[p["dtype"]]
-    hq, hkv, d = p["heads_q"], p["heads_kv"], p["head_dim"]
+    prepare = launcher(job, lowered, cubin)
+    cuir = SPACES[job.reference].to_cuir(job.config)
+    dtype = DTYPES[job.dtype]
+    hq, hkv, d = job.heads_q, job.heads_kv, job.head_dim
     checks = []
     try:
         for b, n, seed in CHECK_LENGTHS:
             call = prepare(_extras(bind, cuir, b, hq, hkv, n), "cuda")
-            why = gpu_check(call, _spec(p), p.get("spec_params") or {}, (b, hq, hkv, n, d, seed), dtype)
+            why = gpu_check(call, _spec(job), job.spec_params, (b, hq, hkv, n, d, seed), dtype)
             checks.append({"shape": f"B={b} Hq={hq} Hkv={hkv} N={n} D={d} seed={seed}", "result": why or "pass"})
             if why:
                 return Outcome(TrialState.WRONG_ANSWER, f"GPU check at {checks[-1]['shape']}: {why}"), {"check": checks}
-        for n, nq in _short_query_checks(p["shapes"]):     # targets with fewer queries than keys
+        for n, nq in _short_query_checks(job.shapes):      # targets with fewer queries than keys
             call = prepare(_extras(bind, cuir, 1, hq, hkv, n, Nq=nq), "cuda")
-            why = gpu_check(call, _spec(p), p.get("spec_params") or {}, (1, hq, hkv, n, d, 3, nq), dtype)
+            why = gpu_check(call, _spec(job), job.spec_params, (1, hq, hkv, n, d, 3, nq), dtype)
             checks.append({"shape": f"B=1 Hq={hq} Hkv={hkv} Nq={nq} Nk={n} D={d} seed=3", "result": why or "pass"})
             if why:
                 return Outcome(TrialState.WRONG_ANSWER, f"GPU check at {checks[-1]['shape']}: {why}"), {"check": checks}
         times = {}
-        for t in p["shapes"]:
-            nq = t.get("query_len") or t["seqlen"]
-            q, k, v = _inputs(t["batch"], hq, hkv, t["seqlen"], d, dtype, seed=7, Nq=nq)
-            call = prepare(_extras(bind, cuir, t["batch"], hq, hkv, t["seqlen"], Nq=nq), "cuda")
-            times[t["key"]] = time_ms(call, (q, k, v, torch.empty_like(q)))
+        for t in job.shapes:
+            q, k, v = _inputs(t.batch, hq, hkv, t.seqlen, d, dtype, seed=7, Nq=t.nq)
+            call = prepare(_extras(bind, cuir, t.batch, hq, hkv, t.seqlen, Nq=t.nq), "cuda")
+            times[t.key] = time_ms(call, (q, k, v, torch.empty_like(q)))
     except Exception as e:   # noqa: BLE001 - a launch fault is this trial's outcome
         data = {"check": checks, "restart_worker": _is_cuda_fault(e)}
         return Outcome(TrialState.CRASH, f"{type(e).__name__}: {str(e)[:2000]}"), data
@@ -154,9 +119,8 @@ def _short_query_checks(shapes) -> list:
     2048 (the golden is float64 on the GPU), the queries end-aligned within them."""
     out = []
     for t in shapes:
-        nq, n = t.get("query_len") or t["seqlen"], t["seqlen"]
-        pair = (min(n, 2048), min(nq, 2048) - 1 if nq >= 2048 else nq)
-        if nq < n and pair not in out:
+        pair = (min(t.seqlen, 2048), min(t.nq, 2047) if t.nq >= 2048 else t.nq)
+        if t.nq < t.seqlen and pair not in out:
             out.append(pair)
     return out
 
@@ -199,37 +163,34 @@ def time_ms(fn, args: tuple = ()) -> float:
     return bench(lambda: fn(*args)).median_ms
 
 
-def _built(entry: dict):
-    """prepare(extra, device) of one kernel payload (lowered and compiled through the cache)."""
+def _built(job: KernelJob):
+    """prepare(extra, device) of one kernel job (lowered and compiled through the cache)."""
     from cubridge.search.building import build
-    lowered, result = build(entry)
-    prepare = launcher(entry, lowered, result.cubin)
-    if prepare is None:
-        raise RuntimeError(NO_LAUNCHER)
-    return prepare
+    lowered, result = build(job)
+    return launcher(job, lowered, result.cubin)
 
 
-def _shape_call(prepare, entry: dict, b: int, hq: int, hkv: int, n: int, nq: int | None = None):
+def _shape_call(prepare, job: KernelJob, b: int, hq: int, hkv: int, n: int, nq: int | None = None):
     """The call(q, k, v, out) of a prepared kernel at one shape (its extra inputs bound)."""
     from cubridge.search.building import binder_for
     from cubridge.search.space import SPACES
-    cuir = SPACES[entry["reference"]].to_cuir(entry["config"])
-    return prepare(_extras(binder_for(entry), cuir, b, hq, hkv, n, Nq=nq), "cuda")
+    cuir = SPACES[job.reference].to_cuir(job.config)
+    return prepare(_extras(binder_for(job), cuir, b, hq, hkv, n, Nq=nq), "cuda")
 
 
 def bench_side_by_side(p: dict):
     """Ours (the dispatch table's kernel per shape) and every baseline, shape by shape."""
-    spec, sp = _spec(p), p.get("spec_params") or {}
-    dtype, hq, hkv, d = DTYPES[p["dtype"]], p["heads_q"], p["heads_kv"], p["head_dim"]
+    base = KernelJob.from_json(p, BENCH_KEYS)
+    spec, sp = _spec(base), base.spec_params
+    dtype, hq, hkv, d = DTYPES[base.dtype], base.heads_q, base.heads_kv, base.head_dim
     rows = {}
-    for entry in p["entries"]:
-        t = entry["shape"]
-        n, b = t["seqlen"], t["batch"]
-        nq = t.get("query_len") or n
-        row = {"flops": _flops(spec, sp, b, hq, hkv, n, d, nq), "baselines_ms": {}, "baseline_errors": {}}
-        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=11, Nq=nq)
+    for e in p["entries"]:
+        entry, t = KernelJob.from_json(e, ("shape",)), TargetShape(**e["shape"])
+        n, b = t.seqlen, t.batch
+        row = {"flops": _flops(spec, sp, b, hq, hkv, n, d, t.nq), "baselines_ms": {}, "baseline_errors": {}}
+        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=11, Nq=t.nq)
         try:
-            call = _shape_call(_built(entry), entry, b, hq, hkv, n, nq)
+            call = _shape_call(_built(entry), entry, b, hq, hkv, n, t.nq)
             row["ours_ms"] = time_ms(call, (q, k, v, torch.empty_like(q)))
         except Exception as e:   # noqa: BLE001 - reported beside the baselines
             row["ours_error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -241,7 +202,7 @@ def bench_side_by_side(p: dict):
             except Exception as e:   # noqa: BLE001
                 row["baseline_errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
             torch.cuda.empty_cache()
-        rows[t["key"]] = row
+        rows[t.key] = row
     return Outcome(TrialState.OK, f"{len(rows)} shapes timed beside baselines"), {"shapes": rows, "device": device_info()}
 
 
@@ -251,29 +212,30 @@ def race(p: dict):
     {trial number: kernel payload}; p["by_shape"]: {shape key: [trial numbers]}; p["shapes"]: the
     targets. Returns {"shapes": {key: {trial: median ms}}, "errors": {key: {trial: error}}}."""
     from cubridge.runtime.timing import bench_round_robin
-    dtype, hq, hkv, d = DTYPES[p["dtype"]], p["heads_q"], p["heads_kv"], p["head_dim"]
+    base = KernelJob.from_json(p, RACE_KEYS)
+    finalists = {num: KernelJob.from_json(e) for num, e in p["finalists"].items()}
+    dtype, hq, hkv, d = DTYPES[base.dtype], base.heads_q, base.heads_kv, base.head_dim
     built, shapes, errors = {}, {}, {}
-    for t in p["shapes"]:
-        trials = p["by_shape"].get(t["key"]) or []
+    for t in base.shapes:
+        trials = p["by_shape"].get(t.key) or []
         if len(trials) < 2:
             continue
-        n, b = t["seqlen"], t["batch"]
-        nq = t.get("query_len") or n
-        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=13, Nq=nq)
+        n, b = t.seqlen, t.batch
+        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=13, Nq=t.nq)
         out = torch.empty_like(q)
         calls = {}
         for num in trials:
-            entry = p["finalists"][str(num)]
+            entry = finalists[str(num)]
             try:
                 if num not in built:
                     built[num] = _built(entry)
-                calls[num] = _shape_call(built[num], entry, b, hq, hkv, n, nq)
+                calls[num] = _shape_call(built[num], entry, b, hq, hkv, n, t.nq)
             except Exception as e:   # noqa: BLE001 - this finalist drops out of the race
-                errors.setdefault(t["key"], {})[str(num)] = f"{type(e).__name__}: {str(e)[:300]}"
+                errors.setdefault(t.key, {})[str(num)] = f"{type(e).__name__}: {str(e)[:300]}"
         if len(calls) < 2:
             continue
         timings = bench_round_robin([lambda c=c: c(q, k, v, out) for c in calls.values()])
-        shapes[t["key"]] = {str(num): tm.median_ms for num, tm in zip(calls, timings)}
+        shapes[t.key] = {str(num): tm.median_ms for num, tm in zip(calls, timings)}
     return (Outcome(TrialState.OK, f"{len(shapes)} shape(s) raced"),
             {"shapes": shapes, "errors": errors, "device": device_info()})
 

@@ -34,10 +34,10 @@ class ScreenContext:
 
     @classmethod
     def build(cls, reference_name: str, spec, *, spec_params=None, quick: bool = False, head_dims=(64,)):
-        from cubridge.paths import ref_kernel_dir
+        from cubridge.runtime.kernels import reference_kernel
         from cubridge.spec import load_spec
         from cubridge.verify import default_cases
-        ref = parse_file(ref_kernel_dir(reference_name) / "kernel.cuir")
+        ref = parse_file(reference_kernel(reference_name).cuir_path())
         spec = load_spec(spec) if isinstance(spec, str) else spec
         return cls(ref, reference_name, spec, dict(spec_params or {}), default_cases(quick=quick),
                    tuple(head_dims))

@@ -64,7 +64,7 @@ def load_population(out: Path) -> list[Candidate]:
     if not path.is_file():
         return []
     return [Candidate(Proposal((out / "candidates" / f"{c['id']}.cuir").read_text(), c["origin"], c["attempt"],
-                               c["parent"], tuple(c["notes"])), c["reference"])
+                               c["parent"], tuple(c["notes"]), c.get("binding")), c["reference"])
             for c in artifacts.read_json(path, where="--resume")]
 
 
@@ -76,7 +76,7 @@ def _save_population(out: Path, pop: list[Candidate]) -> None:
             p.write_text(c.proposal.text)
     artifacts.write_json(out / "population.json", [
         {"id": c.id, "origin": c.proposal.origin, "attempt": c.proposal.attempt, "parent": c.proposal.parent,
-         "notes": list(c.proposal.notes), "reference": c.reference} for c in pop])
+         "notes": list(c.proposal.notes), "reference": c.reference, "binding": c.proposal.binding} for c in pop])
 
 
 def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) -> tuple[list, dict, list]:

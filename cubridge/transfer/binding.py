@@ -1,4 +1,6 @@
-"""A candidate's extra kernel inputs at one call: `Candidate.bind` (cubridge.transfer.rules).
+"""A candidate's extra kernel inputs at one call: `bind_inputs(binding, spec, spec_params, ...)`,
+which `Candidate.bind` (cubridge.transfer.rules) and a search worker (from the job's Binding JSON)
+both call.
 
 What depends only on the shape (the scalars C0, C1, ... that differ between shapes, captured
 tensors built from the shape, the block table of a mask that reads no runtime input) is computed on
@@ -9,7 +11,7 @@ with no host round trip where possible:
 - the block table of a mask that reads runtime inputs is built on the GPU
   (cubridge.runtime.block_table), in the current stream, when the call is on a CUDA device;
 - a capture *derived* from runtime inputs (the hooks compute a new tensor from them) needs the
-  hooks re-run per call on the host: `Binder.host_path` says so, and such a call refuses to run
+  hooks re-run per call on the host: `Candidate.host_path` says so, and such a call refuses to run
   inside a CUDA graph capture.
 
 Example:
@@ -24,16 +26,17 @@ Example:
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.spec import check_query_length
+from cubridge.inputs import check_query_length
 
-
-# Shapes whose static part a candidate keeps (a model calls a handful; a tuner's checks a few more).
-CACHED_SHAPES = 64
+# Shapes whose static part is kept (a model calls a handful; a tuner's checks a few more).
+CACHED_SHAPES = 256
+_CACHE: OrderedDict = OrderedDict()
 
 
 @dataclass
@@ -44,34 +47,31 @@ class _Static:
     table: torch.Tensor | None
 
 
-def resolve_runtime(cand, *, Nq, Nk, Hq, Hkv, B, device, runtime) -> dict:
-    return cand.spec.runtime_for(Nq, Nk, Hq, Hkv, B, torch.device(device), runtime,
-                                 cand.spec.resolved_params(**cand.spec_params))
-
-
-def bind(cand, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
-         device="cpu", runtime: dict | None = None) -> dict:
-    """The extra kernel inputs of `cand` at one call (see the module docstring). `runtime`: the
-    call's runtime inputs by name, or None for the representative values the tuner uses."""
-    check_query_length(Nq, Nk, cand.spec.path)
-    cfg = {**cand.program.params(), **(params or {})}
+def bind_inputs(binding, spec, spec_params: dict, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1,
+                params: dict | None = None, device="cpu", runtime: dict | None = None) -> dict:
+    """The extra kernel inputs at one call (see the module docstring). `binding`: a
+    transfer.rules.Binding; `runtime`: the call's runtime inputs by name, or None for the
+    representative values the tuner uses."""
+    check_query_length(Nq, Nk, spec.path)
+    cfg = {**dict(binding.params), **(params or {})}
     device = torch.device(device)
-    values = resolve_runtime(cand, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, device=device, runtime=runtime)
-    key = (Nq, Nk, Hq, Hkv, B, cfg.get("BLOCK_M"), cfg.get("BLOCK_N"), str(device))
-    static = cand.cache.get(key)
+    values = spec.runtime_for(Nq, Nk, Hq, Hkv, B, device, runtime, spec.resolved_params(**spec_params))
+    key = (binding, spec.path, repr(sorted(spec_params.items())), Nq, Nk, Hq, Hkv, B, cfg.get("BLOCK_M"),
+           cfg.get("BLOCK_N"), str(device))
+    static = _CACHE.get(key)
     if static is None:
-        if len(cand.cache) >= CACHED_SHAPES:
-            cand.cache.pop(next(iter(cand.cache)))          # the oldest shape
-        static = cand.cache[key] = _static(cand, Nq, Nk, Hq, Hkv, B, cfg, device, values)
+        if len(_CACHE) >= CACHED_SHAPES:
+            _CACHE.popitem(last=False)                      # the oldest shape
+        static = _CACHE[key] = _static(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, cfg, device, values)
     inputs = dict(static.consts)
     inputs.update(static.captures)
-    if cand.host_path:
-        inputs.update(_derived(cand, Nq, Nk, Hq, Hkv, B, device, values))
-    for cap, name in cand.runtime.items():
+    if binding.derived:
+        inputs.update(_derived(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, device, values))
+    for cap, name in binding.runtime:
         inputs[cap] = kernel_tensor(values[name])
-    if cand.table:
+    if binding.table:
         inputs["BLOCK_CLASS"] = static.table if static.table is not None else _runtime_table(
-            cand, Nq, Nk, Hq, Hkv, B, cfg, device, values, inputs)
+            binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, cfg, device, values, inputs)
     return inputs
 
 
@@ -82,21 +82,21 @@ def kernel_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _static(cand, Nq, Nk, Hq, Hkv, B, cfg, device, values) -> _Static:
+def _static(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, cfg, device, values) -> _Static:
     from cubridge.transfer.forms import trace_at
-    skeleton, consts, captured = trace_at(cand.spec, Nq, Nk, Hq, Hkv, cand.spec_params, device, runtime=values, B=B)
-    if skeleton != cand.skeleton:
-        from cubridge.transfer.trace import TraceError
-        raise TraceError(f"the hooks of {cand.spec.name!r} trace to a different structure at "
+    from cubridge.transfer.trace import TraceError
+    fingerprint, consts, captured = trace_at(spec, Nq, Nk, Hq, Hkv, spec_params, device, runtime=values, B=B)
+    if fingerprint != binding.skeleton:
+        raise TraceError(f"the hooks of {spec.name!r} trace to a different structure at "
                          f"Nq={Nq}, Nk={Nk}, Hq={Hq}: the transfer cannot be reused at this shape",
-                         where=cand.spec.path, hint="make the hooks' structure independent of the shape")
-    static_caps = {n: t for n, t in captured.items() if n not in cand.runtime and n not in cand.derived}
-    captures = {n: _static_tensor(t, device) for n, t in static_caps.items()}
+                         where=spec.path, hint="make the hooks' structure independent of the shape")
+    skip = {c for c, _ in binding.runtime} | set(binding.derived)
+    captures = {n: _static_tensor(t, device) for n, t in captured.items() if n not in skip}
     table = None
-    if cand.table and not cand.table_reads_runtime:
-        hooks = cand.spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=values, **cand.spec_params)
-        table = host_table(cand, hooks, B, Hq, Nq, Nk, cfg, device)
-    return _Static({name: consts[i] for name, i, _ in cand.slots}, captures, table)
+    if binding.table and not binding.table_reads_runtime:
+        hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=values, **spec_params)
+        table = host_table(binding, hooks, B, Hq, Nq, Nk, cfg, device)
+    return _Static({name: consts[i] for name, i, _ in binding.slots}, captures, table)
 
 
 def _static_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -108,34 +108,35 @@ def _static_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return kernel_tensor(t.to(device))
 
 
-def _derived(cand, Nq, Nk, Hq, Hkv, B, device, values) -> dict:
+def _derived(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, device, values) -> dict:
     """Captures the hooks compute from runtime inputs: the hooks are re-run on this call's values."""
     from cubridge.transfer.forms import trace_at
-    _refuse_in_capture(cand, "its hooks derive captured tensors from runtime inputs")
-    captured = trace_at(cand.spec, Nq, Nk, Hq, Hkv, cand.spec_params, device, runtime=values, B=B)[2]
-    return {n: _static_tensor(captured[n], device) for n in cand.derived}
+    _refuse_in_capture(spec, "its hooks derive captured tensors from runtime inputs")
+    captured = trace_at(spec, Nq, Nk, Hq, Hkv, spec_params, device, runtime=values, B=B)[2]
+    return {n: _static_tensor(captured[n], device) for n in binding.derived}
 
 
-def host_table(cand, hooks, B, Hq, Nq, Nk, cfg, device) -> torch.Tensor:
+def host_table(binding, hooks, B, Hq, Nq, Nk, cfg, device) -> torch.Tensor:
     from cubridge.transfer.forms import block_classes
-    table = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"], cand.per_bh, device)
+    table = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"], binding.per_bh, device)
     return table if device.type == "cpu" else table.to(device=device, dtype=torch.int32)
 
 
-def _runtime_table(cand, Nq, Nk, Hq, Hkv, B, cfg, device, values, inputs) -> torch.Tensor:
-    if device.type == "cuda" and not cand.host_path:
+def _runtime_table(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, cfg, device, values, inputs):
+    if device.type == "cuda" and not binding.derived and binding.mask:
         from cubridge.runtime.block_table import gpu_block_classes
-        return gpu_block_classes(cand.program, inputs, B=B, Hq=Hq, Nq=Nq, Nk=Nk, block_m=cfg["BLOCK_M"],
-                                 block_n=cfg["BLOCK_N"], per_bh=cand.per_bh, device=device)
+        scalars = [(name, "int" if dt == "i32" else "float") for name, _, dt in binding.slots]
+        return gpu_block_classes(binding.mask, inputs, scalars, B=B, Hq=Hq, Nq=Nq, Nk=Nk, block_m=cfg["BLOCK_M"],
+                                 block_n=cfg["BLOCK_N"], per_bh=binding.per_bh, device=device)
     if device.type == "cuda":
-        _refuse_in_capture(cand, "its block table is built on the host")
-    hooks = cand.spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=values, **cand.spec_params)
-    return host_table(cand, hooks, B, Hq, Nq, Nk, cfg, device)
+        _refuse_in_capture(spec, "its block table is built on the host")
+    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=values, **spec_params)
+    return host_table(binding, hooks, B, Hq, Nq, Nk, cfg, device)
 
 
-def _refuse_in_capture(cand, why: str):
+def _refuse_in_capture(spec, why: str):
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise LaunchError(f"spec {cand.spec.name!r} cannot run inside a CUDA graph capture: {why}, which "
-                          "needs host work per call", where=cand.spec.path,
+        raise LaunchError(f"spec {spec.name!r} cannot run inside a CUDA graph capture: {why}, which "
+                          "needs host work per call", where=spec.path,
                           hint="read the runtime inputs directly in the mods (no tensor computed from them "
                                "in hooks()), or call outside the graph")

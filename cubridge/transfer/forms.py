@@ -6,11 +6,13 @@ Both cubridge.transfer.rules (the transfer: probes, generalisation) and cubridge
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 
 import torch
 
 from cubridge.cuir import nodes as N
+from cubridge.transfer.evalmod import mask_values
 from cubridge.transfer.trace import trace_mask, trace_score
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -35,10 +37,10 @@ PROBE_B = 2
 
 
 def trace_at(spec, Nq, Nk, Hq, Hkv, spec_params, device, *, runtime=None, B=PROBE_B) -> tuple:
-    """(skeleton, numeric constants in traversal order, captured tensors by name) of the spec's
+    """(fingerprint, numeric constants in traversal order, captured tensors by name) of the spec's
     hooks at one shape: what Candidate.bind needs (cubridge.transfer.binding)."""
     form = trace_form(spec, Nq, Nk, Hq, Hkv, spec_params, device, runtime=runtime, B=B)
-    return skeleton(form), consts(form), form.captures
+    return fingerprint(form), consts(form), form.captures
 
 
 def trace_form(spec, Nq, Nk, Hq, Hkv, spec_params, device, runtime=None, B=PROBE_B) -> Form:
@@ -86,6 +88,11 @@ def skeleton(form: Form) -> tuple:
     return tuple(map_consts(n, lambda c: N.Const(0)) for n in form.nodes()) + (form.norm_kind, tuple(form.captures))
 
 
+def fingerprint(form: Form) -> str:
+    """skeleton as a short string (CuIR nodes are frozen dataclasses: their repr is canonical)."""
+    return hashlib.sha256(repr(skeleton(form)).encode()).hexdigest()[:16]
+
+
 def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.Tensor:
     """Class of every (query tile, KV tile): 0 empty, 1 partial, 2 full, from the mask itself
     (exact, at call time). Shape [NQT, NKT], or [B, Hq, NQT, NKT] when the mask reads b or h."""
@@ -98,7 +105,7 @@ def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.T
     out = torch.empty(bs, hs, nqt, nkt, dtype=torch.int64, device=device)
     for i in range(nqt):
         q = torch.arange(offset + i * BM, offset + min((i + 1) * BM, Nq), device=device).view(1, 1, -1, 1)
-        m = hooks.mask_mod(b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
+        m = mask_values(hooks.mask_mod, b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
         m = m.expand(bs, hs, q.shape[2], nkt * BN).reshape(bs, hs, q.shape[2], nkt, BN)
         valid = (kv < Nk).reshape(1, 1, 1, nkt, BN)
         anyv = m.any(dim=(2, 4))

@@ -39,7 +39,7 @@ class RulesProposer(Proposer):
         except CubridgeError as e:          # untraceable hook: nothing to propose (an LLM may)
             self.error = str(e)
             return []
-        prop = Proposal(cand.text, "rules", notes=tuple(cand.rules))
+        prop = Proposal(cand.text, "rules", notes=tuple(cand.rules), binding=cand.binding.to_json())
         self.candidates[prop.id] = cand
         return [prop]
 

@@ -12,7 +12,7 @@ Each rule of the taxonomy rewrites its regions of the reference program:
   when the normalisation is not softmax.
 Queries are aligned to the end of the keys: the reference programs index query rows by their
 absolute position iq = row + NK - NQ, and the kv_range region bounds q_lo / q_hi the same way.
-`Candidate.bind` (cubridge.transfer.binding) gives the extra inputs of one call.
+`Candidate.bind` (cubridge.transfer.binding.bind_inputs) gives the extra inputs of one call.
 The result is checked against the taxonomy (`taxonomy.check_structure`) before it is returned.
 
 Example:
@@ -36,12 +36,12 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
-from cubridge.transfer.forms import (EMPTY, FULL, PARTIAL, PROBE_B, block_classes, consts, map_consts,  # noqa: F401
-                                     skeleton, trace_form)
+from cubridge.transfer.binding import bind_inputs
+from cubridge.transfer.forms import (EMPTY, FULL, PARTIAL, PROBE_B, block_classes, consts,  # noqa: F401
+                                     fingerprint, map_consts, skeleton, trace_form)
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure
 from cubridge.transfer.trace import TraceError
-
 
 
 # Shapes the hooks are traced at to tell fixed constants from shape-dependent ones: a constant
@@ -49,6 +49,44 @@ from cubridge.transfer.trace import TraceError
 # time. Odd sizes and two head counts make an accidental match unlikely; verification at other
 # shapes would catch one.
 PROBES = ((97, 131, 4, 2), (211, 173, 8, 2))
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How a candidate's extra inputs are bound at a shape, as data that travels in a job (so a
+    worker binds without redoing the transfer): the shape-dependent constants (slots: input name,
+    constant index, dtype), whether it reads a block table and whether per (batch, head), a
+    fingerprint of the traced hooks' structure (a shape whose hooks trace differently is refused),
+    the program's tile params (the table's default block sizes), and for runtime inputs: the mask
+    predicate (CuIR text, for the GPU block table), which captures are runtime inputs read as they
+    are (capture name, input name), which are derived from them, whether the table reads them.
+
+    >>> b = Binding((("C0", 1, "i32"),), table=False, skeleton="ab12", params=(("BLOCK_M", 128),))
+    >>> Binding.from_json(b.to_json()) == b
+    True
+    """
+    slots: tuple = ()
+    table: bool = False
+    per_bh: bool = False
+    skeleton: str = ""
+    params: tuple = ()
+    mask: str = ""
+    runtime: tuple = ()
+    derived: tuple = ()
+    table_reads_runtime: bool = False
+
+    def to_json(self) -> dict:
+        return {"slots": [list(s) for s in self.slots], "table": self.table, "per_bh": self.per_bh,
+                "skeleton": self.skeleton, "params": dict(self.params), "mask": self.mask,
+                "runtime": [list(r) for r in self.runtime], "derived": list(self.derived),
+                "table_reads_runtime": self.table_reads_runtime}
+
+    @staticmethod
+    def from_json(d: dict) -> "Binding":
+        return Binding(tuple(tuple(s) for s in d["slots"]), bool(d["table"]), bool(d["per_bh"]), d["skeleton"],
+                       tuple(sorted(d["params"].items())), d.get("mask", ""),
+                       tuple(tuple(r) for r in d.get("runtime", ())), tuple(d.get("derived", ())),
+                       bool(d.get("table_reads_runtime", False)))
 
 
 @dataclass
@@ -61,11 +99,10 @@ class Candidate:
     slots: list = field(default_factory=list)      # (input name, constant index, dtype)
     table: bool = False
     per_bh: bool = False
-    skeleton: tuple = ()
+    skeleton: str = ""                             # fingerprint of the traced hooks
     runtime: dict = field(default_factory=dict)    # capture name -> runtime input it is
     derived: tuple = ()                            # captures computed from runtime inputs
     table_reads_runtime: bool = False
-    cache: dict = field(default_factory=dict, repr=False, compare=False)   # shape -> binding.
 
     @property
     def host_path(self) -> bool:
@@ -77,17 +114,24 @@ class Candidate:
     def text(self) -> str:
         return to_text(self.program)
 
+    @property
+    def binding(self) -> Binding:
+        return Binding(tuple(tuple(s) for s in self.slots), self.table, self.per_bh, self.skeleton,
+                       tuple(sorted(self.program.params().items())), _mask_text(self.program),
+                       tuple(self.runtime.items()), tuple(self.derived), self.table_reads_runtime)
+
     def bind(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
              device="cpu", runtime: dict | None = None) -> dict:
         """The extra kernel inputs at one call: scalars, captured tensors, runtime inputs, the
         block table. `runtime`: the call's runtime inputs, or None for representative values."""
-        from cubridge.transfer.binding import bind
-        return bind(self, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params=params, device=device, runtime=runtime)
+        return bind_inputs(self.binding, self.spec, self.spec_params, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
+                           params=params, device=device, runtime=runtime)
 
 
-def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_params: dict | None = None,
-             device="cpu", **_ignored) -> Candidate:
-    """Target CuIR for `spec`, valid at every shape; `Candidate.bind` gives its extra inputs."""
+def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, device="cpu") -> Candidate:
+    """Target CuIR for `spec`, valid at every shape and tile config (tile params are chosen later:
+    `Candidate.bind(params=...)`, the checker and the tuner take them); `Candidate.bind` gives its
+    extra inputs."""
     spec_params = dict(spec_params or {})
     runtime = [_probe_runtime(spec, p, spec_params, device) for p in PROBES]
     forms = [trace_form(spec, *p, spec_params, device, runtime=r) for p, r in zip(PROBES, runtime)]
@@ -122,7 +166,7 @@ def transfer(reference: N.Program, spec, *, params: dict | None = None, spec_par
     program = N.Program(body, source=f"<{spec.name} from {reference.name}>")
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
-    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, skeleton(forms[0]),
+    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, fingerprint(forms[0]),
                      from_runtime, derived, table and bool(names & (set(from_runtime) | set(derived))))
 
 
@@ -148,6 +192,17 @@ def _runtime_captures(spec, form, runtime: dict, spec_params, device) -> tuple[d
     derived = tuple(c for c, t in form.captures.items() if c not in direct
                     and (t.shape != again.captures[c].shape or not torch.equal(t, again.captures[c])))
     return direct, derived
+
+
+def _mask_text(program) -> str:
+    """The predicate of the program's mask region (CuIR text), or "" when it has none."""
+    for st in N.walk_stmts(program.body):
+        if isinstance(st, N.Region) and st.name == "mask":
+            for inner in N.walk_stmts(st.body):
+                if isinstance(inner, N.Assign) and inner.targets == ("s",) and isinstance(inner.value, N.Call) \
+                        and inner.value.op == "where":
+                    return expr(inner.value.args[0])
+    return ""
 
 
 def _generalise(forms):

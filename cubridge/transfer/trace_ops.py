@@ -102,15 +102,18 @@ def _bitwise(ctx, op, na, ka, nb, kb):
 
 
 def _shift(ctx, op, na, ka, nb, kb):
+    """A constant shift is a multiply / floor division by a power of two (which the interval
+    analysis reads); a shift by a symbolic amount stays a shift (arithmetic, as torch's)."""
+    if FLOAT in (ka, kb):
+        ctx.fail(f"shift '{op}' of a float value", "shift integers; cast first with .long()")
+    (na, _), (nb, _) = _as_int(na, ka), _as_int(nb, kb)
     k = _num(nb)
-    if FLOAT in (ka, kb) or not isinstance(k, int) or not 0 <= k < 31:
-        ctx.fail(f"shift '{op}' by {'a symbolic or ' if k is None else ''}non-constant-integer amount"
-                 if not isinstance(k, int) else f"shift '{op}' of a float or by {k}",
-                 "shift an integer by a constant 0..30 (x >> 3 is traced as x // 8, which floors as "
-                 "the arithmetic shift does)")
-    na, _ = _as_int(na, ka)
-    return _sym(ctx, _fold("*" if op == "<<" else "//", na, N.Const(1 << k))
-                or N.BinOp("*" if op == "<<" else "//", na, N.Const(1 << k)), INT)
+    if k is None:
+        return _sym(ctx, _fold(op, na, nb) or N.BinOp(op, na, nb), INT)
+    if not 0 <= k < 31:
+        ctx.fail(f"shift '{op}' by {k}", "shift 32-bit integers by 0..30")
+    mul = "*" if op == "<<" else "//"
+    return _sym(ctx, _fold(mul, na, N.Const(1 << k)) or N.BinOp(mul, na, N.Const(1 << k)), INT)
 
 
 def _power(ctx, a, b, nb):

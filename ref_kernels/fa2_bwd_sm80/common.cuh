@@ -32,6 +32,10 @@ constexpr u32 NEG_INF_BITS = 0xff800000u;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(NEG_INF_BITS); }
 
+// ---------------------------------------------------------------- PTX helpers
+// Every inline-PTX statement of the backward is in this block; FA2B_HOST_EMU (the CPU tests)
+// swaps in the C++ emulation of emu/ptx_emu.h, which runs the kernels on fibers.
+#ifndef FA2B_HOST_EMU
 __device__ __forceinline__ float ex2(float x) {   // ex2.approx(-inf) = +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -39,7 +43,6 @@ __device__ __forceinline__ float ex2(float x) {   // ex2.approx(-inf) = +0
 }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // 16-byte async copies (L2 only); the zfill form copies src_bytes and zero-fills the rest.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
@@ -98,6 +101,27 @@ __device__ __forceinline__ float to_f32(elem_t x) {
   return f;
 #endif
 }
+
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 x) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");
+}
+
+// Adds (a, b) into p[0], p[1] of global memory (fp32, result unused: a reduction, not an atomic
+// read-modify-write round trip). sm_90 has a 2-wide form: half the operations.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
+
+#else
+#include "emu/ptx_emu.h"
+#endif  // FA2B_HOST_EMU
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Byte offset of (row, chunk) in a tile with ROW_BYTES per row, chunks XOR-swizzled by row % 8.
 template <int ROW_BYTES>

@@ -20,21 +20,6 @@ constexpr int OFF_LSE = OFF_DS + DS_BYTES;         // 2 slots
 constexpr int OFF_DVEC = OFF_LSE + 2 * VEC_BYTES;  // 2 slots
 static_assert(OFF_DVEC + 2 * VEC_BYTES == SMEM_BYTES, "shared-memory map and SMEM_BYTES disagree");
 
-__device__ __forceinline__ void st_shared_u32(u32 addr, u32 x) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");
-}
-
-// Adds (a, b) into p[0], p[1] of global memory (fp32, result unused: a reduction, not an atomic
-// read-modify-write round trip). sm_90 has a 2-wide form: half the operations.
-__device__ __forceinline__ void red_add2(float* p, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
-#else
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
-#endif
-}
-
 struct DkdvCta {
   const elem_t *q, *dout;     // kernel parameters (constant bank)
   const float *lse, *dvec;

@@ -125,5 +125,6 @@ def test_an_accepted_patch_replaces_the_lowering_in_jobs(tmp_path):
     point = SPACES["fa3_sm90"].best_known(128)[0]
     p = payload(cfg, cand, point)
     assert p["cuda_source"] == "// patched kernel\n"
-    lowered, options = lower_kernel(p)
+    from cubridge.search.messages import KernelJob
+    lowered, options = lower_kernel(KernelJob.from_json(p))
     assert lowered.source == "// patched kernel\n" and any(o.startswith("-DBLOCK_M=") for o in options)

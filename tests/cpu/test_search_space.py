@@ -10,7 +10,9 @@ from cubridge.cuir.checker import check
 from cubridge.cuir.parser import parse_file
 from cubridge.paths import ref_kernel_dir
 from cubridge.runtime import fa2_sm80, fa3_sm90
-from cubridge.search.space import FA3_ACC_REG_BUDGET, SPACES, fa3_acc_regs, smem_limit
+from cubridge.runtime.kernels.fa2_sm80 import smem_limit
+from cubridge.runtime.kernels.fa3_sm90 import FA3_ACC_REG_BUDGET, fa3_acc_regs
+from cubridge.search.space import SPACES
 
 CASES = [(name, d, arch) for name, s in SPACES.items() for d in s.head_dims for arch in s.arches]
 

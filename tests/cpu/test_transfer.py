@@ -138,7 +138,7 @@ def test_block_classes_match_brute_force():
 def test_rules_candidates_keep_the_structure(refs):
     for ref in refs.values():
         for name in builtin_specs():
-            cand = transfer(ref, load_spec(name), Nq=100, Nk=100, Hq=4, Hkv=2)
+            cand = transfer(ref, load_spec(name))
             check_structure(ref, cand.program)
 
 
@@ -187,3 +187,22 @@ def test_hooks_that_disagree_with_the_reference_are_caught(refs, tmp_path):
     assert not report.passed
     first = report.first_failure
     assert first.case == CASES[0] and "exceeds bound" in first.verdict.reason
+
+
+def test_an_unknown_keyword_is_an_error_not_ignored(refs):
+    with pytest.raises(TypeError, match="params"):
+        transfer(refs["fa2_sm80"], load_spec("causal"), params={"BLOCK_M": 64})
+
+
+def test_the_binding_travels_as_data(refs):
+    """What a worker gets (Binding JSON) binds the same inputs as the driver's candidate."""
+    import json
+
+    from cubridge.transfer.rules import Binding, bind_inputs
+    for name in ("prefixlm", "share_question", "relative_pos"):
+        cand = transfer(refs["fa3_sm90"], load_spec(name))
+        binding = Binding.from_json(json.loads(json.dumps(cand.binding.to_json())))
+        shape = dict(Nq=300, Nk=300, Hq=4, Hkv=2, B=2, params={"BLOCK_M": 128, "BLOCK_N": 128})
+        a, b = cand.bind(**shape), bind_inputs(binding, cand.spec, cand.spec_params, **shape)
+        assert a.keys() == b.keys() and all(
+            torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import textwrap
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -286,7 +287,7 @@ def test_a_worker_rebuilds_a_spec_file_it_cannot_see(tmp_path):
     from cubridge.paths import REPO_DIR
     from cubridge.search.building import spec_for
     source = (REPO_DIR / "cubridge/specs/prefixlm.py").read_text()
-    spec = spec_for({"spec": str(tmp_path / "elsewhere" / "my_prefix.py"), "spec_source": source})
+    spec = spec_for(SimpleNamespace(spec=str(tmp_path / "elsewhere" / "my_prefix.py"), spec_source=source))
     assert spec.params == {"prefix": None} and spec.path.endswith("my_prefix.py")
 
 

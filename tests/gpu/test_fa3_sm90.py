@@ -131,16 +131,16 @@ def test_tile_counter_is_zero_after_every_launch():
     """The kernel's last producer resets the per-stream scheduler counter; grids of different
     sizes back to back on one stream then all see a zero counter (else tiles would be skipped and
     their outputs left NaN, which run_case catches)."""
-    from cubridge.runtime.fa3_sm90 import _tile_counter
+    from cubridge.runtime.fa3_sm90 import tile_counter
     for max_ctas in (1, 5, None, 2):
         run_case(1, 4, 2, 900, 900, 128, torch.bfloat16, True, persistent=True, max_ctas=max_ctas)
         stream = torch.cuda.current_stream().cuda_stream
-        assert _tile_counter(torch.device("cuda", torch.cuda.current_device()), stream).tolist() == [0, 0]
+        assert tile_counter(torch.device("cuda", torch.cuda.current_device()), stream).tolist() == [0, 0]
 
 
 def test_streams_have_their_own_counters():
     """Launches on two streams at once use separate counters and both finish correctly."""
-    from cubridge.runtime.fa3_sm90 import _tile_counter
+    from cubridge.runtime.fa3_sm90 import tile_counter
     side = torch.cuda.Stream()
     q, k, v = (torch.randn(2, 8, 1500, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     outs = [torch.full_like(q, math.nan) for _ in range(2)]
@@ -150,7 +150,7 @@ def test_streams_have_their_own_counters():
         fa3_forward(q, k, v, causal=True, out=outs[1], max_ctas=5)
     torch.cuda.synchronize()
     dev = torch.device("cuda", torch.cuda.current_device())
-    assert _tile_counter(dev, side.cuda_stream).data_ptr() != _tile_counter(dev, torch.cuda.current_stream().cuda_stream).data_ptr()
+    assert tile_counter(dev, side.cuda_stream).data_ptr() != tile_counter(dev, torch.cuda.current_stream().cuda_stream).data_ptr()
     assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
 
 

@@ -22,7 +22,8 @@ def test_race_times_each_finalist_round_robin(tmp_path):
                     f"output: {tmp_path / 'out'}\n")
     cfg = load_config(path)
     ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
-    cand = Candidate(Proposal(to_text(transfer(ref, load_spec("prefixlm")).program), "rules"), "fa3_sm90")
+    rules = transfer(ref, load_spec("prefixlm"))
+    cand = Candidate(Proposal(to_text(rules.program), "rules", binding=rules.binding.to_json()), "fa3_sm90")
     points = SPACES["fa3_sm90"].best_known(128)
     assert len(points) >= 3
     finalists = {str(i): payload(cfg, cand, pt) for i, pt in enumerate(points[:3])}

@@ -1,0 +1,123 @@
+"""One interface per reference kernel: what the rest of cubridge may know about a kernel.
+
+A reference kernel is a folder (`ref_kernels/<name>/`: kernel.cu, kernel.cuir, README) and one
+`ReferenceKernel` subclass, registered by name with `@register`. Everything kernel-specific that
+the transfer, lowering, compile, search and load paths need goes through it: the tile search
+space, the -D flags of a point, the compile options, the region generator the lowering patches
+kernel.cu with, the input checks and the launcher. No code outside a kernel's own modules tests a
+kernel's name.
+
+The launcher contract (search/measure.py, cubridge.load, tests):
+
+    kernel = reference_kernel("fa3_sm90")
+    prepare = kernel.launcher(lowered, cubin, point)     # lowered: cubridge.lower.LoweredKernel
+    call = prepare(extra_inputs, device)                 # the variant's bound inputs, packed once
+    call(q, k, v, out)                                   # out preallocated, written in place
+
+Example:
+    >>> k = reference_kernel("fa2_sm80")
+    >>> k.arch, k.space.kernel
+    ('sm_80', 'fa2_sm80')
+    >>> k.defines({"block_m": 128, "block_n": 64, "stages": 2, "warps": 4}, 128, "bf16")[:2]
+    ['-DBLOCK_M=128', '-DBLOCK_N=64']
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable, ClassVar
+
+from cubridge.errors import CubridgeError
+from cubridge.paths import REF_KERNELS_DIR
+from cubridge.runtime.space import Space
+
+DTYPES = ("bf16", "fp16")      # the one dtype vocabulary of kernels, configs and jobs
+
+Prepare = Callable[[dict, object], Callable]   # (extra inputs, device) -> call(q, k, v, out)
+
+
+class ReferenceKernel(ABC):
+    """An expert kernel that cubridge transfers variants onto. Subclasses set the class attributes
+    and implement the four methods; `@register` makes the kernel known by `name`."""
+    name: ClassVar[str]            # the folder under ref_kernels/ and the name in configs / --ref
+    arch: ClassVar[str]            # its lowest target ("sm_80"); a run compiles for its config's arch
+    generator: ClassVar[str]       # module with lower_source(kernel_cu, VariantIR) -> str
+    space: ClassVar[Space]         # its tile configurations
+
+    @property
+    def directory(self) -> Path:
+        """kernel.cu, kernel.cuir and the headers kernel.cu includes."""
+        return REF_KERNELS_DIR / self.name
+
+    def source(self) -> str:
+        return (self.directory / "kernel.cu").read_text()
+
+    def cuir_path(self) -> Path:
+        return self.directory / "kernel.cuir"
+
+    @abstractmethod
+    def defines(self, point: dict, head_dim: int, dtype: str) -> list[str]:
+        """The -D flags kernel.cu reads for a tile config. Masking is the lowered variant's, so
+        the reference's own causal switch is off."""
+
+    def compile_options(self, point: dict, head_dim: int, dtype: str) -> list[str]:
+        """Every option of compile_cubin but the arch (which is `arch`)."""
+        return ["-std=c++17", *self.defines(point, head_dim, check_dtype(dtype)), f"-I{self.directory}"]
+
+    @abstractmethod
+    def check_inputs(self, q, k, v) -> None:
+        """Raise LaunchError naming the problem and the fix for inputs this kernel cannot run."""
+
+    @abstractmethod
+    def launcher(self, lowered, cubin: bytes, point: dict) -> Prepare:
+        """prepare(extra, device) -> call(q, k, v, out) for a lowered variant compiled to `cubin`
+        at tile config `point` (head dim and dtype are q's; they must match the cubin's). An
+        empty `cubin` builds lowered.source through the compile cache on the first call."""
+
+    def __repr__(self) -> str:
+        return f"<reference kernel {self.name} ({self.arch}, {self.directory})>"
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise CubridgeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}",
+                            hint='write "bf16" or "fp16"')
+    return dtype
+
+
+_KERNELS: dict[str, ReferenceKernel] = {}
+
+
+def register(cls: type[ReferenceKernel]) -> type[ReferenceKernel]:
+    """Class decorator: make `cls.name` known. A second class under the same name replaces the
+    first (a test may register its own)."""
+    _KERNELS[cls.name] = cls()
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Forget kernel `name` (a test's own kernel, after the test)."""
+    _KERNELS.pop(name, None)
+
+
+def _builtin_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def reference_kernel(name: str) -> ReferenceKernel:
+    """The registered kernel `name`; the built-in ones register when their module is imported."""
+    if name not in _KERNELS and name in _builtin_modules():
+        importlib.import_module(f"{__name__}.{name}")
+    if name not in _KERNELS:
+        raise CubridgeError(f"unknown reference kernel {name!r}",
+                            hint=f"known reference kernels: {', '.join(kernel_names())}")
+    return _KERNELS[name]
+
+
+def kernel_names() -> list[str]:
+    """Every known kernel: the built-in modules of this package and any registered since."""
+    for module in _builtin_modules():
+        importlib.import_module(f"{__name__}.{module}")
+    return sorted(_KERNELS)

@@ -1,0 +1,51 @@
+"""Evaluating a mask_mod eagerly on index grids, as FlexAttention defines it.
+
+FlexAttention calls a mod on scalar indices (vmapped over b, h, q, kv), so `table[b][q_idx]` and
+other per-element idioms are valid mods. Cubridge's eager helpers (block tables, pair counts)
+call the mod once on broadcastable grids instead, which is much faster but gives a wrong shape or
+an IndexError for those idioms; then the mod is evaluated under torch.vmap as FlexAttention does.
+
+Example:
+    >>> import torch
+    >>> t = torch.tensor([[True, False], [False, True]])
+    >>> mask_values(lambda b, h, q, kv: t[q % 2][kv % 2], *grids(1, 1, torch.arange(3), 2)).int().tolist()
+    [[[[1, 0], [0, 1], [1, 0]]]]
+"""
+from __future__ import annotations
+
+import torch
+
+
+def grids(B: int, H: int, q_rows: torch.Tensor, Nk: int, device=None):
+    """b [B,1,1,1], h [1,H,1,1], q [1,1,rows,1], kv [1,1,1,Nk]."""
+    device = device or q_rows.device
+    return (torch.arange(B, device=device).view(B, 1, 1, 1), torch.arange(H, device=device).view(1, H, 1, 1),
+            q_rows.to(device).view(1, 1, -1, 1), torch.arange(Nk, device=device).view(1, 1, 1, Nk))
+
+
+def mask_values(mask_mod, b, h, q, kv) -> torch.Tensor:
+    """The mask as a boolean tensor broadcastable to [B, H, Q, K] (grids as from `grids`)."""
+    full = (b.shape[0], h.shape[1], q.shape[2], kv.shape[3])
+    try:
+        m = torch.as_tensor(mask_mod(b, h, q, kv), device=q.device)
+        if m.dim() <= 4 and _broadcasts(m.shape, full):
+            return m.bool()
+    except (IndexError, RuntimeError):
+        pass
+    return vmapped(mask_mod, b.reshape(-1), h.reshape(-1), q.reshape(-1), kv.reshape(-1)).bool()
+
+
+def vmapped(mod, b, h, q, kv) -> torch.Tensor:
+    """mod over 1-D index vectors, elementwise as FlexAttention calls it: [B, H, Q, K]."""
+    fn = mod
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    out = fn(b, h, q, kv)
+    return torch.as_tensor(out).expand(len(b), len(h), len(q), len(kv))
+
+
+def _broadcasts(shape, full) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(tuple(shape), full)) == tuple(full)
+    except RuntimeError:
+        return False

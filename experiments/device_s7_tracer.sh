@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 7, branch tracer (issue 19): the corpus of real mods (tests/corpus/) on one H100.
+# Each spec at its published parameters: transferred, lowered onto fa3_sm90, verified on the GPU
+# (verification rule at B=1 Hq=4 Hkv=2 N=2048 D=128), then timed at 8k (B=2, 32 q / 8 kv heads,
+# D=128, bf16) round-robin beside FlexAttention (Triton) and FlexAttention's FLASH backend where
+# it runs. Writes exactly two files under $OUT: corpus.json (rewritten after every spec, so a run
+# cut by the timeout still reports) and corpus.log. The last lines are the table and a summary.
+#
+#   PART=1 bash experiments/device_s7_tracer.sh    # first half of the corpus (about 8 minutes)
+#   PART=2 bash experiments/device_s7_tracer.sh    # second half
+#   bash experiments/device_s7_tracer.sh --specs gemma2_local t5_encoder_bias   # chosen specs
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mapfile -t ALL < <(ls tests/corpus/[a-z]*.py | xargs -n1 basename | sed 's/\.py$//' | sort)
+HALF=$(( (${#ALL[@]} + 1) / 2 ))
+case "${PART:-all}" in
+  1) SPECS=("${ALL[@]:0:$HALF}") ;;
+  2) SPECS=("${ALL[@]:$HALF}") ;;
+  *) SPECS=("${ALL[@]}") ;;
+esac
+ARGS=("$@")
+[ ${#ARGS[@]} -eq 0 ] && ARGS=(--specs "${SPECS[@]}")
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+  echo "specs: ${ARGS[*]}"
+  timeout ${BENCH_TIMEOUT:-540} python3 experiments/bench_corpus.py --out "$OUT/corpus.json" "${ARGS[@]}" 2>&1
+  echo "exit: $?"
+} > "$OUT/corpus.log" 2>&1
+grep -v '^  File\|^    \|^Traceback' "$OUT/corpus.log" | tail -40

@@ -201,7 +201,8 @@ def _mask_text(program) -> str:
             for inner in N.walk_stmts(st.body):
                 if isinstance(inner, N.Assign) and inner.targets == ("s",) and isinstance(inner.value, N.Call) \
                         and inner.value.op == "where":
-                    return expr(inner.value.args[0])
+                    cond = inner.value.args[0]        # (PRED) & (ik < NK): the bound is the kernel's own
+                    return expr(cond.left if isinstance(cond, N.BinOp) and cond.op == "&" else cond)
     return ""
 
 

@@ -4,6 +4,7 @@ runtime inputs passed through, the host path for derived captures), block tables
 interpreter's verification with two document layouts in a row and at Nq < Nk."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import textwrap
@@ -18,7 +19,9 @@ from cubridge.cuir.parser import parse_file
 from cubridge.errors import LaunchError, SpecError
 from cubridge.paths import ref_kernel_dir
 from cubridge.spec import load_spec
-from cubridge.transfer.rules import block_classes, transfer
+from cubridge.transfer import binding as binding_module
+from cubridge.transfer.binding import bind_inputs
+from cubridge.transfer.rules import Binding, block_classes, transfer
 from cubridge.verify import Case, make_inputs, verify_transfer
 
 REFS = ("fa2_sm80", "fa3_sm90")
@@ -161,13 +164,19 @@ def test_binding_passes_runtime_inputs_through_and_builds_their_table(document):
     cand = document["fa2_sm80"]
     assert cand.runtime == {"DOC_IDS": "doc_ids"} and cand.table_reads_runtime and not cand.host_path
     ids = layout(2, 300, (100, 230)).to(torch.int32)
+    cached = len(binding_module._CACHE)
     extra = cand.bind(Nq=300, Nk=300, Hq=4, Hkv=2, B=2, runtime={"doc_ids": ids})
     assert extra["DOC_IDS"] is ids                        # int32 already: no copy
     hooks = load_spec("document").hooks_for(300, 300, 4, 2, B=2, runtime={"doc_ids": ids})
     assert torch.equal(extra["BLOCK_CLASS"], block_classes(hooks, 2, 4, 300, 300, 128, 64, True))
     other = cand.bind(Nq=300, Nk=300, Hq=4, Hkv=2, B=2, runtime={"doc_ids": layout(2, 300, (64,))})
     assert not torch.equal(other["BLOCK_CLASS"], extra["BLOCK_CLASS"])     # the table follows the batch
-    assert len(cand.cache) == 1                                             # one shape, one static part
+    assert len(binding_module._CACHE) == cached + 1                         # one shape, one static part
+    # a search worker binds from the Binding JSON alone (no transfer): the same inputs
+    worker = Binding.from_json(json.loads(json.dumps(cand.binding.to_json())))
+    again = bind_inputs(worker, load_spec("document"), {}, Nq=300, Nk=300, Hq=4, Hkv=2, B=2,
+                        runtime={"doc_ids": ids})
+    assert again.keys() == extra.keys() and all(torch.equal(again[k], extra[k]) for k in extra)
 
 
 def test_binding_refuses_bad_calls(document):
@@ -265,7 +274,9 @@ def test_document_lowers_and_its_table_kernel_compiles(document, tmp_path):
         src = tmp_path / f"{ref}.cu"
         src.write_text(lower(document[ref].program, ref).source)
         jobs.append(["nvcc", "-cubin", "-std=c++17", arch, hd, f"-I{ref_kernel_dir(ref)}", "-o", str(src) + ".cubin", str(src)])
-    lowered, reads_h = table_source(document["fa3_sm90"].program)
+    cand = document["fa3_sm90"]
+    extra = cand.bind(Nq=300, Nk=300, Hq=2, Hkv=1, B=1)
+    lowered, reads_h = table_source(cand.binding.mask, extra, [])
     assert not reads_h and "mask_pred(va, b, h, q0 + e / cols + shift" in lowered.source
     table = tmp_path / "table.cu"
     table.write_text(lowered.source)

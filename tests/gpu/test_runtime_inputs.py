@@ -81,7 +81,8 @@ def test_gpu_table_of_a_mask_reading_h_and_of_a_captured_table(tmp_path):
         cand = transfer(program, spec)
         inputs = cand.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params={"BLOCK_M": 64, "BLOCK_N": 64},
                            device="cuda", runtime=runtime)
-        table = gpu_block_classes(cand.program, inputs, B=B, Hq=Hq, Nq=Nq, Nk=Nk, block_m=64, block_n=64,
+        scalars = [(n, "int" if dt == "i32" else "float") for n, _, dt in cand.slots]
+        table = gpu_block_classes(cand.binding.mask, inputs, scalars, B=B, Hq=Hq, Nq=Nq, Nk=Nk, block_m=64, block_n=64,
                                   per_bh=cand.per_bh, device="cuda")
         assert torch.equal(table.cpu(), _host_table(spec, cand, shape, runtime, 64, 64)), spec.name
 

@@ -94,9 +94,10 @@ def test_gpu_table_in_a_cuda_graph_follows_new_ids():
     ids = documents(2, 1000, 1)
     bind = lambda: cand.bind(Nq=1000, Nk=1000, Hq=4, Hkv=2, B=2, params=params, device="cuda",  # noqa: E731
                              runtime={"doc_ids": ids})
-    bind()                                   # warm-up: per-shape state, compile, load
-    torch.cuda.synchronize()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        bind()                               # warm-up on the capture stream: per-shape state, compile, load
+    torch.cuda.synchronize()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         table = bind()["BLOCK_CLASS"]
     for seed in (3, 4):

@@ -327,3 +327,32 @@ def test_a_spec_can_sample_its_own_runtime_inputs(tmp_path):
     ids = spec.runtime_for(5, 40, 2, 1, 3, torch.device("cpu"), None, {})["doc_ids"]
     assert ids.shape == (3, 40) and ids[0, 39] == 3
     assert spec.picture(12).splitlines()[10] == "..........#."
+
+
+# ------------------------------------------------------------------ configs: shapes.query_length
+def _config(tmp_path, query_length: str):
+    from cubridge.config import load_config
+    path = tmp_path / "run.yaml"
+    path.write_text("spec: document\nreference: fa3_sm90\narch: sm_90a\ndtype: bf16\n"
+                    "shapes:\n  heads_q: 8\n  heads_kv: 2\n  head_dim: 128\n  lengths: [8192, 1024]\n"
+                    f"{query_length}")
+    return load_config(path)
+
+
+def test_config_query_length():
+    import tempfile
+    from pathlib import Path
+
+    from cubridge.config import ConfigError
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        targets = _config(tmp, "  query_length: [512, 1024]\n").shapes.targets
+        assert [(t.seqlen, t.nq, t.key) for t in targets] == [(1024, 1024, "N=1024,B=16"),
+                                                              (8192, 512, "N=8192,Nq=512,B=2")]
+        assert [t.nq for t in _config(tmp, "  query_length: 256\n").shapes.targets] == [256, 256]
+        assert [t.nq for t in _config(tmp, "").shapes.targets] == [1024, 8192]
+        with pytest.raises(ConfigError, match="query length 2048 > length 1024") as exc:
+            _config(tmp, "  query_length: 2048\n")
+        assert "shapes.query_length" in str(exc.value) and "Nq <= N" in exc.value.hint
+        with pytest.raises(ConfigError, match="1 query lengths for 2 lengths"):
+            _config(tmp, "  query_length: [512]\n")

@@ -53,9 +53,10 @@ def count_pairs(hooks, B: int, Hq: int, Nq: int, Nk: int) -> int | None:
 
 def _count_one(expr, tables, b, h, Nq, Nk) -> int:
     nq, nk = -(-Nq // TILE), -(-Nk // TILE)
-    q_lo = torch.arange(nq).view(nq, 1) * TILE
+    # query tiles over positions: row r sits at r + Nk - Nq (queries aligned to the end of the keys)
+    q_lo = torch.arange(nq).view(nq, 1) * TILE + (Nk - Nq)
     k_lo = torch.arange(nk).view(1, nk) * TILE
-    q_hi, k_hi = (q_lo + TILE - 1).clamp(max=Nq - 1), (k_lo + TILE - 1).clamp(max=Nk - 1)
+    q_hi, k_hi = (q_lo + TILE - 1).clamp(max=Nk - 1), (k_lo + TILE - 1).clamp(max=Nk - 1)
     env = _TileEnv(tables, b, h, (q_lo, q_hi), (k_lo, k_hi))
     try:
         must, may = env.bool(expr)
@@ -81,10 +82,10 @@ def _count_partial(expr, tables, b, h, tiles, Nq, Nk) -> int:
     total = 0
     for start in range(0, len(tiles), per):
         chunk = tiles[start:start + per]
-        q = (chunk[:, 0:1] * TILE + ar).view(-1, TILE, 1)
+        q = (chunk[:, 0:1] * TILE + ar).view(-1, TILE, 1) + (Nk - Nq)      # query positions
         k = (chunk[:, 1:2] * TILE + ar).view(-1, 1, TILE)
-        valid = (q < Nq) & (k < Nk)
-        m = it.eval(expr, {**base, "iq": q.clamp(max=Nq - 1), "ik": k.clamp(max=Nk - 1)}, None)
+        valid = (q < Nk) & (k < Nk)
+        m = it.eval(expr, {**base, "iq": q.clamp(max=Nk - 1), "ik": k.clamp(max=Nk - 1)}, None)
         total += int((torch.as_tensor(m).bool() & valid).sum())
     return total
 

@@ -65,23 +65,44 @@ class Analysis:
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
-def analyze(program: N.Program, case, *, params: dict | None = None, dtype="bf16", spec=None) -> Analysis:
-    """Interpret `program` once at `case` (a verify.Case) on random inputs and report its counts."""
+def analyze(program: N.Program, case, *, params: dict | None = None, dtype="bf16", spec=None,
+            spec_params: dict | None = None) -> Analysis:
+    """Interpret `program` once at `case` (a verify.Case) on random inputs and report its counts.
+    With a spec: a reference kernel is first transferred to the spec (so the counts are those of
+    the spec's iteration space, not the kernel's causal one), and a transferred program's extra
+    inputs are bound from the spec as the tuner binds them."""
     from cubridge.verify import DTYPES, make_inputs
     tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    extra = {}
+    if spec is not None:
+        program, extra = _for_spec(program, spec, spec_params or {}, case, params)
     merged = {**program.params(), **(params or {})}
     report = check(program, params=params, dims={"D": case.D})
     q, k, v = make_inputs(case, tdtype)
-    run = interpret(program, {"Q": q, "K": k, "V": v}, params=params)
+    run = interpret(program, {"Q": q, "K": k, "V": v, **extra}, params=params)
     total = None
     if "BLOCK_N" in merged and "NK" in run.dims:
         total = run.counters.blocks * math.ceil(run.dims["NK"] / merged["BLOCK_N"])
     useful = None
     if spec is not None:
         from cubridge.spec import count_attended
-        hooks = spec.hooks_for(case.Nq, case.Nk, case.Hq, case.Hkv)
+        hooks = spec.hooks_for(case.Nq, case.Nk, case.Hq, case.Hkv, **(spec_params or {}))
         useful = 4 * case.D * count_attended(hooks, case.B, case.Hq, case.Nq, case.Nk)
     return Analysis(program.name, case, merged, run.counters, report.smem_bytes, total, useful)
+
+
+def _for_spec(program, spec, spec_params, case, params):
+    """(program to analyse, its extra inputs at `case`) for a spec."""
+    from cubridge.transfer.binding import binder, extra_inputs, recorded, spec_mismatch
+    from cubridge.transfer.rules import transfer
+    if recorded(program) is None and not extra_inputs(program):       # a reference kernel
+        program = transfer(program, spec, spec_params=spec_params).program
+    problem = spec_mismatch(program, spec, spec_params)
+    if problem:
+        raise CubridgeError(problem)
+    bind = binder(program, spec, spec_params)
+    extra = bind.bind(Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B, params=params) if bind else {}
+    return program, extra
 
 
 def smem_table(program: N.Program, configs: list[dict], D: int) -> list[tuple[dict, int | None, str]]:

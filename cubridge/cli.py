@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 from cubridge.errors import CubridgeError
+from cubridge.vocab import DTYPES
 
 
 # One vocabulary with configs/*.yaml (dtype: bf16 | fp16; shapes.head_dim defaults to 128 in every
 # shipped config and model preset).
 HEAD_DIM = 128
-DTYPE_NAMES = ("bf16", "fp16")
+DTYPE_NAMES = DTYPES
 
 
 def _dtype(text: str) -> str:
@@ -70,6 +71,31 @@ def _spec_params(items) -> dict:
     return out
 
 
+def _head_dims(ref: str, dims, where: str, program=None, note: bool = True):
+    """Head dims the reference kernel is not built for (cubridge.runtime.kernels.built_head_dims): refused
+    outright without `program`; with it, refused where its static check fails there but passes
+    at a built head dim (the shared-memory overflow would hide the reason), else noted on stderr
+    (the interpreter verifies the CuIR at any D; lower --compile refuses it)."""
+    from cubridge.cuir.checker import check
+    from cubridge.runtime.kernels import built_head_dims, check_head_dim
+
+    def passes(D):
+        try:
+            check(program, dims={"D": D})
+            return True
+        except CubridgeError:
+            return False
+    for D in sorted(dims):
+        try:
+            check_head_dim(ref, D, where=where)
+        except CubridgeError as e:
+            if program is None or (not passes(D) and any(passes(d) for d in built_head_dims(ref))):
+                raise
+            if note:
+                print(f"note: {e.message}; the interpreter checks the CuIR only, lower --compile refuses it",
+                      file=sys.stderr)
+
+
 def _shape(text: str, flag: str) -> tuple[int, int, int, int, int]:
     """B,Hq,Hkv,N,D: five positive integers with Hq a multiple of Hkv."""
     parts = text.split(",")
@@ -95,6 +121,7 @@ def cmd_verify_ir(a) -> int:
     if a.shape:
         B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
         cases = [Case(B, Hq, Hkv, N, N, D, s) for s in range(a.seeds)]
+    _head_dims(prog.name, {c.D for c in cases}, "--shape" if a.shape else "--head-dim", program=prog)
     report = verify_program(prog, spec, params=_params(a.param), cases=cases, dtype=a.dtype,
                             spec_params=_spec_params(a.spec_param))
     print(report.table())
@@ -105,6 +132,7 @@ def cmd_check_ir(a) -> int:
     from cubridge.cuir.checker import check
     prog = _program(a.program)
     from cubridge.search.space import SPACES
+    _head_dims(prog.name, {a.head_dim}, "--head-dim", program=prog)
     r = check(prog, params=_params(a.param), dims={"D": a.head_dim})
     space = SPACES.get(prog.name)
     # The CuIR may hold at any D, but the reference kernel is built for a few head dims only: "ok"
@@ -130,7 +158,8 @@ def cmd_analyze(a) -> int:
     from cubridge.verify import Case
     B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
     spec = load_spec(a.spec) if a.spec else None
-    print(analyze(_program(a.program), Case(B, Hq, Hkv, N, N, D), params=_params(a.param), spec=spec).table())
+    print(analyze(_program(a.program), Case(B, Hq, Hkv, N, N, D), params=_params(a.param), spec=spec,
+                  spec_params=_spec_params(a.spec_param)).table())
     return 0
 
 
@@ -156,9 +185,12 @@ def cmd_transfer(a) -> int:
     from cubridge.verify import default_cases, verify_transfer
     out = gate.check_out_path(a.out)
     ref = parse_file(reference_kernel(a.ref).cuir_path())
+    _head_dims(a.ref, {a.head_dim, _shape(a.shape, "--shape")[4]}, "--head-dim / --shape", program=ref, note=False)
     spec = load_spec(a.spec)
     spec.resolved_params(**_spec_params(a.spec_param))
     cand = transfer(ref, spec, spec_params=_spec_params(a.spec_param))
+    for note in _trace_notes(spec, a):
+        print(f"note: {note}", file=sys.stderr)
     report = None
     if not a.no_verify:
         report = verify_transfer(ref, spec, params=_params(a.param), cases=default_cases(a.head_dim, quick=a.quick),
@@ -188,6 +220,15 @@ def cmd_transfer(a) -> int:
     return 0 if report.passed else 1
 
 
+def _trace_notes(spec, a) -> list[str]:
+    """What the tracer took as something not bit-identical (an approx::tanh as exact tanh)."""
+    from cubridge.transfer.trace import trace_mask, trace_score
+    B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
+    hooks = spec.hooks_for(N, N, Hq, Hkv, **_spec_params(a.spec_param))
+    notes = trace_mask(hooks.mask_mod).notes if hooks.mask_mod else []
+    return notes + (trace_score(hooks.score_mod).notes if hooks.score_mod else [])
+
+
 def cmd_lower(a) -> int:
     import shutil
 
@@ -198,6 +239,8 @@ def cmd_lower(a) -> int:
     from cubridge.runtime.kernels import reference_kernel
     from cubridge.spec import load_spec
     out = gate.check_out_path(a.out)
+    if a.compile:       # nvcc would stop at the kernel's static_assert: say it here, plainly
+        _head_dims(a.ref, {a.head_dim}, "--head-dim")
     target = Path(a.target)
     ref_program = parse_file(reference_kernel(a.ref).cuir_path())
     spec_params = _spec_params(a.spec_param)
@@ -289,9 +332,15 @@ def _literal(v: str):
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
+def _version() -> str:
+    from cubridge import __version__
+    return f"cubridge {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cubridge", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def program_cmd(name, fn, help_):
@@ -315,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     an = program_cmd("analyze", cmd_analyze, "FLOPs, bytes and KV tiles executed at one shape")
     an.add_argument("--shape", required=True, help="B,Hq,Hkv,N,D")
     an.add_argument("--spec", help="count useful FLOPs from this spec's mask")
+    an.add_argument("--spec-param", action="append", metavar="NAME=VALUE")
     t = sub.add_parser("transfer", help="transfer a reference kernel's CuIR to a spec (rules), print it and verify it")
     t.add_argument("spec", help="a spec name or a .py file")
     t.add_argument("--ref", default="fa3_sm90", help="reference kernel (fa2_sm80, fa3_sm90)")
@@ -374,6 +424,7 @@ def tune_main(argv=None) -> int:
     """`cubridge-tune CONFIG`: tune a variant (see configs/README.md). Exit 0: tuned (or screened
     with --dry-run); 1: nothing tuned (no candidate verified, no GPU, no trial timed); 2: bad config."""
     p = argparse.ArgumentParser(prog="cubridge-tune", description=tune_main.__doc__)
+    p.add_argument("--version", action="version", version=_version())
     p.add_argument("config", help="a YAML config (configs/h100_prefixlm.yaml) or a plan of runs (configs/nightly.yaml)")
     p.add_argument("--dry-run", action="store_true", help="screen (and compile) the population, time nothing")
     p.add_argument("--resume", action="store_true", help="continue the run in the output directory")
@@ -382,10 +433,17 @@ def tune_main(argv=None) -> int:
     p.add_argument("--runner", choices=["local", "ray", "replay"], help="overrides runner.kind")
     p.add_argument("--replay", help="recorded results (JSON) for --runner replay")
     p.add_argument("--address", help="Ray cluster address for --runner ray (default: a local instance)")
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="store_true", help="also log every trial as it finishes")
+    loud.add_argument("-q", "--quiet", action="store_true", help="only warnings and the exit status; no progress line")
     a = p.parse_args(argv)
+    import logging
+
     from cubridge.config import load_plan, with_overrides
-    from cubridge.search.progress import Progress
+    from cubridge.search.progress import Progress, configure_logging
     from cubridge.search.tuner import tune
+    handler = configure_logging(verbose=a.verbose, quiet=a.quiet)
+    say = logging.getLogger("cubridge.tune").info
     try:
         plan = [with_overrides(c, output=a.out if a.out else None, trials=a.trials, runner=a.runner,
                                replay=a.replay, address=a.address) for c in load_plan(a.config)]
@@ -393,9 +451,9 @@ def tune_main(argv=None) -> int:
             plan = [with_overrides(c, output=str(Path(a.out) / c.name)) for c in plan]
         codes = []
         for cfg in plan:
-            progress = Progress(cfg.budget.trials, label=f"tune {cfg.name}")
-            result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress,
-                          say=progress.message)
+            progress = None if a.quiet else Progress(cfg.budget.trials, label=f"tune {cfg.name}")
+            handler.progress = progress
+            result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress, say=say)
             codes.append(result.exit_code)
     except CubridgeError as e:
         print(f"error: {e}", file=sys.stderr)

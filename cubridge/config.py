@@ -26,10 +26,10 @@ from typing import Any
 import yaml
 
 from cubridge.errors import CubridgeError
+from cubridge.vocab import DTYPES   # the one spelling of kernel dtypes (config.DTYPES for its readers)
 
 # heads_q, heads_kv, head_dim
 MODELS = {"llama2-7b": (32, 32, 128), "qwen2.5-72b": (64, 8, 128), "llama3.1-405b": (128, 8, 128)}
-DTYPES = ("bf16", "fp16")
 ARCHES = ("sm_80", "sm_90a")
 PROPOSERS = ("rules", "vllm", "openai")
 RUNNERS = ("local", "ray", "replay")

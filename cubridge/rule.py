@@ -4,8 +4,9 @@
     pass  iff  max|out - golden| <= 2 * max|ref - golden| + 1e-5
           and  out has no NaN / Inf where golden has none
 
-The other parts of the rule (poisoned outputs, unchanged inputs, bitwise determinism) are checked
-by the callers that own the run: they need the buffers, not just the results.
+`check_run` adds the parts that need the run itself (poisoned outputs, unchanged inputs, bitwise
+determinism) for a kernel called as `call(*inputs, out)`; the CPU interpreter's check (verify.py)
+does the same for its own runs.
 
 Example:
     >>> import torch
@@ -64,3 +65,30 @@ def compare(out: torch.Tensor, golden: torch.Tensor, ref: torch.Tensor) -> Verdi
     if max_err <= bound:
         return Verdict(True, max_err, bound)
     return Verdict(False, max_err, bound, f"max err {max_err:.3e} exceeds bound {bound:.3e}")
+
+
+def check_run(call, inputs: tuple, golden: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """The whole rule for a kernel run `call(*inputs, out)`: None when it holds, else the reason.
+    The output is poisoned (NaN) before each of two runs, so an element never written fails
+    compare(); the inputs must be unchanged and the second run bitwise identical to the first.
+
+    >>> g = torch.randn(2, 3, dtype=torch.float64)
+    >>> check_run(lambda x, out: out.copy_(x), (g.float(),), g, g.bfloat16()) is None
+    True
+    >>> check_run(lambda x, out: out[0].copy_(x[0]), (g.float(),), g, g.bfloat16())[:9]
+    '3 NaN/Inf'
+    """
+    before = [t.clone() for t in inputs]
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(inputs[0], float("nan"))
+        call(*inputs, out)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        outs.append(out)
+    if any(not torch.equal(a, b) for a, b in zip(before, inputs)):
+        return "inputs changed by the run"
+    if not torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)):
+        return "two runs differ (race or uninitialised read)"
+    verdict = compare(outs[0], golden, ref)
+    return None if verdict.passed else verdict.reason

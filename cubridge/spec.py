@@ -346,6 +346,11 @@ def mask_picture(hooks: Hooks, Nq: int, Nk: int, b: int = 0, h: int = 0) -> str:
 
 # ---- evaluation helpers ----------------------------------------------------------------------
 
+def mask_of(hooks: Hooks, b, h, q_idx, kv_idx) -> torch.Tensor:
+    """The hooks' mask on index grids (all True without a mask_mod), broadcastable to the scores."""
+    return _eval_mask(hooks, b, h, q_idx, kv_idx)
+
+
 def _eval_mask(hooks: Hooks, b, h, q_idx, kv_idx) -> torch.Tensor:
     if hooks.mask_mod is None:
         return torch.ones((), dtype=torch.bool, device=q_idx.device)

@@ -34,8 +34,8 @@ from cubridge.timelimit import call_with_limit
 REFERENCE_TIMEOUT_S = 60.0
 
 USER_DTYPE = {"bf16": "bf16", "f16": "fp16"}     # CuIR type name -> the name in configs and on the CLI
-DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+# Kernel dtypes (cubridge.vocab.DTYPES) and CuIR's name for fp16 ("f16"); nothing else is read.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,73 @@ def default_cases(D: int = 64, quick: bool = False) -> list[Case]:
     return cases[:3] if quick else cases
 
 
+def deep_cases(params: dict, D: int = 64) -> list[Case]:
+    """Cases that cover a program's whole iteration space at its tile config `params` (what the
+    fixed N <= 300 cases missed: a barrier parity that breaks past 2 * STAGES KV tiles, a bug only
+    at one BLOCK_N): more KV tiles than two turns of the ring with a ragged end (GQA), Nq < Nk (MQA)
+    and Nq > Nk, at lengths that follow BLOCK_M / BLOCK_N / STAGES. Heads and batch stay small:
+    the interpreter's cost grows with them, the coverage does not."""
+    bm, bn, st = int(params.get("BLOCK_M", 128)), int(params.get("BLOCK_N", 64)), int(params.get("STAGES", 2))
+    long = bn * (2 * st + 1) + 13
+    return [Case(1, 2, 1, long, long, D, 10), Case(1, 3, 1, bm + 5, 3 * bn + 7, D, 11),
+            Case(1, 2, 2, 2 * bm + 3, bn + 9, D, 12)]
+
+
+def lse_of(spec, q, k, spec_params: dict):
+    """log-sum-exp of each row's scores (natural log, after score_mod and the mask; -inf for a row
+    with no key), in q's dtype: the LSE a softmax kernel stores. None where the spec has no hooks
+    or does not normalise with softmax (its kernels store no LSE)."""
+    import math
+    from cubridge.spec import index_grids, mask_of
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if not spec.has_hooks:
+        return None
+    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, **spec_params)
+    if hooks.normalization.kind != "softmax":
+        return None
+    scores = q @ k.repeat_interleave(Hq // Hkv, dim=1).transpose(-2, -1) / math.sqrt(D)
+    b, h, qi, ki = index_grids(B, Hq, torch.arange(Nq), Nk, q.device)
+    if hooks.score_mod is not None:
+        scores = hooks.score_mod(scores, b, h, qi, ki).to(scores.dtype)
+    mask = mask_of(hooks, b, h, qi, ki)
+    return torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+# The spec-mask check materialises N x N float64 scores in the reference: 2 GiB a matrix at 16k.
+MASK_CHECK_MAX_N = 16384
+MASK_CHECK_TOL = 1e-9      # float64 noise is ~1e-14; one key more or less moves a row by ~1/N >= 6e-5
+
+
+def spec_mask_problem(spec, lengths, *, heads=(2, 1), spec_params: dict | None = None) -> str | None:
+    """The spec's hooks (what a transfer lowers) against its reference() (what verification trusts)
+    over the full [N, N] grid at each length (capped at MASK_CHECK_MAX_N; one head past 4k), in
+    float64: a mask that
+    disagrees only past index 1000 passed the small verification cases. None when they agree, else
+    the first length and query row that differ."""
+    if not spec.has_hooks:
+        return None
+    from cubridge.spec import attention_from_hooks
+    for n in sorted({min(int(n), MASK_CHECK_MAX_N) for n in lengths}):
+        # Past 4k one head (memory: each N x N float64 matrix is 2 GiB at 16k); heads below that.
+        hq, hkv = heads if n <= 4096 else (1, 1)
+        q, k, v = make_inputs(Case(1, hq, hkv, n, n, 16, seed=n), torch.float64)
+        sp = dict(spec_params or {})
+        try:
+            ref = call_with_limit(lambda: spec.run_reference(q, k, v, **sp), REFERENCE_TIMEOUT_S * 4,
+                                  f"spec {spec.name!r}: reference() at N={n}", where=spec.path)
+            hooked = attention_from_hooks(q, k, v, spec.hooks_for(n, n, hq, hkv, **sp))
+        except CubridgeError as e:
+            return f"spec check at N={n}: {str(e).splitlines()[0]}"
+        diff = (ref - hooked).abs().amax(dim=(0, 1, 3))           # per query row
+        bad = (diff > MASK_CHECK_TOL * (1 + ref.abs().max())) | ~torch.isfinite(diff)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            return (f"the spec's hooks (mask_mod / score_mod) disagree with its reference() at N={n}, first at "
+                    f"query row {row} (max diff {float(diff[row]):.2e}): kernels would compute the hooks")
+    return None
+
+
 def make_inputs(case: Case, dtype: torch.dtype):
     g = torch.Generator().manual_seed(case.seed)
     q = torch.randn(case.B, case.Hq, case.Nq, case.D, generator=g).to(dtype)
@@ -119,6 +186,16 @@ def verify_program(program: N.Program, spec, *, params: dict | None = None, case
     merged = {**program.params(), **(params or {})}
     report = Report(program.name, spec.name, USER_DTYPE[dname], merged)
     cases = cases or default_cases()
+    from cubridge.transfer.binding import spec_binder, spec_mismatch
+    try:        # a transferred program: its extra inputs bound from the spec, as the tuner binds them
+        problem = spec_mismatch(program, spec, spec_params)
+        if not problem and binder is None:
+            binder = spec_binder(program, spec, spec_params, params)
+    except CubridgeError as e:
+        problem = str(e).splitlines()[0]
+    if problem:
+        report.results.append(CaseResult(cases[0], None, problem))
+        return report
     checked = set()
     for case in cases:
         if static_check and case.D not in checked:
@@ -176,15 +253,37 @@ def run_case(program, spec, case, tdtype, params, spec_params, schedules, extra=
                        for t in ((q.double(), k.double(), v.double()), (q, k, v)))
     except CubridgeError as e:
         return CaseResult(case, None, f"spec reference failed: {str(e).splitlines()[0]}")
-    outs = []
+    runs = []
     try:
         for sched in schedules:
             inputs = {"Q": q, "K": k, "V": v, **(extra or {})}
-            outs.append(interpret(program, inputs, params=params, schedule=sched).outputs["O"])
+            runs.append(interpret(program, inputs, params=params, schedule=sched).outputs)
     except CubridgeError as e:
         return CaseResult(case, None, str(e).splitlines()[0])
     if any(not torch.equal(a, b) for a, b in zip(before, (q, k, v))):
         return CaseResult(case, None, "inputs changed by the run")
-    if len(outs) > 1 and not all(torch.equal(outs[0], o) for o in outs[1:]):
-        return CaseResult(case, None, "two runs (different role schedules) differ: a race")
-    return CaseResult(case, rule.compare(outs[0], golden, ref))
+    for name in runs[0]:
+        if not all(_same(runs[0][name], r[name]) for r in runs[1:]):
+            return CaseResult(case, None, f"two runs (different role schedules) differ in {name}: a race")
+    verdict = rule.compare(runs[0]["O"], golden, ref)
+    if verdict.passed and "LSE" in runs[0]:
+        # LSE is an output too (the backward pass and split-KV merges read it): LSE + 5 or -inf
+        # passed when only O was compared.
+        lse = _lse_verdict(runs[0]["LSE"], spec, q, k, spec_params)
+        if lse is not None and not lse.passed:
+            return CaseResult(case, lse, f"LSE: {lse.reason}")
+    return CaseResult(case, verdict)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN equal to NaN: a NaN both runs leave is the rule's finding, not a race."""
+    return torch.equal(a, b) or (a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all()))
+
+
+def _lse_verdict(out, spec, q, k, spec_params):
+    try:
+        golden = lse_of(spec, q.double(), k.double(), spec_params)
+        ref = lse_of(spec, q, k, spec_params)
+    except CubridgeError:
+        return None
+    return None if golden is None else rule.compare(out, golden, ref)

@@ -19,6 +19,12 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 
+# The one spelling of the kernel data types in configs, jobs, the CLI and the reference kernels;
+# CuIR names its element types as PTX does, so the same types read "bf16" / "f16" there.
+DTYPES = ("bf16", "fp16")
+CUIR_TYPE = {"bf16": "bf16", "fp16": "f16"}
+
+
 class TrialState(str, Enum):
     """Where a candidate (or a candidate x config trial) ended. Only OK carries timings."""
     PENDING = "pending"
@@ -78,11 +84,17 @@ class TrialRecord:
     config: dict
     outcome: Outcome
     baselines_ms: dict = field(default_factory=dict)  # shape key -> {system: ms}, same run
+    worker: str = ""                                  # which worker measured it
+    cubin_key: str | None = None                      # its cubin in the compile cache
+    gpu_check: list | None = None                     # the GPU verification cases and their results
+    device: dict | None = None                        # the GPU it was timed on
+    finished_at: float | None = None                  # time.time() when the driver took the result
 
     def to_json(self) -> dict:
         return {"number": self.number, "proposal_id": self.proposal_id, "origin": self.origin,
                 "config": dict(self.config), "outcome": self.outcome.to_json(),
-                "baselines_ms": self.baselines_ms}
+                "baselines_ms": self.baselines_ms, "worker": self.worker, "cubin_key": self.cubin_key,
+                "gpu_check": self.gpu_check, "device": self.device, "finished_at": self.finished_at}
 
 
 class Proposer(ABC):

@@ -11,7 +11,6 @@ ab_fa3_v7_vs_v6_h200.json compared kernel_v6_74f23f2.cu from a checkout of commi
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import platform
@@ -22,17 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fa3 import REPEATS, TOKENS, WARMUP, attended_pairs, time_ms_interleaved  # noqa: E402
+from expkit import REPEATS, TOKENS, WARMUP, NoArgs, attended_pairs, time_ms_interleaved
 from cubridge.lower import Launchable  # noqa: E402
 from cubridge.runtime.fa3_sm90 import default_config, fa3_forward  # noqa: E402
 
 SHAPES = [(32, 32, 128, 1024), (32, 32, 128, 8192), (32, 32, 64, 8192), (64, 8, 128, 8192)]
-
-
-class _NoArgs(ctypes.Structure):
-    _fields_ = [("unused", ctypes.c_int32)]
 
 
 def main():
@@ -47,7 +40,7 @@ def main():
     if "release_tile_counter" not in text:   # the runtime keeps one counter per stream since then
         sys.exit(f"{args.old}: it does not reset the tile counter after a launch, which the runtime now "
                  "expects (one zeroed counter per stream); add release_tile_counter or A/B from an older checkout")
-    old = Launchable(text, _NoArgs(0), [])
+    old = Launchable(text, NoArgs(0), [])
     rows = []
     for hq, hkv, d, n in SHAPES:
         b = TOKENS // n

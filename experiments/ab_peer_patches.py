@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -181,7 +180,7 @@ def run_shape(shape, sources, args, result):
 def variant_runners(header_patches):
     """label -> bench_variants.Ours: the lowered variants as shipped, and with each header-only
     patch's headers inlined into the lowered source."""
-    from bench_variants import Ours
+    from expkit import Ours
     runners = {"unpatched": Ours()}
     for p, changed in header_patches.items():
         runners[p] = Ours(transform=lambda src, changed=changed: inline_headers(src, changed))
@@ -256,7 +255,6 @@ def main(argv=None) -> int:
         ap.error(f"--patches: no experiments/patches/{missing[0]}.patch (have: {', '.join(patch_names())})")
     shapes = (QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
     sources = build_all(patches, shapes) if shapes else {}
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     runners = None
     if args.variants:
         headers = {p: header_only(p) for p in patches}

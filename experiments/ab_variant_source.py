@@ -12,29 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from datetime import date
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fa3 import time_ms_interleaved  # noqa: E402
-from bench_variants import D, TOKENS, versions  # noqa: E402
-from sigmoid_fma_share import Variant, check_all  # noqa: E402
+from expkit import D, TOKENS, Variant, check_all, replaced, time_ms_interleaved, versions
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
-
-
-def replaced(pairs):
-    def fn(source: str) -> str:
-        for old, new in pairs:
-            if old not in source:
-                raise SystemExit(f"--replace {old!r}: not in the lowered source")
-            source = source.replace(old, new)
-        return source
-    return fn
 
 
 def main():

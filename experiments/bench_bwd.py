@@ -9,6 +9,7 @@ Dense causal / full, bf16, D = 128, Llama2-7B heads (32 / 32), 16k tokens per sh
 
     python experiments/bench_bwd.py --out $OUT/bwd.json [--n 1024 8192] [--reps 20]
     python experiments/bench_bwd.py --sanitize-case    # small ragged GQA launches for compute-sanitizer
+    python experiments/bench_bwd.py --table $OUT/bwd.json
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
 from cubridge.runtime.autograd import attention  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench_round_robin, compiled_flex_attention  # noqa: E402
 
@@ -34,6 +35,8 @@ HQ = HKV = 32
 D = 128
 BWD_FLOP_FACTOR = 2.5       # backward = 2.5 x forward FLOPs (5 GEMMs of the forward's 2)
 SYSTEMS = ["cubridge", "cubridge_det", "sdpa_flash", "sdpa_cudnn", "flex", "flex_flash", "fa4"]
+# Row names as in the forward benchmarks (cubridge/<kernel>) plus the peers' names.
+ROW_NAME = {"cubridge": "cubridge/fa2_bwd_sm80", "cubridge_det": "cubridge/fa2_bwd_sm80 deterministic"}
 SANITY_REL = 0.05           # max |ours - sdpa_flash| / max |sdpa_flash| per gradient: go / no-go only
 
 
@@ -57,7 +60,7 @@ def versions() -> dict:
 
 
 def forwards(causal: bool):
-    """system -> f(q, k, v) -> out, all on [B, H, N, D] leaves (FA4 transposes to BSHD inside)."""
+    """system -> f(q, k, v) -> out on [B, H, N, D] leaves (FA4: [B, N, H, D], marked `bshd`)."""
     flex, create_block_mask = compiled_flex_attention()
 
     def block_mask(n):
@@ -81,10 +84,11 @@ def forwards(causal: bool):
             return flex(q, k, v, block_mask=masks[n], kernel_options=options)
         return f
 
-    def fa4(q, k, v):
+    def fa4(q, k, v):   # BSHD leaves (FlashAttention's native layout): see backward_fn
         from flash_attn.cute import flash_attn_func
-        out = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=causal)
-        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+        out = flash_attn_func(q, k, v, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+    fa4.bshd = True
 
     return {"cubridge": lambda q, k, v: attention(q, k, v, causal=causal),
             "cubridge_det": lambda q, k, v: attention(q, k, v, causal=causal, deterministic=True),
@@ -96,9 +100,16 @@ def forwards(causal: bool):
 
 
 def backward_fn(fwd, q, k, v, dout):
-    """A callable running only the backward of fwd at (q, k, v), and the gradients it returns."""
+    """A callable running only the backward of fwd at (q, k, v), returning the gradients in
+    [B, H, N, D] order. A forward marked `bshd` gets [B, N, H, D] leaves (its native layout, so no
+    transpose is timed); its gradients come back as transposed views."""
+    bshd = getattr(fwd, "bshd", False)
+    if bshd:
+        q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = fwd(*leaves)
+    if bshd:
+        return lambda: [g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, dout, retain_graph=True)]
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
@@ -136,7 +147,7 @@ def bench_shape(n: int, causal: bool, reps: int, systems: list[str], configs: li
         except Exception as err:   # noqa: BLE001 - a peer missing or refusing the shape is reported, not fatal
             print(f"# {name} N={n} {'causal' if causal else 'full'}: skipped: {str(err).splitlines()[0][:160]}")
     for config in configs:
-        name = f"cubridge[{config}]"
+        name = f"cubridge/fa2_bwd_sm80 {config}"
         try:
             fn = config_fn(config, causal, q, k, v, dout)
             notes[name] = fn()
@@ -149,11 +160,11 @@ def bench_shape(n: int, causal: bool, reps: int, systems: list[str], configs: li
     rows = []
     for (name, _), t in zip(runnable, timings):
         check = sanity(notes[name], ref) if ref is not None and name != "sdpa_flash" else ""
-        rows.append(dict(direction="backward", system=name, variant="causal" if causal else "full",
+        rows.append(dict(direction="backward", system=ROW_NAME.get(name, name), variant="causal" if causal else "full",
                          model="llama2-7b", N=n, B=b, Hq=HQ, Hkv=HKV, D=D, dtype="bf16",
                          ms=round(t.median_ms, 4), tflops=round(flops / (t.median_ms * 1e-3) / 1e12, 1),
                          note=check))
-        print(f"{name:14s} {rows[-1]['variant']:6s} N={n:5d} {t.median_ms:8.3f} ms {rows[-1]['tflops']:6.1f} "
+        print(f"{rows[-1]['system']:40s} {rows[-1]['variant']:6s} N={n:5d} {t.median_ms:8.3f} ms {rows[-1]['tflops']:6.1f} "
               f"TFLOPS {check}", flush=True)
     return rows
 
@@ -187,16 +198,30 @@ def sanitize_case() -> None:
             print(f"sanitize case D={d} {dtype} causal={causal} det={det}: finite={finite}")
 
 
+def write_json(path: Path, rows: list[dict], reps: int) -> None:
+    result = dict(gpu=torch.cuda.get_device_name(), device=torch.cuda.get_device_name(),
+                  date=datetime.now().isoformat(), versions=versions(),
+                  protocol=f"backward only (autograd.grad after one forward), round-robin, L2 flushed, "
+                           f"median of {reps}; TFLOPS = 2.5 x forward FLOPs on attended pairs",
+                  rows=rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="JSON file to write")
-    ap.add_argument("--n", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--n", type=int, nargs="+", default=[8192, 1024])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--configs", nargs="*", default=[], help="extra fa2_bwd_sm80 tile configs to time, "
                     "e.g. 64x64w4-dq64x64w4 (called directly, not through autograd)")
     ap.add_argument("--sanitize-case", action="store_true", help="run the small sanitizer launches and exit")
+    ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     args = ap.parse_args(argv)
+    if args.table:
+        print_table(json.loads(args.table.read_text())["rows"])
+        return 0
     if args.sanitize_case:
         sanitize_case()
         return 0
@@ -207,13 +232,8 @@ def main(argv=None) -> int:
                 rows += bench_shape(n, causal, args.reps, args.systems, args.configs)
             except Exception:   # noqa: BLE001 - keep the other shapes' rows
                 traceback.print_exc()
-    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.now().isoformat(), versions=versions(),
-                  protocol=f"backward only (autograd.grad after one forward), round-robin, L2 flushed, "
-                           f"median of {args.reps}; TFLOPS = 2.5 x forward FLOPs on attended pairs",
-                  rows=rows)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+            if args.out:   # after every shape: a run cut short by its time limit keeps what it measured
+                write_json(args.out, rows, args.reps)
     print_table(rows)
     return 0
 

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
 
-from bench_variants import Ours, versions  # noqa: E402
+from expkit import Ours, versions  # noqa: E402
 
 from cubridge import rule  # noqa: E402
-from cubridge.runtime.fa3_sm90 import default_config, fa3_forward  # noqa: E402
+from cubridge.runtime.fa3_sm90 import default_config  # noqa: E402
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
 

@@ -17,14 +17,13 @@ import json
 import math
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
 from cubridge.runtime.fa2_sm80 import Config, Fa2Sm80, default_config  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench, compiled_flex_attention, tflops  # noqa: E402
 

@@ -23,14 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from expkit import REPEATS, TOKENS, WARMUP, Ours, attended_pairs, time_ms_interleaved
 from cubridge import rule  # noqa: E402
 from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin, default_config, fa3_forward  # noqa: E402
-from cubridge.runtime.timing import bench_round_robin  # noqa: E402
 
-TOKENS = 16384
-WARMUP = 5
-REPEATS = 30
 SMOKE_TOLERANCE = 0.05   # bf16 output error bound for a quick go / no-go
 # (model, Hq, Hkv, D, lengths)
 SHAPES = [("llama2-7b", 32, 32, 128, [1024, 4096, 8192, 16384]),
@@ -38,16 +34,6 @@ SHAPES = [("llama2-7b", 32, 32, 128, [1024, 4096, 8192, 16384]),
           ("qwen2.5-72b", 64, 8, 128, [1024, 8192]),
           ("llama3.1-405b", 128, 8, 128, [1024, 8192])]
 VARIANTS = [("causal", True), ("full", False)]
-
-
-def attended_pairs(n: int, causal: bool) -> int:
-    return n * (n + 1) // 2 if causal else n * n
-
-
-def time_ms_interleaved(fns) -> list[float]:
-    """Median ms of each callable, timed round-robin with L2 flushed before each call
-    (cubridge.runtime.timing.bench_round_robin: drift hits every system alike)."""
-    return [t.median_ms for t in bench_round_robin(fns, warmup=WARMUP, reps=REPEATS)]
 
 
 def systems(q, k, v, causal):
@@ -244,8 +230,6 @@ def sanitize_case() -> None:
         fa3_forward(q, k, v, causal=True, config=cfg, max_ctas=2)
     # Lowered variants: a scanned KV range handed over through the tile slot and a longest-first
     # tile order (global_sliding_window), a block table in global memory (share_question); 2 CTAs.
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_variants import Ours
     ours, qv = Ours(), torch.randn(1, 4, 333, 128, device="cuda", dtype=torch.bfloat16)
     for name in ("global_sliding_window", "share_question"):
         ours.fn(name, qv, k, v, max_ctas=2)()

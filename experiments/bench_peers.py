@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_systems import SampledCheck, Unsupported, makers, max_diff  # noqa: E402
 
 from cubridge.runtime.timing import bench_round_robin, tflops  # noqa: E402
@@ -205,7 +204,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: bench_peers.py: no CUDA device (use --plan to list the shapes)", file=sys.stderr)
         return 2
-    from bench_variants import Ours
+    from expkit import Ours
     ours_variants = Ours()
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
               "versions": versions(), "tokens": TOKENS,

@@ -11,73 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 import traceback
-from dataclasses import replace
 from datetime import date
 
 import torch
 import torch.nn.functional as F
 
-from cubridge.cuir.parser import parse_file
-from cubridge.lower import lower
-from cubridge.paths import ref_kernel_dir
+from expkit import D, TOKENS, Ours, versions
 from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
 from cubridge.runtime.timing import bench, compiled_flex_attention, tflops
 from cubridge.spec import builtin_specs, count_attended, load_spec
-from cubridge.transfer.rules import transfer
 
 MODELS = {"llama2-7b": (32, 32), "qwen2.5-72b": (64, 8), "llama3.1-405b": (128, 8)}
-TOKENS = 16384
-D = 128
 NO_FLEX = ("relu", "sigmoid", "composite")
 EAGER_MAX_N = 8192          # the materialised fp32 score matrix beyond this does not fit
-
-
-def versions() -> dict:
-    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip()
-    import triton
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "driver": smi, "nvcc": nvcc[-1] if nvcc else None, "python": platform.python_version()}
-
-
-class Ours:
-    """Variants transferred by the rules proposer and lowered onto fa3_sm90, launched as the
-    tuner would. `transform` edits each lowered source before it is built (experiments A/B
-    source changes through it)."""
-
-    def __init__(self, transform=None):
-        self.ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
-        self.transform = transform
-        self.cache = {}
-
-    def lowered(self, name):
-        """(candidate, lowered kernel, the source that runs) of one variant."""
-        if name not in self.cache:
-            cand = transfer(self.ref, load_spec(name))
-            kern = lower(cand.program, "fa3_sm90")
-            self.cache[name] = (cand, kern, self.transform(kern.source) if self.transform else kern.source)
-        return self.cache[name]
-
-    def fn(self, name, q, k, v, block_n=None, max_ctas=None, out=None, overrides=None):
-        """overrides: Fa3Config fields to replace in the variant default (e.g. stages)."""
-        cand, kern, source = self.lowered(name)
-        B, Hq, N, Dh = q.shape
-        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N, variant=True)
-        if block_n:
-            cfg = replace(cfg, block_n=block_n)
-        if overrides:
-            cfg = replace(cfg, **overrides)
-        inputs = cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
-                           params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
-        launch = replace(kern.args(inputs, q.device), source=source)
-        out = torch.empty_like(q) if out is None else out
-        return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch, max_ctas=max_ctas)
 
 
 def causal_softmax(q, k, v):

@@ -13,11 +13,9 @@ rest are the product. Every config is verified under the rule first (variant_til
 The first run of this experiment (`results/fused_softcap_sigmoid_h100.json`) predates the
 lowering: it spliced the same polynomial into the unfused source by hand (knob CUIR_FUSED).
 """
+import runpy
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import variant_tiles  # noqa: E402
 
 OLD = "  if (fabsf(bias) <= "
 NEW = """#ifndef CUIR_UNFUSED
@@ -26,5 +24,6 @@ NEW = """#ifndef CUIR_UNFUSED
   if (!CUIR_UNFUSED && fabsf(bias) <= """
 
 if __name__ == "__main__":
+    # variant_tiles.py runs with the edit added (run as a script: scripts do not import each other)
     sys.argv = [sys.argv[0], "composite", *sys.argv[1:], "--replace", OLD, NEW]
-    variant_tiles.main()
+    runpy.run_path(str(Path(__file__).with_name("variant_tiles.py")), run_name="__main__")

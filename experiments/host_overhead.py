@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -19,9 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_variants import Ours, versions  # noqa: E402
+from expkit import Ours, versions  # noqa: E402
 from cubridge.runtime.driver import driver  # noqa: E402
 from cubridge.runtime.fa3_sm90 import WG_ROWS, default_config, fa3_forward  # noqa: E402
 

@@ -39,7 +39,7 @@ TOKENS, HEADS, D = 16384, 32, 128
 def worker(system: str, n: int) -> None:
     """Run inside ncu: warm up, then one profiled call."""
     import torch
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
     from peer_systems import make_fa4, make_ours
     b = TOKENS // n
     q, k, v = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -10,14 +10,10 @@ cuDNN's SDPA runs instead, for a side-by-side profile (ncu -k regex:cudnn|sm90).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_variants import D, TOKENS, Ours  # noqa: E402
+from expkit import D, TOKENS, Ours  # noqa: E402
 
 
 def main():

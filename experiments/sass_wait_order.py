@@ -19,8 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin  # noqa: E402
 
 CONFIGS = [Fa3Config(128, 128, 128, 2, False, True), Fa3Config(128, 128, 128, 2, True, True),
@@ -64,7 +62,7 @@ def main(argv=None) -> int:
         from ab_peer_patches import patched_source
         source = patched_source(args.patch)
     if args.variant:
-        from bench_variants import Ours
+        from expkit import Ours
         from ab_peer_patches import inline_headers, patched_files
         changed = patched_files(args.patch) if args.patch else {}
         source = inline_headers(Ours().lowered(args.variant)[2], changed)

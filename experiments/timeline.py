@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from datetime import date
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_fa3_kernel import _NoArgs  # noqa: E402
-from bench_variants import D, TOKENS, Ours, versions  # noqa: E402
+from expkit import D, TOKENS, NoArgs, Ours, versions  # noqa: E402
 from cubridge.lower import Launchable  # noqa: E402
 from cubridge.runtime.fa3_sm90 import KERNEL_SOURCE, default_config, fa3_forward  # noqa: E402
 
@@ -51,7 +47,7 @@ def run(system: str, n: int) -> dict:
     buf = torch.zeros(CTAS * 3 * LEN, dtype=torch.int64, device="cuda")
     if system == "causal":     # the dense kernel, at the variants' tile so the phases compare
         cfg = default_config(D, True, True, n, variant=True)
-        launch = Launchable(with_timeline(buf)(KERNEL_SOURCE.read_text()), _NoArgs(0), [])
+        launch = Launchable(with_timeline(buf)(KERNEL_SOURCE.read_text()), NoArgs(0), [])
         fa3_forward(q, k, v, causal=True, config=cfg, variant=launch)
         consumers = cfg.block_m // 64
     else:

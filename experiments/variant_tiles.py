@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import date
@@ -29,12 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_variant_source import replaced  # noqa: E402
-from bench_fa3 import time_ms_interleaved  # noqa: E402
-from bench_variants import D, versions  # noqa: E402
-from sigmoid_fma_share import CHECK_SHAPES, Variant, causal_baseline, check  # noqa: E402
+from expkit import CHECK_SHAPES, D, Variant, causal_baseline, check, replaced, time_ms_interleaved, versions  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402

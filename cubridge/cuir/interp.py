@@ -90,6 +90,13 @@ class _RoleCtx:
     mma_pending: list = field(default_factory=list)
     observed: dict = field(default_factory=dict)     # id(barrier) -> latest phase index seen
     regions: list = field(default_factory=list)
+    # Races among the warps of one role (memory.py): the interpreter runs them as one thread of
+    # control, so it tracks what only a sync() orders - reads of a slot before an async refill of it,
+    # and cp.async data other warps copied - by sync epoch.
+    warps: int = 1
+    sync_epoch: int = 0
+    reads: dict = field(default_factory=dict)        # (id(buffer), row) -> (sync epoch, line) of the last read
+    done_epoch: dict = field(default_factory=dict)   # cp.async group -> sync epoch its wait_group ran in
 
     @property
     def label(self) -> str:
@@ -103,10 +110,10 @@ def interpret(program: N.Program, inputs, *, params: dict | None = None, dtype=N
     params: overrides of the program's `param(...)` defaults. dtype: the kernel dtype T when no
     T-typed input fixes it. schedule: the order runnable roles are picked in (to expose races).
     """
-    return _Interpreter(program, params or {}, dtype, schedule, vectorise).run(inputs)
+    return Interpreter(program, params or {}, dtype, schedule, vectorise).run(inputs)
 
 
-class _Interpreter(HeaderMixin, MemoryMixin):
+class Interpreter(HeaderMixin, MemoryMixin):
     def __init__(self, program, params, dtype, schedule, vectorise):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}")
@@ -185,7 +192,7 @@ class _Interpreter(HeaderMixin, MemoryMixin):
                 renv = dict(env)
                 if r.as_name:
                     renv[r.as_name] = k
-                ctx = _RoleCtx(r.name, k, renv)
+                ctx = _RoleCtx(r.name, k, renv, warps=int(self._uniform(self.eval(r.warps, env, None), r.line)))
                 insts.append([ctx, self.exec_block(r.body, ctx), None, False])
         while True:
             runnable = [x for x in insts if not x[3] and (x[2] is None or x[2].ready())]
@@ -291,6 +298,7 @@ class _Interpreter(HeaderMixin, MemoryMixin):
 
     def _bar_sync(self, call, ctx):
         bar = self._barrier(self.eval(call.args[0], ctx.env, ctx), call.line)
+        ctx.sync_epoch += 1          # a named barrier orders this role's warps too
         phase = bar.arrive()
         if bar.completed <= phase:
             yield _Blocked(lambda: bar.completed > phase, call.line,

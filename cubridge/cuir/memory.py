@@ -30,6 +30,8 @@ class MemoryMixin:
                 self.fail(f"read of shared memory {buf.name}[{r}] that nothing has written", line,
                           "load the tile (copy_async / tma_load / store) before reading it")
             self._check_token(tok, buf, r, ctx, line)
+            if ctx.warps > 1:
+                ctx.reads[(id(buf), r)] = (ctx.sync_epoch, line)
         idx = tuple(slice(ix[0], ix[1]) if isinstance(ix, tuple) else ix for ix in view.index)
         data = buf.data[(slice(None),) * self.nl + idx]
         if view.transposed:
@@ -49,6 +51,11 @@ class MemoryMixin:
             if gid not in ctx.groups_done:
                 self.fail(f"read of {buf.name}[{r}] before its cp.async (line {issue_line}) was waited on",
                           line, "commit_group() after the copies and wait_group(n) before the read")
+            if ctx.warps > 1 and ctx.done_epoch.get(gid, -1) >= ctx.sync_epoch:
+                self.fail(f"race in {ctx.label} ({ctx.warps} warps): read of {buf.name}[{r}], filled by cp.async "
+                          f"(line {issue_line}), with no sync() after its wait_group: each warp waited only "
+                          "for its own copies, so rows other warps copied may not have landed", line,
+                          "sync() after wait_group(n), before the first read of the tile")
         elif kind == "tma":
             _, bar, phase, issue_line = tok
             if ctx.observed.get(id(bar), -1) < phase:
@@ -56,6 +63,19 @@ class MemoryMixin:
                           f"at line {issue_line} (phase {phase})", line,
                           f"wait({bar.name}, parity) for that phase first; if you did, a producer may have "
                           "overwritten the slot before its release (missing empty-barrier wait)")
+
+    def check_refill(self, view: SmemView, ctx, e):
+        """An asynchronous copy into a slot this role read since its last sync(): in a role of several
+        warps, any thread may copy any row, so a fast warp refills the slot while slow warps still
+        read it (fa2 without the sync() before its cp.async ring refill)."""
+        if ctx is None or ctx.warps <= 1:
+            return
+        for r in view.rows():
+            seen = ctx.reads.get((id(view.buf), r))
+            if seen is not None and seen[0] == ctx.sync_epoch:
+                self.fail(f"race in {ctx.label} ({ctx.warps} warps): {e.op} into {view.buf.name}[{r}] while other "
+                          f"warps may still read it (read at line {seen[1]}, no sync() in between)", e.line,
+                          f"sync() between the last read of {view.buf.name}[{r}] and its refill")
 
     def write_smem(self, view: SmemView, value: torch.Tensor, token, line):
         buf = view.buf

@@ -170,20 +170,21 @@ def store(it, e, args, ctx):
     return None
 
 
-def _async_copy(it, e, dst, src, token):
+def _async_copy(it, e, dst, src, token, ctx=None):
     view = _smem_view(it, dst, e)
     src = _gview(it, src, e)
     data = round_to(it.gmem_load(src, e.line), view.buf.dtype)
     if tuple(data.shape[it.nl:]) != view.shape:
         it.fail(f"{e.op}(): source tile {tuple(data.shape[it.nl:])} does not match destination "
                 f"{view.buf.name} view {view.shape}", e.line)
+    it.check_refill(view, ctx, e)
     it.write_smem(view, data, token, e.line)
     it.counters.bytes["gmem->smem"] += math.prod(view.shape) * BYTES[view.buf.dtype] * it.lane_count
 
 
 def copy_async(it, e, args, ctx):
     ctx = _need_ctx(it, e, ctx)
-    _async_copy(it, e, args[0], args[1], ("group", ctx, ctx.group_open, e.line))
+    _async_copy(it, e, args[0], args[1], ("group", ctx, ctx.group_open, e.line), ctx)
 
 
 def commit_group(it, e, args, ctx):
@@ -198,15 +199,16 @@ def wait_group(it, e, args, ctx):
     n = int(it._uniform(args[0], e.line))
     keep = ctx.groups_committed[-n:] if n > 0 else []
     for g in ctx.groups_committed:
-        if g not in keep:
+        if g not in keep and g not in ctx.groups_done:
             ctx.groups_done.add(g)
+            ctx.done_epoch[g] = ctx.sync_epoch
 
 
 def tma_load(it, e, args, ctx):
-    _need_ctx(it, e, ctx)
+    ctx = _need_ctx(it, e, ctx)
     bar = it._barrier(args[2], e.line)
     phase = bar.completed            # the phase this copy's arrival belongs to
-    _async_copy(it, e, args[0], args[1], ("tma", bar, phase, e.line))
+    _async_copy(it, e, args[0], args[1], ("tma", bar, phase, e.line), ctx)
     bar.arrive()
 
 
@@ -217,8 +219,10 @@ def arrive(it, e, args, ctx):
 
 
 def sync(it, e, args, ctx):
-    # The interpreter runs the warps of a role as one thread of control, so a barrier among them
-    # orders nothing further here; it is kept for lowering (__syncthreads / named barrier).
+    # The warps of a role run here as one thread of control: what sync() orders among them (reads
+    # of a slot before its refill, other warps' cp.async data) is tracked by epoch (memory.py).
+    if ctx is not None:
+        ctx.sync_epoch += 1
     return None
 
 

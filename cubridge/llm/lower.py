@@ -130,6 +130,10 @@ class LowerTask(Task):
         bad = [k for k, v in patch.items() if not isinstance(v, str)]
         if bad:
             raise Rejected(TrialState.REJECTED_PARSE, f"regions {bad} are not strings of CUDA code")
+        from cubridge.llm.patch_guard import forbidden
+        refused = forbidden(patch)
+        if refused:
+            raise Rejected(TrialState.REJECTED_STRUCTURE, "the patch holds forbidden constructs: " + "; ".join(refused))
         try:
             return LowerCandidate(apply_patch(self.kernel, patch, allowed=self.regions), dict(patch))
         except PatchError as e:

@@ -30,6 +30,8 @@ class VLLMOptions:
     dtype: str = "auto"
     trust_remote_code: bool = False
     ray_actor: bool = False               # run the engine in a Ray actor holding its GPUs (Ray runner)
+    start_timeout_s: float = 1800.0       # ray_actor: loading the model (a 70B model from disk takes minutes)
+    generate_timeout_s: float = 3600.0    # ray_actor: one batch of requests
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,9 @@ def _validate(kind: str, o: LLMOptions, where: str) -> None:
               (o.max_tokens >= 1, "max_tokens must be >= 1"), (o.max_model_len >= 0, "max_model_len must be >= 0")]
     if kind == "vllm":
         checks += [(bool(o.backend.model), "model is required: the path of a local model directory"),
-                   (o.backend.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")]
+                   (o.backend.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+                   (o.backend.start_timeout_s > 0, "start_timeout_s must be > 0"),
+                   (o.backend.generate_timeout_s > 0, "generate_timeout_s must be > 0")]
     else:
         checks += [(o.backend.base_url.startswith(("http://", "https://")), "base_url must start with http:// or https://"),
                    (o.backend.structured_field in STRUCTURED_MODES[:3],

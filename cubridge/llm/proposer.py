@@ -48,7 +48,7 @@ def make_backend(kind: str, opts: LLMOptions) -> Backend:
     if b.ray_actor:
         from cubridge.llm.ray_actor import RayVLLMBackend
         return RayVLLMBackend(b.model, tensor_parallel_size=b.tensor_parallel_size, structured=opts.structured,
-                              **engine)
+                              start_timeout_s=b.start_timeout_s, generate_timeout_s=b.generate_timeout_s, **engine)
     from cubridge.llm.vllm_backend import VLLMBackend
     return VLLMBackend(b.model, tensor_parallel_size=b.tensor_parallel_size, structured=opts.structured, **engine)
 

@@ -1,7 +1,6 @@
-"""The tuned kernel as a PyTorch op: `cubridge.load(DIR)` returns a `TunedOp`; `build` writes a
-run directory straight from default tile configs (no Optuna, no timing), for machines that
-cannot tune (cubridge/op/build.py)."""
-from cubridge.op.tuned import TunedOp
+"""The tuned kernel as a PyTorch op: `cubridge.load(DIR)` returns a `TunedOp` (cubridge/op/tuned.py);
+`build` writes a run directory straight from default tile configs (no Optuna, no timing), for
+machines that cannot tune (cubridge/op/build.py). Nothing here imports torch until it is used."""
 
 __all__ = ["TunedOp", "build"]
 
@@ -10,3 +9,10 @@ def build(*args, **kwargs):
     """See cubridge.op.build.build_run."""
     from cubridge.op.build import build_run
     return build_run(*args, **kwargs)
+
+
+def __getattr__(name):
+    if name == "TunedOp":
+        from cubridge.op.tuned import TunedOp
+        return TunedOp
+    raise AttributeError(name)

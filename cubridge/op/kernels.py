@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from cubridge.errors import LaunchError
 from cubridge.archs import check_arch
+from cubridge.errors import LaunchError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -89,6 +89,9 @@ class Bucket:
         options = ["-std=c++17", *self.fa3_config().defines(), f"-I{ref_kernel_dir(self.reference)}"]
         return compile_cubin(self.lowered().source, arch=self.dispatch["arch"], options=options,
                              compiler=compiler, name=f"{self.entry['candidate']}.cu").cubin
+
+    def loaded(self, device: torch.device) -> bool:
+        return device.index in self._functions
 
     # -------------------------------------------------------------- per shape
     def prepare(self, device: torch.device, b: int, hq: int, hkv: int, nq: int, nk: int, scale: float,

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from cubridge.op.handles import op_for
+from cubridge.runtime.fa3_fast import layout_strides
+
 
 @torch.library.custom_op("cubridge::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
               runtime: list[torch.Tensor]) -> torch.Tensor:
-    from cubridge.op.tuned import op_for
-    return op_for(handle).forward(q, k, v, scale, runtime, False)[0]
+    return op_for(handle).forward(*_readable(q, k, v), scale, runtime, False)[0]
 
 
 @attention.register_fake
@@ -27,11 +29,17 @@ def _attention_fake(q, k, v, handle, scale, runtime):
 @torch.library.custom_op("cubridge::attention_lse", mutates_args=())
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   runtime: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    from cubridge.op.tuned import op_for
-    return op_for(handle).forward(q, k, v, scale, runtime, True)
+    return op_for(handle).forward(*_readable(q, k, v), scale, runtime, True)
 
 
 @attention_lse.register_fake
 def _attention_lse_fake(q, k, v, handle, scale, runtime):
     b, h, n, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+
+
+def _readable(*ts):
+    """A compiler may hand the op other strides than the traced call had (inductor picks its own
+    layouts): what the kernel's TMA maps cannot address is copied, as the eager path would."""
+    return tuple(t if layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size()) else t.contiguous()
+                 for t in ts)

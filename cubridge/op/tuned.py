@@ -19,28 +19,17 @@ CUDA graph once the shape has been seen (a first call inside a capture is refuse
 from __future__ import annotations
 
 import math
-import weakref
 from pathlib import Path
 
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.op import library  # noqa: F401 - registers the custom ops torch.compile sees
+from cubridge.op import handles, library  # noqa: F401 - library registers the custom ops torch.compile sees
 from cubridge.op.checks import apply_plan, check_plan
 from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
-LAYOUTS = ("bhnd", "bnhd")
 WHERE = "cubridge op"
-_OPS: "weakref.WeakValueDictionary[int, TunedOp]" = weakref.WeakValueDictionary()
-_NEXT = [0]
-
-
-def op_for(handle: int) -> "TunedOp":
-    op = _OPS.get(handle)
-    if op is None:
-        raise LaunchError(f"tuned op #{handle} no longer exists", where=WHERE,
-                          hint="keep the object cubridge.load returned alive while a compiled function uses it")
-    return op
+PLAN_CACHE = 256         # checked call signatures remembered (host data only)
 
 
 class TunedOp:
@@ -55,10 +44,9 @@ class TunedOp:
         self.softmax = self._buckets[0].softmax   # lowers the CuIR (pure Python; no compiler)
         self._prepared: dict = {}
         self._plans: dict = {}
+        self._captured: list = []          # per-call launches (runtime inputs) a CUDA graph holds
         self.device_type = "cuda"          # CPU tests set "cpu" and stub the launch
-        self.handle = _NEXT[0]
-        _NEXT[0] += 1
-        _OPS[self.handle] = self
+        self.handle = handles.register(self)
 
     def __repr__(self) -> str:
         d = self.dispatch
@@ -82,7 +70,13 @@ class TunedOp:
     # -------------------------------------------------------------- the call
     def __call__(self, q, k, v, *, layout: str | None = None, scale: float | None = None, return_lse: bool = False,
                  **runtime):
-        plan = self._plan(q, k, v, layout)
+        """out (or (out, lse)); layout None reads [B, H, N, D] and refuses what only [B, N, H, D] or
+        both could mean; runtime: the spec's declared runtime inputs as keyword tensors."""
+        compiling = torch.compiler.is_compiling()
+        plan = self._plan(q, k, v, layout, compiling)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise LaunchError("q, k or v requires grad: the tuned op is forward-only (no backward)", where=WHERE,
+                              hint="call it under torch.no_grad() / torch.inference_mode(), or detach the inputs")
         qh, kh, vh = apply_plan(plan, q, k, v)
         layout = plan[0]
         scale = self._scale(scale)
@@ -90,7 +84,7 @@ class TunedOp:
         if return_lse and not self.softmax:
             raise LaunchError(f"return_lse=True: {self.dispatch['spec_name']} is not a softmax attention, it has no LSE",
                               where=WHERE, hint="call without return_lse")
-        if torch.compiler.is_compiling() or type(qh) is not torch.Tensor:    # traced, or fake tensors
+        if compiling or type(qh) is not torch.Tensor:    # traced, or fake tensors
             if return_lse:
                 out, lse = torch.ops.cubridge.attention_lse(qh, kh, vh, self.handle, scale, rt)
             else:
@@ -101,15 +95,17 @@ class TunedOp:
             out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
 
-    def _plan(self, q, k, v, layout):
+    def _plan(self, q, k, v, layout, compiling: bool):
         """check_plan, remembered per (layout, shapes, strides, dtypes, devices) when eager: a
         repeated call costs one dictionary lookup, not the checks (~7 us of Python)."""
-        if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+        if compiling or not (type(q) is type(k) is type(v) is torch.Tensor):
             return check_plan(self, q, k, v, layout)
         key = (layout, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device)
         plan = self._plans.get(key)
         if plan is None:
+            if len(self._plans) >= PLAN_CACHE:
+                self._plans.pop(next(iter(self._plans)))
             plan = self._plans[key] = check_plan(self, q, k, v, layout)
         return plan
 
@@ -123,6 +119,8 @@ class TunedOp:
 
     def _runtime_list(self, runtime: dict, q) -> list:
         """The runtime inputs in declared order; an unknown or missing name is an error."""
+        if not runtime and not self.runtime_inputs:
+            return []
         unknown = sorted(set(runtime) - set(self.runtime_inputs))
         if unknown:
             declared = ", ".join(self.runtime_inputs) or "none"
@@ -157,18 +155,24 @@ class TunedOp:
         return out, (lse if want_lse else None)
 
     def _prepare(self, q, k, scale: float, rt: list):
-        if torch.cuda.is_current_stream_capturing():
-            raise LaunchError(f"first call at shape q {tuple(q.shape)} inside a CUDA graph capture: binding the "
-                              "spec's inputs and counting the tile order copy to the GPU, which a capture forbids",
-                              where=WHERE, hint="call the op once at this shape before capturing (a warm-up run)")
+        """The launch at this shape: built once and cached; with runtime inputs (their block tables
+        and tile order follow the data) built per call, on the GPU, so it can be captured too once
+        the shape's kernel is loaded."""
         device = q.device
-        device_checked(self.dispatch["arch"], device.index if device.index is not None else torch.cuda.current_device())
         b, hq, n, _ = q.shape
         bucket = self._buckets[self._bucket_index(n)]
-        runtime = dict(zip(self.runtime_inputs, rt))
-        prep = bucket.prepare(device, b, hq, k.shape[1], n, k.shape[2], scale, runtime)
-        if not rt:
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and (not rt or not bucket.loaded(device)):
+            raise LaunchError(f"first call at shape q {tuple(q.shape)} inside a CUDA graph capture: binding the "
+                              "spec's inputs, loading the kernel and counting the tile order copy to the GPU, which "
+                              "a capture forbids", where=WHERE,
+                              hint="call the op once at this shape before capturing (a warm-up run)")
+        device_checked(self.dispatch["arch"], device.index if device.index is not None else torch.cuda.current_device())
+        prep = bucket.prepare(device, b, hq, k.shape[1], n, k.shape[2], scale, dict(zip(self.runtime_inputs, rt)))
+        if not rt:   # never evicted: a CUDA graph captured at this shape points into prep's buffers
             self._prepared[(q.shape, k.shape, q.device, scale)] = prep
+        elif capturing:   # the graph replays with this call's tables and tile order: keep them alive
+            self._captured.append(prep)
         return prep
 
     def warmup(self, q, k, v, **kw) -> None:

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 
 from cubridge.errors import LaunchError
+from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.build import CompileResult, compile_cubin
 from cubridge.runtime.launch import (LoadedKernel, arg_f32, arg_i32, arg_ptr, check_attention_args,
                                      device_arch)
 
-KERNEL_PATH = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa2_sm80" / "kernel.cu"
+KERNEL_PATH = REF_KERNELS_DIR / "fa2_sm80" / "kernel.cu"
 ENTRY = "fa2_sm80_fwd"
 HEAD_DIMS = (64, 128)
 DTYPE_MACRO = {torch.float16: 0, torch.bfloat16: 1}   # -DIS_BF16

@@ -34,6 +34,7 @@ MAX_STRIDE_BYTES = 1 << 40     # cuTensorMapEncodeTiled: global strides below 2^
 _MAPS: OrderedDict = OrderedDict()
 MAP_CACHE = 512
 _LOADED: dict = {}
+ARGV_CACHE = 64          # packed argument arrays per launch, by (addresses, strides, stream)
 
 
 def bh_strides(t: torch.Tensor) -> tuple[int, int] | None:
@@ -131,15 +132,38 @@ class Fa3Launch:
         self._tail_ptrs = [ctypes.addressof(x) for x in self._tail]
         self._argv = ctypes.c_void_p * (6 + len(self._tail))
         self._lib = driver().lib
+        self._argvs: dict = {}
+        self._threads, self._smem = config.threads, config.smem_bytes    # properties: computed once here
 
     def __call__(self, q, k, v, out, lse) -> None:
+        stream = current_stream(self.device.index)
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), stream,
+               q.stride(), k.stride(), v.stride())
+        argv = self._argvs.get(key)
+        if argv is None:
+            argv = self._pack(key, q, k, v, out, lse, stream)
+        result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, self._threads, 1, 1, self._smem,
+                                          ctypes.c_void_p(stream), argv[0], None)
+        if result:
+            driver().check(result, "cuLaunchKernel")
+
+    def _pack(self, key, q, k, v, out, lse, stream):
+        """The argument array for these addresses (kept with the objects it points to). A model
+        calls with the same few buffers over and over (the caching allocator reuses blocks), so
+        a repeated call finds its array here and packs nothing."""
         c = self.config
-        stream = torch.cuda.current_stream(self.device).cuda_stream
         counter = fa3.tile_counter(self.device, stream)
         head = [tensor_map(q, c.block_m), tensor_map(k, c.block_n), tensor_map(v, c.block_n),
                 tensor_map(out, fa3.WG_ROWS), ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr())]
-        argv = self._argv(*[ctypes.addressof(x) for x in head], *self._tail_ptrs)
-        result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, c.threads, 1, 1, c.smem_bytes,
-                                          ctypes.c_void_p(stream), argv, None)
-        if result:
-            driver().check(result, "cuLaunchKernel")
+        argv = (self._argv(*[ctypes.addressof(x) for x in head], *self._tail_ptrs), head)
+        if len(self._argvs) >= ARGV_CACHE:
+            self._argvs.pop(next(iter(self._argvs)))
+        self._argvs[key] = argv
+        return argv
+
+
+def current_stream(index: int) -> int:
+    """The raw handle of the current CUDA stream of device `index` (torch's own accessor: a
+    torch.cuda.Stream object per call costs ~1-2 us of the op's host budget)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream

@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 
 from cubridge.errors import LaunchError
+from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.build import compile_cubin, default_compiler
 from cubridge.runtime.driver import capability, driver, pack_params, sm_count
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa3_sm90"
+KERNEL_DIR = REF_KERNELS_DIR / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 ENTRY = b"fa3_sm90_fwd"
 COUNTS_ENTRY = b"fa3_sm90_tile_counts"   # KV tiles per work tile, for the longest-first order

@@ -15,6 +15,7 @@ Example (GPU):
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -118,7 +119,16 @@ def attention_flops(batch: int, heads_q: int, head_dim: int, len_q: int, len_k: 
     return 4.0 * batch * heads_q * head_dim * pairs
 
 
-def tflops(flops: float, ms: float) -> float:
+def tflops(flops: float, ms: float | None) -> float | None:
+    """TFLOP/s of `flops` (attention_flops, or 4 * D * attended pairs) done in `ms` milliseconds;
+    None where there is no time (not timed, failed). The one definition: reports, benchmarks and
+    experiments all call it.
+
+    >>> tflops(4.0 * 128 * 2**30, 1.0), tflops(1e12, None)
+    (549.755813888, None)
+    """
+    if not ms or ms <= 0 or not math.isfinite(ms):
+        return None
     return flops / (ms * 1e-3) / 1e12
 
 

@@ -198,13 +198,10 @@ def select_bucket(entries: list[dict], seqlen: int) -> dict:
 
 
 # ------------------------------------------------------------------ report
-def tflops(flops: float, ms: float | None) -> float | None:
-    return flops / (ms * 1e-3) / 1e12 if ms else None
-
-
 def report_rows(targets, dispatch: list[dict], bench: dict) -> list[dict]:
     """Per target: ours (config, ms, TFLOPS) and each baseline, from the side-by-side bench when it
     ran, else ours from the search alone."""
+    from cubridge.runtime.timing import tflops        # imports torch: only when a report is written
     by_shape = {e["shape"]: e for e in dispatch}
     rows = []
     for t in targets:

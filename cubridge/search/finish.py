@@ -7,9 +7,11 @@ gets a manifest and a report.md that say so.
 from __future__ import annotations
 
 import hashlib
+import logging
 import platform
 import shutil
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cubridge.search import artifacts
@@ -73,43 +75,72 @@ def _race(cfg, pop, front, runner, say) -> dict:
     return {"outcome": res.outcome.to_json(), "by_shape": by_shape, **res.data}
 
 
+@dataclass
+class RunSummary:
+    """Everything the end of a run writes (manifest.json, report.md, dispatch.json) in one place:
+    what was screened, measured, raced, chosen and benched, and how the run ended."""
+    cfg: object                       # TuneConfig
+    out: Path
+    pop: list                         # Candidate
+    verdicts: dict                    # candidate id -> Outcome of its screening
+    records: list = field(default_factory=list)     # trial records (trials.jsonl), by number
+    compiled: dict = field(default_factory=dict)    # compile-only pass (no GPU): candidate id -> result
+    status: str | None = None         # None until decided: tuned / no_trial_ok from the records
+    message: str = ""
+    stop_reason: str = ""
+    notes: tuple = ()                 # proposers that proposed nothing, and why
+    front: list = field(default_factory=list)       # the Pareto front's records
+    race: dict = field(default_factory=dict)
+    dispatch: list = field(default_factory=list)
+    bench: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)        # report rows: ours beside the baselines per shape
+    device: dict | None = None
+    files: dict = field(default_factory=dict)       # (candidate, label) -> written kernel files
+
+
 def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=None, status=None, message="",
-               stop_reason="", notes=(), say=print):
+               stop_reason="", notes=(), say=None):
     from cubridge.search.messages import TuneResult
-    records = sorted(records, key=lambda r: r["number"])
-    targets = cfg.shapes.targets
-    front = artifacts.pareto_front(records, [t.key for t in targets])
-    race = _race(cfg, pop, front, runner, say) if status is None and front else {}
-    dispatch = artifacts.choose_dispatch(front, targets, race.get("shapes"))
-    bench = {}
-    if status is None:
-        if dispatch:
-            bench = _bench(cfg, pop, dispatch, runner, say)
-            measured = sum(r["outcome"]["state"] != TrialState.CONFIG_INVALID.value for r in records)
-            status, message = "tuned", (f"tuned: {measured} trials measured ({len(records) - measured} invalid "
-                                        f"configs skipped unbuilt), {len(front)} on the Pareto front")
-        else:
-            status, message = "no_trial_ok", "no trial was timed successfully (see the failures in report.md)"
-    files = _write_kernels(cfg, out, pop, verdicts, dispatch, records)
-    rows = artifacts.report_rows(targets, dispatch, bench.get("shapes") or {})
-    device = bench.get("device") or next((r["device"] for r in records if r.get("device")), None) \
+    say = say or logging.getLogger("cubridge.tune").info
+    run = RunSummary(cfg, out, pop, verdicts, sorted(records, key=lambda r: r["number"]), compiled or {}, status,
+                     message, stop_reason, tuple(notes))
+    _choose(run, runner, say)
+    run.files = _write_kernels(cfg, out, pop, verdicts, run.dispatch, run.records)
+    run.rows = artifacts.report_rows(cfg.shapes.targets, run.dispatch, run.bench.get("shapes") or {})
+    run.device = run.bench.get("device") or next((r["device"] for r in run.records if r.get("device")), None) \
         or getattr(runner, "device", None) or None
-    if dispatch:
-        artifacts.write_json(out / "dispatch.json", _dispatch_doc(cfg, dispatch, files))
-    manifest = _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status,
-                         message, stop_reason, files)
+    if run.dispatch:
+        artifacts.write_json(out / "dispatch.json", _dispatch_doc(cfg, run.dispatch, run.files))
+    manifest = _manifest(run)
     manifest["trials"]["log"] = "trials.jsonl" if (out / "trials.jsonl").is_file() else None
-    manifest["race"] = race or None
-    manifest["proposer_notes"] = list(notes)
+    manifest["race"] = run.race or None
+    manifest["proposer_notes"] = list(run.notes)
     artifacts.write_json(out / "manifest.json", manifest)
-    plot_note = artifacts.plot_tflops(rows, out / "tflops.png", f"{cfg.name} ({cfg.dtype}, D={cfg.shapes.head_dim})")
-    report = _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, status, message,
-                     stop_reason, plot_note, device, race)
-    if notes:
-        report += "\n## Proposers\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    plot_note = artifacts.plot_tflops(run.rows, out / "tflops.png", f"{cfg.name} ({cfg.dtype}, D={cfg.shapes.head_dim})")
+    report = _report(run, plot_note)
+    if run.notes:
+        report += "\n## Proposers\n\n" + "\n".join(f"- {n}" for n in run.notes) + "\n"
     (out / "report.md").write_text(report)
-    say(f"{message}\nreport: {out / 'report.md'}")
-    return TuneResult(status, message, out, dispatch, list(records))
+    say(f"{run.message}\nreport: {out / 'report.md'}")
+    return TuneResult(run.status, run.message, out, run.dispatch, list(run.records))
+
+
+def _choose(run: RunSummary, runner, say) -> None:
+    """Front, race, dispatch table and bench of a run that searched; its status and message."""
+    cfg, records = run.cfg, run.records
+    targets = cfg.shapes.targets
+    run.front = artifacts.pareto_front(records, [t.key for t in targets])
+    run.race = _race(cfg, run.pop, run.front, runner, say) if run.status is None and run.front else {}
+    run.dispatch = artifacts.choose_dispatch(run.front, targets, run.race.get("shapes"))
+    if run.status is not None:
+        return
+    if run.dispatch:
+        run.bench = _bench(cfg, run.pop, run.dispatch, runner, say)
+        measured = sum(r["outcome"]["state"] != TrialState.CONFIG_INVALID.value for r in records)
+        run.status, run.message = "tuned", (f"tuned: {measured} trials measured ({len(records) - measured} invalid "
+                                            f"configs skipped unbuilt), {len(run.front)} on the Pareto front")
+    else:
+        run.status, run.message = "no_trial_ok", "no trial was timed successfully (see the failures in report.md)"
 
 
 def _first(text: str, n: int = 300) -> str:
@@ -182,27 +213,28 @@ def _versions() -> dict:
     return v
 
 
-def _manifest(cfg, pop, verdicts, records, front, dispatch, compiled, bench, rows, device, status, message,
-              stop_reason, files):
+def _manifest(run: RunSummary) -> dict:
+    cfg, pop, verdicts, records, dispatch, files = run.cfg, run.pop, run.verdicts, run.records, run.dispatch, run.files
     from cubridge.runtime.kernels import reference_kernel
     from cubridge.spec import load_spec
     spec = load_spec(cfg.spec)
     dirs = {r: reference_kernel(r).directory for r in cfg.references}
     refs = {r: {f: _sha((d / f).read_bytes()) for f in ("kernel.cu", "kernel.cuir") if (d / f).is_file()}
             for r, d in dirs.items()}
-    return {"status": status, "message": message, "name": cfg.name, "search_key": cfg.search_key,
+    return {"status": run.status, "message": run.message, "name": cfg.name, "search_key": cfg.search_key,
             "config": artifacts.portable_config(cfg.to_json()), "spec": {"name": spec.name, "source": Path(cfg.spec).name, "sha256": _sha(spec.source)},
-            "references": refs, "host": _versions(), "device": device,
+            "references": refs, "host": _versions(), "device": run.device,
             "candidates": [{"id": c.id, "reference": c.reference, "origin": c.proposal.origin,
                             "notes": list(c.proposal.notes), **verdicts[c.id].to_json()} for c in pop],
-            "compile": compiled or {},
+            "compile": run.compiled,
             "gpu_checks": {str(e["trial"]): next((r.get("gpu_check") for r in records if r["number"] == e["trial"]), None)
                            for e in dispatch},
             "trials": {"total": len(records), "by_state": dict(Counter(r["outcome"]["state"] for r in records)),
-                       "pareto": [r["number"] for r in front], "stop_reason": stop_reason, "log": "trials.jsonl"},
-            "dispatch": "dispatch.json" if front else None,
+                       "pareto": [r["number"] for r in run.front], "stop_reason": run.stop_reason,
+                       "log": "trials.jsonl"},
+            "dispatch": "dispatch.json" if run.front else None,
             "timings": {"protocol": "CUDA events, warm-up, median, L2 flushed; ours and baselines in one job",
-                        "bench_outcome": bench.get("outcome"), "rows": rows},
+                        "bench_outcome": run.bench.get("outcome"), "rows": run.rows},
             "kernels": {f"{c}_{lab}": v for (c, lab), v in files.items()}}
 
 
@@ -239,24 +271,25 @@ STATUS_LINES = {
 }
 
 
-def _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, status, message, stop_reason,
-            plot_note, device, race=None) -> str:
+def _report(run: RunSummary, plot_note: str) -> str:
+    cfg, out, pop, verdicts, records, dispatch = run.cfg, run.out, run.pop, run.verdicts, run.records, run.dispatch
+    status, device, race, front = run.status, run.device, run.race, run.front
     title = f"cubridge-tune {cfg.name}: spec {Path(cfg.spec).stem}, {', '.join(cfg.references)} -> {cfg.arch} {cfg.dtype}"
     dev = f"Device: {device.get('name', device)}." if isinstance(device, dict) and device else "Device: none (CPU only)."
-    status_line = f"{STATUS_LINES.get(status, status)} {message}. {dev}"
+    status_line = f"{STATUS_LINES.get(status, status)} {run.message}. {dev}"
     cands = ["| candidate | reference | origin | CPU verdict | reason |", "| --- | --- | --- | --- | --- |"]
     for c in pop:
         v = verdicts[c.id]
         cands.append(f"| {c.id} | {c.reference} | {c.proposal.origin} | {v.state.value} | "
                      f"{(v.reason.splitlines() or [''])[0][:120]} |")
-    for cid, comp in (compiled or {}).items():
+    for cid, comp in run.compiled.items():
         cands.append(f"| {cid} | compile {comp['config']} | | {comp['state']} | {_first(comp['reason'], 160)} |")
     states = Counter(r["outcome"]["state"] for r in records)
     reasons = Counter((r["outcome"]["state"], (r["outcome"]["reason"].splitlines() or [""])[0][:140])
                       for r in records if TrialState(r["outcome"]["state"]).failed)
     search = [f"{len(records)} trials ({', '.join(f'{k} {v}' for k, v in sorted(states.items())) or 'none'}); "
               f"Pareto front: {', '.join('#' + str(r['number']) for r in front) or 'empty'}."
-              + (f" Stopped: {stop_reason}." if stop_reason else "")]
+              + (f" Stopped: {run.stop_reason}." if run.stop_reason else "")]
     search += [f"- {n} x {s}: {why}" for (s, why), n in reasons.most_common(8)]
     raced = any("race_ms" in e for e in dispatch)
     table = ["| N from | N to | config | candidate | trial | search time (ms) |" + (" race time (ms) |" if raced else ""),
@@ -274,4 +307,4 @@ def _report(cfg, out, pop, verdicts, records, front, dispatch, compiled, rows, s
     load = ("`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel." if status == "tuned" and dispatch
             else f"there is no tuned kernel to load ({status}).")
     sections.append(("Reproduce", f"`cubridge-tune {cfg.path} --out {out} --resume` continues this run; {load}"))
-    return artifacts.render_report(title, status_line, rows, sections, plot_note)
+    return artifacts.render_report(title, status_line, run.rows, sections, plot_note)

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import json
 import traceback
 from typing import Callable
 
@@ -67,11 +68,16 @@ def run_job(job: Job, worker: str = "") -> JobResult:
 @register("screen")
 def screen_job(p: dict):
     from cubridge.search.screen import ScreenContext, screen
-    from cubridge.verify import default_cases
+    from cubridge.verify import deep_cases, default_cases
     job = KernelJob.from_json(p)
-    ctx = ScreenContext(reference_program(job.reference), job.reference, spec_for(job), dict(job.spec_params),
-                        default_cases(quick=job.quick), (job.head_dim,))
+    ref = reference_program(job.reference)
+    # Past the fixed small cases: lengths that cover the default tile config's whole iteration space.
+    cases = default_cases(quick=job.quick) + ([] if job.quick else deep_cases(ref.params()))
+    ctx = ScreenContext(ref, job.reference, spec_for(job), dict(job.spec_params), cases, (job.head_dim,))
     prop = Proposal(job.text, job.origin)
+    spec_problem = _spec_mask_problem(job)
+    if spec_problem:
+        return Outcome(TrialState.WRONG_ANSWER, spec_problem), {"proposal": prop.id}
     bind = binder_for(job)
     binder = (lambda case: bind(Nq=case.Nq, Nk=case.Nk, Hq=case.Hq, Hkv=case.Hkv, B=case.B)) if bind else None
     return screen(prop, ctx, binder), {"proposal": prop.id}
@@ -111,6 +117,9 @@ def lift_job(p: dict):
 @register("measure")
 def measure_job(p: dict):
     job = KernelJob.from_json(p)
+    failure = verify_at_config(job)
+    if failure:
+        return failure
     lowered, result, failure = _build_or_failure(job)
     if failure:
         return failure
@@ -135,3 +144,54 @@ def race_job(p: dict):
     if not measure.gpu_available():
         return Outcome(TrialState.VERIFIED, "the final race needs a GPU (none visible to this worker)"), {}
     return measure.race(p)
+
+
+# ------------------------------------------------------------------ verification depth (issue 20)
+QUICK_MASK_N = 1100        # quick screening (tests) checks the spec's mask just past index 1000 only
+_VERIFIED_AT: dict = {}
+_SPEC_MASK: dict = {}
+
+
+def _spec_mask_problem(job: KernelJob):
+    """The spec's hooks against its reference() at the tuned lengths (verify.spec_mask_problem),
+    once per spec and lengths in a worker: every candidate of a run shares the answer."""
+    from cubridge.verify import spec_mask_problem
+    lengths = tuple(s.seqlen if not job.quick else min(s.seqlen, QUICK_MASK_N) for s in job.shapes)
+    hq = min(job.heads_q, 2)
+    heads = (hq, 1 if job.heads_q != job.heads_kv else hq)
+    key = (job.spec, job.spec_source, json.dumps(job.spec_params, sort_keys=True), lengths, heads)
+    if key not in _SPEC_MASK:
+        _SPEC_MASK[key] = spec_mask_problem(spec_for(job), lengths, heads=heads, spec_params=dict(job.spec_params))
+    return _SPEC_MASK[key]
+
+
+def verify_at_config(job: KernelJob):
+    """The candidate in the interpreter at this trial's own tile config, over that config's whole
+    iteration space (verify.deep_cases), before its time can count: screening ran at the default
+    config only, and a program wrong at one BLOCK_N only was then timed there. None when it passes;
+    configs that differ only outside CuIR (persistent) share a verdict."""
+    from cubridge.search.space import SPACES
+    params = SPACES[job.reference].to_cuir(job.config)
+    key = (job.text, job.reference, job.spec, json.dumps(job.spec_params, sort_keys=True),
+           json.dumps(params, sort_keys=True))
+    if key not in _VERIFIED_AT:
+        _VERIFIED_AT[key] = _verify_at(job, params)
+    return _VERIFIED_AT[key]
+
+
+def _verify_at(job: KernelJob, params: dict):
+    from cubridge.cuir.parser import parse
+    from cubridge.verify import deep_cases, verify_program
+    try:
+        prog = parse(job.text, source=f"<candidate {job.candidate}>")
+        bind = binder_for(job)
+    except CubridgeError as e:
+        return Outcome(TrialState.WRONG_ANSWER, f"interpreter check at this config: {e}"), {}
+    binder = (lambda c: bind(Nq=c.Nq, Nk=c.Nk, Hq=c.Hq, Hkv=c.Hkv, B=c.B, params=params)) if bind else None
+    rep = verify_program(prog, spec_for(job), params=params, cases=deep_cases({**prog.params(), **params}),
+                         spec_params=dict(job.spec_params), binder=binder)
+    bad = rep.first_failure
+    if bad is None:
+        return None
+    why = bad.error or bad.verdict.reason
+    return Outcome(TrialState.WRONG_ANSWER, f"interpreter check at this config ({params}), {bad.case}: {why}"), {}

@@ -9,6 +9,7 @@ and the run says so (its trials end as COMPILE_ERROR with the generator's reason
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from cubridge.cuir.parser import parse, parse_file
@@ -19,9 +20,10 @@ from cubridge.vocab import Job, Outcome, TrialState
 LLM_KINDS = ("vllm", "openai")
 
 
-def lowering_overrides(cfg, verified, runner, out: Path, say=print, *, backend=None) -> dict:
+def lowering_overrides(cfg, verified, runner, out: Path, say=None, *, backend=None) -> dict:
     """candidate id -> patched CUDA source, for the candidates that need (and got) an LLM lowering."""
     from cubridge.lower import LowerError, lower
+    say = say or logging.getLogger("cubridge.tune").info
     overrides, need = {}, []
     for c in verified:
         saved = out / "lowered" / f"{c.id}.cu"

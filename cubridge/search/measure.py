@@ -13,7 +13,6 @@ Example (GPU worker):
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 
@@ -134,26 +133,13 @@ def _inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda", Nq=None):
 
 
 def gpu_check(call, spec, spec_params: dict, shape, dtype, device="cuda") -> str | None:
-    """None when the rule holds for `call(q, k, v, out)`: poisoned output fully written, within 2x
-    the dtype's own error of the float64 golden, inputs unchanged, a second run bitwise identical."""
-    B, Hq, Hkv, N, D, seed, *nq = shape            # an optional 7th entry: Nq (< N, end-aligned)
+    """None when the rule (cubridge.rule.check_run) holds for `call(q, k, v, out)` on fresh random
+    inputs of `shape` (B, Hq, Hkv, N, D, seed[, Nq]: Nq < N, queries end-aligned), else the reason."""
+    B, Hq, Hkv, N, D, seed, *nq = shape
     q, k, v = _inputs(B, Hq, Hkv, N, D, dtype, seed, device, Nq=nq[0] if nq else None)
-    before = [t.clone() for t in (q, k, v)]
     golden = spec.run_reference(q.double(), k.double(), v.double(), **spec_params)
     ref = spec.run_reference(q, k, v, **spec_params)
-    outs = []
-    for _ in range(2):
-        out = torch.full_like(q, float("nan"))
-        call(q, k, v, out)
-        if out.is_cuda:
-            torch.cuda.synchronize()
-        outs.append(out)
-    if any(not torch.equal(a, b) for a, b in zip(before, (q, k, v))):
-        return "inputs changed by the run"
-    if not torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)):
-        return "two runs differ (race or uninitialised read)"
-    verdict = rule.compare(outs[0], golden, ref)
-    return None if verdict.passed else verdict.reason
+    return rule.check_run(call, (q, k, v), golden, ref)
 
 
 # ------------------------------------------------------------------ side by side with baselines
@@ -316,6 +302,3 @@ def _compiled(spec, sp, q, k, v):
 
 BASELINES = {"flex_attention": _flex, "sdpa": _sdpa, "eager": _eager, "torch_compile": _compiled}
 
-
-def tflops(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 and math.isfinite(ms) else float("nan")

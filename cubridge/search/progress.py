@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -68,3 +69,35 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
             self._width = 0
+
+
+class ProgressHandler(logging.Handler):
+    """Sends log records to the current Progress (above its live line), or to a stream when there
+    is none (--quiet runs without one): the CLI's one handler for the `cubridge` logger."""
+
+    def __init__(self, stream=None):
+        super().__init__()
+        self.progress: Progress | None = None
+        self.stream = stream if stream is not None else sys.stderr
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = self.format(record)
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+
+def configure_logging(verbose: bool = False, quiet: bool = False) -> ProgressHandler:
+    """The `cubridge` logger at DEBUG (--verbose: every trial), INFO (default: the run's steps) or
+    WARNING (--quiet), through one ProgressHandler."""
+    logger = logging.getLogger("cubridge")
+    for h in [h for h in logger.handlers if isinstance(h, ProgressHandler)]:
+        logger.removeHandler(h)
+    handler = ProgressHandler()
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    logger.propagate = False
+    return handler

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import warnings
@@ -30,10 +31,11 @@ from pathlib import Path
 from cubridge.config import ConfigError, TuneConfig
 from cubridge.runtime.build import available_compiler
 from cubridge.search import artifacts
-from cubridge.vocab import Job, Outcome, Proposal, TrialRecord, TrialState
+from cubridge.vocab import CUIR_TYPE, Job, Outcome, Proposal, TrialRecord, TrialState
 from cubridge.search.messages import Candidate, TuneResult, payload, proposer_options, run_jobs
 from cubridge.search.space import SPACES
 
+LOG = logging.getLogger("cubridge.tune")
 PROPOSAL_ROUNDS = 3        # ask -> screen -> tell rounds: an LLM proposer repairs its rejects
 MAX_IDLE_ASKS = 200        # consecutive asks that measure nothing (duplicates, invalid) before stopping
 
@@ -140,7 +142,7 @@ class Search:
         self.records = {r["number"]: r for r in self.log.read()}
         self.seen = {(r["proposal_id"], _key(r["config"]["point"])): r["number"] for r in self.records.values()}
         self.inflight: dict[int, tuple] = {}
-        self.study = open_study(cfg, len(self.targets) if cfg.objectives == "per_shape" else 1)
+        self.study = open_study(cfg)
         self.grid = sum(math.prod(len(p.choices) for p in SPACES[c.reference].params) for c in verified)
         self._checked: dict = {}
         self.stop_reason = ""
@@ -182,10 +184,9 @@ class Search:
         from optuna.trial import TrialState as OS
         for t in self.study.get_trials(deepcopy=False, states=(OS.RUNNING,)):
             rec = self.records.get(t.number)
-            if rec is not None:
+            if rec is not None:         # its user attrs were set before it was logged (_record)
                 self._tell(t.number, rec)
-            else:
-                self.study._storage.set_trial_user_attr(t._trial_id, "state", "interrupted")
+            else:                       # its "state" attr still says "interrupted" (_ask_one)
                 self.study.tell(t.number, state=OS.FAIL)
                 self.study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
 
@@ -214,12 +215,14 @@ class Search:
         self.seen[key] = trial.number
         problems = space.problems(point, self.cfg.shapes.head_dim, self.cfg.arch) or self._candidate_problems(cand, point)
         if problems:
-            self._record(trial.number, cand, point, Outcome(TrialState.CONFIG_INVALID, "; ".join(problems)))
-            self._tell(trial.number, self.records[trial.number])
+            self._record(trial, cand, point, Outcome(TrialState.CONFIG_INVALID, "; ".join(problems)))
+            self._tell(trial, self.records[trial.number])
             return False
+        # What a trial killed mid-measurement keeps: its record overwrites it (_record).
+        trial.set_user_attr("state", "interrupted")
         body = payload(self.cfg, cand, point, trial=trial.number)
         self.runner.submit([Job("measure", body, self.cfg.runner.timeout_s, needs_gpu=True)])
-        self.inflight[trial.number] = (cand, point)
+        self.inflight[trial.number] = (cand, point, trial)
         return True
 
     def _candidate_problems(self, cand: Candidate, point: dict) -> list[str]:
@@ -232,7 +235,7 @@ class Search:
             try:
                 check(parse(cand.proposal.text), params=SPACES[cand.reference].to_cuir(point),
                       dims={"D": self.cfg.shapes.head_dim}, arch=self.cfg.arch,
-                      dtype="f16" if self.cfg.dtype == "fp16" else "bf16")
+                      dtype=CUIR_TYPE[self.cfg.dtype])
                 self._checked[key] = []
             except CubridgeError as e:
                 self._checked[key] = [f"candidate check: {str(e).splitlines()[0]}"]
@@ -240,15 +243,17 @@ class Search:
 
     def _finish(self, res) -> None:
         number = res.job.payload["trial"]
-        cand, point = self.inflight.pop(number)
+        cand, point, trial = self.inflight.pop(number)
         outcome = res.outcome
         if outcome.state == TrialState.OK and self._values(outcome.times_ms) is None:
             missing = [t.key for t in self.targets if t.key not in outcome.times_ms]
             outcome = Outcome(TrialState.CRASH, f"measured no time at {', '.join(missing)}")
         elif outcome.state == TrialState.VERIFIED:
             outcome = Outcome(TrialState.CRASH, f"not timed: {outcome.reason}")
-        self._record(number, cand, point, outcome, res)
-        self._tell(number, self.records[number])
+        self._record(trial, cand, point, outcome, res)
+        self._tell(trial, self.records[number])
+        LOG.debug("trial #%d %s %s: %s %s", number, cand.id, SPACES[cand.reference].label(point), outcome.state.value,
+                  outcome.times_ms or (outcome.reason.splitlines() or [""])[0][:200])
 
     def _values(self, times: dict):
         try:
@@ -257,27 +262,29 @@ class Search:
             return None
         return ms if self.cfg.objectives == "per_shape" else [math.exp(sum(map(math.log, ms)) / len(ms))]
 
-    def _record(self, number: int, cand: Candidate, point: dict, outcome: Outcome, res=None) -> None:
-        space = SPACES[cand.reference]
-        rec = TrialRecord(number, cand.id, cand.proposal.origin,
-                          {"reference": cand.reference, "label": space.label(point), "point": point}, outcome).to_json()
+    def _record(self, trial, cand: Candidate, point: dict, outcome: Outcome, res=None) -> None:
+        """Log the trial (the Trial from ask()); its user attrs first, so that a kill between the
+        log and the tell leaves Optuna nothing to learn but the tell (reconcile)."""
+        number, space = trial.number, SPACES[cand.reference]
+        trial.set_user_attr("state", outcome.state.value)
+        trial.set_user_attr("reason", outcome.reason[:2000])
         data = res.data if res else {}
-        rec.update({"worker": res.worker if res else "", "cubin_key": data.get("cubin_key"),
-                    "gpu_check": data.get("check"), "device": data.get("device"), "finished_at": time.time()})
+        rec = TrialRecord(number, cand.id, cand.proposal.origin,
+                          {"reference": cand.reference, "label": space.label(point), "point": point}, outcome,
+                          worker=res.worker if res else "", cubin_key=data.get("cubin_key"),
+                          gpu_check=data.get("check"), device=data.get("device"), finished_at=time.time()).to_json()
         self.log.append(rec)        # durable before Optuna hears of it: a kill in between is reconciled
         self.records[number] = rec
 
-    def _tell(self, number: int, rec: dict) -> None:
+    def _tell(self, trial, rec: dict) -> None:
+        """Tell Optuna a logged trial's result; `trial`: the Trial from ask(), or a trial number
+        (a trial asked before a kill, reconciled from the log)."""
         state = TrialState(rec["outcome"]["state"])
-        storage, tid = self.study._storage, self.study._storage.get_trial_id_from_study_id_trial_number(
-            self.study._study_id, number)
-        storage.set_trial_user_attr(tid, "state", state.value)
-        storage.set_trial_user_attr(tid, "reason", rec["outcome"]["reason"][:2000])
         values = self._values(rec["outcome"]["times_ms"]) if state == TrialState.OK else None
         if values is not None:
-            self.study.tell(number, values)
+            self.study.tell(trial, values)
         else:
-            self.study.tell(number, state=_optuna_state(state))
+            self.study.tell(trial, state=_optuna_state(state))
 
     def _show(self, force: bool = False) -> None:
         if self.progress is None:
@@ -301,22 +308,34 @@ def _optuna_state(state: TrialState):
     return OS.PRUNED if state == TrialState.CONFIG_INVALID else OS.FAIL
 
 
-def open_study(cfg: TuneConfig, n_objectives: int):
+def open_study(cfg: TuneConfig):
+    """The run's study: one objective per target shape (or the geomean), named so that
+    optuna-dashboard shows "N=8192,B=2 ms"; the search's shapes and config as study attrs."""
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    names = ([f"{t.key} ms" for t in cfg.shapes.targets] if cfg.objectives == "per_shape" else ["geomean ms"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # TPE, not NSGA-II: budgets here are tens of trials, under one NSGA-II generation.
         sampler = optuna.samplers.TPESampler(seed=0, multivariate=True, group=True, constant_liar=True,
                                              n_startup_trials=max(4, cfg.budget.trials // 4))
-    return optuna.create_study(study_name=f"{cfg.name}-{cfg.search_key}", storage=cfg.storage_url,
-                               directions=["minimize"] * n_objectives, sampler=sampler, load_if_exists=True)
+        study = optuna.create_study(study_name=f"{cfg.name}-{cfg.search_key}", storage=cfg.storage_url,
+                                    directions=["minimize"] * len(names), sampler=sampler, load_if_exists=True)
+        study.set_metric_names(names)
+    for key, value in (("spec", cfg.spec), ("spec_params", cfg.spec_params), ("references", list(cfg.references)),
+                       ("arch", cfg.arch), ("dtype", cfg.dtype),
+                       ("shapes", [{"key": t.key, "batch": t.batch, "seqlen": t.seqlen} for t in cfg.shapes.targets]),
+                       ("heads", [cfg.shapes.heads_q, cfg.shapes.heads_kv, cfg.shapes.head_dim])):
+        study.set_user_attr(key, value)
+    return study
 
 
 # ------------------------------------------------------------------ the whole run
 def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = False, quick_screen: bool = False,
-         progress=None, say=print) -> TuneResult:
-    """Run one config end to end; returns what happened (never raises for a bad candidate or trial)."""
+         progress=None, say=None) -> TuneResult:
+    """Run one config end to end; returns what happened (never raises for a bad candidate or trial).
+    `say` gets the run's messages (default: the `cubridge.tune` logger at INFO)."""
+    say = say or LOG.info
     from cubridge.search.lock import RunLock
     # One run per output directory: taken before anything there is read, held to the end.
     with RunLock(cfg.output, where=f"{cfg.path}: output"):
@@ -328,7 +347,8 @@ def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> T
     own = runner is None
     if own:
         from cubridge.search.runners import make_runner
-        runner = make_runner(cfg.runner.kind, address=cfg.runner.address, replay=cfg.runner.replay)
+        runner = make_runner(cfg.runner.kind, address=cfg.runner.address, replay=cfg.runner.replay,
+                             **_runner_options(cfg))
     try:
         out = prepare_output(cfg, resume)
         say(f"{cfg.name}: spec {cfg.spec}, reference {', '.join(cfg.references)}, {cfg.arch} {cfg.dtype}, "
@@ -363,3 +383,12 @@ def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> T
     finally:
         if own:
             runner.close()
+
+
+def _runner_options(cfg) -> dict:
+    """The Ray runner is built before the proposer: with the in-process vLLM engine in a Ray actor it
+    must leave the engine's GPUs free, or the engine waits for them for ever (issue 20)."""
+    o = cfg.proposer.options
+    if cfg.runner.kind == "ray" and cfg.proposer.kind == "vllm" and o.get("ray_actor", True):
+        return {"reserve_gpus": int(o.get("tensor_parallel_size") or 1)}
+    return {}

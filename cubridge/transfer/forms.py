@@ -1,7 +1,7 @@
 """A spec's hooks traced at one shape (a `Form`), the pieces of it the rules transfer and the
 binding compare across shapes, and the exact host block table of a mask.
 
-Both cubridge.transfer.rules (the transfer: probes, generalisation) and cubridge.transfer.binding
+Both cubridge.transfer.rules (the transfer: probes, generalisation) and cubridge.transfer.call_binding
 (a call's extra inputs) read forms through here.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ PROBE_B = 2
 
 def trace_at(spec, Nq, Nk, Hq, Hkv, spec_params, device, *, runtime=None, B=PROBE_B) -> tuple:
     """(fingerprint, numeric constants in traversal order, captured tensors by name) of the spec's
-    hooks at one shape: what Candidate.bind needs (cubridge.transfer.binding)."""
+    hooks at one shape: what Candidate.bind needs (cubridge.transfer.call_binding)."""
     form = trace_form(spec, Nq, Nk, Hq, Hkv, spec_params, device, runtime=runtime, B=B)
     return fingerprint(form), consts(form), form.captures
 

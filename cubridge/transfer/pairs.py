@@ -70,9 +70,9 @@ def _count_one(expr, tables, b, h, Nq, Nk) -> int:
 
 
 def _count_partial(expr, tables, b, h, tiles, Nq, Nk) -> int:
-    from cubridge.cuir.interp import _Interpreter
+    from cubridge.cuir.interp import Interpreter
     from cubridge.cuir.values import DType, GTensor
-    it = _Interpreter(N.Program([], source="<count_pairs>"), {}, None, "in_order", False)
+    it = Interpreter(N.Program([], source="<count_pairs>"), {}, None, "in_order", False)
     base = {"b": b, "h": h, **{d: DType(d) for d in ("i32", "f32")}}
     for name, t in tables.items():
         data = t.to(torch.float32) if t.is_floating_point() else t.to(torch.int64)
@@ -161,6 +161,8 @@ class _TileEnv:
         if op == "-":
             return alo - bhi, ahi - blo
         point = bool((blo == bhi).all())
+        if op in ("&", "|", "^", "<<", ">>"):
+            return self.bits(op, alo, ahi, blo, bhi)
         if op == "*":
             c = [alo * blo, alo * bhi, ahi * blo, ahi * bhi]
             return torch.minimum(torch.minimum(c[0], c[1]), torch.minimum(c[2], c[3])), \
@@ -172,6 +174,28 @@ class _TileEnv:
             same = torch.div(alo, c, rounding_mode="floor") == torch.div(ahi, c, rounding_mode="floor")
             zero = torch.zeros_like(alo * c)
             return torch.where(same, alo % c, zero), torch.where(same, ahi % c, zero + c - 1)
+        raise _Unbounded()
+
+    @staticmethod
+    def bits(op, alo, ahi, blo, bhi):
+        """Integer bit operations: exact on point ranges; a shift by a non-negative amount is
+        monotone in each operand (extremes at the corners); x & c for a constant c >= 0 lies in
+        [0, c]. (Reached only on integer operands: boolean & | ^ are handled as booleans.)"""
+        if alo.is_floating_point() or blo.is_floating_point():
+            raise _Unbounded()
+        both = bool((alo == ahi).all()) and bool((blo == bhi).all())
+        if op in ("<<", ">>"):
+            if bool((blo < 0).any()) or bool((bhi > 62).any()):
+                raise _Unbounded()
+            f = (lambda x, y: x << y) if op == "<<" else (lambda x, y: x >> y)
+            c = [f(alo, blo), f(alo, bhi), f(ahi, blo), f(ahi, bhi)]
+            return torch.minimum(torch.minimum(c[0], c[1]), torch.minimum(c[2], c[3])), \
+                torch.maximum(torch.maximum(c[0], c[1]), torch.maximum(c[2], c[3]))
+        if both:
+            v = {"&": alo & blo, "|": alo | blo, "^": alo ^ blo}[op]
+            return v, v
+        if op == "&" and bool((blo == bhi).all()) and bool((blo >= 0).all()):
+            return torch.zeros_like(blo), blo
         raise _Unbounded()
 
     def call(self, e):
@@ -204,6 +228,11 @@ class _TileEnv:
             raise _Unbounded()
         t = t.long() if t.dtype == torch.bool else t
         idx = list(e.args[1:])
+        ranges = [self.num(ix) for ix in idx]
+        if all(bool((lo == hi).all()) for lo, hi in ranges):       # one entry per tile: exact
+            pts = [lo.long().clamp(0, t.shape[d] - 1) for d, (lo, _) in enumerate(ranges)]
+            v = t[tuple(torch.broadcast_tensors(*pts))]
+            return v, v
         sl = []
         varying = None
         for d, ix in enumerate(idx):

@@ -12,7 +12,7 @@ Each rule of the taxonomy rewrites its regions of the reference program:
   when the normalisation is not softmax.
 Queries are aligned to the end of the keys: the reference programs index query rows by their
 absolute position iq = row + NK - NQ, and the kv_range region bounds q_lo / q_hi the same way.
-`Candidate.bind` (cubridge.transfer.binding.bind_inputs) gives the extra inputs of one call.
+`Candidate.bind` (cubridge.transfer.call_binding.bind_inputs) gives the extra inputs of one call.
 The result is checked against the taxonomy (`taxonomy.check_structure`) before it is returned.
 
 Example:
@@ -36,7 +36,8 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
-from cubridge.transfer.binding import bind_inputs
+from cubridge.transfer.call_binding import add_record
+from cubridge.transfer.call_binding import bind_inputs
 from cubridge.transfer.forms import (EMPTY, FULL, PARTIAL, PROBE_B, block_classes, consts,  # noqa: F401
                                      fingerprint, map_consts, skeleton, trace_form)
 from cubridge.transfer.intervals import classify
@@ -163,7 +164,7 @@ def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, dev
         dims = "BLOCK_CLASS_B, BLOCK_CLASS_H, " if per_bh else ""
         decls.append(_stmts(f"BLOCK_CLASS = global_input(i32, [{dims}BLOCK_CLASS_M, BLOCK_CLASS_N])")[0])
     body = _add_io(body, decls, drop_lse=forms[0].norm_kind != "softmax")
-    program = N.Program(body, source=f"<{spec.name} from {reference.name}>")
+    program = add_record(N.Program(body, source=f"<{spec.name} from {reference.name}>"), spec, spec_params)
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
     return Candidate(program, rules, spec, spec_params, slots, table, per_bh, fingerprint(forms[0]),

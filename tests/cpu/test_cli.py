@@ -182,3 +182,38 @@ def test_lower_writes_cuda_from_a_transfer_file_or_a_spec(tmp_path, capsys):
     assert "va.SLOPES" in (tmp_path / "r.cu").read_text()
     assert main(["lower", "no_such_spec"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_tune_logging_levels(tmp_path, capsys):
+    """-q keeps the run's steps out of the output (only the exit status speaks); -v adds a line per
+    trial; the default says the run's steps. Replayed results: no GPU needed."""
+    import json
+    import textwrap
+
+    from cubridge.cli import tune_main
+    from cubridge.config import load_config
+    from cubridge.search.testing_jobs import synthetic_recording
+
+    def run(flag, name):
+        cfg_path = tmp_path / f"{name}.yaml"
+        cfg_path.write_text(textwrap.dedent(f"""\
+            spec: causal
+            reference: fa3_sm90
+            arch: sm_90a
+            shapes: {{heads_q: 8, heads_kv: 2, head_dim: 128, lengths: [1024]}}
+            budget: {{trials: 3, minutes: 1}}
+            output: {tmp_path / name}
+            """))
+        cfg = load_config(cfg_path)
+        rec = tmp_path / f"{name}.json"
+        rec.write_text(json.dumps(synthetic_recording("fa3_sm90", 128, "sm_90a", cfg.shapes.targets)))
+        code = tune_main([str(cfg_path), "--runner", "replay", "--replay", str(rec), *flag])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    code, quiet = run(["-q"], "quiet")
+    assert code == 0 and "screened" not in quiet and "trials" not in quiet
+    code, default = run([], "default")
+    assert code == 0 and "screened 1 candidate" in default and "trial #" not in default
+    code, verbose = run(["-v"], "verbose")
+    assert code == 0 and "trial #" in verbose

@@ -115,8 +115,12 @@ def test_mma_inner_dim_mismatch_missing_transpose():
 def test_mma_inner_dim_invisible_when_tiles_are_square():
     # D == BLOCK_N: Q K (no transpose) has matching shapes, so the checker cannot see it;
     # the interpreter and verification catch it (wrong numbers against the spec).
+    from cubridge.spec import load_spec
+    from cubridge.verify import Case, verify_program
     text = mutate(FA2, "s = mma(Qs, transpose(Ks[st]))", "s = mma(Qs, Ks[st])")
-    check(parse(text), dims={"D": 64})
+    check(parse(text), dims={"D": 64})                 # the checker cannot see it ...
+    rep = verify_program(parse(text), load_spec("causal"), cases=[Case(1, 1, 1, 70, 70, 64, 0)])
+    assert not rep.passed and "exceeds bound" in rep.first_failure.verdict.reason      # ... verification does
 
 
 def test_mma_async_inner_dim_mismatch():
@@ -303,7 +307,8 @@ def test_barrier_count_vs_fewer_role_instances():
 
 def test_barrier_count_matching_instances_passes():
     text = mutate(FA3, "k_empty = mbarrier(count=CONSUMERS, n=STAGES)", "k_empty = mbarrier(count=2, n=STAGES)")
-    check(parse(text))
+    r = check(parse(text))
+    assert ("consumer", 4, 2) in r.roles               # two consumer instances make the two arrivals
 
 
 def test_sync_outside_role():

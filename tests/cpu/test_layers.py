@@ -73,10 +73,24 @@ def test_every_module_has_a_layer():
         layer_of(m)
 
 
+# Upward imports that exist today, with their reasons (the same rules as KNOWN_CYCLES).
+KNOWN_UPWARD = {
+    ("cubridge.spec", "cubridge.transfer.pairs"):
+        "count_attended counts pairs tile by tile from the traced mask (fix: count_attended moves to "
+        "transfer/pairs.py; its callers, measure and analysis, sit above it)",
+    ("cubridge.spec", "cubridge.transfer.evalmod"):
+        "the mask picture evaluates FlexAttention idioms through the tracer's evaluator (fix: the "
+        "evaluator is pure torch and could sit beside spec.py)",
+}
+
+
 def test_layers_import_only_downwards():
-    bad = [f"{m}:{line} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
-           for m in MODULES for t, _, line in imports(m) if t in MODULES and layer_of(t) > layer_of(m)]
-    bad = sorted(set(bad))
+    upward = {(m, t): line for m in MODULES for t, _, line in imports(m)
+              if t in MODULES and layer_of(t) > layer_of(m)}
+    gone = [f"{m} -> {t}" for m, t in KNOWN_UPWARD if (m, t) not in upward]
+    assert not gone, "no longer imported upwards, delete it from KNOWN_UPWARD:\n" + "\n".join(gone)
+    bad = sorted(f"{m}:{line} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+                 for (m, t), line in upward.items() if (m, t) not in KNOWN_UPWARD)
     assert not bad, "imports against the layer order (docs/DESIGN.md):\n" + "\n".join(bad)
 
 
@@ -87,9 +101,6 @@ KNOWN_CYCLES = {
     frozenset({"cubridge.transfer.trace", "cubridge.transfer.trace_ops", "cubridge.transfer.trace_table"}):
         "the tracer's Sym operators dispatch into trace_ops / trace_table, which build Syms "
         "(fix: an op table registered into trace.py instead of imported from it)",
-    frozenset({"cubridge.op.library", "cubridge.op.tuned"}):
-        "the custom op's registration looks up the TunedOp of a call in op.tuned, which imports the "
-        "registration (fix: a lookup table in op.library that op.tuned fills)",
 }
 
 

@@ -91,7 +91,8 @@ class FakeRay(types.ModuleType):
             return types.SimpleNamespace(remote=build)
         return wrap
 
-    def get(self, value):
+    def get(self, value, timeout=None):
+        self.timeouts = getattr(self, "timeouts", []) + [timeout]
         return value
 
     def kill(self, actor):

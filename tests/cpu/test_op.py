@@ -79,6 +79,8 @@ def test_refusals_name_the_argument_and_the_fix(run_dir):
         (dict(args=(q, k, v), scale=float("nan")), r"scale=nan is not a positive finite"),
         (dict(args=(q, k, v), scale=True), r"scale=True"),
         (dict(args=(q, k, v), scale=torch.tensor(0.1)), r"scale=tensor"),
+        (dict(args=(q.requires_grad_(False).clone().requires_grad_(), k, v)), r"requires grad: the tuned op is "
+                                                                            r"forward-only(.|\n)*torch.no_grad"),
         (dict(args=(q, k, v), doc_ids=torch.zeros(2, 64)), r"unexpected keyword argument\(s\) doc_ids: spec "
                                                            r"'share_question' declares runtime inputs: none"),
     ]
@@ -216,3 +218,71 @@ def test_a_moved_run_loads_its_cubins_without_a_compiler(run_dir, tmp_path, monk
     (moved / dispatch["buckets"][0]["cubin"]).unlink()
     with pytest.raises(LaunchError, match="carries no cubin .* no CUDA compiler here"):
         cubridge.load(moved)._buckets[0].cubin()
+
+
+# ------------------------------------------------------------------ the launch, driver stubbed
+class _FakeLib:
+    """Records cuTensorMapEncodeTiled / cuLaunchKernel calls; every call succeeds."""
+
+    def __init__(self):
+        self.encoded, self.launches = 0, []
+
+    def cuTensorMapEncodeTiled(self, *args):
+        self.encoded += 1
+        return 0
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        import ctypes
+        self.launches.append(((gx, bx, smem), [argv[i] for i in range(14)]))
+        return 0
+
+
+def test_fa3_launch_packs_the_kernels_arguments(monkeypatch):
+    import ctypes
+
+    from cubridge.runtime import driver as drv
+    from cubridge.runtime import fa3_fast
+    from cubridge.runtime.fa3_sm90 import Fa3Config
+    lib = _FakeLib()
+    real = drv.Driver.__new__(drv.Driver)      # the real tensor_map / check, on the recording lib
+    real.lib = lib
+    monkeypatch.setattr(fa3_fast, "driver", lambda: real)
+    monkeypatch.setattr(fa3_fast, "sm_count", lambda index: 132)
+    monkeypatch.setattr(fa3_fast, "current_stream", lambda index: 7)
+    cfg = Fa3Config(head_dim=128, block_m=128, block_n=128, stages=2, persistent=True)
+    launch = fa3_fast.Fa3Launch(ctypes.c_void_p(1), None, cfg, torch.device("cpu"), 2, 8, 2, 1000, 1000, 0.125)
+    q, k, v = qkv(n=1000)
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 1000)
+    launch(q, k, v, out, lse)
+    launch(q, k, v, out, lse)
+    assert lib.encoded == 4, "a repeated call re-encoded a TMA descriptor"
+    (grid, threads, smem), argv = lib.launches[-1]
+    assert (grid, threads, smem) == (min(8 * 8 * 2, 132), cfg.threads, cfg.smem_bytes)   # persistent: <= one CTA per SM
+    assert ctypes.c_uint64.from_address(argv[4]).value == lse.data_ptr()
+    assert [ctypes.c_int32.from_address(argv[i]).value for i in range(7, 12)] == [1000, 1000, 8, 2, 2]
+    assert ctypes.c_float.from_address(argv[12]).value == 0.125
+    assert lib.launches[0][1] == argv                                              # the same packed array
+    launch(q, k, v, torch.empty_like(q), lse)                                      # a new output buffer
+    assert lib.encoded == 5
+
+
+def test_build_writes_a_relocatable_run_from_default_configs(tmp_path, monkeypatch):
+    """cubridge.op.build (what a GPU machine without Optuna uses): compiled cubins, relative paths,
+    loads with the compilers hidden. Compiles one kernel (cached on disk after the first run)."""
+    from cubridge.op import build
+    from cubridge.runtime import build as rbuild
+    if rbuild.available_compiler() is None:
+        pytest.skip(rbuild.NO_COMPILER)
+    run = build("prefixlm", tmp_path / "a" / "run", heads_q=8, heads_kv=2)
+    moved = tmp_path / "b" / "run"
+    shutil.copytree(run, moved)
+    shutil.rmtree(run)
+    text = (moved / "dispatch.json").read_text()
+    assert str(tmp_path) not in text and "-I" not in text
+    monkeypatch.setattr(rbuild, "available_compiler", lambda: None)
+    monkeypatch.setattr(rbuild, "compile_cubin", lambda *a, **k: pytest.fail("compiled at load"))
+    attn = cubridge.load(moved)
+    assert attn.heads == (8, 2) and [e["seqlen"] for e in attn.buckets] == [1024, 8192]
+    assert attn.select(1000)["max_seqlen"] == 2896 and attn.select(100000)["min_seqlen"] == 2897
+    cubin = attn._buckets[0].cubin()
+    assert cubin[:4] == b"\x7fELF" and cubin == (moved / attn.buckets[0]["cubin"]).read_bytes()

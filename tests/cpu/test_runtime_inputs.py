@@ -19,8 +19,8 @@ from cubridge.cuir.parser import parse_file
 from cubridge.errors import LaunchError, SpecError
 from cubridge.paths import ref_kernel_dir
 from cubridge.spec import load_spec
-from cubridge.transfer import binding as binding_module
-from cubridge.transfer.binding import bind_inputs
+from cubridge.transfer import call_binding as binding_module
+from cubridge.transfer.call_binding import bind_inputs
 from cubridge.transfer.rules import Binding, block_classes, transfer
 from cubridge.verify import Case, make_inputs, verify_transfer
 

@@ -86,8 +86,11 @@ def test_valid_points_pass_the_cuir_checker(name, d, arch):
     """The reference program, at every valid point, fits the arch by the CuIR checker's count too."""
     s = SPACES[name]
     prog = parse_file(ref_kernel_dir(name) / "kernel.cuir")
-    for p in s.points(d, arch)[::3]:
-        check(prog, params=s.to_cuir(p), dims={"D": d}, arch=arch)
+    points = s.points(d, arch)[::3]
+    assert points
+    for p in points:
+        r = check(prog, params=s.to_cuir(p), dims={"D": d}, arch=arch)     # raises past the arch's limit
+        assert 0 < r.smem_bytes
 
 
 @pytest.mark.parametrize("name, d, arch", CASES)

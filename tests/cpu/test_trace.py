@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cubridge.cuir import nodes as N
 from cubridge.cuir.absval import DT, Glob, Scalar, Tile
 from cubridge.cuir.checker import _Checker
-from cubridge.cuir.interp import _Interpreter
+from cubridge.cuir.interp import Interpreter
 from cubridge.cuir.printer import expr
 from cubridge.cuir.values import DType, GTensor
 from cubridge.lower.cexpr import to_c
@@ -27,7 +27,7 @@ TABLE_F = torch.randn(2, 5, generator=torch.Generator().manual_seed(0))
 
 
 def _interp_eval(traced, b=1, h=1):
-    it = _Interpreter(N.Program([], source="<test>"), {}, None, "in_order", False)
+    it = Interpreter(N.Program([], source="<test>"), {}, None, "in_order", False)
     env = {"iq": QI, "ik": KI, "s": S, "b": b, "h": h, **{d: DType(d) for d in ("i32", "f32")}}
     for name, cap in traced.captures.items():
         t = cap.tensor

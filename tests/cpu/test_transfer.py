@@ -136,10 +136,13 @@ def test_block_classes_match_brute_force():
 
 # ------------------------------------------------------------------ taxonomy
 def test_rules_candidates_keep_the_structure(refs):
+    checked = 0
     for ref in refs.values():
         for name in builtin_specs():
             cand = transfer(ref, load_spec(name))
-            check_structure(ref, cand.program)
+            assert check_structure(ref, cand.program) is None      # raises StructureError on a change
+            checked += 1
+    assert checked == len(refs) * len(builtin_specs())
 
 
 def test_structural_change_outside_regions_is_rejected(refs):

@@ -301,3 +301,21 @@ def test_llm_proposer_options_follow_the_run(tmp_path):
     assert proposer_options(cfg, tmp_path) == {"out_dir": "mine"}
     cfg = NS(proposer=NS(kind="rules", options={}), runner=NS(kind="ray"))
     assert proposer_options(cfg, tmp_path) == {}
+
+
+def test_the_study_names_its_objectives_and_the_search(tuned):
+    cfg, _, _ = tuned
+    study = study_of(cfg)
+    assert study.metric_names == [f"{t.key} ms" for t in cfg.shapes.targets]
+    assert study.user_attrs["shapes"][0]["key"] == cfg.shapes.targets[0].key
+    assert study.user_attrs["arch"] == "sm_90a" and study.user_attrs["references"] == ["fa3_sm90"]
+
+
+def test_the_tuner_uses_optuna_through_its_public_api():
+    import ast
+    from pathlib import Path
+    import cubridge.search.tuner as tuner_module
+    tree = ast.parse(Path(tuner_module.__file__).read_text())
+    private = sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                      and n.attr in ("_storage", "_trial_id", "_study_id")})
+    assert not private, f"Optuna internals used: {private}"

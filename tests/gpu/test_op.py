@@ -28,8 +28,12 @@ SHAPES = [(2, 300), (1, 1000), (1, 2500)]      # B, N: ragged, and both dispatch
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
+    """CUBRIDGE_OP_RUNS names a folder to build them in (and keep), else a temporary one."""
+    import os
+    from pathlib import Path
+
     from cubridge.op import build
-    root = tmp_path_factory.mktemp("op_runs")
+    root = Path(os.environ["CUBRIDGE_OP_RUNS"]) if os.environ.get("CUBRIDGE_OP_RUNS") else tmp_path_factory.mktemp("op_runs")
     with ThreadPoolExecutor(8) as pool:            # nvcc runs in subprocesses: threads overlap them
         dirs = dict(zip(builtin_specs(), pool.map(
             lambda s: build(s, root / s, heads_q=HQ, heads_kv=HKV, head_dim=D, lengths=(1024, 8192)), builtin_specs())))

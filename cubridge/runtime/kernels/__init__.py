@@ -32,8 +32,8 @@ from typing import Callable, ClassVar
 from cubridge.errors import CubridgeError
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.space import Space
+from cubridge.vocab import DTYPES
 
-DTYPES = ("bf16", "fp16")      # the one dtype vocabulary of kernels, configs and jobs
 
 Prepare = Callable[[dict, object], Callable]   # (extra inputs, device) -> call(q, k, v, out)
 
@@ -121,3 +121,22 @@ def kernel_names() -> list[str]:
     for module in _builtin_modules():
         importlib.import_module(f"{__name__}.{module}")
     return sorted(_KERNELS)
+
+
+def built_head_dims(ref: str) -> tuple[int, ...] | None:
+    """Head dims reference kernel `ref` is built for (its tile space's, which the tuner and
+    configs use too), or None for a kernel without a space."""
+    try:
+        return tuple(reference_kernel(ref).space.head_dims)
+    except CubridgeError:
+        return None
+
+
+def check_head_dim(ref: str, D: int, where: str | None = None):
+    """Refuse a head dim the reference kernel `ref` is not built for (no-op for unknown kernels):
+    transfer, verify-ir and lower ask here."""
+    built = built_head_dims(ref)
+    if built is not None and D not in built:
+        raise CubridgeError(f"head dim {D} is not built for {ref}: supported head dims are "
+                            f"{', '.join(map(str, built))}", where=where,
+                            hint=f"use --head-dim {' or '.join(map(str, built))}, or project q / k / v to one of them")

@@ -26,6 +26,7 @@ from ray.exceptions import (ActorDiedError, GetTimeoutError, RayActorError, RayE
 from cubridge.vocab import Job, JobResult, Outcome, Runner, TrialState
 
 MAX_RESTARTS = 8
+ACTOR_START_TIMEOUT_S = 300.0      # placing the worker actors (a cold node starts worker processes)
 
 
 class _Worker:
@@ -38,6 +39,9 @@ class _Worker:
         from cubridge.search.jobs import run_job
         return run_job(job, worker=self.name)
 
+    def ready(self) -> str:
+        return self.name
+
 
 def _run_task(job: Job, name: str) -> JobResult:
     from cubridge.search.jobs import run_job
@@ -46,7 +50,9 @@ def _run_task(job: Job, name: str) -> JobResult:
 
 class RayRunner(Runner):
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None, gpus: int | None = None,
-                 object_store_memory: int | None = None, max_restarts: int = MAX_RESTARTS):
+                 object_store_memory: int | None = None, max_restarts: int = MAX_RESTARTS, reserve_gpus: int = 0):
+        """`reserve_gpus`: GPUs left free for others (the vLLM engine actor, which is created after the
+        runner: taking every GPU here deadlocked it)."""
         self._started = False
         if not ray.is_initialized():
             if address:
@@ -56,9 +62,18 @@ class RayRunner(Runner):
                          log_to_driver=False)
                 self._started = True
         cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
-        self._gpus = cluster_gpus if gpus is None else min(gpus, cluster_gpus)
+        if reserve_gpus and cluster_gpus and reserve_gpus >= cluster_gpus:
+            from cubridge.errors import CubridgeError
+            if self._started:
+                ray.shutdown()
+            raise CubridgeError(f"the Ray cluster has {cluster_gpus} GPU(s): the vLLM engine takes {reserve_gpus} "
+                                "and timing needs at least one more",
+                                hint="add GPUs, lower the proposer's tensor_parallel_size, or use proposer kind openai")
+        usable = cluster_gpus - reserve_gpus if cluster_gpus else 0
+        self._gpus = usable if gpus is None else min(gpus, usable)
         self._max_restarts = max_restarts
         self._actors = [self._new_actor(i) for i in range(max(1, self._gpus))]
+        self._wait_placed()
         self._busy: dict[int, tuple] = {}                  # actor index -> (ref, job, deadline)
         self._tasks: dict = {}                             # ref -> (job, deadline)
         self._task = ray.remote(num_cpus=1, max_retries=0)(_run_task)
@@ -67,6 +82,19 @@ class RayRunner(Runner):
         self._pending_cpu: deque[Job] = deque()
         self._done: list[JobResult] = []
         self._closed = False
+
+    def _wait_placed(self) -> None:
+        """Actors are placed asynchronously: wait until they hold their GPUs, so that what comes next
+        (the vLLM engine actor) sees the GPUs that are really free, and a runner that cannot be
+        placed says so instead of hanging its first job."""
+        try:
+            ray.get([a.ready.remote() for a in self._actors], timeout=ACTOR_START_TIMEOUT_S)
+        except GetTimeoutError:
+            from cubridge.errors import CubridgeError
+            raise CubridgeError(f"the Ray runner's {len(self._actors)} worker actor(s) were not placed within "
+                                f"{ACTOR_START_TIMEOUT_S:g} s (Ray has {ray.available_resources().get('GPU', 0):g} "
+                                f"of {ray.cluster_resources().get('GPU', 0):g} GPUs free)",
+                                hint="check `ray status`: other jobs may hold the GPUs") from None
 
     def __repr__(self) -> str:
         return f"RayRunner({self._gpus} GPU actors)" if self._gpus else "RayRunner(1 CPU actor)"

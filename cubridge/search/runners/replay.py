@@ -76,7 +76,12 @@ class ReplayRunner(Runner):
         return int(self.device.get("gpus", 0))
 
     def submit(self, jobs: list[Job]) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("runner is closed")
         self._pending.extend(jobs)
+
+    def close(self) -> None:
+        self._closed = True
 
     def results(self, timeout_s: float | None = None) -> list[JobResult]:
         if not self._pending:

@@ -1,0 +1,1 @@
+"""Integrations of tuned runs with model libraries (transformers)."""

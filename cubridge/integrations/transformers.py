@@ -1,0 +1,84 @@
+"""A tuned run as a `transformers` attention implementation.
+
+    >>> from cubridge.integrations.transformers import register              # doctest: +SKIP
+    >>> name = register("out/h100_causal")                                   # doctest: +SKIP
+    >>> model.set_attn_implementation(name)                                  # doctest: +SKIP
+    >>> logits = model(input_ids).logits                                     # doctest: +SKIP
+
+Every attention layer of the model then runs the tuned kernel: the spec's mask replaces the
+model's causal default (a causal run reproduces it; a prefixlm run makes the model a prefix LM).
+transformers calls attention with q [B, Hq, N, D] and k, v [B, Hkv, N, D] (views of its
+projections, GQA unrepeated) and expects [B, N, Hq, D] back; the head counts must be the ones the
+run was tuned for. What the kernel cannot honour is refused, never run on misread data: a padding
+mask (attention_mask with zeros), a custom 4-D mask, packed sequences, a decode step with a KV
+cache (fewer queries than keys), dropout in training, output_attentions.
+"""
+from __future__ import annotations
+
+import torch
+
+from cubridge.errors import LaunchError
+
+WHERE = "cubridge.integrations.transformers"
+
+
+def register(run, name: str | None = None) -> str:
+    """Register `run` (a run directory or a cubridge.load result) as an attention implementation
+    and a mask function under `name` (default "cubridge_<spec>"); returns the name to pass to
+    model.set_attn_implementation."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import cubridge
+    attn = cubridge.load(run) if not hasattr(run, "dispatch") else run
+    name = name or f"cubridge_{attn.dispatch['spec_name']}"
+    AttentionInterface.register(name, attention_forward(attn))
+    AttentionMaskInterface.register(name, no_mask)
+    return name
+
+
+def attention_forward(attn):
+    """The function transformers calls per layer: (module, q, k, v, attention_mask, ...) ->
+    (out [B, N, Hq, D], None)."""
+    def forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                **kwargs):
+        if attention_mask is not None:
+            raise LaunchError(f"attention_mask of shape {tuple(attention_mask.shape)}: the tuned kernel applies its "
+                              "spec's mask and cannot take another", where=WHERE,
+                              hint="call the model without attention_mask (no padding), or use attn_implementation='sdpa'")
+        if dropout and module.training:
+            raise LaunchError(f"attention dropout {dropout} in training mode", where=WHERE,
+                              hint="model.eval(), or set attention_dropout: 0.0 in the model config")
+        if kwargs.get("output_attentions"):
+            raise LaunchError("output_attentions=True: the kernel never forms the attention matrix", where=WHERE,
+                              hint="use attn_implementation='eager' for attention weights")
+        is_causal = kwargs.get("is_causal")
+        if (is_causal is False or getattr(module, "is_causal", True) is False) and attn.dispatch["spec_name"] != "full":
+            raise LaunchError(f"a bidirectional attention layer ({type(module).__name__}) and a "
+                              f"{attn.dispatch['spec_name']!r} kernel", where=WHERE,
+                              hint="register a run of the 'full' spec for bidirectional layers")
+        out = attn(query, key, value, scale=scaling)
+        return out.transpose(1, 2), None
+    return forward
+
+
+def no_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+            mask_function=None, attention_mask=None, **kwargs):
+    """The mask function transformers calls once per forward: the kernel needs none, so this
+    returns None after refusing what a None mask would silently drop."""
+    from transformers.masking_utils import causal_mask_function
+    if q_length != kv_length or q_offset or kv_offset:
+        raise LaunchError(f"{q_length} queries against {kv_length} keys (offsets {q_offset}, {kv_offset}): a decode "
+                          "step or a cached prefix", where=WHERE,
+                          hint="run the tuned kernel on full sequences (use_cache=False), or generate with 'sdpa'")
+    if mask_function is not None and mask_function is not causal_mask_function:
+        raise LaunchError("the model asked for a mask beyond the causal default (packed sequences or a mask overlay)",
+                          where=WHERE, hint="pass one sequence per batch row, without position_ids that pack several")
+    if attention_mask is not None:
+        if torch.compiler.is_compiling():
+            raise LaunchError("attention_mask given under torch.compile: whether it pads cannot be checked there",
+                              where=WHERE, hint="call the model without attention_mask")
+        if not bool(attention_mask.all()):
+            raise LaunchError("attention_mask has zeros (padding): the tuned kernel attends every position its spec "
+                              "allows", where=WHERE, hint="batch sequences of one length without padding, or use 'sdpa'")
+    return None

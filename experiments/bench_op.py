@@ -1,0 +1,106 @@
+"""The tuned op's overhead over its bare kernel, all ten built-in variants at N = 1k and 8k (H100).
+
+For each variant a run directory is built from default tile configs (cubridge.op.build: no Optuna
+on the device), loaded with cubridge.load, and measured three ways:
+
+    host_us_per_call  wall time per op call while the GPU is kept busy (a long torch.cuda._sleep is
+                      enqueued first, so the calls only enqueue: no launch waits for the GPU), mean
+                      of CALLS calls, after warm-up; the issue's bar is <= 25 us
+    op_ms             the op call attn(q, k, v) (allocation + checks + launch) and
+    kernel_ms         the same prepared launch with preallocated out / lse (what the tuner times),
+                      both through runtime.timing.bench_round_robin (L2 flushed, median); bar:
+                      op_ms within 5% of kernel_ms
+
+Writes one JSON (rows with system, variant, N, B, host_us_per_call, op_ms, kernel_ms, gpu) and
+prints a table. Usage: python3 experiments/bench_op.py --out results.json [--variants a,b]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+import cubridge
+from cubridge.op import build
+from cubridge.runtime.timing import bench_round_robin
+from cubridge.spec import builtin_specs
+
+HQ, HKV, D = 16, 4, 128
+TOKENS = 16384                      # B * N: B = 16 at 1k, 2 at 8k
+CALLS = 200
+SLEEP_CYCLES = 400_000_000          # ~0.2 s of GPU time at 1.98 GHz: longer than CALLS enqueues
+
+
+def host_us_per_call(fn) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    host = (time.perf_counter() - t0) / CALLS * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def measure(attn, n: int, gpu: str) -> dict:
+    b = TOKENS // n
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(b, HQ, n, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(b, HKV, n, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(b, HKV, n, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    attn(q, k, v)
+    prep = attn._prepared[(q.shape, k.shape, q.device, 1.0 / math.sqrt(D))]
+    out = torch.empty_like(q)
+    host = host_us_per_call(lambda: attn(q, k, v))
+    t_op, t_kernel = bench_round_robin([lambda: attn(q, k, v), lambda: prep.launch(q, k, v, out, prep.lse_scratch)],
+                                       reps=50)
+    return {"system": "cubridge_op", "variant": attn.dispatch["spec_name"], "N": n, "B": b, "Hq": HQ, "Hkv": HKV,
+            "D": D, "config": attn.select(n)["label"], "host_us_per_call": round(host, 2),
+            "op_ms": round(t_op.median_ms, 4), "kernel_ms": round(t_kernel.median_ms, 4),
+            "op_over_kernel": round(t_op.median_ms / t_kernel.median_ms, 4), "gpu": gpu}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default=",".join(builtin_specs()))
+    ap.add_argument("--runs", default=None, help="folder for the run directories (default: a temporary one)")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    root = Path(args.runs or tempfile.mkdtemp(prefix="bench_op_"))
+    t0 = time.time()
+    with ThreadPoolExecutor(8) as pool:
+        dirs = dict(zip(names, pool.map(lambda s: build(s, root / s, heads_q=HQ, heads_kv=HKV, head_dim=D), names)))
+    print(f"built {len(dirs)} run directories in {time.time() - t0:.0f} s", flush=True)
+    gpu = torch.cuda.get_device_name()
+    result = {"gpu": gpu, "torch": torch.__version__, "calls": CALLS, "rows": [], "errors": []}
+    for name in names:
+        attn = cubridge.load(dirs[name])
+        for n in (1024, 8192):
+            try:
+                row = measure(attn, n, gpu)
+                result["rows"].append(row)
+            except Exception as e:   # noqa: BLE001 - one variant's failure is recorded, the rest still run
+                result["errors"].append({"variant": name, "N": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(f"{name} N={n}: {type(e).__name__}: {e}", flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{'variant':<22} {'N':>5} {'config':<11} {'host us':>8} {'op ms':>8} {'kernel ms':>9} {'op/kern':>7}")
+    for r in result["rows"]:
+        print(f"{r['variant']:<22} {r['N']:>5} {r['config']:<11} {r['host_us_per_call']:8.2f} {r['op_ms']:8.4f} "
+              f"{r['kernel_ms']:9.4f} {r['op_over_kernel']:7.3f}")
+    worst = max((r["host_us_per_call"] for r in result["rows"]), default=float("nan"))
+    ratio = max((r["op_over_kernel"] for r in result["rows"]), default=float("nan"))
+    print(f"bars: host <= 25 us: worst {worst:.2f} us; op within 5% of kernel: worst {ratio:.3f}x; "
+          f"errors {len(result['errors'])}")
+
+
+if __name__ == "__main__":
+    main()

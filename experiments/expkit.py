@@ -1,0 +1,169 @@
+"""What the experiment scripts share, in one module: a script imports this and cubridge, nothing
+else of experiments/ (its own folder is on sys.path when it runs, so `import expkit` needs no path
+edit; importing expkit makes the checkout's cubridge importable where it is not installed).
+
+Timing: time_ms_interleaved (the one timing protocol, round-robin). Variants: Ours (rules
+transfer, lowering and launch of a variant on fa3_sm90, as the tuner runs it), Variant (one with
+an edited source), replaced (a source edit), the verification rule at the GPU test shapes
+(check, check_all), the causal softmax baseline. Provenance: versions().
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+import subprocess
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+try:
+    import cubridge  # noqa: F401 - installed (pip install -e .) or on PYTHONPATH
+except ModuleNotFoundError:     # a bare checkout: the one place experiments/ edits sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from cubridge import rule  # noqa: E402
+from cubridge.cuir.parser import parse_file  # noqa: E402
+from cubridge.lower import lower  # noqa: E402
+from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
+from cubridge.runtime.kernels import reference_kernel  # noqa: E402
+from cubridge.runtime.timing import bench_round_robin  # noqa: E402
+from cubridge.spec import load_spec  # noqa: E402
+from cubridge.transfer.rules import transfer  # noqa: E402
+
+TOKENS = 16384          # tokens per shape: B = TOKENS // N
+D = 128
+WARMUP = 5
+REPEATS = 30
+# The GPU test shapes (tests/gpu/test_variants.py): ragged N, MHA / GQA / MQA, both head dims.
+CHECK_SHAPES = [(1, 4, 4, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (1, 2, 2, 2500, 128)]
+
+
+def attended_pairs(n: int, causal: bool) -> int:
+    return n * (n + 1) // 2 if causal else n * n
+
+
+def time_ms_interleaved(fns) -> list[float]:
+    """Median ms of each callable, timed round-robin with L2 flushed before each call
+    (cubridge.runtime.timing.bench_round_robin: drift hits every system alike)."""
+    return [t.median_ms for t in bench_round_robin(fns, warmup=WARMUP, reps=REPEATS)]
+
+
+def versions() -> dict:
+    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    import triton
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "driver": smi, "nvcc": nvcc[-1] if nvcc else None, "python": platform.python_version()}
+
+
+class NoArgs(ctypes.Structure):
+    """An empty VariantArgs, for launching the reference kernel itself through the variant path."""
+    _fields_ = [("unused", ctypes.c_int32)]
+
+
+class Ours:
+    """Variants transferred by the rules proposer and lowered onto fa3_sm90, launched as the
+    tuner would. `transform` edits each lowered source before it is built (experiments A/B
+    source changes through it)."""
+
+    def __init__(self, transform=None):
+        self.ref = parse_file(reference_kernel("fa3_sm90").cuir_path())
+        self.transform = transform
+        self.cache = {}
+
+    def lowered(self, name):
+        """(candidate, lowered kernel, the source that runs) of one variant."""
+        if name not in self.cache:
+            cand = transfer(self.ref, load_spec(name))
+            kern = lower(cand.program, "fa3_sm90")
+            self.cache[name] = (cand, kern, self.transform(kern.source) if self.transform else kern.source)
+        return self.cache[name]
+
+    def fn(self, name, q, k, v, block_n=None, max_ctas=None, out=None, overrides=None):
+        """overrides: Fa3Config fields to replace in the variant default (e.g. stages)."""
+        cand, kern, source = self.lowered(name)
+        B, Hq, N, Dh = q.shape
+        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N, variant=True)
+        if block_n:
+            cfg = replace(cfg, block_n=block_n)
+        if overrides:
+            cfg = replace(cfg, **overrides)
+        inputs = cand.bind(Nq=N, Nk=k.shape[2], Hq=Hq, Hkv=k.shape[1], B=B,
+                           params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, device=q.device)
+        launch = replace(kern.args(inputs, q.device), source=source)
+        out = torch.empty_like(q) if out is None else out
+        return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch, max_ctas=max_ctas)
+
+
+def replaced(pairs):
+    """A source edit: each (old, new) replaced, an `old` that is not in the source an error."""
+    def fn(source: str) -> str:
+        for old, new in pairs:
+            if old not in source:
+                raise SystemExit(f"--replace {old!r}: not in the lowered source")
+            source = source.replace(old, new)
+        return source
+    return fn
+
+
+def causal_baseline(n: int, hq: int = 32):
+    """Llama2-7B-head bf16 inputs at N (16k tokens per shape), an output buffer, our causal softmax
+    kernel's default config there, and {"causal softmax": its call}: the baseline every
+    normalisation is read against. Returns (b, q, k, v, out, cfg, fns)."""
+    b = max(1, TOKENS // n)
+    q, k, v = (torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    cfg = default_config(D, True, True, n)
+    return b, q, k, v, out, cfg, {"causal softmax": lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out)}
+
+
+class Variant:
+    """One lowered variant with an edited source (Ours does the lowering and launch)."""
+
+    def __init__(self, name, source_fn, overrides=None):
+        self.name, self.spec, self.ours = name, load_spec(name), Ours(source_fn)
+        self.source = self.ours.lowered(name)[2]
+        self.overrides = overrides or {}
+
+    def fn(self, q, k, v, out):
+        return self.ours.fn(self.name, q, k, v, out=out, overrides=self.overrides)
+
+
+def check_all(systems: dict, lengths) -> dict:
+    """Build every (source, config) up front, in parallel (nvcc runs outside the GIL), then the
+    verification rule for each system: {label: "passed" or its failures}, printed as it goes."""
+    configs = {default_config(dh, False, True, n, variant=True) for (_, _, _, n, dh) in CHECK_SHAPES}
+    configs |= {default_config(D, False, True, n, variant=True) for n in lengths}
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda job: build_cubin(job[0], source=job[1]),
+                      [(c, var.source) for var in systems.values() for c in configs]))
+    checks = {}
+    for label, var in systems.items():
+        checks[label] = check(var) or "passed"
+        print(f"check {label:<22} {checks[label]}", flush=True)
+    return checks
+
+
+def check(var: Variant) -> list[str]:
+    """The verification rule (cubridge.rule.check_run) at the GPU test shapes, plus scores scaled 4x
+    (softcap and sigmoid saturation exercised)."""
+    failures = []
+    for shape in CHECK_SHAPES:
+        for scale in (1.0, 4.0):
+            B, Hq, Hkv, N, Dh = shape
+            g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{var.name}{shape}{scale}".encode()))
+            dtype = torch.float16 if N == 300 else torch.bfloat16
+            q = (torch.randn(B, Hq, N, Dh, device="cuda", generator=g) * scale).to(dtype)
+            k = (torch.randn(B, Hkv, N, Dh, device="cuda", generator=g) * scale).to(dtype)
+            v = torch.randn(B, Hkv, N, Dh, device="cuda", generator=g).to(dtype)
+            golden = var.spec.run_reference(q.double(), k.double(), v.double())
+            why = rule.check_run(lambda q, k, v, out: var.fn(q, k, v, out)(), (q, k, v), golden,
+                                 var.spec.run_reference(q, k, v))
+            if why:
+                failures.append(f"{shape} x{scale}: {why}")
+    return failures

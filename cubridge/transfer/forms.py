@@ -1,8 +1,8 @@
 """A spec's hooks traced at one shape (a `Form`), the pieces of it the rules transfer and the
 binding compare across shapes, and the exact host block table of a mask.
 
-Both cubridge.transfer.rules (the transfer: probes, generalisation) and cubridge.transfer.call_binding
-(a call's extra inputs) read forms through here.
+Both cubridge.transfer.rules (the transfer: probes, generalisation) and
+cubridge.transfer.call_binding (a call's extra inputs) read forms through here.
 """
 from __future__ import annotations
 

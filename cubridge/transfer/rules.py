@@ -36,7 +36,7 @@ import torch
 from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
-from cubridge.transfer.call_binding import add_record
+from cubridge.transfer.binding import add_record
 from cubridge.transfer.call_binding import bind_inputs
 from cubridge.transfer.forms import (EMPTY, FULL, PARTIAL, PROBE_B, block_classes, consts,  # noqa: F401
                                      fingerprint, map_consts, skeleton, trace_form)

@@ -123,11 +123,12 @@ def lse_of(spec, q, k, spec_params: dict):
     Hkv, Nk = k.shape[1], k.shape[2]
     if not spec.has_hooks:
         return None
-    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, **spec_params)
+    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, q.device, B=B, **spec_params)   # runtime inputs: sampled
     if hooks.normalization.kind != "softmax":
         return None
     scores = q @ k.repeat_interleave(Hq // Hkv, dim=1).transpose(-2, -1) / math.sqrt(D)
-    b, h, qi, ki = index_grids(B, Hq, torch.arange(Nq), Nk, q.device)
+    positions = torch.arange(Nk - Nq, Nk)          # queries aligned to the end of the keys
+    b, h, qi, ki = index_grids(B, Hq, positions, Nk, q.device)
     if hooks.score_mod is not None:
         scores = hooks.score_mod(scores, b, h, qi, ki).to(scores.dtype)
     mask = mask_of(hooks, b, h, qi, ki)

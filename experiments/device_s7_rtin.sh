@@ -19,12 +19,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
   echo "== tests/gpu/test_runtime_inputs.py"
-  timeout 250 python3 -m pytest tests/gpu/test_runtime_inputs.py -q -p no:cacheprovider -rf 2>&1 | tail -30
+  timeout 230 python3 -m pytest tests/gpu/test_runtime_inputs.py -q -p no:cacheprovider -rf 2>&1 | tail -30
   echo "== reference kernel suites (end-aligned skeleton)"
-  timeout 150 python3 -m pytest tests/gpu/test_fa3_sm90.py tests/gpu/test_fa2_sm80.py tests/gpu/test_lift.py -q \
+  timeout 200 python3 -m pytest tests/gpu/test_fa3_sm90.py tests/gpu/test_fa2_sm80.py tests/gpu/test_lift.py -q \
     -p no:cacheprovider -rf 2>&1 | tail -12
   echo "== experiments/bench_document.py"
-  timeout 110 python3 experiments/bench_document.py --out "$OUT/rtin.json" 2>&1 | tail -20
+  timeout 100 python3 experiments/bench_document.py --out "$OUT/rtin.json" 2>&1 | tail -20
 } > "$LOG" 2>&1
 grep -E "^== |passed|failed|error|FAILED|ERROR" "$LOG" | tail -30
 echo "---- benchmark"

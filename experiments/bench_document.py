@@ -22,17 +22,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cubridge import inputs as rt  # noqa: E402
-from cubridge import rule  # noqa: E402
-from cubridge.cuir.parser import parse_file  # noqa: E402
-from cubridge.lower import lower  # noqa: E402
-from cubridge.paths import ref_kernel_dir  # noqa: E402
-from cubridge.runtime.fa3_sm90 import default_config, fa3_forward  # noqa: E402
-from cubridge.runtime.timing import bench, compiled_flex_attention  # noqa: E402
-from cubridge.spec import load_spec  # noqa: E402
-from cubridge.transfer.rules import block_classes, transfer  # noqa: E402
+from cubridge import inputs as rt
+from cubridge import rule
+from cubridge.cuir.parser import parse_file
+from cubridge.lower import lower
+from cubridge.paths import ref_kernel_dir
+from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
+from cubridge.runtime.timing import bench, compiled_flex_attention
+from cubridge.spec import load_spec
+from cubridge.transfer.rules import block_classes, transfer
 
 HQ, HKV, D, TOKENS = 16, 4, 128, 16384
 

@@ -77,7 +77,9 @@ def _classify(expr, tables, b, h, q0, k0, size, split, Nq, Nk):
     bb, hh = b.view(-1, 1, 1), h.view(-1, 1, 1)
     full = (len(b), split, split)
     try:
-        must, may = _TileEnv(tables, bb, hh, (q_lo, q_hi), (k_lo, k_hi)).bool(expr)
+        # query rows sit at positions row + Nk - Nq (queries aligned to the end of the keys)
+        off = Nk - Nq
+        must, may = _TileEnv(tables, bb, hh, (q_lo + off, q_hi + off), (k_lo, k_hi)).bool(expr)
         must, may = must.expand(full) & inside, may.expand(full) & inside
     except _Unbounded:
         must, may = torch.zeros(full, dtype=torch.bool), inside.expand(full)
@@ -106,7 +108,7 @@ def _count_partial(expr, tables, blocks, size, Nq, Nk) -> int:
         k = (k0[sl].view(-1, 1) + ar).view(-1, 1, size)
         valid = (q < Nq) & (k < Nk)
         env = {**base, "b": b[sl].view(-1, 1, 1), "h": h[sl].view(-1, 1, 1),
-               "iq": q.clamp(max=Nq - 1), "ik": k.clamp(max=Nk - 1)}
+               "iq": q.clamp(max=Nq - 1) + (Nk - Nq), "ik": k.clamp(max=Nk - 1)}
         m = it.eval(expr, env, None)
         total += int((torch.as_tensor(m).bool() & valid).sum())
     return total

@@ -263,9 +263,11 @@ class _TileEnv:
         if len(vary) == 1 and isinstance(idx[vary[0]], N.Name) and idx[vary[0]].id in ("iq", "ik"):
             d = vary[0]
             tmin, tmax = _tile_minmax(t.movedim(d, -1))
-            tile = torch.div(ranges[d][0], TILE, rounding_mode="floor").clamp(0, tmin.shape[-1] - 1)
-            ix = torch.broadcast_tensors(*[p for i, p in enumerate(pts) if i != d], tile)
-            return tmin[ix], tmax[ix]
+            # An index range is at most TILE wide but need not be TILE-aligned (query positions
+            # are offset by Nk - Nq), so it spans the table blocks of its two ends.
+            ends = [torch.div(r, TILE, rounding_mode="floor").long().clamp(0, tmin.shape[-1] - 1) for r in ranges[d]]
+            ix = [torch.broadcast_tensors(*[p for i, p in enumerate(pts) if i != d], e) for e in ends]
+            return torch.minimum(tmin[ix[0]], tmin[ix[1]]), torch.maximum(tmax[ix[0]], tmax[ix[1]])
         return t.min(), t.max()
 
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from cubridge.lower import LoweredKernel, variant_fields
+from cubridge.lower import LoweredKernel, struct_fields
 from cubridge.lower.fa2_bwd_sm80 import lower_source
 from cubridge.lower.variant import extract
 from cubridge.runtime.fa2_bwd_sm80 import KERNEL_PATH, Config, Fa2BwdSm80, default_config
@@ -40,7 +40,7 @@ class VariantBackward:
         self.candidate = transfer(_forward_program(), self.spec, spec_params=spec_params)
         self.ir = extract(self.candidate.program)
         self.source = lower_source(KERNEL_PATH.read_text(), self.ir)
-        self.lowered = LoweredKernel("fa2_bwd_sm80", self.source, variant_fields(self.ir), self.ir)
+        self.lowered = LoweredKernel("fa2_bwd_sm80", self.source, struct_fields(self.ir), self.ir)
         self.kernel = kernel or Fa2BwdSm80(config)
         self.config = config
 

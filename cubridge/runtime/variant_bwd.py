@@ -58,6 +58,11 @@ class VariantBackward:
     def __call__(self, dout, q, k, v, out, lse, sm_scale: float | None = None, deterministic: bool = False,
                  dq=None, dk=None, dv=None):
         b, hq, nq, d = q.shape
+        if nq != k.shape[2]:
+            from cubridge.errors import LaunchError
+            raise LaunchError(f"Nq={nq} != Nk={k.shape[2]}: the forward now aligns queries to the end of the keys, and "
+                              "the variant backward's regions do not apply that shift yet", where="VariantBackward",
+                              hint="use Nq == Nk for training with a variant (ref_kernels/fa2_bwd_sm80/NOTES.md)")
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

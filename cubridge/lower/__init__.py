@@ -91,12 +91,6 @@ def struct_fields(ir: VariantIR) -> list:
     return out
 
 
-def variant_fields(ir: VariantIR) -> list:
-    """The VariantArgs layout of a variant, (field name, "ptr" | "int" | "float"), as `lower` packs it
-    (the backward's generator, cubridge.lower.fa2_bwd_sm80, shares the forward's struct)."""
-    return _fields(ir)
-
-
 def lower(program: N.Program, ref: str) -> LoweredKernel:
     """CUDA source for `program` (a transfer of reference kernel `ref`): the kernel's own region
     generator (ReferenceKernel.generator) patches its kernel.cu."""

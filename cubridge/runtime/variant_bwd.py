@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from cubridge.lower import LoweredKernel, variant_fields
+from cubridge.lower import LoweredKernel, struct_fields
 from cubridge.lower.fa2_bwd_sm80 import lower_source
 from cubridge.lower.variant import extract
 from cubridge.runtime.fa2_bwd_sm80 import KERNEL_PATH, Config, Fa2BwdSm80, default_config
@@ -40,7 +40,7 @@ class VariantBackward:
         self.candidate = transfer(_forward_program(), self.spec, spec_params=spec_params)
         self.ir = extract(self.candidate.program)
         self.source = lower_source(KERNEL_PATH.read_text(), self.ir)
-        self.lowered = LoweredKernel("fa2_bwd_sm80", self.source, variant_fields(self.ir), self.ir)
+        self.lowered = LoweredKernel("fa2_bwd_sm80", self.source, struct_fields(self.ir), self.ir)
         self.kernel = kernel or Fa2BwdSm80(config)
         self.config = config
 
@@ -58,6 +58,11 @@ class VariantBackward:
     def __call__(self, dout, q, k, v, out, lse, sm_scale: float | None = None, deterministic: bool = False,
                  dq=None, dk=None, dv=None):
         b, hq, nq, d = q.shape
+        if nq != k.shape[2]:
+            from cubridge.errors import LaunchError
+            raise LaunchError(f"Nq={nq} != Nk={k.shape[2]}: the forward now aligns queries to the end of the keys, and "
+                              "the variant backward's regions do not apply that shift yet", where="VariantBackward",
+                              hint="use Nq == Nk for training with a variant (ref_kernels/fa2_bwd_sm80/NOTES.md)")
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

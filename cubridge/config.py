@@ -43,17 +43,24 @@ class ConfigError(CubridgeError):
 
 @dataclass(frozen=True)
 class Target:
-    """One target shape: q [batch, heads_q, seqlen, head_dim], k/v [batch, heads_kv, seqlen, head_dim]."""
+    """One target shape: q [batch, heads_q, query_len, head_dim], k/v [batch, heads_kv, seqlen,
+    head_dim]; query_len None means seqlen. Queries are aligned to the end of the keys."""
     batch: int
     heads_q: int
     heads_kv: int
     seqlen: int
     head_dim: int
+    query_len: int | None = None
+
+    @property
+    def nq(self) -> int:
+        return self.seqlen if self.query_len is None else self.query_len
 
     @property
     def key(self) -> str:
         """The shape key used in Outcome.times_ms and the dispatch table."""
-        return f"N={self.seqlen},B={self.batch}"
+        nq = "" if self.nq == self.seqlen else f",Nq={self.nq}"
+        return f"N={self.seqlen}{nq},B={self.batch}"
 
 
 @dataclass(frozen=True)
@@ -65,11 +72,13 @@ class Shapes:
     batch: int | None = None          # fixed batch; None: tokens // N per length
     tokens: int = DEFAULT_TOKENS
     model: str | None = None
+    query_lengths: tuple | None = None   # Nq per length (parallel to lengths); None: Nq = N
 
     @property
     def targets(self) -> tuple[Target, ...]:
-        return tuple(Target(self.batch or self.tokens // n, self.heads_q, self.heads_kv, n, self.head_dim)
-                     for n in self.lengths)
+        nqs = self.query_lengths or (None,) * len(self.lengths)
+        return tuple(Target(self.batch or self.tokens // n, self.heads_q, self.heads_kv, n, self.head_dim,
+                            None if nq == n else nq) for n, nq in zip(self.lengths, nqs))
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,8 @@ class TuneConfig:
                 "references": list(self.references), "arch": self.arch, "dtype": self.dtype,
                 "shapes": {"heads_q": self.shapes.heads_q, "heads_kv": self.shapes.heads_kv,
                            "head_dim": self.shapes.head_dim, "lengths": list(self.shapes.lengths),
-                           "batch": self.shapes.batch, "tokens": self.shapes.tokens, "model": self.shapes.model},
+                           "batch": self.shapes.batch, "tokens": self.shapes.tokens, "model": self.shapes.model,
+                           "query_lengths": list(self.shapes.query_lengths or ()) or None},
                 "proposer": {"kind": self.proposer.kind, "population": self.proposer.population,
                              "options": self.proposer.options},
                 "runner": {"kind": self.runner.kind, "address": self.runner.address,
@@ -148,7 +158,8 @@ TOP_KEYS = {"name": "run name (default: the file stem)", "spec": "built-in spec 
             "storage": "Optuna storage URL (default sqlite in the output directory)"}
 SHAPE_KEYS = {"model": f"one of {', '.join(MODELS)}", "heads_q": "query heads", "heads_kv": "key/value heads",
               "head_dim": "head dimension", "lengths": "list of sequence lengths",
-              "batch": "fixed batch size", "tokens": f"B * N per shape (default {DEFAULT_TOKENS})"}
+              "batch": "fixed batch size", "tokens": f"B * N per shape (default {DEFAULT_TOKENS})",
+              "query_length": "queries per shape (Nq <= N, end-aligned): one int, or a list parallel to lengths"}
 PROPOSER_KEYS = {"kind": f"one of {', '.join(PROPOSERS)}", "population": "proposals per round",
                  "options": "mapping passed to the proposer"}
 RUNNER_KEYS = {"kind": f"one of {', '.join(RUNNERS)}", "address": "Ray cluster address",
@@ -431,7 +442,31 @@ def _shapes(s: dict, r: _Reader) -> Shapes:
     if batch is None and max(lengths) > tokens:
         raise r.error("shapes.lengths", f"N = {max(lengths)} > tokens = {tokens} gives batch 0",
                       hint="raise shapes.tokens or give shapes.batch")
-    return Shapes(hq, hkv, hd, tuple(sorted(lengths)), batch, tokens, model)
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    nqs = _query_lengths(s, lengths, r)
+    return Shapes(hq, hkv, hd, tuple(lengths[i] for i in order), batch, tokens, model,
+                  None if nqs is None else tuple(nqs[i] for i in order))
+
+
+def _query_lengths(s: dict, lengths: tuple, r: _Reader) -> tuple | None:
+    """shapes.query_length: Nq for every length (an int) or per length (a list parallel to lengths);
+    queries are aligned to the end of the keys, so each Nq <= its length N."""
+    if "query_length" not in s:
+        return None
+    raw = s["query_length"]
+    if isinstance(raw, list):
+        nqs = r.int_list(raw, "shapes.query_length")
+        if len(nqs) != len(lengths):
+            raise r.error("shapes.query_length", f"{len(nqs)} query lengths for {len(lengths)} lengths",
+                          hint="give one int for every length, or a list as long as shapes.lengths")
+    else:
+        nqs = (r.integer(raw, "shapes.query_length"),) * len(lengths)
+    for i, (nq, n) in enumerate(zip(nqs, lengths)):
+        if nq > n:
+            fld = f"shapes.query_length[{i}]" if isinstance(raw, list) else "shapes.query_length"
+            raise r.error(fld, f"query length {nq} > length {n}",
+                          hint="queries are aligned to the end of the keys (a KV-cache prefill): Nq <= N")
+    return nqs
 
 
 # The most memory one GPU of each arch has (A100 80 GB; H200 141 GB): a target shape whose

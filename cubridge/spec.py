@@ -24,14 +24,16 @@ import os
 import re
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from cubridge import inputs as rt
+from cubridge.inputs import check_query_length  # noqa: F401 (re-exported)
 from cubridge.errors import SpecError
-from cubridge.specs import BUILTIN
+from cubridge.specs import BUILTIN, EXAMPLES
 
 NORMALIZATION_KINDS = ("softmax", "sigmoid", "relu")
 # count_attended evaluates the mask this many elements at a time: 2^26 bools = 64 MiB, which
@@ -109,6 +111,17 @@ class Hooks:
         """FlexAttention always normalises with softmax; anything else needs our kernels."""
         return self.normalization.kind == "softmax"
 
+    def for_flex(self, Nq: int, Nk: int) -> "Hooks":
+        """The mods as FlexAttention calls them, with q_idx the query row in [0, Nq): ours take the
+        query's position (row + Nk - Nq), so the rows are shifted when Nq < Nk."""
+        shift = Nk - Nq
+        if shift == 0:
+            return self
+        mask, score = self.mask_mod, self.score_mod
+        return Hooks(None if mask is None else (lambda b, h, q, kv: mask(b, h, q + shift, kv)),
+                     None if score is None else (lambda x, b, h, q, kv: score(x, b, h, q + shift, kv)),
+                     self.normalization)
+
     def __repr__(self) -> str:
         return (f"Hooks(mask_mod={_fn_name(self.mask_mod)}, score_mod={_fn_name(self.score_mod)}, "
                 f"normalization={self.normalization!r})")
@@ -127,6 +140,8 @@ class Spec:
     reference: Callable
     factory: Callable | None = None        # the spec's hooks(Nq, Nk, Hq, Hkv, device, **params)
     module_hooks: Hooks | None = None      # from module-level mask_mod / score_mod / NORMALIZATION
+    runtime_inputs: dict = field(default_factory=dict)   # name -> inputs.RuntimeInput
+    sampler: Callable | None = None        # the spec's sample_runtime_inputs(...), if any
 
     @property
     def has_hooks(self) -> bool:
@@ -154,15 +169,41 @@ class Spec:
                                 hint=f"give {k} a value like its default {self.params[k]!r}")
         return {**self.params, **overrides}
 
-    def run_reference(self, q, k, v, **overrides) -> torch.Tensor:
-        """reference(q, k, v) with the default params, after checking the overrides' names."""
-        return self.reference(q, k, v, **self.resolved_params(**overrides))
+    def run_reference(self, q, k, v, runtime: dict | None = None, **overrides) -> torch.Tensor:
+        """reference(q, k, v) with the default params, after checking the overrides' names.
 
-    def hooks_for(self, Nq: int, Nk: int, Hq: int, Hkv: int, device="cpu", **params) -> Hooks:
-        """The hooks at one shape, with captured tensors on `device`."""
+        Queries are aligned to the end of the keys: with Nq < Nk, query row i sits at position
+        Nk - Nq + i. The reference is run on the Nk-row problem (q padded at the front) and the
+        last Nq rows are kept, so a reference written for Nq == Nk is right at every Nq <= Nk.
+        Runtime inputs: `runtime` as the call gives them, or None for the sampled values."""
+        params = self.resolved_params(**overrides)
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        check_query_length(Nq, Nk, self.path)
+        params.update(self.runtime_for(Nq, Nk, Hq, Hkv, B, q.device, runtime, params))
+        if Nq == Nk:
+            return self.reference(q, k, v, **params)
+        padded = torch.cat([q.new_zeros(B, Hq, Nk - Nq, D), q], dim=2)
+        return self.reference(padded, k, v, **params)[:, :, Nk - Nq:]
+
+    def runtime_for(self, Nq, Nk, Hq, Hkv, B, device, runtime: dict | None, params: dict) -> dict:
+        """The runtime inputs of a call, checked; None samples representative values (a function
+        of the shape, so every caller at one shape sees the same ones)."""
+        if runtime is None:
+            return rt.sample(self.runtime_inputs, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, device=device,
+                             params=params, sampler=self.sampler)
+        return rt.check(self.runtime_inputs, runtime, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params=params,
+                        device=device)
+
+    def hooks_for(self, Nq: int, Nk: int, Hq: int, Hkv: int, device="cpu", *, B: int = 1,
+                  runtime: dict | None = None, **params) -> Hooks:
+        """The hooks at one shape, with captured tensors on `device`; a spec with runtime inputs
+        gets `runtime` (checked) or, when None, the values sampled at this shape and batch B."""
         resolved = self.resolved_params(**params)
         _check_heads(Hq, Hkv, self.path)
         if self.factory is not None:
+            if self.runtime_inputs:
+                resolved.update(self.runtime_for(Nq, Nk, Hq, Hkv, B, torch.device(device), runtime, resolved))
             return self._call_factory(Nq, Nk, Hq, Hkv, torch.device(device), resolved)
         if self.module_hooks is not None:
             return self.module_hooks
@@ -181,7 +222,8 @@ class Spec:
         try:
             hooks = self.factory(Nq, Nk, Hq, Hkv, device, **params)
         except Exception as exc:
-            call = f"hooks({Nq}, {Nk}, {Hq}, {Hkv}, {device}{_kwargs(params)})"
+            shown = {k: (f"<tensor {list(v.shape)}>" if isinstance(v, torch.Tensor) else v) for k, v in params.items()}
+            call = f"hooks({Nq}, {Nk}, {Hq}, {Hkv}, {device}{_kwargs(shown)})"
             raise _located_error(exc, self.path, call) from exc
         if not isinstance(hooks, Hooks):
             raise SpecError(f"hooks() returned a {type(hooks).__name__}, not a Hooks",
@@ -220,7 +262,7 @@ def load_spec(name_or_path) -> Spec:
     text = os.fspath(name_or_path)
     if _looks_like_path(name_or_path):
         module = _import_file(Path(text))
-    elif text in BUILTIN:
+    elif text in BUILTIN or text in EXAMPLES:
         module = _import_module(f"cubridge.specs.{text}")
     else:
         module = _import_module(text)
@@ -242,10 +284,13 @@ def attention_from_hooks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check_heads(Hq, Hkv, "attention_from_hooks")
     k, v = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (k, v))
     scores = q @ k.transpose(-2, -1) / math.sqrt(D)
-    b, h, q_idx, kv_idx = index_grids(B, Hq, torch.arange(Nq, device=q.device), Nk, q.device)
+    check_query_length(Nq, Nk, "attention_from_hooks")
+    positions = torch.arange(Nk - Nq, Nk, device=q.device)     # queries aligned to the end of the keys
+    b, h, q_idx, kv_idx = index_grids(B, Hq, positions, Nk, q.device)
     if hooks.score_mod is not None:
         # Cast back: a captured float64 table must not silently upcast a bf16 run.
-        scores = hooks.score_mod(scores, b, h, q_idx, kv_idx).to(scores.dtype)
+        from cubridge.transfer.evalmod import score_values     # FlexAttention's per-element idioms too
+        scores = score_values(hooks.score_mod, scores, b, h, q_idx, kv_idx).to(scores.dtype)
     mask = _eval_mask(hooks, b, h, q_idx, kv_idx)
     return hooks.normalization.apply(scores, mask) @ v
 
@@ -278,7 +323,7 @@ def count_attended_pairwise(hooks: Hooks, B: int, Hq: int, Nq: int, Nk: int, dev
     rows = max(1, chunk_elems // (B * Hq * Nk))
     total = 0
     for start in range(0, Nq, rows):
-        q_rows = torch.arange(start, min(start + rows, Nq), device=device)
+        q_rows = torch.arange(start, min(start + rows, Nq), device=device) + (Nk - Nq)   # positions
         mask = _eval_mask(hooks, *index_grids(B, Hq, q_rows, Nk, device))
         total += _broadcast_count(mask, (B, Hq, len(q_rows), Nk))
     return total
@@ -294,8 +339,8 @@ def index_grids(B: int, Hq: int, q_rows: torch.Tensor, Nk: int, device):
 
 
 def mask_picture(hooks: Hooks, Nq: int, Nk: int, b: int = 0, h: int = 0) -> str:
-    """One text row per query: '#' attended, '.' masked."""
-    grids = index_grids(b + 1, h + 1, torch.arange(Nq), Nk, "cpu")
+    """One text row per query (at positions Nk - Nq .. Nk - 1): '#' attended, '.' masked."""
+    grids = index_grids(b + 1, h + 1, torch.arange(Nk - Nq, Nk), Nk, "cpu")
     mask = _eval_mask(hooks, *grids).expand(b + 1, h + 1, Nq, Nk)[b, h]
     return "\n".join("".join("#" if x else "." for x in row.tolist()) for row in mask)
 
@@ -473,10 +518,16 @@ def _spec_from_module(module) -> Spec:
                         hint="define def reference(q, k, v, **params) returning the attention "
                              "output in plain PyTorch: q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] "
                              "-> out [B, Hq, Nq, D]")
-    _check_signature(reference, "reference", "q, k, v", params, where=path)
+    runtime = rt.declare(getattr(module, "RUNTIME_INPUTS", None), params, path)
+    keywords = {**params, **{n: None for n in runtime}}
+    _check_signature(reference, "reference", "q, k, v", keywords, where=path)
     factory = getattr(module, "hooks", None)
     if factory is not None:
-        _check_signature(factory, "hooks", "Nq, Nk, Hq, Hkv, device", params, where=path)
+        _check_signature(factory, "hooks", "Nq, Nk, Hq, Hkv, device", keywords, where=path)
+    elif runtime:
+        raise SpecError("RUNTIME_INPUTS without a hooks() factory", where=path,
+                        hint="mods read runtime inputs through hooks(Nq, Nk, Hq, Hkv, device, *, "
+                             f"{', '.join(runtime)}, **params), which closes over them")
     name = getattr(module, "NAME", None) or Path(path).stem
     if not isinstance(name, str):
         raise SpecError(f"NAME is a {type(name).__name__}", where=path,
@@ -484,7 +535,8 @@ def _spec_from_module(module) -> Spec:
     source = Path(path).read_text() if Path(path).is_file() else ""  # informative only
     return Spec(name=name, path=path, source=source, doc=inspect.cleandoc(module.__doc__ or ""),
                 params=dict(params), reference=reference, factory=factory,
-                module_hooks=_module_hooks(module, path))
+                module_hooks=_module_hooks(module, path), runtime_inputs=runtime,
+                sampler=getattr(module, "sample_runtime_inputs", None))
 
 
 def _module_hooks(module, path: str) -> Hooks | None:

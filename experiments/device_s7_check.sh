@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for f in "$@"; do
   echo "=== $f ($(date -u +%H:%M:%S))"
-  timeout 420 python3 -m pytest "$f" -q -n 6 -p no:cacheprovider -p no:benchmark --junitxml="$OUT/$(basename "$f" .py).xml" 2>&1 \
-    | grep -vE "^\s*$" | tail -25
+  timeout ${PER_FILE_S:-420} python3 -m pytest "$f" -q -n ${WORKERS:-6} -p no:cacheprovider -p no:benchmark 2>&1 \
+    | grep -vE "^\s*$" | tail -${TAIL:-25}
 done
 echo "=== done ($(date -u +%H:%M:%S))"

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+import expkit  # noqa: F401 - makes the checkout's cubridge importable (experiments/expkit.py)
 import torch
 
-import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
 from cubridge import rule  # noqa: E402
 from cubridge.cuir.parser import parse_file  # noqa: E402
 from cubridge.lower import lower  # noqa: E402

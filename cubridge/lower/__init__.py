@@ -81,7 +81,8 @@ def _struct_type(fields: tuple):
     return _STRUCTS[fields]
 
 
-def _fields(ir: VariantIR) -> list:
+def struct_fields(ir: VariantIR) -> list:
+    """The VariantArgs layout of a variant: (field name, "ptr" | "int" | "float")."""
     out = []
     for n, _, nd in ir.tables:
         out.append((n, "ptr"))
@@ -102,4 +103,4 @@ def lower(program: N.Program, ref: str) -> LoweredKernel:
     kernel = reference_kernel(ref)
     ir = extract(program)
     generator = importlib.import_module(kernel.generator)
-    return LoweredKernel(ref, generator.lower_source(kernel.source(), ir), _fields(ir), ir)
+    return LoweredKernel(ref, generator.lower_source(kernel.source(), ir), struct_fields(ir), ir)

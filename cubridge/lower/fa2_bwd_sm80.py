@@ -12,8 +12,8 @@ fa2_sm80 target program); the backward regions are derived from it:
 - mask: mask_pred, as the forward's.
 - softmax_bwd: P from the saved statistics and dS: softmax P = exp(s - LSE), dS = P (dP - Dvec);
   sigmoid P = sigmoid(s + bias), dS = dP P (1 - P); relu P = relu(s) * c, dS = dP c [s > 0].
-A mask that reads the head index: the CTA sums a whole GQA group, so q_range visits every query
-tile and masks each (the element predicate sees the query head).
+Tile predicates (or a block table) that read the head index: the CTA sums a whole GQA group, so
+q_range then visits every query tile and masks each (the element predicate sees the query head).
 """
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def extra_io(ir: VariantIR) -> str:
 
 
 def _reads_head(ir: VariantIR) -> bool:
-    return ir.table_bh or any(e is not None and mentions(e, "h") for e in (ir.may, ir.must, ir.mask))
+    # Tile predicates free of h hold for every head (the forward uses them for each); the element
+    # mask (mask_pred) is applied per query head in partial tiles either way.
+    return ir.table_bh or any(e is not None and mentions(e, "h") for e in (ir.may, ir.must))
 
 
 def q_predicates(ir: VariantIR) -> tuple[str, str, str, str]:

@@ -39,7 +39,9 @@ def variant_backward(op):
         from cubridge.runtime.fa2_bwd_sm80 import Fa2BwdSm80
         from cubridge.runtime.variant_bwd import VariantBackward
         from cubridge.spec import load_spec
-        spec = load_spec(str(op.directory / op.dispatch["spec"]))
+        from dataclasses import replace
+        # the run's spec copy under the name it was tuned as (as cubridge/op/kernels.py binds it)
+        spec = replace(load_spec(str(op.directory / op.dispatch["spec"])), name=op.dispatch.get("spec_name") or "spec")
         params = dict(op.dispatch.get("spec_params") or {})
         vb = op._variant_backward = VariantBackward(spec, kernel=Fa2BwdSm80(compiler=default_compiler()), **params)
     return vb

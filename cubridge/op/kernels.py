@@ -9,7 +9,7 @@ needed only where the run carries no cubin for the bucket.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -137,7 +137,9 @@ def _rules_binder(directory: Path, dispatch: dict, entry: dict):
     from cubridge.paths import ref_kernel_dir
     from cubridge.spec import load_spec
     from cubridge.transfer.rules import transfer
-    spec = load_spec(str(directory / dispatch["spec"]))
+    # The run keeps its spec as spec.py; the transfer records the spec's name in the program, so
+    # the copy is loaded under the name it was tuned as.
+    spec = replace(load_spec(str(directory / dispatch["spec"])), name=dispatch.get("spec_name") or "spec")
     ref = parse_file(ref_kernel_dir(entry["reference"]) / "kernel.cuir")
     cand = transfer(ref, spec, spec_params=dict(dispatch.get("spec_params") or {}))
     if cand.text.strip() != (directory / entry["cuir"]).read_text().strip():

@@ -31,6 +31,7 @@ from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
 WHERE = "cubridge op"
 PLAN_CACHE = 256         # checked call signatures remembered (host data only)
+_KEY_SCALARS = (type(None), float, int, str)   # scale / layout types the fast path keys on
 
 
 class TunedOp:
@@ -45,6 +46,7 @@ class TunedOp:
         self.softmax = self._buckets[0].softmax   # lowers the CuIR (pure Python; no compiler)
         self._prepared: dict = {}
         self._plans: dict = {}
+        self._fast: dict = {}              # eager call signature -> _fast_call closure (see _remember)
         self._captured: list = []          # per-call launches (runtime inputs) a CUDA graph holds
         self.device_type = "cuda"          # CPU tests set "cpu" and stub the launch
         self.handle = handles.register(self)
@@ -73,7 +75,15 @@ class TunedOp:
                  **runtime):
         """out (or (out, lse)); layout None reads [B, H, N, D] and refuses what only [B, N, H, D] or
         both could mean; runtime: the spec's declared runtime inputs as keyword tensors."""
-        compiling = torch.compiler.is_compiling()
+        compiling, key = torch.compiler.is_compiling(), None
+        if (not (compiling or runtime or return_lse) and type(q) is type(k) is type(v) is torch.Tensor
+                and type(scale) in _KEY_SCALARS and type(layout) in _KEY_SCALARS):   # hashable, checked later
+            key = (layout, scale, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+                   v.dtype, q.device, k.device, v.device)
+            fast = self._fast.get(key)
+            if fast is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                       or v.requires_grad)):
+                return fast(q, k, v)
         plan = self._plan(q, k, v, layout, compiling)
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         qh, kh, vh = apply_plan(plan, q, k, v)
@@ -94,9 +104,23 @@ class TunedOp:
                 out, lse = torch.ops.cubridge.attention(qh, kh, vh, self.handle, scale, rt), None
         else:
             out, lse = self.forward(qh, kh, vh, scale, rt, return_lse)
+            if key is not None:
+                self._remember(key, plan, qh, kh, scale)
         if layout == "bnhd":
             out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
+
+    def _remember(self, key, plan, qh, kh, scale: float) -> None:
+        """Keep the checked plan and the prepared launch of this call signature as one closure, so a
+        repeated eager call costs one key, one lookup, the output's allocation and the launch: the
+        separate plan and prepared-launch lookups (two keys with torch.Size / device objects) were
+        ~7 us of a 19-33 us host path on the H100 host (session 7 op_bench)."""
+        prep = self._prepared.get((qh.shape, kh.shape, qh.device, scale))
+        if prep is None:     # an empty shape: nothing was prepared
+            return
+        if len(self._fast) >= PLAN_CACHE:
+            self._fast.pop(next(iter(self._fast)))
+        self._fast[key] = _fast_call(plan, prep, tuple(qh.shape), qh.dtype, qh.device)
 
     def _plan(self, q, k, v, layout, compiling: bool):
         """check_plan, remembered per (layout, shapes, strides, dtypes, devices) when eager: a
@@ -181,6 +205,23 @@ class TunedOp:
     def warmup(self, q, k, v, **kw) -> None:
         """Build the per-shape state for these inputs (what a first call does), e.g. before a capture."""
         self(q, k, v, **kw)
+
+
+def _fast_call(plan, prep, shape: tuple, dtype, device):
+    """The repeated eager call of one checked signature: apply the plan, allocate only the output,
+    launch (LSE goes to the prepared scratch; no other allocation, no GPU work beside the kernel)."""
+    bnhd, copies = plan[0] == "bnhd", plan[1]
+    any_copy, launch, lse = any(copies), prep.launch, prep.lse_scratch
+
+    def call(q, k, v):
+        if bnhd:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if any_copy:
+            q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), copies))
+        out = torch.empty(shape, dtype=dtype, device=device)
+        launch(q, k, v, out, lse)
+        return out.transpose(1, 2) if bnhd else out
+    return call
 
 
 def _declared_runtime_inputs(directory: Path, dispatch: dict) -> tuple[str, ...]:

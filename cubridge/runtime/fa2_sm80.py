@@ -201,7 +201,8 @@ class Fa2Sm80:
                  sm_scale: float | None = None, variant=None, cubin: bytes | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [B, Hq, Nq, D] (q's dtype), lse [B, Hq, Nq] float32 (natural log; -inf where a
-        row attends no key). Causal is top-left aligned: key j is seen by query i iff j <= i.
+        row attends no key). Causal: key j is seen by query row i iff j <= i + Nk - Nq (queries aligned
+        to the end of the keys).
         `variant` (a cubridge.lower.Launchable) runs a lowered variant: its source and VariantArgs;
         `cubin`, that source already compiled with options() (the tuner's build), skips the build."""
         shape = check_attention_args(q, k, v, out, lse, head_dims=HEAD_DIMS)

@@ -267,7 +267,8 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                 compiler: str | None = None, cubin: bytes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns (o [B, Hq, Nq, D], lse [B, Hq, Nq] float32, natural log).
 
-    causal means kv_idx <= q_idx with absolute indices (top-left aligned, also when Nq != Nk).
+    causal means kv_idx <= q_idx with q_idx the query's position row + Nk - Nq (queries aligned to the
+    end of the keys, as in FlashAttention; with Nq > Nk the first Nq - Nk rows see no key).
     `out` / `lse` may be passed preallocated (contiguous, right shape and dtype). `max_ctas` caps
     the grid (each CTA then loops over several tiles); tests use it to exercise tile hand-over.
     `variant` (a cubridge.lower.Launchable) runs a lowered variant of the kernel: its CUDA source

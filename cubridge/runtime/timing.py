@@ -109,11 +109,11 @@ def bench_round_robin(fns: list[Callable[[], object]], *, warmup: int = 5, reps:
 
 
 def attention_flops(batch: int, heads_q: int, head_dim: int, len_q: int, len_k: int, causal: bool) -> float:
-    """4 * B * Hq * D * (attended (q, kv) pairs): exact counting; causal is top-left aligned."""
+    """4 * B * Hq * D * (attended (q, kv) pairs): exact counting; causal with the queries aligned to
+    the end of the keys (row i sees keys j <= i + Nk - Nq)."""
     if causal:
-        full_rows = max(0, len_q - len_k)                 # rows q >= Nk see every key
-        tri = min(len_q, len_k)
-        pairs = tri * (tri + 1) // 2 + full_rows * len_k
+        lo = max(0, len_k - len_q)                        # the first row's position (rows before 0 see nothing)
+        pairs = len_k * (len_k + 1) // 2 - lo * (lo + 1) // 2     # a row at position p sees p + 1 keys
     else:
         pairs = len_q * len_k
     return 4.0 * batch * heads_q * head_dim * pairs

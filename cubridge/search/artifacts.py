@@ -180,7 +180,7 @@ def choose_dispatch(front: list[dict], targets, race: dict | None = None) -> lis
                                        -ms(r, t.key), -r["number"]))
         lo = 1 if i == 0 else math.floor(math.sqrt(lengths[i - 1] * lengths[i])) + 1
         hi = None if i == len(targets) - 1 else math.floor(math.sqrt(lengths[i] * lengths[i + 1]))
-        entry = {"shape": t.key, "seqlen": t.seqlen, "batch": t.batch, "min_seqlen": lo, "max_seqlen": hi,
+        entry = {"shape": t.key, "seqlen": t.seqlen, "query_len": t.nq, "batch": t.batch, "min_seqlen": lo, "max_seqlen": hi,
                  "trial": rec["number"], "candidate": rec["proposal_id"], "origin": rec["origin"],
                  "reference": rec["config"]["reference"], "config": rec["config"]["point"],
                  "label": rec["config"]["label"], "time_ms": rec["outcome"]["times_ms"][t.key]}

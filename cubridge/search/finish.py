@@ -43,7 +43,8 @@ def _bench(cfg, pop, dispatch, runner, say) -> dict:
     from cubridge.search.messages import payload, run_jobs
     by_id = {c.id: c for c in pop}
     entries = [{**payload(cfg, by_id[e["candidate"]], e["config"]),
-                "shape": {"key": e["shape"], "batch": e["batch"], "seqlen": e["seqlen"]}} for e in dispatch]
+                "shape": {"key": e["shape"], "batch": e["batch"], "seqlen": e["seqlen"],
+                          "query_len": e.get("query_len", e["seqlen"])}} for e in dispatch]
     body = {**payload(cfg, by_id[dispatch[0]["candidate"]]), "candidate": "bench", "entries": entries}
     say(f"timing the chosen kernel(s) beside the baselines at {len(entries)} shape(s)")
     res = run_jobs(runner, [Job("bench", body, 2 * cfg.runner.timeout_s, needs_gpu=True)])["bench"]

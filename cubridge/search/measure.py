@@ -59,10 +59,12 @@ def _spec(job: KernelJob):
     return spec_for(job)
 
 
-def _extras(bind, cuir: dict, B, Hq, Hkv, N, device="cuda") -> dict:
+def _extras(bind, cuir: dict, B, Hq, Hkv, N, device="cuda", Nq=None) -> dict:
+    """The kernel's extra inputs at one shape; runtime inputs get the spec's representative values
+    (the same ones spec.run_reference samples at this shape)."""
     if bind is None:
         return {}
-    extra = bind(Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=cuir, device=device)
+    extra = bind(Nq=N if Nq is None else Nq, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params=cuir, device=device)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
 
 
@@ -94,10 +96,16 @@ def check_and_time(job: KernelJob, lowered, cubin: bytes, bind):
             checks.append({"shape": f"B={b} Hq={hq} Hkv={hkv} N={n} D={d} seed={seed}", "result": why or "pass"})
             if why:
                 return Outcome(TrialState.WRONG_ANSWER, f"GPU check at {checks[-1]['shape']}: {why}"), {"check": checks}
+        for n, nq in _short_query_checks(job.shapes):      # targets with fewer queries than keys
+            call = prepare(_extras(bind, cuir, 1, hq, hkv, n, Nq=nq), "cuda")
+            why = gpu_check(call, _spec(job), job.spec_params, (1, hq, hkv, n, d, 3, nq), dtype)
+            checks.append({"shape": f"B=1 Hq={hq} Hkv={hkv} Nq={nq} Nk={n} D={d} seed=3", "result": why or "pass"})
+            if why:
+                return Outcome(TrialState.WRONG_ANSWER, f"GPU check at {checks[-1]['shape']}: {why}"), {"check": checks}
         times = {}
         for t in job.shapes:
-            q, k, v = _inputs(t.batch, hq, hkv, t.seqlen, d, dtype, seed=7)
-            call = prepare(_extras(bind, cuir, t.batch, hq, hkv, t.seqlen), "cuda")
+            q, k, v = _inputs(t.batch, hq, hkv, t.seqlen, d, dtype, seed=7, Nq=t.nq)
+            call = prepare(_extras(bind, cuir, t.batch, hq, hkv, t.seqlen, Nq=t.nq), "cuda")
             times[t.key] = time_ms(call, (q, k, v, torch.empty_like(q)))
     except Exception as e:   # noqa: BLE001 - a launch fault is this trial's outcome
         data = {"check": checks, "restart_worker": _is_cuda_fault(e)}
@@ -105,9 +113,20 @@ def check_and_time(job: KernelJob, lowered, cubin: bytes, bind):
     return Outcome(TrialState.OK, f"{len(checks)} GPU checks passed", times), {"check": checks, "device": device_info()}
 
 
-def _inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda"):
+def _short_query_checks(shapes) -> list:
+    """(Nk, Nq) of one GPU check per distinct query length below its length: the keys capped at
+    2048 (the golden is float64 on the GPU), the queries end-aligned within them."""
+    out = []
+    for t in shapes:
+        pair = (min(t.seqlen, 2048), min(t.nq, 2047) if t.nq >= 2048 else t.nq)
+        if t.nq < t.seqlen and pair not in out:
+            out.append(pair)
+    return out
+
+
+def _inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda", Nq=None):
     g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(B, Hq, N, D, device=device, dtype=dtype, generator=g)
+    q = torch.randn(B, Hq, N if Nq is None else Nq, D, device=device, dtype=dtype, generator=g)
     k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g)
     v = torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g)
     return q, k, v
@@ -115,9 +134,9 @@ def _inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda"):
 
 def gpu_check(call, spec, spec_params: dict, shape, dtype, device="cuda") -> str | None:
     """None when the rule (cubridge.rule.check_run) holds for `call(q, k, v, out)` on fresh random
-    inputs of `shape` (B, Hq, Hkv, N, D, seed), else the reason."""
-    B, Hq, Hkv, N, D, seed = shape
-    q, k, v = _inputs(B, Hq, Hkv, N, D, dtype, seed, device)
+    inputs of `shape` (B, Hq, Hkv, N, D, seed[, Nq]: Nq < N, queries end-aligned), else the reason."""
+    B, Hq, Hkv, N, D, seed, *nq = shape
+    q, k, v = _inputs(B, Hq, Hkv, N, D, dtype, seed, device, Nq=nq[0] if nq else None)
     golden = spec.run_reference(q.double(), k.double(), v.double(), **spec_params)
     ref = spec.run_reference(q, k, v, **spec_params)
     return rule.check_run(call, (q, k, v), golden, ref)
@@ -137,12 +156,12 @@ def _built(job: KernelJob):
     return launcher(job, lowered, result.cubin)
 
 
-def _shape_call(prepare, job: KernelJob, b: int, hq: int, hkv: int, n: int):
+def _shape_call(prepare, job: KernelJob, b: int, hq: int, hkv: int, n: int, nq: int | None = None):
     """The call(q, k, v, out) of a prepared kernel at one shape (its extra inputs bound)."""
     from cubridge.search.building import binder_for
     from cubridge.search.space import SPACES
     cuir = SPACES[job.reference].to_cuir(job.config)
-    return prepare(_extras(binder_for(job), cuir, b, hq, hkv, n), "cuda")
+    return prepare(_extras(binder_for(job), cuir, b, hq, hkv, n, Nq=nq), "cuda")
 
 
 def bench_side_by_side(p: dict):
@@ -154,10 +173,10 @@ def bench_side_by_side(p: dict):
     for e in p["entries"]:
         entry, t = KernelJob.from_json(e, ("shape",)), TargetShape(**e["shape"])
         n, b = t.seqlen, t.batch
-        row = {"flops": _flops(spec, sp, b, hq, hkv, n, d), "baselines_ms": {}, "baseline_errors": {}}
-        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=11)
+        row = {"flops": _flops(spec, sp, b, hq, hkv, n, d, t.nq), "baselines_ms": {}, "baseline_errors": {}}
+        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=11, Nq=t.nq)
         try:
-            call = _shape_call(_built(entry), entry, b, hq, hkv, n)
+            call = _shape_call(_built(entry), entry, b, hq, hkv, n, t.nq)
             row["ours_ms"] = time_ms(call, (q, k, v, torch.empty_like(q)))
         except Exception as e:   # noqa: BLE001 - reported beside the baselines
             row["ours_error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -188,7 +207,7 @@ def race(p: dict):
         if len(trials) < 2:
             continue
         n, b = t.seqlen, t.batch
-        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=13)
+        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=13, Nq=t.nq)
         out = torch.empty_like(q)
         calls = {}
         for num in trials:
@@ -196,7 +215,7 @@ def race(p: dict):
             try:
                 if num not in built:
                     built[num] = _built(entry)
-                calls[num] = _shape_call(built[num], entry, b, hq, hkv, n)
+                calls[num] = _shape_call(built[num], entry, b, hq, hkv, n, t.nq)
             except Exception as e:   # noqa: BLE001 - this finalist drops out of the race
                 errors.setdefault(t.key, {})[str(num)] = f"{type(e).__name__}: {str(e)[:300]}"
         if len(calls) < 2:
@@ -207,11 +226,13 @@ def race(p: dict):
             {"shapes": shapes, "errors": errors, "device": device_info()})
 
 
-def _flops(spec, sp, B, Hq, Hkv, N, D) -> float:
+def _flops(spec, sp, B, Hq, Hkv, N, D, Nq=None) -> float:
     from cubridge.spec import count_attended
+    Nq = N if Nq is None else Nq
     if not spec.has_hooks:
-        return 4.0 * D * B * Hq * N * N
-    return 4.0 * D * count_attended(spec.hooks_for(N, N, Hq, Hkv, "cuda", **sp), B, Hq, N, N, device="cuda")
+        return 4.0 * D * B * Hq * Nq * N
+    hooks = spec.hooks_for(Nq, N, Hq, Hkv, "cuda", B=B, **sp)
+    return 4.0 * D * count_attended(hooks, B, Hq, Nq, N, device="cuda")
 
 
 class _Skip(Exception):
@@ -221,7 +242,7 @@ class _Skip(Exception):
 def _softmax_hooks(spec, sp, q, k):
     if not spec.has_hooks:
         raise _Skip("the spec has no hooks")
-    hooks = spec.hooks_for(q.shape[2], k.shape[2], q.shape[1], k.shape[1], "cuda", **sp)
+    hooks = spec.hooks_for(q.shape[2], k.shape[2], q.shape[1], k.shape[1], "cuda", B=q.shape[0], **sp)
     if not hooks.flex_expressible:
         raise _Skip(f"normalisation {hooks.normalization.kind} has no softmax form")
     return hooks
@@ -231,6 +252,7 @@ def _flex(spec, sp, q, k, v):
     from cubridge.runtime.timing import compiled_flex_attention
     hooks = _softmax_hooks(spec, sp, q, k)
     compiled, create_block_mask = compiled_flex_attention()
+    hooks = hooks.for_flex(q.shape[2], k.shape[2])       # FlexAttention's q_idx is the row, ours the position
     block_mask = None
     if hooks.mask_mod is not None:
         block_mask = create_block_mask(hooks.mask_mod, q.shape[0], q.shape[1], q.shape[2], k.shape[2], device="cuda")
@@ -241,7 +263,7 @@ def _flex(spec, sp, q, k, v):
 def _sdpa(spec, sp, q, k, v):
     import torch.nn.functional as F
     gqa = q.shape[1] != k.shape[1]
-    if spec.name in ("causal", "full"):
+    if spec.name in ("causal", "full") and q.shape[2] == k.shape[2]:   # SDPA's is_causal is top-left aligned
         causal = spec.name == "causal"
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     hooks = _softmax_hooks(spec, sp, q, k)
@@ -251,7 +273,7 @@ def _sdpa(spec, sp, q, k, v):
         return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     from cubridge.spec import index_grids
     n, nk = q.shape[2], k.shape[2]
-    b, h, qi, ki = index_grids(q.shape[0], q.shape[1], torch.arange(n, device="cuda"), nk, "cuda")
+    b, h, qi, ki = index_grids(q.shape[0], q.shape[1], torch.arange(nk - n, nk, device="cuda"), nk, "cuda")
     mask = torch.broadcast_to(hooks.mask_mod(b, h, qi, ki), (q.shape[0], q.shape[1], n, nk)).contiguous()
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
@@ -270,8 +292,11 @@ def _eager(spec, sp, q, k, v):
 
 def _compiled(spec, sp, q, k, v):
     _score_memory_guard(q, k)
+    if q.shape[2] != k.shape[2]:
+        raise _Skip("the compiled reference runs at Nq == Nk only (run_reference pads the queries)")
     ref = torch.compile(spec.reference)
     params = spec.resolved_params(**sp)
+    params.update(spec.runtime_for(q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.shape[0], q.device, None, params))
     return lambda: ref(q, k, v, **params)
 
 

@@ -46,9 +46,14 @@ class TargetShape:
     key: str                          # "N=8192,B=2": the objective's and the dispatch table's name
     batch: int
     seqlen: int
+    query_len: int | None = None      # Nq (<= seqlen, queries end-aligned); None: Nq = seqlen
+
+    @property
+    def nq(self) -> int:
+        return self.seqlen if self.query_len is None else self.query_len
 
     def to_json(self) -> dict:
-        return {"key": self.key, "batch": self.batch, "seqlen": self.seqlen}
+        return {"key": self.key, "batch": self.batch, "seqlen": self.seqlen, "query_len": self.query_len}
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ def kernel_job(cfg: TuneConfig, cand: Candidate, point=None, **changes) -> Kerne
     job = KernelJob(candidate=cand.id, reference=cand.reference, origin=cand.proposal.origin,
                     text=cand.proposal.text, spec=cfg.spec, spec_params=dict(cfg.spec_params),
                     head_dim=s.head_dim, heads_q=s.heads_q, heads_kv=s.heads_kv, dtype=cfg.dtype, arch=cfg.arch,
-                    shapes=tuple(TargetShape(t.key, t.batch, t.seqlen) for t in s.targets), config=point,
+                    shapes=tuple(TargetShape(t.key, t.batch, t.seqlen, t.query_len) for t in s.targets), config=point,
                     spec_source=spec_file.read_text() if spec_file.is_file() else None,
                     binding=cand.proposal.binding, cuda_source=cand.cuda_source)
     return replace(job, **changes)

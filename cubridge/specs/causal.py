@@ -1,5 +1,5 @@
-"""Causal softmax attention: query q sees keys kv <= q (absolute indices, top-left aligned, as a
-FlexAttention mask_mod, also when Nq != Nk)."""
+"""Causal softmax attention: query q sees keys kv <= q (positions; with Nq < Nk the queries sit at
+the end of the keys, cubridge/specs/__init__.py)."""
 import math
 
 import torch

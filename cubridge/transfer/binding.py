@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from cubridge.cuir import nodes as N
 from cubridge.errors import CubridgeError
-from cubridge.transfer.record import RECORD, add_record, record_text  # noqa: F401 - read here too
+from cubridge.transfer.record import RECORD
 
 _BASE_INPUTS = {"Q", "K", "V"}
 

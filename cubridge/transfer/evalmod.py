@@ -35,6 +35,24 @@ def mask_values(mask_mod, b, h, q, kv) -> torch.Tensor:
     return vmapped(mask_mod, b.reshape(-1), h.reshape(-1), q.reshape(-1), kv.reshape(-1)).bool()
 
 
+def score_values(score_mod, scores, b, h, q, kv) -> torch.Tensor:
+    """score_mod on `scores` [B, H, Q, K] and their index grids (as `grids` gives them), called
+    once on the grids, or per element under torch.vmap as FlexAttention calls it (table[i][h])."""
+    try:
+        out = torch.as_tensor(score_mod(scores, b, h, q, kv))
+        if tuple(out.shape) == tuple(scores.shape):
+            return out
+    except (IndexError, RuntimeError):
+        pass
+    B, H, Q, K = scores.shape
+    b, h, q, kv = (x.reshape(-1).expand(n) for x, n in ((b, B), (h, H), (q, Q), (kv, K)))
+    fn = score_mod
+    for dims in ((0, None, None, None, 0), (0, None, None, 0, None), (0, None, 0, None, None),
+                 (0, 0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    return torch.as_tensor(fn(scores, b, h, q, kv))
+
+
 def vmapped(mod, b, h, q, kv) -> torch.Tensor:
     """mod over 1-D index vectors, elementwise as FlexAttention calls it: [B, H, Q, K]."""
     fn = mod

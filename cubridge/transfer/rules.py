@@ -8,8 +8,11 @@ Each rule of the taxonomy rewrites its regions of the reference program:
 - score_transform (score): the traced score_mod after the 1/sqrt(D) scaling;
 - normalization (softmax, epilogue): online softmax kept, or sigmoid / relu with no running
   state and no final division;
-- extra_io: kernel inputs for captured tensors and the block table; LSE dropped when the
-  normalisation is not softmax.
+- extra_io: kernel inputs for captured tensors, runtime inputs and the block table; LSE dropped
+  when the normalisation is not softmax.
+Queries are aligned to the end of the keys: the reference programs index query rows by their
+absolute position iq = row + NK - NQ, and the kv_range region bounds q_lo / q_hi the same way.
+`Candidate.bind` (cubridge.transfer.call_binding.bind_inputs) gives the extra inputs of one call.
 The result is checked against the taxonomy (`taxonomy.check_structure`) before it is returned.
 
 Example:
@@ -25,9 +28,8 @@ Example:
 """
 from __future__ import annotations
 
-import hashlib
 import textwrap
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,12 +37,12 @@ from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
 from cubridge.transfer.record import add_record
-from cubridge.transfer.evalmod import mask_values
+from cubridge.transfer.call_binding import bind_inputs
+from cubridge.transfer.forms import (EMPTY, FULL, PARTIAL, PROBE_B, block_classes, consts,  # noqa: F401
+                                     fingerprint, map_consts, skeleton, trace_form)
 from cubridge.transfer.intervals import classify
 from cubridge.transfer.taxonomy import check_structure
-from cubridge.transfer.trace import TraceError, trace_mask, trace_score
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
+from cubridge.transfer.trace import TraceError
 
 
 # Shapes the hooks are traced at to tell fixed constants from shape-dependent ones: a constant
@@ -50,27 +52,15 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 PROBES = ((97, 131, 4, 2), (211, 173, 8, 2))
 
 
-@dataclass
-class _Form:
-    """The traced hooks at one shape."""
-    mask: object            # CuIR expression or None
-    score: object
-    norm_kind: str
-    bias: object            # CuIR Const
-    scale: object
-    captures: dict          # name -> tensor
-
-    def nodes(self):
-        return (self.mask, self.score, self.bias, self.scale)
-
-
 @dataclass(frozen=True)
 class Binding:
     """How a candidate's extra inputs are bound at a shape, as data that travels in a job (so a
     worker binds without redoing the transfer): the shape-dependent constants (slots: input name,
     constant index, dtype), whether it reads a block table and whether per (batch, head), a
     fingerprint of the traced hooks' structure (a shape whose hooks trace differently is refused),
-    and the program's tile params (the table's default block sizes).
+    the program's tile params (the table's default block sizes), and for runtime inputs: the mask
+    predicate (CuIR text, for the GPU block table), which captures are runtime inputs read as they
+    are (capture name, input name), which are derived from them, whether the table reads them.
 
     >>> b = Binding((("C0", 1, "i32"),), table=False, skeleton="ab12", params=(("BLOCK_M", 128),))
     >>> Binding.from_json(b.to_json()) == b
@@ -81,36 +71,23 @@ class Binding:
     per_bh: bool = False
     skeleton: str = ""
     params: tuple = ()
+    mask: str = ""
+    runtime: tuple = ()
+    derived: tuple = ()
+    table_reads_runtime: bool = False
 
     def to_json(self) -> dict:
         return {"slots": [list(s) for s in self.slots], "table": self.table, "per_bh": self.per_bh,
-                "skeleton": self.skeleton, "params": dict(self.params)}
+                "skeleton": self.skeleton, "params": dict(self.params), "mask": self.mask,
+                "runtime": [list(r) for r in self.runtime], "derived": list(self.derived),
+                "table_reads_runtime": self.table_reads_runtime}
 
     @staticmethod
     def from_json(d: dict) -> "Binding":
         return Binding(tuple(tuple(s) for s in d["slots"]), bool(d["table"]), bool(d["per_bh"]), d["skeleton"],
-                       tuple(sorted(d["params"].items())))
-
-
-def bind_inputs(binding: Binding, spec, spec_params: dict, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1,
-                params: dict | None = None, device="cpu") -> dict:
-    """The extra kernel inputs of a candidate at one shape: scalars, captured tensors, the block table."""
-    form = _trace(spec, Nq, Nk, Hq, Hkv, spec_params, device)
-    if _fingerprint(form) != binding.skeleton:
-        raise TraceError(f"the hooks of {spec.name!r} trace to a different structure at "
-                         f"Nq={Nq}, Nk={Nk}, Hq={Hq}: the transfer cannot be reused at this shape",
-                         where=spec.path, hint="make the hooks' structure independent of the shape")
-    consts = _consts(form)
-    inputs = {name: consts[i] for name, i, _ in binding.slots}
-    for name, t in form.captures.items():
-        t = t.detach().to("cpu")
-        inputs[name] = t.to(torch.int64) if not t.is_floating_point() else t.to(torch.float32)
-    if binding.table:
-        cfg = {**dict(binding.params), **(params or {})}
-        hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, **spec_params)
-        inputs["BLOCK_CLASS"] = block_classes(hooks, B, Hq, Nq, Nk, cfg["BLOCK_M"], cfg["BLOCK_N"],
-                                              binding.per_bh, device)
-    return inputs
+                       tuple(sorted(d["params"].items())), d.get("mask", ""),
+                       tuple(tuple(r) for r in d.get("runtime", ())), tuple(d.get("derived", ())),
+                       bool(d.get("table_reads_runtime", False)))
 
 
 @dataclass
@@ -123,7 +100,16 @@ class Candidate:
     slots: list = field(default_factory=list)      # (input name, constant index, dtype)
     table: bool = False
     per_bh: bool = False
-    skeleton: str = ""                             # _fingerprint of the traced hooks
+    skeleton: str = ""                             # fingerprint of the traced hooks
+    runtime: dict = field(default_factory=dict)    # capture name -> runtime input it is
+    derived: tuple = ()                            # captures computed from runtime inputs
+    table_reads_runtime: bool = False
+
+    @property
+    def host_path(self) -> bool:
+        """True when a call needs the hooks re-run on the host (captures derived from runtime
+        inputs): such a call cannot run inside a CUDA graph capture."""
+        return bool(self.derived)
 
     @property
     def text(self) -> str:
@@ -132,13 +118,15 @@ class Candidate:
     @property
     def binding(self) -> Binding:
         return Binding(tuple(tuple(s) for s in self.slots), self.table, self.per_bh, self.skeleton,
-                       tuple(sorted(self.program.params().items())))
+                       tuple(sorted(self.program.params().items())), _mask_text(self.program),
+                       tuple(self.runtime.items()), tuple(self.derived), self.table_reads_runtime)
 
     def bind(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
-             device="cpu") -> dict:
-        """The extra kernel inputs at one shape: scalars, captured tensors, the block table."""
+             device="cpu", runtime: dict | None = None) -> dict:
+        """The extra kernel inputs at one call: scalars, captured tensors, runtime inputs, the
+        block table. `runtime`: the call's runtime inputs, or None for representative values."""
         return bind_inputs(self.binding, self.spec, self.spec_params, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
-                           params=params, device=device)
+                           params=params, device=device, runtime=runtime)
 
 
 def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, device="cpu") -> Candidate:
@@ -146,8 +134,9 @@ def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, dev
     `Candidate.bind(params=...)`, the checker and the tuner take them); `Candidate.bind` gives its
     extra inputs."""
     spec_params = dict(spec_params or {})
-    forms = [_trace(spec, *p, spec_params, device) for p in PROBES]
-    if _skeleton(forms[0]) != _skeleton(forms[1]):
+    runtime = [_probe_runtime(spec, p, spec_params, device) for p in PROBES]
+    forms = [trace_form(spec, *p, spec_params, device, runtime=r) for p, r in zip(PROBES, runtime)]
+    if skeleton(forms[0]) != skeleton(forms[1]):
         raise TraceError(f"the hooks of {spec.name!r} trace to different structures at different shapes",
                          where=spec.path, hint="make the hooks' structure independent of the shape")
     generic, slots = _generalise(forms)
@@ -156,6 +145,7 @@ def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, dev
     pred = mask if mask is not None else N.Const(True)
     table = mask is not None and any(isinstance(e, N.Call) and e.op == "gather" for e in N.walk_expr(pred))
     names = {e.id for e in N.walk_expr(pred) if isinstance(e, N.Name)}
+    from_runtime, derived = _runtime_captures(spec, forms[0], runtime[0], spec_params, device)
     per_bh = table and bool(names & {"b", "h"})
     rules.append("iteration_space: " + ("block table" if table else "interval analysis"))
     if mask is not None:
@@ -177,63 +167,49 @@ def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, dev
     program = add_record(N.Program(body, source=f"<{spec.name} from {reference.name}>"), spec, spec_params)
     program = parse(to_text(program), source=program.source)   # normalise lines for error messages
     check_structure(reference, program)
-    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, _fingerprint(forms[0]))
+    return Candidate(program, rules, spec, spec_params, slots, table, per_bh, fingerprint(forms[0]),
+                     from_runtime, derived, table and bool(names & (set(from_runtime) | set(derived))))
 
 
 # ------------------------------------------------------------------ tracing and generalising
-def _trace(spec, Nq, Nk, Hq, Hkv, spec_params, device) -> _Form:
-    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, **spec_params)
-    mask = trace_mask(hooks.mask_mod) if hooks.mask_mod is not None else None
-    score = trace_score(hooks.score_mod) if hooks.score_mod is not None else None
-    caps = {**(mask.captures if mask else {}), **(score.captures if score else {})}
-    norm = hooks.normalization
-    return _Form(mask.expr if mask else None, score.expr if score else None, norm.kind,
-                 N.Const(float(norm.bias)), N.Const(float(norm.scale)),
-                 {c.name: c.tensor for c in caps.values()})
+def _probe_runtime(spec, probe, spec_params, device, seed=None) -> dict:
+    if not spec.runtime_inputs:
+        return {}
+    from cubridge import inputs
+    Nq, Nk, Hq, Hkv = probe
+    return inputs.sample(spec.runtime_inputs, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=PROBE_B, device=device,
+                         params=spec.resolved_params(**spec_params), sampler=spec.sampler, seed=seed)
 
 
-def _is_num(e) -> bool:
-    return isinstance(e, N.Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool)
+def _runtime_captures(spec, form, runtime: dict, spec_params, device) -> tuple[dict, tuple]:
+    """(capture name -> runtime input name for runtime inputs read as they are, names of captures
+    computed from runtime inputs): the latter change when the hooks get other runtime values."""
+    by_id = {id(t): n for n, t in runtime.items()}
+    direct = {c: by_id[id(t)] for c, t in form.captures.items() if id(t) in by_id}
+    if not runtime:
+        return direct, ()
+    other = _probe_runtime(spec, PROBES[0], spec_params, device, seed=1)
+    again = trace_form(spec, *PROBES[0], spec_params, device, runtime=other)
+    derived = tuple(c for c, t in form.captures.items() if c not in direct
+                    and (t.shape != again.captures[c].shape or not torch.equal(t, again.captures[c])))
+    return direct, derived
 
 
-def _map_consts(e, fn):
-    """Rebuild expression e with every numeric constant c replaced by fn(c) (in traversal order)."""
-    if e is None:
-        return None
-    if _is_num(e):
-        return fn(e)
-    if isinstance(e, (N.BinOp, N.Compare)):
-        return replace(e, left=_map_consts(e.left, fn), right=_map_consts(e.right, fn))
-    if isinstance(e, N.UnaryOp):
-        return replace(e, operand=_map_consts(e.operand, fn))
-    if isinstance(e, N.BoolOp):
-        return replace(e, values=tuple(_map_consts(v, fn) for v in e.values))
-    if isinstance(e, N.IfExp):
-        return replace(e, test=_map_consts(e.test, fn), body=_map_consts(e.body, fn), orelse=_map_consts(e.orelse, fn))
-    if isinstance(e, N.Call):
-        return replace(e, args=tuple(_map_consts(a, fn) for a in e.args))
-    return e
-
-
-def _consts(form: _Form) -> list:
-    out = []
-    for node in form.nodes():
-        _map_consts(node, lambda c: out.append(c.value) or c)
-    return out
-
-
-def _skeleton(form: _Form) -> tuple:
-    return tuple(_map_consts(n, lambda c: N.Const(0)) for n in form.nodes()) + (form.norm_kind, tuple(form.captures))
-
-
-def _fingerprint(form: _Form) -> str:
-    """_skeleton as a short string (CuIR nodes are frozen dataclasses: their repr is canonical)."""
-    return hashlib.sha256(repr(_skeleton(form)).encode()).hexdigest()[:16]
+def _mask_text(program) -> str:
+    """The predicate of the program's mask region (CuIR text), or "" when it has none."""
+    for st in N.walk_stmts(program.body):
+        if isinstance(st, N.Region) and st.name == "mask":
+            for inner in N.walk_stmts(st.body):
+                if isinstance(inner, N.Assign) and inner.targets == ("s",) and isinstance(inner.value, N.Call) \
+                        and inner.value.op == "where":
+                    cond = inner.value.args[0]        # (PRED) & (ik < NK): the bound is the kernel's own
+                    return expr(cond.left if isinstance(cond, N.BinOp) and cond.op == "&" else cond)
+    return ""
 
 
 def _generalise(forms):
     """Constants that differ between the probe shapes become scalar inputs C0, C1, ..."""
-    a, b = _consts(forms[0]), _consts(forms[1])
+    a, b = consts(forms[0]), consts(forms[1])
     slots = []
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -245,27 +221,7 @@ def _generalise(forms):
     def sub(c):
         i = next(counter)
         return N.Name(names[i]) if i in names else c
-    return tuple(_map_consts(n, sub) for n in forms[0].nodes()), slots
-
-
-def block_classes(hooks, B, Hq, Nq, Nk, BM, BN, per_bh, device="cpu") -> torch.Tensor:
-    """Class of every (query tile, KV tile): 0 empty, 1 partial, 2 full, from the mask itself
-    (exact, at call time). Shape [NQT, NKT], or [B, Hq, NQT, NKT] when the mask reads b or h."""
-    nqt, nkt = -(-Nq // BM), -(-Nk // BN)
-    bs, hs = (B, Hq) if per_bh else (1, 1)
-    b = torch.arange(bs, device=device).view(bs, 1, 1, 1)
-    h = torch.arange(hs, device=device).view(1, hs, 1, 1)
-    kv = torch.arange(nkt * BN, device=device).view(1, 1, 1, -1)
-    out = torch.empty(bs, hs, nqt, nkt, dtype=torch.int64, device=device)
-    for i in range(nqt):
-        q = torch.arange(i * BM, min((i + 1) * BM, Nq), device=device).view(1, 1, -1, 1)
-        m = mask_values(hooks.mask_mod, b, h, q, kv.clamp(max=Nk - 1)) & (kv < Nk)
-        m = m.expand(bs, hs, q.shape[2], nkt * BN).reshape(bs, hs, q.shape[2], nkt, BN)
-        valid = (kv < Nk).reshape(1, 1, 1, nkt, BN)
-        anyv = m.any(dim=(2, 4))
-        allv = (m | ~valid).all(dim=(2, 4))
-        out[:, :, i] = torch.where(allv, FULL, torch.where(anyv, PARTIAL, EMPTY))
-    return (out if per_bh else out[0, 0]).to("cpu")
+    return tuple(map_consts(n, sub) for n in forms[0].nodes()), slots
 
 
 def _is_true(e) -> bool:
@@ -323,16 +279,16 @@ class _Generator:
             may = f"{interval}gather(BLOCK_CLASS, {self.cls_index}, jj) != {EMPTY}"
         elif isinstance(self.may, N.Const) and self.may.value is True:
             return _stmts("""
-                q_lo = q0
-                q_hi = min(q0 + BLOCK_M, NQ) - 1
+                q_lo = q0 + NK - NQ
+                q_hi = min(q0 + BLOCK_M, NQ) - 1 + NK - NQ
                 kv_lo = 0
                 kv_hi = cdiv(NK, BLOCK_N)
             """)
         else:
             may = expr(self.may)
         return _stmts(f"""
-            q_lo = q0
-            q_hi = min(q0 + BLOCK_M, NQ) - 1
+            q_lo = q0 + NK - NQ
+            q_hi = min(q0 + BLOCK_M, NQ) - 1 + NK - NQ
             kv_lo = cdiv(NK, BLOCK_N)
             kv_hi = 0
             for jj in range(cdiv(NK, BLOCK_N)):

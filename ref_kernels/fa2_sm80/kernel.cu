@@ -9,7 +9,8 @@
 //   B, Hq, Hkv   batch, query heads, key/value heads (Hq % Hkv == 0; G = Hq / Hkv queries per kv head)
 //   Nq, Nk       query length, key length (independent; any value >= 0)
 //   D            head dim (HEAD_DIM)
-//   q_idx        absolute query row in [0, Nq);  kv_idx  absolute key row in [0, Nk)
+//   q_idx        absolute query position in [Nk - Nq, Nk): queries are aligned to the end of the
+//                keys (query row r sits at r + Nk - Nq, as in FlashAttention); kv_idx in [0, Nk)
 //   query tile   BLOCK_M consecutive query rows, one per CTA
 //   KV tile      BLOCK_N consecutive key rows; "full" = nothing masked, "partial" = some element
 //                masked (causal diagonal, ragged tail kv_idx >= Nk)
@@ -46,7 +47,7 @@
 #define HEAD_DIM 128     // 64 or 128
 #endif
 #ifndef IS_CAUSAL
-#define IS_CAUSAL 0      // 1: kv_idx <= q_idx (top-left aligned)
+#define IS_CAUSAL 0      // 1: kv_idx <= q_idx (positions; bottom-right aligned when Nq < Nk)
 #endif
 #ifndef IS_BF16
 #define IS_BF16 0        // 0: float16, 1: bfloat16
@@ -478,7 +479,8 @@ struct Cta {
   u32 s_k;                    // shared-memory base of the K ring; the V ring follows it
   u32 q_lane, k_lane, v_lane; // ldmatrix bases (lane_base) into Q, slot 0 of K, slot 0 of V
   LoadLane ll;
-  int b, h, q_row0, len_k;    // q_row0: q_idx of this lane's first fragment row
+  int b, h, q_row0, len_k;    // q_row0: row of this lane's first fragment row (in [0, Nq))
+  int q_shift;                // Nk - Nq: row r is query position q_idx = r + q_shift
   int kv_col_lane;            // column of this lane's first S element within a KV tile
   float sm_scale;
   const VariantArgs* va;      // the kernel's variant arguments (parameter space)
@@ -508,7 +510,7 @@ struct Cta {
     prefetch(i + STAGES - 1, slot == 0 ? STAGES - 1 : slot - 1);
     float s[M_TILES][N_TILES][4];
     qk_tile(s, q_lane, k_lane + slot * KV_TILE_BYTES);
-    score_tile<PARTIAL>(*va, s, b, h, q_row0, tile * BLOCK_N + kv_col_lane, len_k, sm_scale);
+    score_tile<PARTIAL>(*va, s, b, h, q_row0 + q_shift, tile * BLOCK_N + kv_col_lane, len_k, sm_scale);
     sm.update(s, o);
     pv_tile(o, s, v_lane + slot * KV_TILE_BYTES);
     slot = slot + 1 == STAGES ? 0 : slot + 1;
@@ -544,6 +546,7 @@ fa2_sm80_fwd(const fa2::elem_t* __restrict__ q, const fa2::elem_t* __restrict__ 
   cta.q_row0 = q_begin + warp_row0 + lane / QUAD;
   cta.kv_col_lane = 2 * (lane % QUAD);
   cta.len_k = len_k;
+  cta.q_shift = len_k - len_q;
   cta.sm_scale = sm_scale;
   cta.k = k;
   cta.v = v;
@@ -556,7 +559,9 @@ fa2_sm80_fwd(const fa2::elem_t* __restrict__ q, const fa2::elem_t* __restrict__ 
   // V (transposed): (kv 0-7, d 0-7), (kv 8-15, d 0-7), (kv 0-7, d 8-15), (kv 8-15, d 8-15).
   cta.v_lane = lane_base(cta.s_k + STAGES * KV_TILE_BYTES, lane % 8 + ((lane / 8) % 2) * 8, lane / 16, lane);
   cta.va = &va;
-  cta.kv = kv_range(va, b, h, q_tile, q_begin, len_q, len_k);
+  // kv_range sees query positions: the tile's rows [q_begin, ...) sit at q_begin + Nk - Nq, ...,
+  // and the last query at Nk - 1.
+  cta.kv = kv_range(va, b, h, q_tile, q_begin + cta.q_shift, len_k, len_k);
   cta.count = kv_count(cta.kv);
   cta.slot = 0;
 

@@ -90,7 +90,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     const int qs = q_iter % kQSlots;                        // this tile's Q slot
     const uint32_t q_rows = sm.q_tile(qs) + cs.c * kWgQBytes;
     float rescale[2];
-    const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0;
+    const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0 + pb.seqlen_k - pb.seqlen_q;   // a position
     // tile_partial of the next tile is asked one step ahead: for a block-table variant it is a
     // global load, whose latency then hides behind this tile's GEMMs.
     auto partial_at = [&](int i) { return i < tiles && tile_partial(pb.va, tl.r, tile_at(tl.r, i)); };

@@ -15,6 +15,8 @@
 //   tile_slot[2]    smem ring through which the producer hands each tile (index, heads and its
 //                   KV range, computed once) to the consumers, guarded by tile_full / tile_empty
 //   m_block         index of a query tile: rows [m0, m0 + BLOCK_M), m0 = m_block * BLOCK_M
+//   q_idx           a query's position: row + Nk - Nq (queries aligned to the end of the keys,
+//                   as in FlashAttention; causal is then bottom-right aligned when Nq < Nk)
 //   n               index of a key/value tile: keys [n * BLOCK_N, (n + 1) * BLOCK_N)
 //   WG              warpgroup: 4 consecutive warps, 128 threads, the unit that issues wgmma
 //   producer        WG 0; one thread issues every TMA load
@@ -98,8 +100,8 @@ constexpr bool kRangeViaSmem = false;   // consumers recompute this range (cheap
 constexpr bool kProducerReadsTable = false;   // true: the range comes from a block table in global memory
 __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int m_block, int m0,
                                             int seqlen_q, int seqlen_k) {
-  const int kv_stop = kCausal ? min(seqlen_k, m0 + kBlockM) : seqlen_k;   // kv <= q (top-left)
-  const int n_end = (kv_stop + kBlockN - 1) / kBlockN;
+  const int kv_stop = kCausal ? min(seqlen_k, m0 + kBlockM) : seqlen_k;   // kv <= q (positions)
+  const int n_end = max(0, (kv_stop + kBlockN - 1) / kBlockN);            // Nq > Nk: rows before key 0
   int full_end = seqlen_k / kBlockN;                                       // ragged tail is partial
   if (kCausal) full_end = min(full_end, (m0 + 1) / kBlockN);               // max kv <= min q
   return KvRange{0, n_end, 0, max(0, min(full_end, n_end))};
@@ -268,7 +270,9 @@ __device__ __forceinline__ Tile decode_tile(const VariantArgs& va, const int* ti
   }
   const int m0 = m_block * kBlockM;
   const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
-  return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0, seqlen_q, seqlen_k)};
+  // kv_range sees query positions (queries end-aligned): row m0 sits at m0 + Nk - Nq, the last
+  // query at Nk - 1.
+  return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0 + seqlen_k - seqlen_q, seqlen_k, seqlen_k)};
 }
 
 // What the producer hands the consumers for each tile. With kRangeViaSmem (set by the kv_range
@@ -528,5 +532,6 @@ extern "C" __global__ void fa3_sm90_tile_counts(int* __restrict__ counts, int se
   if (t >= num_m * heads_q * batch) return;
   const int m_block = t % num_m, bh = t / num_m;
   const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
-  counts[t] = kv_count(kv_range(va, hm.b, hm.h, m_block, m_block * kBlockM, seqlen_q, seqlen_k));
+  counts[t] = kv_count(kv_range(va, hm.b, hm.h, m_block, m_block * kBlockM + seqlen_k - seqlen_q, seqlen_k,
+                                seqlen_k));
 }

@@ -114,3 +114,45 @@ def test_variant_backward_compiles_for_sm90(tmp_path, name, det):
     proc = subprocess.run(cmd, cwd=src, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "k.cubin").stat().st_size > 0
+
+
+HEAD_MASK_SPEC = """\
+'''Head-dependent sliding window: even heads causal, odd heads causal within 100 tokens.'''
+import math
+
+import torch
+
+from cubridge.spec import Hooks
+
+PARAMS = {}
+
+
+def headmask_mask(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & ((h % 2 == 0) | (q_idx - kv_idx < 100))
+
+
+def hooks(Nq, Nk, Hq, Hkv, device):
+    return Hooks(mask_mod=headmask_mask)
+
+
+def reference(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    h = torch.arange(q.shape[1], device=q.device)[:, None, None]
+    qi = torch.arange(q.shape[2], device=q.device)[:, None]
+    ki = torch.arange(k.shape[2], device=q.device)[None, :]
+    m = (ki <= qi) & ((h % 2 == 0) | (qi - ki < 100))
+    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1)
+    return p.masked_fill(~m, 0.0) @ v
+"""
+
+
+@pytest.mark.skipif(not EMU, reason="the emulation harness needs g++ on x86-64 (its fiber switch is x86-64 asm)")
+def test_head_dependent_mask_under_emulation(tmp_path):
+    """A mask reading the head: one dK/dV CTA sums a GQA group whose heads mask differently, so the
+    transposed range must hold for every head of the group and mask_pred must see the query head."""
+    path = tmp_path / "headmask.py"
+    path.write_text(HEAD_MASK_SPEC)
+    (tmp_path / "run").mkdir()
+    test_variant_gradients_under_emulation(tmp_path / "run", (str(path), 64, F16, False, (1, 4, 2, 300, 300), {}))

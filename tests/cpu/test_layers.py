@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2] / "cubridge"
 LAYERS = (
     ("vocabulary", ("cubridge.errors", "cubridge.paths", "cubridge.rule", "cubridge.vocab",
                     "cubridge.registry", "cubridge.version", "cubridge.timelimit", "cubridge.archs")),
-    ("ir", ("cubridge.cuir", "cubridge.spec", "cubridge.specs")),
+    ("ir", ("cubridge.cuir", "cubridge.spec", "cubridge.specs", "cubridge.inputs")),
     ("kernels", ("cubridge.transfer", "cubridge.lower", "cubridge.runtime", "cubridge.verify",
                  "cubridge.analysis")),
     ("llm", ("cubridge.llm",)),

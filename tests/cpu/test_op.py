@@ -159,6 +159,34 @@ def test_a_repeated_call_rechecks_and_reprepares_nothing(run_dir, monkeypatch):
     assert counts["prepare"] == 3 and len(checks) == 2
 
 
+def test_the_repeated_call_fast_path_matches_the_checked_path(run_dir):
+    """A repeated eager call goes through one cached closure (plan + prepared launch): same data
+    out, same layout back, a fresh output each call, and it never serves what the checks refuse
+    or what needs the autograd / LSE path."""
+    attn = stubbed(run_dir)
+    q, k, v = qkv(b=2)
+    first = attn(q, k, v)
+    assert len(attn._fast) == 1
+    again = attn(q, k, v)
+    assert torch.equal(first, q) and torch.equal(again, q) and again.data_ptr() != first.data_ptr()
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))            # [B, N, H, D] views, B = 2: copied once
+    a, b = attn(qt, kt, vt, layout="bnhd"), attn(qt, kt, vt, layout="bnhd")
+    assert len(attn._fast) == 2 and a.shape == qt.shape and torch.equal(a, qt) and torch.equal(b, qt)
+    with pytest.raises(LaunchError, match="q is torch.float16"):    # another dtype: a new key, re-checked
+        attn(q.half(), k.half(), v.half())
+    out, lse = attn(q, k, v, return_lse=True)                       # LSE asked: the checked path, its own LSE
+    assert torch.equal(out, q) and lse.shape == q.shape[:3] and len(attn._fast) == 2
+    served = []
+    attn._fast = {key: (lambda f: lambda *a: served.append(1) or f(*a))(f) for key, f in attn._fast.items()}
+    attn(q, k, v)
+    assert served == [1]
+    try:
+        attn(q.clone().requires_grad_(), k, v)                      # needs grad: the autograd path, never the closure
+    except LaunchError:
+        pass                                                        # (a spec without a backward refuses: also fine)
+    assert served == [1]
+
+
 # ------------------------------------------------------------------ the fake implementation
 def test_torch_compile_fullgraph_traces_through_the_op(run_dir):
     attn = stubbed(run_dir)
@@ -288,3 +316,11 @@ def test_build_writes_a_relocatable_run_from_default_configs(tmp_path, monkeypat
     assert attn.select(1000)["max_seqlen"] == 2896 and attn.select(100000)["min_seqlen"] == 2897
     cubin = attn._buckets[0].cubin()
     assert cubin[:4] == b"\x7fELF" and cubin == (moved / attn.buckets[0]["cubin"]).read_bytes()
+
+
+def test_a_run_binds_its_own_kernel(run_dir):
+    """Binding re-derives the rules candidate from the run's spec copy (spec.py) and must find the
+    run's own program: the transfer records the spec's name in it, so the copy loads under the name
+    the run was tuned as (an H100 run of bench_op failed every variant on this before the fix)."""
+    for bucket in cubridge.load(run_dir)._buckets:
+        assert callable(bucket.binder())

@@ -22,7 +22,7 @@ def test_tile_count_equals_pairwise(spec, monkeypatch):
     monkeypatch.setattr(pairs, "TILE", 32)          # many tiles, ragged last ones, at test size
     s = load_spec(spec)
     params = SMALL.get(Path(spec).stem, {})
-    for B, Hq, Hkv, Nq, Nk in ((2, 4, 2, 300, 300), (1, 2, 1, 250, 177), (1, 2, 2, 130, 333)):
+    for B, Hq, Hkv, Nq, Nk in ((2, 4, 2, 300, 300), (1, 2, 1, 177, 250), (1, 2, 2, 130, 333)):
         hooks = s.hooks_for(Nq, Nk, Hq, Hkv, **params)
         fast = pairs.count_pairs(hooks, B, Hq, Nq, Nk)
         assert fast is not None, "the corpus and built-in masks all trace"
@@ -38,13 +38,15 @@ def test_untraceable_mask_falls_back_to_pairwise():
 
 
 def test_causal_at_16k_classifies_all_but_the_diagonal():
-    """Cost is the partial tiles: for causal at 16k, 128 of 16384 tiles (no wall-clock bound)."""
+    """Cost is the partial blocks: for causal at 16k, the 1024 diagonal 16 x 16 sub-tiles of the
+    128 diagonal tiles (no wall-clock bound)."""
     calls = []
     orig = pairs._count_partial
-    pairs._count_partial = lambda expr, t, b, h, tiles, Nq, Nk: calls.append(len(tiles)) or orig(expr, t, b, h, tiles, Nq, Nk)
+    pairs._count_partial = lambda expr, t, blocks, size, Nq, Nk: calls.append((len(blocks[0]), size)) or \
+        orig(expr, t, blocks, size, Nq, Nk)
     try:
         n = 16384
         got = count_attended(load_spec("causal").hooks_for(n, n, 32, 8), 1, 32, n, n)
     finally:
         pairs._count_partial = orig
-    assert got == 32 * n * (n + 1) // 2 and calls == [n // pairs.TILE]
+    assert got == 32 * n * (n + 1) // 2 and calls == [(n // pairs.SUB, pairs.SUB)]   # the diagonal only

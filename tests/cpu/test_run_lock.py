@@ -2,9 +2,10 @@
 started at several points of the first's life, end with exactly one run (exit 0) and the other
 refused (exit 2, naming the holder's pid); no trial is measured twice and the budget holds.
 
-The runs are `python -m cubridge.cli tune` on the replay runner (a synthetic recording, 0.3 s per
-job). Offsets are events, not clock times: "together" starts both at once, "mid-run" starts the
-second once the first has logged trials, so the test does not depend on the machine's load."""
+The runs are `python -m cubridge.cli tune` on the replay runner (a synthetic recording). Offsets are
+events, not clock times, and the overlap is made certain rather than likely: the recording names a
+gate file, and while it exists the replay runner answers no job, so the run holding the lock waits
+(lock held) until the other has been refused - on any machine load."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ from cubridge.search.testing_jobs import synthetic_recording
 TRIALS = 8
 
 
-def _setup(tmp_path, trials=TRIALS):
+def _setup(tmp_path, trials=TRIALS, gate_after=0):
     out = tmp_path / "out"
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(textwrap.dedent(f"""\
@@ -35,8 +36,8 @@ def _setup(tmp_path, trials=TRIALS):
         """))
     cfg = load_config(cfg_path)
     rec = tmp_path / "recording.json"
-    rec.write_text(json.dumps(synthetic_recording("fa3_sm90", 128, "sm_90a", cfg.shapes.targets, fail_every=4,
-                                                  delay_s=0.3)))
+    recording = synthetic_recording("fa3_sm90", 128, "sm_90a", cfg.shapes.targets, fail_every=4, delay_s=0.05)
+    rec.write_text(json.dumps({**recording, "gate": str(tmp_path / "gate"), "gate_after": gate_after}))
     cmd = [sys.executable, "-m", "cubridge.cli", "tune", str(cfg_path), "--runner", "replay", "--replay", str(rec)]
     return out, cmd
 
@@ -50,14 +51,19 @@ def _measured(lines):
     return [r for r in lines if r["outcome"]["state"] != "config_invalid"]
 
 
-def _race(cmd, out, offset_lines):
-    """Start run A, then run B once A's log has `offset_lines` lines (0: at once); both to the end."""
+def _race(cmd, out, wait_lines, gate):
+    """Close the gate, run A (it pauses, lock held, after the recording's gate_after jobs); once A's
+    log has `wait_lines` lines start B; when one of them has exited, open the gate; both to the end."""
     env = {**os.environ, "CI": "true", "PYTHONUNBUFFERED": "1"}
+    gate.touch()
     a = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while offset_lines and len(_log(out)) < offset_lines and a.poll() is None and time.monotonic() < deadline:
+    deadline = time.monotonic() + 180
+    while len(_log(out)) < wait_lines and a.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     b = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while a.poll() is None and b.poll() is None and time.monotonic() < deadline + 180:
+        time.sleep(0.05)
+    gate.unlink()
     outs = [p.communicate(timeout=180)[0] for p in (a, b)]
     return [a.returncode, b.returncode], outs
 
@@ -65,10 +71,8 @@ def _race(cmd, out, offset_lines):
 def _assert_one_ran(codes, outs, out, budget):
     assert sorted(codes) == [0, 2], "\n----\n".join(outs)
     loser = outs[codes.index(2)]
-    # Refused by the lock (naming the holder), or - when the winner had already finished before the
-    # loser looked - by the finished run in the directory; never a traceback.
     assert "Traceback" not in loser, loser
-    assert "in use by another tuning run (pid " in loser or "already holds a run" in loser, loser
+    assert "in use by another tuning run (pid " in loser, loser
     lines = _log(out)
     assert len({r["number"] for r in lines}) == len(lines), "a trial number was logged twice"
     points = [(r["proposal_id"], json.dumps(r["config"]["point"], sort_keys=True)) for r in lines]
@@ -76,27 +80,29 @@ def _assert_one_ran(codes, outs, out, budget):
     assert len(_measured(lines)) == budget
 
 
-@pytest.mark.parametrize("offset", [0, 2], ids=["together", "mid-run"])
-def test_two_tunes_on_one_directory_one_runs(tmp_path, offset):
-    out, cmd = _setup(tmp_path)
-    codes, outs = _race(cmd, out, offset)
+# gate_after: jobs answered before the run holding the lock pauses (0: at once; 4: the screen job
+# and three trials, so B arrives mid-run); wait_lines: trial-log lines before B starts.
+@pytest.mark.parametrize("gate_after, wait_lines", [(0, 0), (4, 2)], ids=["together", "mid-run"])
+def test_two_tunes_on_one_directory_one_runs(tmp_path, gate_after, wait_lines):
+    out, cmd = _setup(tmp_path, gate_after=gate_after)
+    codes, outs = _race(cmd, out, wait_lines, tmp_path / "gate")
     _assert_one_ran(codes, outs, out, TRIALS)
-    if offset:   # B started while A was measuring: the lock refused it, naming A's pid
-        assert "in use by another tuning run (pid " in outs[1], outs[1]
+    if wait_lines:   # B started while A was measuring: the lock refused it, naming A's pid
+        assert codes == [0, 2], outs
 
 
-@pytest.mark.parametrize("offset", [0, 2], ids=["together", "mid-run"])
-def test_two_resumes_on_one_directory_one_runs(tmp_path, offset):
-    out, cmd = _setup(tmp_path, trials=4)
+@pytest.mark.parametrize("gate_after, extra_lines", [(0, 0), (2, 1)], ids=["together", "mid-run"])
+def test_two_resumes_on_one_directory_one_runs(tmp_path, gate_after, extra_lines):
+    out, cmd = _setup(tmp_path, trials=4, gate_after=gate_after)
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "CI": "true"})
     assert first.returncode == 0, first.stdout + first.stderr
     before = _log(out)
-    codes, outs = _race(cmd + ["--resume", "--trials", str(TRIALS)], out, len(before) + offset)
-    assert sorted(codes) == [0, 2], "\n----\n".join(outs)
-    loser = outs[codes.index(2)]
-    assert "in use by another tuning run (pid " in loser, loser
+    codes, outs = _race(cmd + ["--resume", "--trials", str(TRIALS)], out, len(before) + extra_lines if extra_lines
+                        else 0, tmp_path / "gate")
     _assert_one_ran(codes, outs, out, TRIALS)
     assert _log(out)[:len(before)] == before, "a finished trial was lost or rewritten"
+    if extra_lines:
+        assert codes == [0, 2], outs
 
 
 def test_lock_refuses_a_second_holder_and_is_taken_over_after_its_death(tmp_path):

@@ -14,6 +14,7 @@ import torch
 import cubridge.spec
 import cubridge.specs
 from cubridge.errors import SpecError
+from cubridge.specs import EXAMPLES
 from cubridge.rule import compare
 from cubridge.spec import (Hooks, Normalization, attention_from_hooks, builtin_specs,
                            count_attended, load_spec)
@@ -30,7 +31,7 @@ SMALL = {"global_sliding_window": {"window": 16, "global_tokens": 5},
 CASES = [(name, {}) for name in NAMES] + [(name, p) for name, p in SMALL.items()]
 CASE_IDS = [f"{n}-small" if p else n for n, p in CASES]
 SQUARE = [(n, n, hkv) for n in (1, 17, 70) for hkv in (4, 2, 1)]
-RAGGED = [(17, 70, 2), (70, 17, 1), (1, 70, 4), (70, 1, 4)]
+RAGGED = [(17, 70, 2), (69, 70, 1), (1, 70, 4), (5, 17, 4)]    # Nq <= Nk: queries end-aligned
 B, HQ, D = 2, 4, 16
 
 
@@ -47,7 +48,7 @@ def make_inputs(Nq, Nk, Hkv, seed, dtype=torch.float64):
 
 def test_builtin_names_in_design_order():
     assert builtin_specs() == NAMES
-    assert sorted(p.stem for p in SPEC_DIR.glob("*.py") if p.stem != "__init__") == sorted(NAMES)
+    assert sorted(p.stem for p in SPEC_DIR.glob("*.py") if p.stem != "__init__") == sorted(NAMES + list(EXAMPLES))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -120,7 +121,7 @@ def test_hooks_match_reference_float64(name, params, Nq, Nk, Hkv):
 
 
 @pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("Nq,Nk,Hkv", [(17, 17, 2), (70, 70, 1), (17, 70, 4), (70, 17, 2)])
+@pytest.mark.parametrize("Nq,Nk,Hkv", [(17, 17, 2), (70, 70, 1), (17, 70, 4), (41, 70, 2)])
 def test_bf16_reference_passes_rule(name, params, Nq, Nk, Hkv):
     spec = load_spec(name)
     low = make_inputs(Nq, Nk, Hkv, seed=7 + Nq + Nk, dtype=torch.bfloat16)
@@ -133,12 +134,19 @@ def test_bf16_reference_passes_rule(name, params, Nq, Nk, Hkv):
     assert verdict.passed, str(verdict)
 
 
-def test_causal_is_top_left_aligned():
+def test_queries_are_aligned_to_the_end_of_the_keys():
     spec = load_spec("causal")
     q, k, v = make_inputs(3, 8, HQ, seed=1)
     out = spec.run_reference(q, k, v)
-    # Query 0 sees key 0 only (top-left), not keys 0..5 (bottom-right).
-    torch.testing.assert_close(out[:, :, 0], v[:, :, 0], rtol=0, atol=1e-12)
+    # Query 2 sits at position 7 and sees every key; query 0 (position 5) sees keys 0..5.
+    kk, vv = (t.repeat_interleave(HQ // t.shape[1], dim=1) for t in (k, v))
+    w = torch.softmax(q[:, :, :1] @ kk[:, :, :6].transpose(-1, -2) / q.shape[-1] ** 0.5, -1)
+    torch.testing.assert_close(out[:, :, :1], w @ vv[:, :, :6], rtol=0, atol=1e-12)
+    assert spec.picture(4).splitlines()[0] == "#..."
+    hooks = spec.hooks_for(3, 8, HQ, HQ)
+    assert count_attended(hooks, 1, 1, 3, 8) == 6 + 7 + 8
+    with pytest.raises(SpecError, match="Nq=8 > Nk=3"):
+        spec.run_reference(*make_inputs(8, 3, HQ, seed=1))
     picture = load_spec("prefixlm").picture(6)
     assert picture.splitlines() == ["###...", "###...", "###...", "####..", "#####.", "######"]
 
@@ -173,11 +181,11 @@ NOT_SOFTMAX = ("relu", "sigmoid", "composite")
 
 @pytest.mark.parametrize("name,params", [c for c in CASES if c[0] not in NOT_SOFTMAX],
                          ids=[i for i in CASE_IDS if i not in NOT_SOFTMAX])
-@pytest.mark.parametrize("Nq,Nk,Hkv", [(17, 17, 4), (70, 70, 2), (17, 70, 1), (70, 17, 4)])
+@pytest.mark.parametrize("Nq,Nk,Hkv", [(17, 17, 4), (70, 70, 2), (17, 70, 1), (41, 70, 4)])
 def test_softmax_specs_through_flex_attention(name, params, Nq, Nk, Hkv):
     create_block_mask, flex_attention = _flex_or_skip()
     spec = load_spec(name)
-    hooks = spec.hooks_for(Nq, Nk, HQ, Hkv, **params)
+    hooks = spec.hooks_for(Nq, Nk, HQ, Hkv, **params).for_flex(Nq, Nk)
     assert hooks.flex_expressible
     q, k, v = make_inputs(Nq, Nk, Hkv, seed=11)
     block_mask = None
@@ -208,7 +216,7 @@ def brute_force_count(hooks, Bn, Hq, Nq, Nk):
         return Bn * Hq * Nq * Nk
     t = torch.tensor
     return sum(bool(hooks.mask_mod(t(b), t(h), t(i), t(j)))
-               for b, h, i, j in itertools.product(range(Bn), range(Hq), range(Nq), range(Nk)))
+               for b, h, i, j in itertools.product(range(Bn), range(Hq), range(Nk - Nq, Nk), range(Nk)))
 
 
 # At N <= 11 even SMALL's params are no-ops: shrink further for the brute-force count.
@@ -218,7 +226,7 @@ TINY = {"global_sliding_window": {"window": 3, "global_tokens": 2},
 
 @pytest.mark.parametrize("name,params", [(n, {}) for n in NAMES] + list(TINY.items()),
                          ids=NAMES + [f"{n}-tiny" for n in TINY])
-@pytest.mark.parametrize("Nq,Nk", [(9, 9), (5, 11), (11, 5)])
+@pytest.mark.parametrize("Nq,Nk", [(9, 9), (5, 11), (1, 11)])
 def test_count_matches_brute_force(name, params, Nq, Nk):
     hooks = load_spec(name).hooks_for(Nq, Nk, 2, 1, **params)
     expected = brute_force_count(hooks, 1, 2, Nq, Nk)

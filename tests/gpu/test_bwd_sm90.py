@@ -124,5 +124,5 @@ def test_autograd_routes_here_when_enabled(bwd, monkeypatch):
 def test_bad_input_is_a_clear_error(bwd):
     from cubridge.errors import LaunchError
     q = torch.randn(1, 2, 64, 96, device="cuda", dtype=BF16)
-    with pytest.raises(LaunchError, match="head dim|D"):
+    with pytest.raises(LaunchError, match="head dim"):
         bwd(q, q, q, q, q, torch.zeros(1, 2, 64, device="cuda"))

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 128]
-# (Nq, Nk): equal lengths 1..4096, and Nq != Nk both ways (causal stays top-left aligned).
+# (Nq, Nk): equal lengths 1..4096, and Nq != Nk both ways (queries aligned to the end of the keys).
 LENGTHS = [(1, 1), (17, 17), (128, 128), (1000, 1000), (4096, 4096),
            (17, 128), (128, 17), (1000, 4096), (4096, 1000), (1, 1000), (1000, 1)]
 GROUPS = [1, 4, 8]                      # Hq / Hkv: MHA, GQA, MQA-like
@@ -71,9 +71,11 @@ def attention(q, k, v, causal: bool):
     s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         nq, nk = s.shape[-2:]
-        keep = torch.arange(nk, device=s.device)[None, :] <= torch.arange(nq, device=s.device)[:, None]
+        # queries aligned to the end of the keys: row i sits at position i + Nk - Nq
+        keep = torch.arange(nk, device=s.device)[None, :] <= torch.arange(nk - nq, nk, device=s.device)[:, None]
         s = s.masked_fill(~keep, -math.inf)
-    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+    # a row with no attended key (causal, Nq > Nk: positions below 0) gives O = 0, LSE = -inf
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v, torch.logsumexp(s, dim=-1)
 
 
 def run_case(fa2, b, hq, hkv, nq, nk, d, dtype, causal, *, seed=0, amplitude=1.0):

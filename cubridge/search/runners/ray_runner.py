@@ -20,7 +20,7 @@ import time
 from collections import deque
 
 import ray
-from ray.exceptions import (ActorDiedError, GetTimeoutError, RayActorError, RayError, TaskCancelledError,
+from ray.exceptions import (GetTimeoutError, RayActorError, RayError, TaskCancelledError,
                             WorkerCrashedError)
 
 from cubridge.vocab import Job, JobResult, Outcome, Runner, TrialState
@@ -161,8 +161,10 @@ class RayRunner(Runner):
         except (RayActorError, WorkerCrashedError) as e:
             why = f"{name} died while running the job: {_first_line(e)}"
             result = JobResult(job, Outcome(TrialState.CRASH, why), {}, name)
-            if actor_i is not None and isinstance(e, ActorDiedError):
-                self._replace(actor_i)     # out of restarts, or died for good: a fresh actor takes its place
+            if actor_i is not None:
+                # A fresh actor takes its place at once: a job sent to the restarting one could reach
+                # the dead worker before Ray notices (seen under load: the next job came back CRASH).
+                self._replace(actor_i)
         except TaskCancelledError:
             result = JobResult(job, Outcome(TrialState.TIMEOUT, "task cancelled"), {}, name)
         except (RayError, GetTimeoutError) as e:

@@ -61,6 +61,9 @@ class ReplayRunner(Runner):
                                     hint='each record: {"kind": ..., "match": {...}, "outcome": {"state": ...}}')
         self.device = dict(doc.get("device") or {})
         self.delay_s = float(doc.get("delay_s", 0.0) if delay_s is None else delay_s)
+        # Tests of concurrent runs: once `gate_after` jobs are answered, none is while the file `gate`
+        # exists, so a test holds a run mid-way (its lock held) as long as it needs, on any load.
+        self.gate, self.gate_after = doc.get("gate"), int(doc.get("gate_after", 0))
         self._pending: deque[Job] = deque()
         self.answered = 0
 
@@ -86,6 +89,8 @@ class ReplayRunner(Runner):
     def results(self, timeout_s: float | None = None) -> list[JobResult]:
         if not self._pending:
             return []
+        while self.gate and self.answered >= self.gate_after and Path(self.gate).exists():
+            time.sleep(0.05)
         if self.delay_s:
             if timeout_s is not None and timeout_s < self.delay_s:
                 time.sleep(timeout_s)

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_systems import SampledCheck, Unsupported, bshd, make_cudnn, make_flex, make_flex_flash  # noqa: E402
 
 from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward  # noqa: E402

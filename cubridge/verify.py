@@ -105,12 +105,13 @@ def deep_cases(params: dict, D: int = 64) -> list[Case]:
     """Cases that cover a program's whole iteration space at its tile config `params` (what the
     fixed N <= 300 cases missed: a barrier parity that breaks past 2 * STAGES KV tiles, a bug only
     at one BLOCK_N): more KV tiles than two turns of the ring with a ragged end (GQA), Nq < Nk (MQA)
-    and Nq > Nk, at lengths that follow BLOCK_M / BLOCK_N / STAGES. Heads and batch stay small:
+    and several query tiles end-aligned to longer keys at an offset that is no tile multiple, at
+    lengths that follow BLOCK_M / BLOCK_N / STAGES (Nq > Nk is refused by the spec format). Heads and batch stay small:
     the interpreter's cost grows with them, the coverage does not."""
     bm, bn, st = int(params.get("BLOCK_M", 128)), int(params.get("BLOCK_N", 64)), int(params.get("STAGES", 2))
     long = bn * (2 * st + 1) + 13
-    return [Case(1, 2, 1, long, long, D, 10), Case(1, 3, 1, bm + 5, 3 * bn + 7, D, 11),
-            Case(1, 2, 2, 2 * bm + 3, bn + 9, D, 12)]
+    return [Case(1, 2, 1, long, long, D, 10), Case(1, 3, 1, bm + 5, bm + 3 * bn + 7, D, 11),
+            Case(1, 2, 2, 2 * bm + 3, 2 * bm + bn + 9, D, 12)]
 
 
 def lse_of(spec, q, k, spec_params: dict):

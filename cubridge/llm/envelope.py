@@ -74,14 +74,16 @@ def read_envelope(text: str, finish_reason: str | None, env: Envelope, max_token
     if not text:
         raise EnvelopeError("the answer is empty", hint=_expected(env))
     obj = _json_object(text)
-    if obj is not None:
-        if env.main in obj:
-            return _typed(obj, env)
-        raise EnvelopeError(f"the JSON answer has no {env.main!r} field (fields: {', '.join(map(str, obj)) or 'none'})",
-                            hint=_expected(env))
+    if obj is not None and env.main in obj:
+        return _typed(obj, env)
+    # A JSON object without the field may be part of the program itself (a transfer records its
+    # spec parameters as JSON in the docstring), so the task's fenced block still counts.
     for lang, body in _FENCE.findall(text):
         if lang.lower() in env.fences:
             return {env.main: body, "notes": _FENCE.sub("", text).strip()}
+    if obj is not None:
+        raise EnvelopeError(f"the JSON answer has no {env.main!r} field (fields: {', '.join(map(str, obj)) or 'none'})",
+                            hint=_expected(env))
     raise EnvelopeError("no answer envelope found: the text is neither JSON nor holds a fenced block",
                         hint=_expected(env))
 

@@ -13,7 +13,7 @@ FA3 = (ref_kernel_dir("fa3_sm90") / "kernel.cuir").read_text()
 
 FA2_STORE_O = "store(O[b, h, q0:q0 + BLOCK_M, :], cast(out, T))"
 FA2_STORE_LSE = "store(LSE[b, h, q0:q0 + BLOCK_M], where(l_i == 0.0, -inf, m_i + log(l_i)))"
-FA2_KV_HI = "kv_hi = cdiv(min(NK, q0 + BLOCK_M), BLOCK_N) if CAUSAL else cdiv(NK, BLOCK_N)"
+FA2_KV_HI = "kv_hi = cdiv(min(NK, q0 + NK - NQ + BLOCK_M), BLOCK_N) if CAUSAL else cdiv(NK, BLOCK_N)"
 FA2_QK = "s = mma(Qs, transpose(Ks[st]))"
 FA2_WAIT_SYNC = "            wait_group(STAGES - 2)\n            sync()\n"
 FA3_PHASE = "phase = it // STAGES % 2"

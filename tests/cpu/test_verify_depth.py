@@ -43,7 +43,7 @@ def test_deep_cases_follow_the_tile_config():
     cases = deep_cases({"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2}, D=32)
     long, mqa, tall = cases
     assert long.Nk > 2 * 2 * 128 and long.Nk % 128 and long.Hq != long.Hkv       # two ring turns, ragged, GQA
-    assert mqa.Hkv == 1 and mqa.Nq < mqa.Nk and tall.Nq > tall.Nk
+    assert mqa.Hkv == 1 and mqa.Nq < mqa.Nk and 2 * 128 < tall.Nq < tall.Nk and (tall.Nk - tall.Nq) % 128
     assert deep_cases({"BLOCK_M": 64, "BLOCK_N": 32, "STAGES": 4})[0].Nk == 32 * 9 + 13
 
 

@@ -4,7 +4,8 @@ verification rule against torch.autograd of the reference (float64 golden, kerne
 a wrong mask fails it, and a missing wait is a CuIRRuntimeError at its line."""
 from __future__ import annotations
 
-import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,25 +17,15 @@ from cubridge.errors import CuIRRuntimeError
 from cubridge.rule import compare
 from cubridge.runtime.fa2_bwd_sm80 import KERNEL_DIR
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from bwd_reference import reference  # noqa: E402
+
 NAMES = ("preprocess", "dkdv", "dq")
 TEXTS = {n: (KERNEL_DIR / f"{n}.cuir").read_text() for n in NAMES}
 PROGS = {n: parse(t, source=f"{n}.cuir") for n, t in TEXTS.items()}
 F16, BF16 = torch.float16, torch.bfloat16
 # (B, Hq, Hkv, Nq, Nk, D): one token; ragged GQA; MQA with Nq > Nk; Nq < Nk over several KV tiles.
 CASES = [(1, 2, 2, 1, 1, 16), (1, 4, 2, 77, 150, 32), (2, 3, 1, 200, 77, 16), (1, 2, 1, 130, 300, 32)]
-
-
-def reference(q, k, v, dout, causal, scale):
-    """(out, lse, (dq, dk, dv)) by torch.autograd in q's dtype (top-left causal, GQA by repeat)."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
-    if causal:
-        nq, nk = s.shape[-2:]
-        s = s.masked_fill(torch.arange(nk)[None, :] > torch.arange(nq)[:, None], -math.inf)
-    out = torch.softmax(s, dim=-1) @ v.repeat_interleave(group, 1)
-    out.backward(dout)
-    return out.detach(), torch.logsumexp(s, dim=-1).detach(), (q.grad, k.grad, v.grad)
 
 
 def run_programs(case, dtype, causal, progs=PROGS, program_causal=None):

@@ -10,8 +10,10 @@ barrier stops it), which is how a missing barrier shows up here (measured: remov
 barrier of fa2_bwd_dkdv fails these cases; under round-robin one of them did not)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import hashlib
-import math
 import os
 import platform
 import shutil
@@ -24,6 +26,9 @@ import torch
 
 from cubridge.rule import compare
 from cubridge.runtime.fa2_bwd_sm80 import KERNEL_DIR, Config, default_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from bwd_reference import reference  # noqa: E402
 
 CXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(CXX is None or platform.machine() != "x86_64",
@@ -57,19 +62,6 @@ def harness(tmp_path_factory):
 
     with ThreadPoolExecutor(2) as pool:
         return dict(pool.map(build, BUILDS))
-
-
-def reference(q, k, v, dout, causal, scale):
-    """(out, lse, (dq, dk, dv)) by torch.autograd in q's dtype (top-left causal, GQA by repeat)."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
-    if causal:
-        nq, nk = s.shape[-2:]
-        s = s.masked_fill(torch.arange(nk)[None, :] > torch.arange(nq)[:, None], -math.inf)
-    out = torch.softmax(s, dim=-1) @ v.repeat_interleave(group, 1)
-    out.backward(dout)
-    return out.detach(), torch.logsumexp(s, dim=-1).detach(), (q.grad, k.grad, v.grad)
 
 
 def run_emulated(exe, tmp, q, k, v, out, dout, lse, scale, det, schedule):

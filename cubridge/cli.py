@@ -442,24 +442,24 @@ def tune_main(argv=None) -> int:
     import logging
 
     from cubridge.config import load_plan, with_overrides
-    from cubridge.search.progress import Progress, configure_logging
+    from cubridge.search.progress import Progress, logging_for_run
     from cubridge.search.tuner import tune
-    handler = configure_logging(verbose=a.verbose, quiet=a.quiet)
     say = logging.getLogger("cubridge.tune").info
-    try:
-        plan = [with_overrides(c, output=a.out if a.out else None, trials=a.trials, runner=a.runner,
-                               replay=a.replay, address=a.address) for c in load_plan(a.config)]
-        if a.out and len(plan) > 1:
-            plan = [with_overrides(c, output=str(Path(a.out) / c.name)) for c in plan]
-        codes = []
-        for cfg in plan:
-            progress = None if a.quiet else Progress(cfg.budget.trials, label=f"tune {cfg.name}")
-            handler.progress = progress
-            result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress, say=say)
-            codes.append(result.exit_code)
-    except CubridgeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with logging_for_run(verbose=a.verbose, quiet=a.quiet) as handler:
+        try:
+            plan = [with_overrides(c, output=a.out if a.out else None, trials=a.trials, runner=a.runner,
+                                   replay=a.replay, address=a.address) for c in load_plan(a.config)]
+            if a.out and len(plan) > 1:
+                plan = [with_overrides(c, output=str(Path(a.out) / c.name)) for c in plan]
+            codes = []
+            for cfg in plan:
+                progress = None if a.quiet else Progress(cfg.budget.trials, label=f"tune {cfg.name}")
+                handler.progress = progress
+                result = tune(cfg, resume=a.resume, dry_run=a.dry_run, progress=progress, say=say)
+                codes.append(result.exit_code)
+        except CubridgeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if len(plan) > 1:
         print(f"{sum(c == 0 for c in codes)}/{len(plan)} runs succeeded", file=sys.stderr)
     return max(codes)

@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -101,3 +102,20 @@ def configure_logging(verbose: bool = False, quiet: bool = False) -> ProgressHan
     logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
     logger.propagate = False
     return handler
+
+
+@contextlib.contextmanager
+def logging_for_run(verbose: bool = False, quiet: bool = False):
+    """configure_logging for the length of one CLI command, then the `cubridge` logger as it was:
+    a handler left behind would keep writing to the stream of a finished command (a closed one,
+    when the command ran inside pytest or a notebook cell)."""
+    logger = logging.getLogger("cubridge")
+    before = (logger.level, logger.propagate)
+    handler = configure_logging(verbose=verbose, quiet=quiet)
+    try:
+        yield handler
+    finally:
+        handler.progress = None
+        logger.removeHandler(handler)
+        logger.setLevel(before[0])
+        logger.propagate = before[1]

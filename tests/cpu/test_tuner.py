@@ -248,6 +248,20 @@ def test_progress_is_quiet_plain_lines_in_ci(monkeypatch):
     assert TrialState.CRASH.failed
 
 
+def test_the_cli_leaves_the_cubridge_logger_as_it_found_it(tmp_path):
+    """A tune command's log handler writes to the stderr of that command; left installed, the next
+    tune in the same process (a notebook, a test session) wrote to a closed stream and crashed."""
+    import logging
+
+    from cubridge.cli import tune_main
+    from cubridge.search.progress import ProgressHandler
+    logger = logging.getLogger("cubridge")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    tune_main([str(tmp_path / "missing.yaml"), "--dry-run"])
+    assert not [h for h in logger.handlers if isinstance(h, ProgressHandler)]
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
+
+
 # ------------------------------------------------------------------ the GPU check's rule, on CPU
 def test_gpu_check_applies_the_verification_rule(tmp_path):
     """measure.gpu_check with stand-in kernels on CPU tensors: the rule, not the GPU, is under test."""

@@ -107,12 +107,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   return KvRange{0, n_end, 0, max(0, min(full_end, n_end))};
 }
 __device__ __forceinline__ int kv_count(const KvRange& r) { return r.n_end - r.n_begin; }
-#ifndef KV_ASCENDING   // experiment knob: 1 visits low n first (the causal diagonal tile last)
-#define KV_ASCENDING 0
-#endif
-__device__ __forceinline__ int tile_at(const KvRange& r, int i) {
-  return KV_ASCENDING ? r.n_begin + i : r.n_end - 1 - i;
-}
+__device__ __forceinline__ int tile_at(const KvRange& r, int i) { return r.n_end - 1 - i; }
 __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {
   return n >= r.full_end || n < r.full_begin;
 }

@@ -93,15 +93,12 @@ TILE_CONFIGS = [dict(d=128, block_m=128, block_n=176, stages=2),
                 dict(d=64, block_m=192, block_n=128, stages=2),
                 dict(d=64, block_m=128, block_n=192, stages=2),
                 dict(d=128, block_m=128, block_n=64, stages=4),
-                # one Q slot beside a separate O stage (tiles still overlap); the serial tile order
-                # where two slots fit; the diagonal tile visited last
+                # one Q slot beside a separate O stage (tiles still overlap)
                 dict(d=64, block_m=128, block_n=128, stages=2, q_slots=1),
-                dict(d=128, block_m=128, block_n=128, stages=2, knobs=("OVERLAP_TILES=0",)),
-                dict(d=64, block_m=128, block_n=128, stages=2,
-                     knobs=("KV_ASCENDING=1",)),
-                # three consumers at D 128 (narrow KV tiles), the second serial
+                # three consumers at D 128 (narrow KV tiles). The serial tile order (O staged in
+                # the only Q slot) runs in 128 x 176 above and at D 256.
                 dict(d=128, block_m=192, block_n=80, stages=2),
-                dict(d=128, block_m=192, block_n=64, stages=2, knobs=("OVERLAP_TILES=0",))]
+                dict(d=128, block_m=192, block_n=64, stages=2)]
 
 
 def _cfg_id(cfg: dict) -> str:

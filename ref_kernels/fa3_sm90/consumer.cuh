@@ -72,7 +72,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
       softmax_init(st);
-      epilogue(cs, sm, tm_o, lse, o, st, tl, pb.seqlen_q, false);
+      if constexpr (!kSeparateO) {                         // O goes through the Q slot: take it
+        mbar_wait(sm.q_full + 8 * (q_iter % kQSlots), (q_iter / kQSlots) & 1);
+        ++q_iter;
+      }
+      epilogue(cs, sm, tm_o, lse, o, st, tl, pb.seqlen_q, !kSeparateO);
       continue;
     }
     const int qs = q_iter % kQSlots;                        // this tile's Q slot

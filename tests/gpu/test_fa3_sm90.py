@@ -129,6 +129,16 @@ def test_separate_lengths(nq, nk, causal):
     run_case(2, 4, 2, nq, nk, 128, torch.bfloat16, causal)
 
 
+@pytest.mark.parametrize("nq,nk", [(1000, 17), (300, 129)])
+def test_rows_before_key_zero_with_o_in_the_q_slot(nq, nk):
+    """Nq > Nk causal at 128 x 176 (one Q slot, O staged in it): the tiles of the first Nq - Nk
+    rows attend no key and write their zero O through the Q slot, which they must take from the
+    producer like any tile (before the fix, the next tile's Q landed under it: reruns differed,
+    as test_fa3_sm90_d256.py::test_d256_ragged did at D 256). Few CTAs: one CTA runs both."""
+    run_case(2, 16, 8, nq, nk, 128, torch.bfloat16, True, persistent=True, max_ctas=7,
+             block_m=128, block_n=176, stages=2)
+
+
 def test_tile_counter_is_zero_after_every_launch():
     """The kernel's last producer resets the per-stream scheduler counter; grids of different
     sizes back to back on one stream then all see a zero counter (else tiles would be skipped and

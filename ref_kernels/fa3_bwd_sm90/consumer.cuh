@@ -80,30 +80,35 @@ __device__ __forceinline__ void store_ds(const Consumer& cs, uint32_t slot, cons
 // at the peak and spilled 24 bytes at D = 128 causal.
 struct RowTerms { float lse2; float dvec; };
 __device__ __forceinline__ RowTerms row_terms(const float* __restrict__ lse, const float* __restrict__ dvec,
-                                              size_t row_base, int q_idx, int seqlen_q) {
-  if (q_idx >= seqlen_q) return RowTerms{kPosInf, 0.f};
-  const float l = __ldg(lse + row_base + q_idx);
-  return RowTerms{l == kNegInf ? kPosInf : l * kLog2e, __ldg(dvec + row_base + q_idx)};
+                                              size_t row_base, int q_row, int seqlen_q) {
+  if (q_row >= seqlen_q) return RowTerms{kPosInf, 0.f};
+  const float l = __ldg(lse + row_base + q_row);
+  return RowTerms{l == kNegInf ? kPosInf : l * kLog2e, __ldg(dvec + row_base + q_row)};
 }
 
-// S^T -> P^T (in s) and dP^T -> dS^T (in dp), masked on partial steps.
+// S^T -> P^T (in s) and dP^T -> dS^T (in dp), masked on partial steps. mask_pred sees positions
+// (q_idx = row + q_shift, kv_idx); the keys are carried in the rows' frame (kv_row = kv_idx -
+// q_shift; kv_idx < Nk iff kv_row < Nq), the shift read from shared memory (step_q_shift) at each
+// step; mask_pred's two shifts cancel for causal. Each form kept here is the one ptxas left
+// spill-free at D = 128 causal (a register for the shift: 8 bytes; one shared read reused: 12).
 // One body with a runtime `partial` (two template copies spilled 12 bytes at D = 128 causal).
 __device__ __forceinline__ void probs_and_ds(bool partial, const Consumer& cs, float (&s)[kSRegs], float (&dp)[kSRegs],
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float scale_log2, const Problem& pb, int g, int m0) {
-  const int kv_base = pb.n0 + cs.c * kWgRows + cs.row0();
+  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();
   const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int q_idx = m0 + 8 * j + cs.col0() + e;
-      const RowTerms rt = row_terms(lse, dvec, row_base, q_idx, pb.seqlen_q);
+      const int q_row = m0 + 8 * j + cs.col0() + e;
+      const RowTerms rt = row_terms(lse, dvec, row_base, q_row, pb.seqlen_q);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = 4 * j + 2 * h + e, kv_idx = kv_base + 8 * h;
-        const bool keep = !partial || ((kv_idx < pb.seqlen_k) &
-                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_idx, kv_idx));
+        const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
+        const bool keep = !partial || ((kv_row < pb.seqlen_q) &
+                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
+                                                  kv_row + pb.q_shift()));
         s[i] = score(s[i], scale_log2);
         softmax_bwd(s[i], dp[i], rt.lse2, rt.dvec, keep);
       }
@@ -123,23 +128,24 @@ __device__ __forceinline__ float ld_row_term(const float* p) {
 __device__ __forceinline__ void probs_only(bool partial, const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0) {
-  const int kv_base = pb.n0 + cs.c * kWgRows + cs.row0();
+  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();   // as probs_and_ds
   const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int q_idx = m0 + 8 * j + cs.col0() + e;
+      const int q_row = m0 + 8 * j + cs.col0() + e;
       float lse2 = kPosInf;
-      if (q_idx < pb.seqlen_q) {
-        const float l = ld_row_term(lse + row_base + q_idx);
+      if (q_row < pb.seqlen_q) {
+        const float l = ld_row_term(lse + row_base + q_row);
         lse2 = l == kNegInf ? kPosInf : l * kLog2e;
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = 4 * j + 2 * h + e, kv_idx = kv_base + 8 * h;
-        const bool keep = !partial || ((kv_idx < pb.seqlen_k) &
-                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_idx, kv_idx));
+        const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
+        const bool keep = !partial || ((kv_row < pb.seqlen_q) &
+                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
+                                                  kv_row + pb.q_shift()));
         s[i] = softmax_p(score(s[i], scale_log2), lse2, keep);
       }
     }
@@ -174,8 +180,8 @@ __device__ __forceinline__ void ds_only16(const Consumer& cs, const uint32_t (&p
   for (int j = 0; j < kBlockM / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int q_idx = m0 + 8 * j + cs.col0() + e;
-      const float dv = q_idx < pb.seqlen_q ? ld_row_term(dvec + row_base + q_idx) : 0.f;
+      const int q_row = m0 + 8 * j + cs.col0() + e;
+      const float dv = q_row < pb.seqlen_q ? ld_row_term(dvec + row_base + q_row) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e;   // p16[i / 2] packs s[i - e] (low) and s[i - e + 1] (high)
@@ -228,7 +234,8 @@ __device__ __forceinline__ void overlap_step(const Consumer& cs, const Smem& sm,
   wgmma_commit();
   wgmma_wait<1>();                               // S^T landed, dP^T in flight
   reg_fence(s);
-  probs_only(step_partial(m0, pb.n0 + cs.c * kWgRows, pb.seqlen_k), cs, s, lse, scale_log2, pb, g, m0);
+  probs_only(step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q), cs, s, lse, scale_log2,
+             pb, g, m0);
   uint32_t p16[kPRegs], ds16[kPRegs];
   pack_frag(p16, s);
   wgmma_fence();
@@ -271,7 +278,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
      // was live across setmaxnreg and spilled (4-8 bytes at D = 128, DQ_MODE 1)
     int nq = pb.seqlen_q;
     asm volatile("" : "+r"(nq));
-    qr = q_range(pb.n0, nq);
+    qr = q_range(pb.n0, nq, pb.seqlen_k - nq);
   }
   float dk_acc[kAccRegs], dv_acc[kAccRegs];
 #pragma unroll
@@ -310,7 +317,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       wgmma_wait<0>();
       reg_fence(s);
       reg_fence(dp);
-      probs_and_ds(step_partial(m0, pb.n0 + cs.c * kWgRows, pb.seqlen_k), cs, s, dp, lse, dvec,
+      probs_and_ds(step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q), cs, s, dp, lse, dvec,
                    scale_log2, pb, g, m0);
       uint32_t p16[kPRegs], ds16[kPRegs];
       pack_frag(p16, s);

@@ -18,9 +18,9 @@ __device__ __forceinline__ void add_dq_atomic(const Consumer& cs, float* __restr
   const int col_base = kDqSplitN ? cs.c * kDqCols : 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int q_idx = m0 + cs.row0() + 8 * h;
-    if (q_idx >= seqlen_q) continue;
-    float* row = dq_accum + (size_t(bh_q) * seqlen_q + q_idx) * kHeadDim + col_base + cs.col0();
+    const int q_row = m0 + cs.row0() + 8 * h;
+    if (q_row >= seqlen_q) continue;
+    float* row = dq_accum + (size_t(bh_q) * seqlen_q + q_row) * kHeadDim + col_base + cs.col0();
 #pragma unroll
     for (int j = 0; j < kDqCols / 8; ++j) red_add2(row + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
   }

@@ -164,7 +164,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (lse, dvec, accum, dk, dv)]
-    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv)] + [ctypes.c_float(scale)]
+    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
     driver().launch(func, (math.ceil(nk / BLOCK_N), hkv, b), (THREADS, 1, 1), smem_bytes(d, option), stream,
                     pack_params(maps + scalars))
     if dq_mode == 1:

@@ -124,10 +124,14 @@ __device__ __forceinline__ float ld_row_term(const float* p) {
   return v;
 }
 
-// SCHED 1's P^T pass (runs while the dP GEMM does); ds_only16 below is its dS^T pass.
-__device__ __forceinline__ void probs_only(bool partial, const Consumer& cs, float (&s)[kSRegs],
+// SCHED 1's P^T pass (runs while the dP GEMM does); ds_only16 below is its dS^T pass. Two bodies
+// (masked / unmasked): with one body and a runtime flag, the masked predicates were hoisted and
+// saved to registers (P2R) and D = 128 causal fp16 spilled 16 bytes.
+template <bool kPartial>
+__device__ __forceinline__ void probs_body(const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0) {
+  constexpr bool partial = kPartial;
   const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();   // as probs_and_ds
   const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
 #pragma unroll
@@ -149,6 +153,12 @@ __device__ __forceinline__ void probs_only(bool partial, const Consumer& cs, flo
         s[i] = softmax_p(score(s[i], scale_log2), lse2, keep);
       }
     }
+}
+__device__ __forceinline__ void probs_only(bool partial, const Consumer& cs, float (&s)[kSRegs],
+                                           const float* __restrict__ lse, float scale_log2,
+                                           const Problem& pb, int g, int m0) {
+  if (partial) probs_body<true>(cs, s, lse, scale_log2, pb, g, m0);
+  else probs_body<false>(cs, s, lse, scale_log2, pb, g, m0);
 }
 
 // dS^T from the 16-bit P^T (SCHED 1): the f32 P^T dies at the pack, 32 registers fewer while dV

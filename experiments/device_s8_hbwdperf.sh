@@ -2,9 +2,10 @@
 # Session 8, branch hbwdperf (issue 17): the Hopper backward's performance options, one H100.
 # cubridge.runtime.fa3_bwd_sm90.OPTIONS: base (the session-7 kernel: per-thread dQ atomics), bulk
 # (dQ through shared memory + one bulk reduce-add per consumer and step), bulk_overlap (bulk + the
-# overlapped step order). In this order, correctness first, each step under its own timeout and the
+# overlapped step order), bulk_overlap_lse (+ LSE / Dvec staged in shared memory by the producer).
+# In this order, correctness first, each step under its own timeout and the
 # whole call under BUDGET_S (every cap is the smaller of its own and what is left):
-#   1. build every option x (D 64 / 128, causal / full, fp16 / bf16): 24 cubins (ptxas spills are
+#   1. build every option x (D 64 / 128, causal / full, fp16 / bf16): 32 cubins (ptxas spills are
 #      checked on the CPU: tests/cpu/test_fa3_bwd_sm90_build.py)
 #   2. tests/gpu/test_bwd_sm90.py once per option (CUBRIDGE_BWD_OPTIONS=<option>, pytest -x):
 #      the verification rule on dQ / dK / dV, poisoned outputs, unchanged inputs, ragged causal
@@ -12,8 +13,9 @@
 #   3. bench_bwd_options.py: every option beside fa2_bwd_sm80, SDPA cuDNN and FA4 (when its pack is
 #      carried: .fa4whl/env.sh), round-robin in one process, causal / full at 8k, 16k, 1k
 #      (D = 128 bf16, 32 heads, 16k tokens); rows written after every shape
-#   4. compute-sanitizer racecheck, then memcheck, over sanitize_bwd.py --only fa3_bwd_sm90 for the
-#      two new options (last: the bench matters more if the budget runs short)
+#   4. compute-sanitizer over sanitize_bwd.py --only fa3_bwd_sm90: racecheck bulk_overlap_lse,
+#      racecheck bulk, memcheck bulk_overlap_lse (last: the bench matters more if the budget runs
+#      short; each run is skipped when less than 15 s are left)
 # Writes exactly two files under $OUT: hbwdperf_log.txt and hbwdperf_bench.json.
 # Usage (device, repo root):  OUT=/tmp/o bash experiments/device_s8_hbwdperf.sh [all|tests|bench]
 # What to expect: per option "rc=0 ... passed"; per sanitizer run "rc=0", "ERROR SUMMARY: 0 errors"
@@ -29,7 +31,7 @@ LOG="$OUT/hbwdperf_log.txt"
 JSON="$OUT/hbwdperf_bench.json"
 MODE=${1:-all}
 BUDGET_S=${BUDGET_S:-570}
-OPTS="base bulk bulk_overlap"
+OPTS="base bulk bulk_overlap bulk_overlap_lse"
 START=$(date +%s)
 SCRATCH=$(mktemp -d)          # step outputs for the summary: not under $OUT
 SUMMARY=()
@@ -107,13 +109,13 @@ $(grep -E "^sanitize_bwd:" "$SCRATCH/san.txt" | tail -1)")
     || echo "flash_attn.cute not importable: the fa4 column will be missing"
   build_all
   if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-    for o in $OPTS; do run_tests "$o" 110; done
+    for o in $OPTS; do run_tests "$o" 100; done
   fi
   if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
     run_bench 8192 16384 1024
   fi
   if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-    for run in "racecheck bulk_overlap" "racecheck bulk" "memcheck bulk_overlap" "memcheck bulk"; do
+    for run in "racecheck bulk_overlap_lse" "racecheck bulk" "memcheck bulk_overlap_lse"; do
       run_sanitizer $run 45
     done
   fi

@@ -55,6 +55,9 @@ typedef unsigned long long uint64_t;
 #ifndef SCHED
 #define SCHED 0
 #endif
+#ifndef LSE_SMEM
+#define LSE_SMEM 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
@@ -132,6 +135,8 @@ struct Smem {
   __device__ __forceinline__ uint32_t q_tile(int s) const { return q() + s * kQBytes; }
   __device__ __forceinline__ uint32_t do_tile(int s) const { return dout() + s * kQBytes; }
   __device__ __forceinline__ uint32_t ds_slot(int s) const { return ds() + s * kDsBytes; }
+  __device__ __forceinline__ uint32_t lse_tile(int s) const { return base + kOffLse + s * kRowTermBytes; }
+  __device__ __forceinline__ uint32_t dvec_tile(int s) const { return base + kOffDvec + s * kRowTermBytes; }
 };
 
 struct Problem {
@@ -145,9 +150,16 @@ struct Problem {
 };
 
 // ------------------------------------------------------------------ producer
+// LSE_SMEM: a non-tensor bulk copy global -> shared that completes on the stage's mbarrier.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const float* src, int bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q,
                                          const CUtensorMap* tm_k, const CUtensorMap* tm_v,
-                                         const CUtensorMap* tm_do, const Problem& pb, QRange qr) {
+                                         const CUtensorMap* tm_do, const Problem& pb, QRange qr,
+                                         const float* __restrict__ lse, const float* __restrict__ dvec) {
   mbar_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
   for (int p = 0; p < kPanels; ++p) {
@@ -159,13 +171,18 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) {
       const int st = it % kStages;
       mbar_wait(sm.q_empty() + 8 * st, ((it / kStages) & 1) ^ 1);
-      mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes);
+      mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes + (kLseSmem ? 2 * kRowTermBytes : 0));
 #pragma unroll
       for (int p = 0; p < kPanels; ++p) {
         tma_load_3d(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full() + 8 * st, p * kPanelCols,
                     m * kBlockM, pb.bh_q(g));
         tma_load_3d(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full() + 8 * st, p * kPanelCols,
                     m * kBlockM, pb.bh_q(g));
+      }
+      if constexpr (kLseSmem) {   // padded [B * Hq, num_m * 64]: tile m of head bh_q is contiguous
+        const size_t off = (size_t(pb.bh_q(g)) * ((pb.seqlen_q + kBlockM - 1) / kBlockM) + m) * kBlockM;
+        bulk_load(sm.lse_tile(st), lse + off, kRowTermBytes, sm.q_full() + 8 * st);
+        bulk_load(sm.dvec_tile(st), dvec + off, kRowTermBytes, sm.q_full() + 8 * st);
       }
     }
 }
@@ -177,7 +194,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 // ------------------------------------------------------------------ entry point
 // Grid (ceil(Nk / 128), Hkv, B); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
 // log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
-// group = heads_q / heads_kv.
+// group = heads_q / heads_kv. LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
+// copies instead, lse in log2 units with +inf where P must be 0 (padding, rows that see no key).
 extern "C" __global__ void __launch_bounds__(fa3b::kThreads, 1)
 fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -213,7 +231,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     if (threadIdx.x == 0 && has_work) {
       fa3::tma_prefetch_map(&tm_q);
       fa3::tma_prefetch_map(&tm_do);
-      producer(sm, &tm_q, &tm_k, &tm_v, &tm_do, pb, qr);
+      producer(sm, &tm_q, &tm_k, &tm_v, &tm_do, pb, qr, lse, dvec);
     }
   } else {
     fa3::reg_alloc<kConsumerRegs>();

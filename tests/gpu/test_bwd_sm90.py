@@ -7,8 +7,8 @@ Also: outputs poisoned with NaN are fully written, inputs unchanged, dK / dV (no
 repeatable. Inputs are random normal, never zeros. Needs an sm_90 GPU (skipped otherwise).
 
 Every kernel test runs once per performance option (cubridge.runtime.fa3_bwd_sm90.OPTIONS: base,
-bulk, bulk_overlap; the test id starts with it). CUBRIDGE_BWD_OPTIONS=bulk,bulk_overlap narrows
-the set (experiments/device_s8_hbwdperf.sh runs one option per pytest process).
+bulk, bulk_overlap, bulk_overlap_lse; the test id starts with it). CUBRIDGE_BWD_OPTIONS=bulk,base
+narrows the set (experiments/device_s8_hbwdperf.sh runs one option per pytest process).
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@
 # whole call under BUDGET_S (every cap is the smaller of its own and what is left):
 #   1. build every option x (D 64 / 128, causal / full, fp16 / bf16): 32 cubins (ptxas spills are
 #      checked on the CPU: tests/cpu/test_fa3_bwd_sm90_build.py)
-#   2. tests/gpu/test_bwd_sm90.py once per option (CUBRIDGE_BWD_OPTIONS=<option>, pytest -x):
+#   2. tests/gpu/test_bwd_sm90.py once per option (CUBRIDGE_BWD_OPTIONS=<option>, pytest -x), the
+#      options' processes side by side (correctness only):
 #      the verification rule on dQ / dK / dV, poisoned outputs, unchanged inputs, ragged causal
 #      Nq != Nk both ways, MHA / GQA / MQA, fp16 / bf16, D 64 / 128
 #   3. bench_bwd_options.py: the options whose tests did not hang or fault (all in `bench` mode)
@@ -66,22 +67,31 @@ EOF
   SUMMARY+=("build: rc=${PIPESTATUS[0]}")
 }
 
-run_tests() {   # $1 option, $2 cap (s)
-  local t; t=$(left "$2")
-  step "pytest test_bwd_sm90.py option $1 (timeout ${t}s)"
-  if [ "$t" -le 10 ]; then SUMMARY+=("tests $1: not run (budget spent)"); return; fi
-  CUBRIDGE_BWD_OPTIONS=$1 timeout "$t" python3 -m pytest -q -x -p no:cacheprovider --tb=short -rfs \
-    tests/gpu/test_bwd_sm90.py > "$SCRATCH/pytest.txt" 2>&1
-  local rc=$?
-  grep -vE "^\.+ *\[|PASSED" "$SCRATCH/pytest.txt" | tail -30
-  echo "tests $1 rc=$rc"
-  local last; last=$(grep -E "passed|failed|error|skipped" "$SCRATCH/pytest.txt" | tail -1)
-  [ "$rc" = 124 ] && last="TIMED OUT after ${t}s; $last"
-  SUMMARY+=("tests $1: rc=$rc ${last}")
-  # benched unless it hung or faulted (a fault kills the CUDA context of the one bench process);
-  # an option that only failed the rule is still timed (its rows say WRONG if far off)
-  if [ "$rc" = 0 ] || { [ "$rc" = 1 ] && ! grep -qiE "CUDA error|illegal|unspecified launch|misaligned" \
-      "$SCRATCH/pytest.txt"; }; then BENCH_OPTS+=("$1"); else echo "option $1 left out of the bench"; fi
+run_tests() {   # $1 cap (s): one pytest process per option, all at once (correctness only, not
+  # timing; separate processes, so a fault in one option's kernel cannot take the others along)
+  local t; t=$(left "$1")
+  step "pytest test_bwd_sm90.py, one process per option: $OPTS (timeout ${t}s each, concurrent)"
+  if [ "$t" -le 10 ]; then SUMMARY+=("tests: not run (budget spent)"); return; fi
+  local o pids=()
+  for o in $OPTS; do
+    CUBRIDGE_BWD_OPTIONS=$o timeout "$t" python3 -m pytest -q -x -p no:cacheprovider --tb=short -rfs \
+      tests/gpu/test_bwd_sm90.py > "$SCRATCH/pytest_$o.txt" 2>&1 &
+    pids+=($!)
+  done
+  local i=0 rc last
+  for o in $OPTS; do
+    wait "${pids[$i]}"; rc=$?; i=$((i + 1))
+    echo; echo "--- option $o"
+    grep -vE "^\.+ *\[|PASSED" "$SCRATCH/pytest_$o.txt" | tail -25
+    echo "tests $o rc=$rc"
+    last=$(grep -E "passed|failed|error|skipped" "$SCRATCH/pytest_$o.txt" | tail -1)
+    [ "$rc" = 124 ] && last="TIMED OUT after ${t}s; $last"
+    SUMMARY+=("tests $o: rc=$rc ${last}")
+    # benched unless it hung or faulted (a fault kills the CUDA context of the one bench process);
+    # an option that only failed the rule is still timed (its rows say WRONG if far off)
+    if [ "$rc" = 0 ] || { [ "$rc" = 1 ] && ! grep -qiE "CUDA error|illegal|unspecified launch|misaligned" \
+        "$SCRATCH/pytest_$o.txt"; }; then BENCH_OPTS+=("$o"); else echo "option $o left out of the bench"; fi
+  done
 }
 
 run_bench() {   # $@ lengths
@@ -117,7 +127,7 @@ $(grep -E "^sanitize_bwd:" "$SCRATCH/san.txt" | tail -1)")
     || echo "flash_attn.cute not importable: the fa4 column will be missing"
   build_all
   if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-    for o in $OPTS; do run_tests "$o" 100; done
+    run_tests 200
   else
     read -r -a BENCH_OPTS <<< "$OPTS"
   fi

@@ -2,10 +2,11 @@
 # Session 8, branch hbwdperf (issue 17): the Hopper backward's performance options, one H100.
 # cubridge.runtime.fa3_bwd_sm90.OPTIONS: base (the session-7 kernel: per-thread dQ atomics), bulk
 # (dQ through shared memory + one bulk reduce-add per consumer and step), bulk_overlap (bulk + the
-# overlapped step order), bulk_overlap_lse (+ LSE / Dvec staged in shared memory by the producer).
+# overlapped step order), bulk_overlap_lse (+ LSE / Dvec staged in shared memory by the producer),
+# bulk_overlap_lse_lpt (+ the KV tile in blockIdx.z: causal's longest tiles dispatched first).
 # In this order, correctness first, each step under its own timeout and the
 # whole call under BUDGET_S (every cap is the smaller of its own and what is left):
-#   1. build every option x (D 64 / 128, causal / full, fp16 / bf16): 32 cubins (ptxas spills are
+#   1. build every option x (D 64 / 128, causal / full, fp16 / bf16): 40 cubins (ptxas spills are
 #      checked on the CPU: tests/cpu/test_fa3_bwd_sm90_build.py)
 #   2. tests/gpu/test_bwd_sm90.py once per option (CUBRIDGE_BWD_OPTIONS=<option>, pytest -x), the
 #      options' processes side by side (correctness only):
@@ -33,7 +34,7 @@ LOG="$OUT/hbwdperf_log.txt"
 JSON="$OUT/hbwdperf_bench.json"
 MODE=${1:-all}
 BUDGET_S=${BUDGET_S:-570}
-OPTS="base bulk bulk_overlap bulk_overlap_lse"
+OPTS="base bulk bulk_overlap bulk_overlap_lse bulk_overlap_lse_lpt"
 START=$(date +%s)
 SCRATCH=$(mktemp -d)          # step outputs for the summary: not under $OUT
 SUMMARY=()

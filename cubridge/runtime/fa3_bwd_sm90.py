@@ -11,7 +11,8 @@ Options (compile-time, `option=` of fa3_backward; params.cuh and NOTES.md say wh
 through shared memory and one bulk reduce-add per consumer and step, into a tiled accumulator that
 fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
 order), "bulk_overlap_lse" (also LSE / Dvec staged in shared memory by the producer, from padded
-copies made here). DEFAULT_OPTION stays "base" until a GPU run has checked and timed the others.
+copies made here), "bulk_overlap_lse_lpt" (also the KV tile in blockIdx.z: causal's longest tiles
+dispatched first). DEFAULT_OPTION stays "base" until a GPU run has checked and timed the others.
 
 Status: compiles spill-free for sm_90a (tests/cpu/test_fa3_bwd_sm90_build.py); not yet run on a
 GPU. cubridge.runtime.autograd uses it only when `enabled()` (CUBRIDGE_HOPPER_BWD=1) until
@@ -41,9 +42,10 @@ FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
-# option name -> (DQ_MODE, SCHED, LSE_SMEM); SCHED 1 requires DQ_MODE 1, LSE_SMEM 1 requires SCHED 1
-# (params.cuh static_asserts).
-OPTIONS = {"base": (0, 0, 0), "bulk": (1, 0, 0), "bulk_overlap": (1, 1, 0), "bulk_overlap_lse": (1, 1, 1)}
+# option name -> (DQ_MODE, SCHED, LSE_SMEM, TILE_ORDER); SCHED 1 requires DQ_MODE 1, LSE_SMEM 1
+# requires SCHED 1 (params.cuh static_asserts).
+OPTIONS = {"base": (0, 0, 0, 0), "bulk": (1, 0, 0, 0), "bulk_overlap": (1, 1, 0, 0),
+           "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1)}
 DEFAULT_OPTION = "base"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
@@ -65,7 +67,7 @@ ROW_TERM_BYTES = BLOCK_M * 4   # one stage's LSE or Dvec (LSE_SMEM 1)
 LOG2E = 1.4426950408889634
 
 
-def _modes(option: str) -> tuple[int, int, int]:
+def _modes(option: str) -> tuple[int, int, int, int]:
     if option not in OPTIONS:
         raise LaunchError(f"unknown option {option!r}", where="fa3_bwd_sm90",
                           hint=f"option must be one of {sorted(OPTIONS)}")
@@ -78,16 +80,16 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     kv = BLOCK_N * head_dim * ELEM_BYTES
     q = BLOCK_M * head_dim * ELEM_BYTES
     ds = BLOCK_N * BLOCK_M * ELEM_BYTES
-    dq_mode, _, lse_smem = _modes(option)
+    dq_mode, _, lse_smem, _ = _modes(option)
     dq = DQ_SLOTS * CONSUMERS * DQ_PART_BYTES if dq_mode == 1 else 0
     rows = 2 * STAGES * ROW_TERM_BYTES if lse_smem == 1 else 0
     return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION) -> list[str]:
-    dq_mode, sched, lse_smem = _modes(option)
+    dq_mode, sched, lse_smem, tile_order = _modes(option)
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
-            f"-DDQ_MODE={dq_mode}", f"-DSCHED={sched}", f"-DLSE_SMEM={lse_smem}",
+            f"-DDQ_MODE={dq_mode}", f"-DSCHED={sched}", f"-DLSE_SMEM={lse_smem}", f"-DTILE_ORDER={tile_order}",
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
 
 
@@ -150,7 +152,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     option: one of OPTIONS (the kernel's compile-time performance options)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
-    dq_mode, _, lse_smem = _modes(option)
+    dq_mode, _, lse_smem, tile_order = _modes(option)
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     device = q.device
     if capability(device.index) != (9, 0):
@@ -185,8 +187,9 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
-    driver().launch(func, (math.ceil(nk / BLOCK_N), hkv, b), (THREADS, 1, 1), smem_bytes(d, option), stream,
-                    pack_params(maps + scalars))
+    tiles = math.ceil(nk / BLOCK_N)
+    grid = (hkv, b, tiles) if tile_order == 1 else (tiles, hkv, b)
+    driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if dq_mode == 1:
         chunks = accum_elems // 4
         args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(nq),

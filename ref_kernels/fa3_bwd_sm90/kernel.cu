@@ -13,7 +13,8 @@
 //                   end of the keys, as the forward kernels; with Nq > Nk the first Nq - Nk rows
 //                   see no key: their LSE is -inf, so P = 0 and they contribute nothing)
 //   D               head dimension (HEAD_DIM); "Dvec" is the softmax backward's row term
-//   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch)
+//   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch), or
+//                   (kv head, batch, n) with TILE_ORDER 1
 //   producer        WG 0; one thread loads K, V once, then streams (Q, dO) tiles of 64 queries
 //                   of every query head of the group through the kStages ring
 //   consumer c      WG c + 1; owns keys [n0 + 64c, n0 + 64c + 64): its dK, dV rows in registers
@@ -57,6 +58,9 @@ typedef unsigned long long uint64_t;
 #endif
 #ifndef LSE_SMEM
 #define LSE_SMEM 0
+#endif
+#ifndef TILE_ORDER
+#define TILE_ORDER 0
 #endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
@@ -192,7 +196,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 }  // namespace fa3b
 
 // ------------------------------------------------------------------ entry point
-// Grid (ceil(Nk / 128), Hkv, B); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
+// Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 1: (Hkv, B, ceil(Nk / 128))); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
 // log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
 // group = heads_q / heads_kv. LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
 // copies instead, lse in log2 units with +inf where P must be 0 (padding, rows that see no key).
@@ -210,7 +214,8 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   // used, the division's result took a register through the consumer loop (12-40 bytes of spill
   // at D = 128 with DQ_MODE 1).
   const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, group,
-                   int(blockIdx.z), int(blockIdx.y), int(blockIdx.x) * kBlockN};
+                   kTileMajor ? int(blockIdx.y) : int(blockIdx.z), kTileMajor ? int(blockIdx.x) : int(blockIdx.y),
+                   (kTileMajor ? int(blockIdx.z) : int(blockIdx.x)) * kBlockN};
   const QRange qr = q_range(pb.n0, seqlen_q, pb.q_shift());
   const bool has_work = qr.m_begin < qr.m_end;   // else dK = dV = 0 and nothing is loaded
 

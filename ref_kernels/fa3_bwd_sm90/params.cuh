@@ -25,6 +25,11 @@ constexpr bool kOverlap = SCHED == 1;
 //              from per-head padded copies the launcher makes; the passes read shared memory
 //              instead of 16 + 16 global (L1) loads per thread, with no "row < Nq" branches.
 constexpr bool kLseSmem = LSE_SMEM == 1;
+//   TILE_ORDER 1: the KV tile is blockIdx.z, so every head's tile 0 is dispatched before any tile 1
+//              (blocks go out x fastest): causal tiles have less work the later they start (tile
+//              n is attended by the rows at or after n0), so the longest run first and the short
+//              ones fill the last wave; 0 (blockIdx.x) ends with each last head's full range.
+constexpr bool kTileMajor = TILE_ORDER == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -112,6 +117,7 @@ static_assert(SCHED == 0 || SCHED == 1, "SCHED must be 0 (serial) or 1 (overlap)
 // order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
 static_assert(!(SCHED == 1 && DQ_MODE == 0), "SCHED=1 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED == 1), "LSE_SMEM=1 needs SCHED=1");
+static_assert(TILE_ORDER == 0 || TILE_ORDER == 1, "TILE_ORDER must be 0 or 1");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

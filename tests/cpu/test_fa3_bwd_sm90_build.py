@@ -23,7 +23,8 @@ SPECS = [(128, True, True), (128, False, False), (64, True, False), (64, False, 
 # others at the two extremes (their register peaks are at D = 128; D = 64 takes the K-split dQ).
 OPTION_SPECS = [("base", s) for s in SPECS] + [
     (o, s) for o in ("bulk", "bulk_overlap", "bulk_overlap_lse")
-    for s in ((128, True, True), (128, False, False), (64, True, False))]
+    for s in ((128, True, True), (128, False, False), (64, True, False))] + [
+    ("bulk_overlap_lse_lpt", (128, True, True))]   # only the block -> tile mapping differs
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -74,10 +75,11 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 def test_option_table_matches_the_kernel_macros():
     """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
     with SCHED 1 (static_asserts)."""
-    assert hb.OPTIONS["base"] == (0, 0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
-    for name, (dq_mode, sched, lse_smem) in hb.OPTIONS.items():
+    assert hb.OPTIONS["base"] == (0, 0, 0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
+    for name, (dq_mode, sched, lse_smem, tile_order) in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
         assert f"-DDQ_MODE={dq_mode}" in opts and f"-DSCHED={sched}" in opts and f"-DLSE_SMEM={lse_smem}" in opts
+        assert f"-DTILE_ORDER={tile_order}" in opts
         assert not (sched == 1 and dq_mode == 0) and not (lse_smem == 1 and sched == 0), name
     with pytest.raises(LaunchError, match="unknown option"):
         hb.options(128, True, True, "fast")

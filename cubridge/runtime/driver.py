@@ -86,19 +86,33 @@ class Driver:
         The box is panel_cols x rows_per_box x 1, swizzled 128B. `strides`: (row, head) strides in
         elements of a view whose B and H collapse into one stride; default: contiguous."""
         b, h, n, d = t.shape
-        elem = t.element_size()
         row, head = strides if strides is not None else (d, n * d)
+        return self.encode_tiled(t, (d, n, b * h), (row, head), (panel_cols, rows_per_box, 1))
+
+    def tensor_map_4d(self, t: torch.Tensor, rows_per_box: int, strides: tuple[int, int, int],
+                      panel_cols: int = PANEL_COLS) -> ctypes.Array:
+        """4-D map over a [B, H, N, D] view seen as (D, N, H, B), `strides` its (row, head, batch)
+        strides in elements (any order: [B, N, H, D] memory has head < row). The box is one head
+        of one batch, panel_cols x rows_per_box, swizzled 128B; zero fill stops at each head's N."""
+        b, h, n, d = t.shape
+        return self.encode_tiled(t, (d, n, h, b), strides, (panel_cols, rows_per_box, 1, 1))
+
+    def encode_tiled(self, t: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> ctypes.Array:
+        """cuTensorMapEncodeTiled over t's memory: dims innermost first, the strides (elements) of
+        every dim but the first, a box per dim, 128B swizzle; 64-byte-aligned 128-byte result."""
+        elem = t.element_size()
+        rank = len(dims)
         dtype = (CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
                  else CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-        dims = (ctypes.c_uint64 * 3)(d, n, b * h)
-        gstrides = (ctypes.c_uint64 * 2)(row * elem, head * elem)
-        box = (ctypes.c_uint32 * 3)(panel_cols, rows_per_box, 1)
-        elem_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
+        gdims = (ctypes.c_uint64 * rank)(*dims)
+        gstrides = (ctypes.c_uint64 * (rank - 1))(*(s * elem for s in strides))
+        gbox = (ctypes.c_uint32 * rank)(*box)
+        elem_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
         raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
         offset = (-ctypes.addressof(raw)) % TENSOR_MAP_ALIGN
         view = (ctypes.c_uint8 * TENSOR_MAP_BYTES).from_buffer(raw, offset)
         self.check(self.lib.cuTensorMapEncodeTiled(
-            ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, gstrides, box,
+            ctypes.addressof(view), dtype, rank, ctypes.c_void_p(t.data_ptr()), gdims, gstrides, gbox,
             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
             "cuTensorMapEncodeTiled")

@@ -99,7 +99,8 @@ def _helpers():
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                  dq=None, dk=None, dv=None, compiler: str | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
-    natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx, top-left aligned as the forward."""
+    natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
+    as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)

@@ -14,6 +14,7 @@ The launcher contract (search/measure.py, cubridge.load, tests):
     prepare = kernel.launcher(lowered, cubin, point)     # lowered: cubridge.lower.LoweredKernel
     call = prepare(extra_inputs, device)                 # the variant's bound inputs, packed once
     call(q, k, v, out)                                   # out preallocated, written in place
+    out, lse = call(q, k, v, out, lse)                   # lse too (float32 [B, Hq, Nq]); both returned
 
 Example:
     >>> k = reference_kernel("fa2_sm80")
@@ -36,7 +37,9 @@ from cubridge.runtime.space import Space
 from cubridge.vocab import DTYPES
 
 
-Prepare = Callable[[dict, object], Callable]   # (extra inputs, device) -> call(q, k, v, out)
+# (extra inputs, device) -> call(q, k, v, out, lse=None) -> (out, lse): the LSE (float32
+# [B, Hq, Nq], natural log, -inf for a row with no key) is an output the GPU check compares.
+Prepare = Callable[[dict, object], Callable]
 ShapeLaunch = Callable[..., None]               # launch(q, k, v, out, lse), written in place
 
 
@@ -74,8 +77,8 @@ class ReferenceKernel(ABC):
 
     @abstractmethod
     def launcher(self, lowered, cubin: bytes, point: dict) -> Prepare:
-        """prepare(extra, device) -> call(q, k, v, out) for a lowered variant compiled to `cubin`
-        at tile config `point` (head dim and dtype are q's; they must match the cubin's). An
+        """prepare(extra, device) -> call(q, k, v, out, lse=None) -> (out, lse) for a lowered
+        variant compiled to `cubin` at tile config `point` (head dim and dtype are q's; they must match the cubin's). An
         empty `cubin` builds lowered.source through the compile cache on the first call."""
 
     @abstractmethod

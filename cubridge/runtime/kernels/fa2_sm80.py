@@ -76,7 +76,8 @@ class Fa2Sm80Kernel(ReferenceKernel):
 
         def prepare(extra: dict, device):
             launch = lowered.args(extra, device)        # keeps the packed tensors alive with the call
-            return lambda q, k, v, out: kernel(q, k, v, causal=False, out=out, variant=launch, cubin=cubin or None)
+            return lambda q, k, v, out, lse=None: kernel(q, k, v, causal=False, out=out, lse=lse, variant=launch,
+                                                          cubin=cubin or None)
         return prepare
 
     def shape_launch(self, cubin: bytes, point: dict, head_dim: int, dtype: str, variant, device, dims, scale):

@@ -135,11 +135,12 @@ class Fa3Sm90Kernel(ReferenceKernel):
         def prepare(extra: dict, device):
             launch = lowered.args(extra, device)        # keeps the packed tensors alive with the call
 
-            def call(q, k, v, out):
+            def call(q, k, v, out, lse=None):
                 key = (q.shape[-1], q.dtype)
                 if key not in configs:
                     configs[key] = self.config(point, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16")
-                return fa3_forward(q, k, v, causal=False, config=configs[key], out=out, variant=launch, cubin=cubin or None)
+                return fa3_forward(q, k, v, causal=False, config=configs[key], out=out, lse=lse, variant=launch,
+                                   cubin=cubin or None)
             return call
         return prepare
 

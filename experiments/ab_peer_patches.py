@@ -74,7 +74,8 @@ def run_shape(shape, sources, args, result):
     from cubridge.lower import Launchable
     from cubridge.runtime.fa3_sm90 import fa3_forward
     from cubridge.runtime.timing import bench_round_robin, tflops
-    from cubridge.spec import count_attended, load_spec
+    from cubridge.spec import load_spec
+    from cubridge.transfer.pairs import count_attended
     name, d, hq, hkv, n = shape
     b = 16384 // n
     hooks = load_spec(name).hooks_for(n, n, hq, hkv, "cuda")
@@ -152,7 +153,8 @@ def run_variant(name, n, runners, args, result):
     import torch
     from peer_systems import SampledCheck
     from cubridge.runtime.timing import bench_round_robin, tflops
-    from cubridge.spec import count_attended, load_spec
+    from cubridge.spec import load_spec
+    from cubridge.transfer.pairs import count_attended
     b, h, d = 16384 // n, 32, 128
     hooks = load_spec(name).hooks_for(n, n, h, h, "cuda")
     flops = 4.0 * d * count_attended(hooks, b, h, n, n, device="cuda")

@@ -28,7 +28,8 @@ import torch
 from peer_systems import SampledCheck, Unsupported, makers, max_diff  # noqa: E402
 
 from cubridge.runtime.timing import bench_round_robin, tflops  # noqa: E402
-from cubridge.spec import builtin_specs, count_attended, load_spec  # noqa: E402
+from cubridge.spec import builtin_specs, load_spec  # noqa: E402
+from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 TOKENS = 16384
 LENGTHS = [1024, 4096, 8192, 16384]

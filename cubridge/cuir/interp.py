@@ -77,6 +77,15 @@ class _Blocked:
         return self._desc() if callable(self._desc) else self._desc
 
 
+# Under "reverse" a role gives way after each arrival, so the roles it unblocks (the later ones,
+# consumers) run first and the earliest (the producer) lags as far as the barriers let it. Run to
+# its next wait instead, the producer refilled slot 1 right after slot 0 and never met the state
+# where consumers were two phases ahead on an empty barrier: a consumer arriving on the wrong
+# stage's k_empty verified although a parity wait then hangs the kernel (fuzz_cuir.json, session 7).
+ARRIVING_OPS = ("arrive", "tma_load")
+_PREEMPTED = _Blocked(lambda: True, 0, "preempted after an arrival")
+
+
 @dataclass
 class _RoleCtx:
     """One running role instance of one block."""
@@ -246,6 +255,8 @@ class Interpreter(HeaderMixin, MemoryMixin):
                     yield from self._bar_sync(st.value, ctx)
                 else:
                     self.eval(st.value, ctx.env, ctx)
+                    if self.schedule == "reverse" and st.value.op in ARRIVING_OPS:
+                        yield _PREEMPTED
             elif isinstance(st, N.For):
                 env = ctx.env
                 lo, hi, step = (int(self._uniform(self.eval(e, env, ctx), st.line)) for e in (st.start, st.stop, st.step))
@@ -307,7 +318,8 @@ class Interpreter(HeaderMixin, MemoryMixin):
     @staticmethod
     def _wait_desc(bar, parity, ctx) -> str:
         text = (f"{bar.name} parity {parity} ({bar.completed} phases done, "
-                f"{bar.arrivals}/{bar.count} arrivals in the current one)")
+                f"{bar.arrivals}/{bar.count} arrivals in the current one"
+                + (f", the latest from line {bar.last_line})" if bar.last_line else ")"))
         seen = ctx.observed.get(id(bar), -1)
         if bar.completed - 2 > seen:
             # A phase of this parity completed unseen and the next one completed too: the parity

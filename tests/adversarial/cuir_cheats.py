@@ -54,7 +54,8 @@ CHEATS = [
     # ahead of its parity wait and hangs; the interpreter's "reverse" schedule makes it lag.
     ("release_the_wrong_k_stage", FA3, [(FA3_K_EMPTY, FA3_K_EMPTY.replace("[st]", "[(st + 1) % STAGES]"))],
      "causal", ["deadlock", "k_empty[1]", "the latest from line"]),
-    ("wait_on_the_wrong_k_empty_stage", FA3, [(FA3_K_EMPTY_WAIT, FA3_K_EMPTY_WAIT.replace("[st]", "[(st + 1) % STAGES]"))],
+    ("wait_on_the_wrong_k_empty_stage", FA3,
+     [(FA3_K_EMPTY_WAIT, FA3_K_EMPTY_WAIT.replace("[st]", "[(st + 1) % STAGES]"))],
      "causal", ["deadlock", "k_empty["]),
     ("nan_left_in_rows_that_attend_nothing", FA2, [("out = acc / where(l_i == 0.0, 1.0, l_i)", "out = acc / l_i")],
      "strict_causal", ["NaN/Inf"]),

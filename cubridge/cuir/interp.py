@@ -113,17 +113,19 @@ class _RoleCtx:
 
 
 def interpret(program: N.Program, inputs, *, params: dict | None = None, dtype=None,
-              schedule: str = "in_order", vectorise: bool = True) -> RunResult:
+              schedule: str = "in_order", vectorise: bool = True, progress=None) -> RunResult:
     """Run `program` on `inputs` (a dict by global_input name, or a sequence in declaration order).
 
     params: overrides of the program's `param(...)` defaults. dtype: the kernel dtype T when no
     T-typed input fixes it. schedule: the order runnable roles are picked in (to expose races).
+    progress: called as progress(done, total) after each block run one at a time (long runs).
     """
-    return Interpreter(program, params or {}, dtype, schedule, vectorise).run(inputs)
+    return Interpreter(program, params or {}, dtype, schedule, vectorise, progress).run(inputs)
 
 
 class Interpreter(HeaderMixin, MemoryMixin):
-    def __init__(self, program, params, dtype, schedule, vectorise):
+    def __init__(self, program, params, dtype, schedule, vectorise, progress=None):
+        self.progress = progress
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}")
         self.p = program
@@ -157,12 +159,15 @@ class Interpreter(HeaderMixin, MemoryMixin):
             shape = [1] * self.nl
             shape[k] = extents[i]
             env[axes[i]] = torch.arange(extents[i]).view(shape)
-        for combo in itertools.product(*(range(extents[i]) for i in seq_axes)):
+        total = math.prod(extents[i] for i in seq_axes)
+        for done, combo in enumerate(itertools.product(*(range(extents[i]) for i in seq_axes)), 1):
             benv = dict(env)
             for i, v in zip(seq_axes, combo):
                 benv[axes[i]] = v
             self._run_block(block, benv)
             self.counters.blocks += self.lane_count
+            if self.progress is not None:
+                self.progress(done, total)
         outputs = {}
         for g in self.globals.values():
             if g.is_output:

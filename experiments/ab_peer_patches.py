@@ -3,8 +3,9 @@ beside the unpatched kernel and FlashAttention-4 (ref_kernels/fa3_sm90/NOTES.md 
 predictions).
 
 Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/: softmax_overlap,
-lazy_rescale, max_four_chains, k_before_v, and all_four = the four together) are applied to
-a copy of the kernel directory; the patched kernel.cu (with any patched header inlined) is
+lazy_rescale, max_four_chains, k_before_v, and all_four = the four together; --patches may also
+name the experiment knobs, e.g. knobs/kv_ascending) are applied to a copy of the kernel directory
+(expkit.patched_source); the patched kernel.cu (with any patched header inlined) is
 launched as a "variant" source, so the launch is the product's own. The unpatched kernel runs the
 same way (`unpatched`), so only the source differs; `dense` is the product path, and the config
 rows (FA4's tile shape, FA4's one-tile-per-CTA grid) run the product path with another Fa3Config.
@@ -19,18 +20,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import shutil
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PATCHES = ROOT / "experiments" / "patches"
-KERNEL_REL = Path("ref_kernels") / "fa3_sm90"
+from expkit import KERNEL_REL, PATCHES, ROOT, header_only, inline_headers, patched_source
+
 # (variant, D, Hq, Hkv, N): where the gap to FA4 is (ANCHORS.md), short and long
 SHAPES = [("causal", 128, 32, 32, 8192), ("full", 128, 32, 32, 8192), ("causal", 128, 32, 32, 1024),
           ("full", 128, 32, 32, 1024), ("causal", 64, 32, 32, 1024), ("causal", 128, 64, 8, 8192)]
@@ -38,53 +35,8 @@ QUICK_SHAPES = SHAPES[:3]
 
 
 def patch_names() -> list[str]:
+    """The A/B patches (experiments/patches/*.patch; the knobs under knobs/ are not A/B'd by default)."""
     return sorted(p.stem for p in PATCHES.glob("*.patch"))
-
-
-def _apply(patch: Path, cwd: str) -> subprocess.CompletedProcess:
-    """patch(1), or git apply where the image has no patch binary."""
-    try:
-        return subprocess.run(["patch", "-p1", "--forward", "-s", "-i", str(patch)], cwd=cwd,
-                              capture_output=True, text=True)
-    except FileNotFoundError:
-        return subprocess.run(["git", "apply", "-p1", "--unsafe-paths", str(patch)], cwd=cwd,
-                              capture_output=True, text=True)
-
-
-def patched_files(name: str) -> dict[str, str]:
-    """file name -> patched text, for every file of ref_kernels/fa3_sm90 the patch changed."""
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copytree(ROOT / KERNEL_REL, Path(tmp) / KERNEL_REL)
-        done = _apply(PATCHES / f"{name}.patch", tmp)
-        if done.returncode != 0:
-            raise SystemExit(f"error: experiments/patches/{name}.patch: does not apply to "
-                             f"{KERNEL_REL}: {done.stdout.strip()} {done.stderr.strip()} "
-                             "(regenerate it against the current kernel)")
-        return {f.name: f.read_text() for f in (Path(tmp) / KERNEL_REL).iterdir()
-                if f.is_file() and f.read_text() != (ROOT / KERNEL_REL / f.name).read_text()}
-
-
-def inline_headers(text: str, changed: dict[str, str]) -> str:
-    """`text` with each changed header's #include replaced by its patched body (the build's -I
-    finds the product's headers, not the copy's)."""
-    for header, body in changed.items():
-        if header != "kernel.cu":
-            body = "\n".join(ln for ln in body.splitlines() if ln.strip() != "#pragma once")
-            text = text.replace(f'#include "{header}"', body)
-    return text
-
-
-def patched_source(name: str) -> str:
-    """kernel.cu with the patch applied and the headers it changed inlined."""
-    changed = patched_files(name)
-    return inline_headers(changed.get("kernel.cu", (ROOT / KERNEL_REL / "kernel.cu").read_text()), changed)
-
-
-def header_only(name: str) -> dict[str, str] | None:
-    """The changed headers of a patch that leaves kernel.cu alone (it then applies to every
-    lowered variant too, which includes the same headers), else None."""
-    changed = patched_files(name)
-    return None if "kernel.cu" in changed else changed
 
 
 def configs_for(shape):

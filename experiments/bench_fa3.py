@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from expkit import REPEATS, TOKENS, WARMUP, Ours, attended_pairs, time_ms_interleaved
+from expkit import REPEATS, TOKENS, WARMUP, Ours, attended_pairs, patched_source, time_ms_interleaved
 from cubridge import rule  # noqa: E402
 from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin, default_config, fa3_forward  # noqa: E402
 
@@ -120,7 +120,7 @@ SWEEP_SHAPES = [("llama2-7b", 32, 32, 128, 1024), ("llama2-7b", 32, 32, 128, 819
                 ("qwen2.5-72b", 64, 8, 128, 8192), ("llama3.1-405b", 128, 8, 128, 8192)]
 
 
-def rule_check(cfg: Fa3Config) -> str:
+def rule_check(cfg: Fa3Config, cubin: bytes | None = None) -> str:
     """The verification rule (docs/DESIGN.md) for one config at ragged GQA shapes (N = 300 and 1000,
     Hq / Hkv = 4 / 2, seed fixed): "passed" or the first failure. Outputs are NaN-poisoned first."""
     for n in (300, 1000):
@@ -129,7 +129,7 @@ def rule_check(cfg: Fa3Config) -> str:
         k = torch.randn(1, 2, n, cfg.head_dim, device="cuda", generator=g).bfloat16()
         v = torch.randn(1, 2, n, cfg.head_dim, device="cuda", generator=g).bfloat16()
         out = torch.full_like(q, float("nan"))
-        fa3_forward(q, k, v, causal=cfg.causal, config=cfg, out=out, max_ctas=8)
+        fa3_forward(q, k, v, causal=cfg.causal, config=cfg, out=out, max_ctas=8, cubin=cubin)
         with sdpa_kernel(SDPBackend.MATH):
             golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                                     is_causal=cfg.causal, enable_gqa=True)
@@ -140,16 +140,18 @@ def rule_check(cfg: Fa3Config) -> str:
     return "passed"
 
 
-def _label(cfg: Fa3Config) -> str:
+def _label(cfg: Fa3Config, patches: tuple[str, ...] = ()) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}"
-            + (f"q{cfg.q_slots}" if cfg.q_slots != 2 else "") + "".join(f"+{k}" for k in cfg.knobs))
+            + (f"q{cfg.q_slots}" if cfg.q_slots != 2 else "") + "".join(f"+{k}" for k in patches))
 
 
 def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str] | None = None,
           q_slots: tuple[int, ...] = (2,), knobs: tuple[tuple[str, ...], ...] = ((),)) -> None:
     """Time our kernel over tile configs, with cuDNN beside each shape. `only`: "model:N" filters
     (SWEEP_SHAPES, or any shape of SHAPES named); `tiles`: "BMxBNsS" filters; `q_slots`: each tile
-    with each Q-slot limit; `knobs`: each tile with each set of kernel.cu experiment macros."""
+    with each Q-slot limit; `knobs`: each tile with each set of experiments/patches/ (e.g.
+    ("knobs/kv_ascending",)) applied to kernel.cu; a patched cubin runs through the product's
+    launch path (fa3_forward(cubin=...)), so only the source differs."""
     rows = []
     if only:
         shapes = [(m, hq, hkv, d, n) for m, hq, hkv, d, lengths in SHAPES for n in lengths
@@ -158,18 +160,21 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
         shapes = SWEEP_SHAPES
 
     def tile_configs(d, causal):
-        return [Fa3Config(head_dim=d, block_m=bm, block_n=bn, stages=st, causal=causal, persistent=True,
-                          q_slots=qs, knobs=kn)
+        return [(Fa3Config(head_dim=d, block_m=bm, block_n=bn, stages=st, causal=causal, persistent=True,
+                           q_slots=qs), kn)
                 for bm, bn, st in SWEEP_TILES[d] if not tiles or f"{bm}x{bn}s{st}" in tiles
                 for qs in q_slots for kn in knobs]
-    every = {cfg for d in {s[3] for s in shapes} for _, causal in VARIANTS for cfg in tile_configs(d, causal)}
+    every = sorted({job for d in {s[3] for s in shapes} for _, causal in VARIANTS for job in tile_configs(d, causal)},
+                   key=str)
+    sources = {kn: patched_source(*kn) for kn in knobs if kn}
     with ThreadPoolExecutor(max_workers=16) as pool:       # nvcc runs outside the GIL
-        list(pool.map(build_cubin, every))
+        built = list(pool.map(lambda job: build_cubin(job[0], source=sources.get(job[1])), every))
+    cubins = {job: (cubin if job[1] else None) for job, cubin in zip(every, built)}
     checks = {}                                            # per config (its shapes are fixed)
-    for cfg in every:
-        checks[cfg] = rule_check(cfg)
-        if checks[cfg] != "passed":
-            print(f"# {_label(cfg)} causal={cfg.causal}: verification FAILED: {checks[cfg]}", flush=True)
+    for job in every:
+        checks[job] = rule_check(job[0], cubins[job])
+        if checks[job] != "passed":
+            print(f"# {_label(*job)} causal={job[0].causal}: verification FAILED: {checks[job]}", flush=True)
     for model, hq, hkv, d, n in shapes:
         b = TOKENS // n
         q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16)
@@ -182,19 +187,20 @@ def sweep(out_path: Path | None, only: list[str] | None = None, tiles: list[str]
             _, cudnn, _ = systems(q, k, v, causal)
             configs = tile_configs(d, causal)
             fns = [cudnn[1]] + [
-                (lambda cfg=cfg: fa3_forward(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
-                for cfg in configs]
+                (lambda cfg=cfg, cubin=cubins[(cfg, kn)]:
+                 fa3_forward(q, k, v, causal=causal, config=cfg, out=out, lse=lse, cubin=cubin))
+                for cfg, kn in configs]
             medians = time_ms_interleaved(fns)
             base = flops / medians[0] / 1e9
             line = []
-            for cfg, ms in zip(configs, medians[1:]):
+            for (cfg, kn), ms in zip(configs, medians[1:]):
                 tf = flops / ms / 1e9
                 rows.append(dict(model=model, variant=variant, N=n, Hq=hq, Hkv=hkv, D=d,
                                  block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages,
-                                 persistent=cfg.persistent, q_slots=cfg.q_slots, knobs=list(cfg.knobs),
-                                 q_slots_used=cfg.q_slots_used, check=checks[cfg], tflops=round(tf, 1),
+                                 persistent=cfg.persistent, q_slots=cfg.q_slots, patches=list(kn),
+                                 q_slots_used=cfg.q_slots_used, check=checks[(cfg, kn)], tflops=round(tf, 1),
                                  cudnn_tflops=round(base, 1)))
-                line.append(f"{_label(cfg)}={tf:.0f}")
+                line.append(f"{_label(cfg, kn)}={tf:.0f}")
             print(f"{model:14s} {variant:6s} N={n:5d} cudnn={base:.0f} | " + " ".join(line), flush=True)
     if out_path:
         out_path.write_text(json.dumps(dict(
@@ -247,7 +253,8 @@ if __name__ == "__main__":
     ap.add_argument("--tiles", nargs="*", help="with --sweep: tiles as BMxBNsS (e.g. 128x128s2)")
     ap.add_argument("--q-slots", nargs="*", type=int, default=[2], help="with --sweep: Q-slot limits to cross")
     ap.add_argument("--knobs", nargs="*", default=[""],
-                    help='with --sweep: sets of kernel.cu macros to cross, each "A=1,B=2" ("" = none)')
+                    help='with --sweep: sets of experiments/patches/ to cross, each "knobs/kv_ascending,k_before_v" '
+                         '("" = the product kernel)')
     args = ap.parse_args()
     if args.sweep:
         sweep(args.out, args.only, args.tiles, tuple(args.q_slots),

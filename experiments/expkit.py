@@ -5,14 +5,20 @@ edit; importing expkit makes the checkout's cubridge importable where it is not 
 Timing: time_ms_interleaved (the one timing protocol, round-robin). Variants: Ours (rules
 transfer, lowering and launch of a variant on fa3_sm90, as the tuner runs it), Variant (one with
 an edited source), replaced (a source edit), the verification rule at the GPU test shapes
-(check, check_all), the causal softmax baseline. Provenance: versions().
+(check, check_all), the causal softmax baseline. Provenance: versions(). Kernel patches
+(experiments/patches/: the peer A/B's changes, and under knobs/ the experiment knobs that left the
+product kernel: kv_ascending, serial_tiles, timeline): patched_source, patched_files,
+inline_headers. SASS: disassembler().
 """
 from __future__ import annotations
 
 import ctypes
+import glob
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -34,6 +40,9 @@ from cubridge.runtime.timing import bench_round_robin  # noqa: E402
 from cubridge.spec import load_spec  # noqa: E402
 from cubridge.transfer.rules import transfer  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES = ROOT / "experiments" / "patches"
+KERNEL_REL = Path("ref_kernels") / "fa3_sm90"
 TOKENS = 16384          # tokens per shape: B = TOKENS // N
 D = 128
 WARMUP = 5
@@ -44,6 +53,17 @@ CHECK_SHAPES = [(1, 4, 4, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (1
 
 def attended_pairs(n: int, causal: bool) -> int:
     return n * (n + 1) // 2 if causal else n * n
+
+
+def bwd_reference():
+    """tests/support/bwd_reference.py (the dense backward's end-aligned autograd reference), loaded
+    by path: the scripts use the tests' one reference, with no sys.path edit."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "tests" / "support" / "bwd_reference.py"
+    spec = importlib.util.spec_from_file_location("cubridge_tests_bwd_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def time_ms_interleaved(fns) -> list[float]:
@@ -167,3 +187,68 @@ def check(var: Variant) -> list[str]:
             if why:
                 failures.append(f"{shape} x{scale}: {why}")
     return failures
+
+
+# ------------------------------------------------------------------ kernel patches
+def _apply(patch: Path, cwd: str) -> subprocess.CompletedProcess:
+    """patch(1), or git apply where the image has no patch binary."""
+    try:
+        return subprocess.run(["patch", "-p1", "--forward", "-s", "-i", str(patch)], cwd=cwd,
+                              capture_output=True, text=True)
+    except FileNotFoundError:
+        return subprocess.run(["git", "apply", "-p1", "--unsafe-paths", str(patch)], cwd=cwd,
+                              capture_output=True, text=True)
+
+
+def patched_files(*names: str) -> dict[str, str]:
+    """file name -> patched text, for every file of ref_kernels/fa3_sm90 that the patches changed.
+    A name is experiments/patches/NAME.patch (e.g. "k_before_v", "knobs/kv_ascending"); several
+    are applied in order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(ROOT / KERNEL_REL, Path(tmp) / KERNEL_REL)
+        for name in names:
+            if not (PATCHES / f"{name}.patch").is_file():
+                raise SystemExit(f"error: experiments/patches/{name}.patch: no such patch")
+            done = _apply(PATCHES / f"{name}.patch", tmp)
+            if done.returncode != 0:
+                raise SystemExit(f"error: experiments/patches/{name}.patch: does not apply to "
+                                 f"{KERNEL_REL}: {done.stdout.strip()} {done.stderr.strip()} "
+                                 "(regenerate it against the current kernel)")
+        return {f.name: f.read_text() for f in (Path(tmp) / KERNEL_REL).iterdir()
+                if f.is_file() and f.read_text() != (ROOT / KERNEL_REL / f.name).read_text()}
+
+
+def inline_headers(text: str, changed: dict[str, str]) -> str:
+    """`text` with each changed header's #include replaced by its patched body (the build's -I
+    finds the product's headers, not the copy's)."""
+    for header, body in changed.items():
+        if header != "kernel.cu":
+            body = "\n".join(ln for ln in body.splitlines() if ln.strip() != "#pragma once")
+            text = text.replace(f'#include "{header}"', body)
+    return text
+
+
+def patched_source(*names: str) -> str:
+    """kernel.cu with the patches applied and the headers they changed inlined."""
+    changed = patched_files(*names)
+    return inline_headers(changed.get("kernel.cu", (ROOT / KERNEL_REL / "kernel.cu").read_text()), changed)
+
+
+def header_only(*names: str) -> dict[str, str] | None:
+    """The changed headers of patches that leave kernel.cu alone (they then apply to every
+    lowered variant too, which includes the same headers), else None."""
+    changed = patched_files(*names)
+    return None if "kernel.cu" in changed else changed
+
+
+def disassembler() -> list[str]:
+    """The command that prints a cubin's SASS: cuobjdump -sass, or nvdisasm (the CUDA toolkit's
+    or the nvidia-cuda-nvdisasm wheel's) where cuobjdump is not installed."""
+    if shutil.which("cuobjdump"):
+        return [shutil.which("cuobjdump"), "-sass"]
+    found = shutil.which("nvdisasm") or next(iter(glob.glob(
+        str(Path(sys.prefix) / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / "nvdisasm"))), None)
+    if not found:
+        raise SystemExit("error: no cuobjdump or nvdisasm on PATH (CUDA toolkit) and no "
+                         "nvidia-cuda-nvdisasm wheel; install one of them")
+    return [found, "-c"]

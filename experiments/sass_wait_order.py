@@ -59,11 +59,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     source = None
     if args.patch:
-        from ab_peer_patches import patched_source
+        from expkit import patched_source
         source = patched_source(args.patch)
     if args.variant:
         from expkit import Ours
-        from ab_peer_patches import inline_headers, patched_files
+        from expkit import inline_headers, patched_files
         changed = patched_files(args.patch) if args.patch else {}
         source = inline_headers(Ours().lowered(args.variant)[2], changed)
     tool = nvdisasm()

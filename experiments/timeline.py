@@ -1,6 +1,6 @@
-"""Where a consumer warpgroup's time goes, phase by phase: the fa3 kernel built with its timeline
-marks on (CUIR_TIMELINE_PTR, the address of a buffer allocated here, compiled in; an experiment
-build only), run once at one shape, and the clock64 stamps of thread 0 of each consumer of the
+"""Where a consumer warpgroup's time goes, phase by phase: the fa3 kernel built with timeline marks
+(experiments/patches/knobs/timeline.patch adds them to consumer.cuh; CUIR_TIMELINE_PTR, the address
+of a buffer allocated here, is compiled in; the product kernel has no marks), run once at one shape, and the clock64 stamps of thread 0 of each consumer of the
 first CTAs summed per transition (turn wait, GEMM issue, waiting for S, softmax, waiting for
 P V, the rest of an iteration, epilogue). The dense causal kernel and lowered variants side by
 side, at the same tile config (128 x 128, the variants' default), so the phases compare.
@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from expkit import D, TOKENS, NoArgs, Ours, versions  # noqa: E402
+from expkit import D, TOKENS, NoArgs, Ours, inline_headers, patched_files, patched_source, versions  # noqa: E402
 from cubridge.lower import Launchable  # noqa: E402
-from cubridge.runtime.fa3_sm90 import KERNEL_SOURCE, default_config, fa3_forward  # noqa: E402
+from cubridge.runtime.fa3_sm90 import default_config, fa3_forward  # noqa: E402
 
-CTAS, LEN = 4, 4096      # CUIR_TIMELINE_CTAS / CUIR_TIMELINE_LEN of kernel.cu
+CTAS, LEN = 4, 4096      # CUIR_TIMELINE_CTAS / CUIR_TIMELINE_LEN of the timeline patch
+PATCH = "knobs/timeline"
 EVENTS = {1: "tile", 2: "turn_wait", 3: "turn_got", 4: "issued", 5: "scores", 6: "softmax", 7: "pv",
           8: "epilogue", 9: "epilogue_done", 10: "k_ready", 11: "qk_issued", 12: "v_ready"}
 # What the time between two marks is (from -> to).
@@ -36,8 +37,10 @@ PHASES = {("turn_wait", "turn_got"): "wait for the turn", ("turn_got", "issued")
 
 
 def with_timeline(buf: torch.Tensor):
+    """A source edit: the timeline patch's headers inlined, the buffer's address compiled in."""
+    changed = patched_files(PATCH)
     def fn(source: str) -> str:
-        return f"#define CUIR_TIMELINE_PTR {buf.data_ptr():#x}ull\n" + source
+        return f"#define CUIR_TIMELINE_PTR {buf.data_ptr():#x}ull\n" + inline_headers(source, changed)
     return fn
 
 
@@ -47,7 +50,7 @@ def run(system: str, n: int) -> dict:
     buf = torch.zeros(CTAS * 3 * LEN, dtype=torch.int64, device="cuda")
     if system == "causal":     # the dense kernel, at the variants' tile so the phases compare
         cfg = default_config(D, True, True, n, variant=True)
-        launch = Launchable(with_timeline(buf)(KERNEL_SOURCE.read_text()), NoArgs(0), [])
+        launch = Launchable(with_timeline(buf)(patched_source(PATCH)), NoArgs(0), [])
         fa3_forward(q, k, v, causal=True, config=cfg, variant=launch)
         consumers = cfg.block_m // 64
     else:

@@ -3,18 +3,19 @@ kernel (its default config) in one round-robin: every config is first verified o
 the verification rule (sigmoid_fma_share.check: ragged, GQA, fp16, scores scaled 4x), then all
 are timed together (bench_fa3's protocol: L2 flushed, median of 30), Llama2-7B heads, bf16.
 
-    python experiments/variant_tiles.py composite --configs 128x128s2 192x80s2 128x128s2+KV_ASCENDING=1 \\
+    python experiments/variant_tiles.py composite --configs 128x128s2 192x80s2 128x128s2+serial_tiles \\
         --n 8192 4096 --out $OUT/composite_tiles.json
 
-A config is BMxBNsS, optionally followed by +NAME=VALUE kernel knobs (Fa3Config.knobs), +q=1
+A config is BMxBNsS, optionally followed by +NAME experiment knobs (experiments/patches/knobs/NAME.patch,
+header-only ones: a lowered variant regenerates kernel.cu's regions), +q=1
 (one Q slot) and +g (one tile per CTA instead of the persistent grid: the tuner's labels without
 their "p"). --causal-configs times our dense causal softmax kernel at more configs in the same
 round-robin (each checked against the default config's output first), so a variant's ratio can
 also be read against the best causal config of the run.
 
 --replace OLD NEW (repeatable) edits every config's lowered source the same way (an experiment
-guarded by a knob macro, so configs with and without +NAME=1 run side by side); each OLD must
-occur in the source.
+guarded by a macro, so configs with and without it run side by side); each OLD must occur in the
+source.
 """
 from __future__ import annotations
 
@@ -28,28 +29,39 @@ from pathlib import Path
 
 import torch
 
-from expkit import CHECK_SHAPES, D, Variant, causal_baseline, check, replaced, time_ms_interleaved, versions  # noqa: E402
+from expkit import (CHECK_SHAPES, D, Variant, causal_baseline, check, header_only, inline_headers,  # noqa: E402
+                    replaced, time_ms_interleaved, versions)
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import count_attended, load_spec  # noqa: E402
 
-CONFIG = re.compile(r"^(\d+)x(\d+)s(\d+)((?:\+[A-Za-z_][A-Za-z0-9_]*=\d+)*)(\+g)?$")
+CONFIG = re.compile(r"^(\d+)x(\d+)s(\d+)((?:\+(?:q=\d+|[a-z_][a-z0-9_]*))*)(\+g)?$")
 
 
-def parse_config(text: str) -> dict:
-    """'192x64s2+KV_ASCENDING=1+q=1' -> Fa3Config overrides."""
+def parse_config(text: str) -> tuple[dict, tuple[str, ...]]:
+    """'192x64s2+serial_tiles+q=1' -> (Fa3Config overrides, knob patch names)."""
     m = CONFIG.match(text)
     if not m:
-        raise SystemExit(f"config {text!r}: expected BMxBNsS[+NAME=VALUE...][+g], e.g. 128x128s2+KV_ASCENDING=1")
+        raise SystemExit(f"config {text!r}: expected BMxBNsS[+KNOB...][+q=1][+g], e.g. 128x128s2+serial_tiles")
     out = {"block_m": int(m.group(1)), "block_n": int(m.group(2)), "stages": int(m.group(3))}
     knobs = [k for k in m.group(4).split("+") if k]
     for k in [k for k in knobs if k.startswith("q=")]:
         out["q_slots"] = int(k[2:])
         knobs.remove(k)
-    out["knobs"] = tuple(knobs)
     if m.group(5):
         out["persistent"] = False
-    return out
+    return out, tuple(f"knobs/{k}" for k in knobs)
+
+
+def knob_edit(edit, knobs: tuple[str, ...]):
+    """`edit` followed by the knob patches' headers inlined (header-only patches: a lowered
+    variant's kernel.cu regions are generated, so a kernel.cu patch cannot reach it)."""
+    if not knobs:
+        return edit
+    changed = header_only(*knobs)
+    if changed is None:
+        raise SystemExit(f"{'+'.join(knobs)}: patches kernel.cu, which a lowered variant regenerates")
+    return lambda source: inline_headers(edit(source), changed)
 
 
 def main():
@@ -64,7 +76,10 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     edit = replaced(args.replace) if args.replace else (lambda s: s)
-    systems = {c: Variant(args.variant, edit, parse_config(c)) for c in args.configs}
+    systems = {}
+    for c in args.configs:
+        overrides, knobs = parse_config(c)
+        systems[c] = Variant(args.variant, knob_edit(edit, knobs), overrides)
     result = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "versions": versions(),
               "variant": args.variant, "replace": args.replace, "protocol": "round-robin, L2 flushed, median of 30 (bench_fa3.time_ms_interleaved)",
               "baseline": "cubridge/fa3_sm90 causal softmax (its default config), same shape, same run",
@@ -92,7 +107,10 @@ def main():
         if args.causal_configs:
             want = fa3_forward(q, k, v, causal=True, config=cfg)[0]
         for c in args.causal_configs:
-            ccfg = replace(cfg, **parse_config(c))
+            overrides, knobs = parse_config(c)
+            if knobs:
+                raise SystemExit(f"--causal-configs {c}: knobs apply to the variant's configs only")
+            ccfg = replace(cfg, **overrides)
             got = fa3_forward(q, k, v, causal=True, config=ccfg)[0]
             err = (got.float() - want.float()).abs().max().item()
             if not err < 2e-2:   # both bf16 outputs of the same attention: rounding-level apart

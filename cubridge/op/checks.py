@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.runtime.fa3_fast import layout_strides
+from cubridge.runtime.kernels import reference_kernel
 
 WHERE = "cubridge op"
 LAYOUTS = ("bhnd", "bnhd")
@@ -112,6 +112,4 @@ def _needs_copy(op, name: str, t) -> bool:
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise LaunchError(f"{name} has strides {tuple(t.stride())}: its last (head) dim is not contiguous",
                           where=f"{WHERE}: {name}", hint=f"pass {name}.contiguous() (or a view with stride 1 in D)")
-    if op.buckets[0]["reference"] != "fa3_sm90":
-        return not t.is_contiguous()
-    return layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size()) is None
+    return not reference_kernel(op.buckets[0]["reference"]).reads_in_place(t)

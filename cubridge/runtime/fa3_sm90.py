@@ -63,7 +63,6 @@ class Fa3Config:
     bf16: bool = True
     persistent: bool = False   # launch-time only: grid = #SMs (each CTA loops over tiles) vs #tiles
     q_slots: int = 2           # at most this many Q tiles in shared memory (2 where they fit)
-    knobs: tuple[str, ...] = ()   # experiment macros of kernel.cu as "NAME=VALUE" (none by default)
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -73,7 +72,6 @@ class Fa3Config:
                  f"-DIS_CAUSAL={int(self.causal)}", f"-DDTYPE_BF16={int(self.bf16)}"]
         if self.q_slots != 2:
             flags.append(f"-DQ_SLOTS={self.q_slots}")
-        flags += [f"-D{knob}" for knob in self.knobs]
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

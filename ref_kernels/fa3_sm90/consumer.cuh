@@ -3,16 +3,11 @@
 // its regions and epilogue(), which it calls; it holds no region itself.
 #pragma once
 
-#include "timeline.cuh"
-
 // Tiles overlap where O has its own staging buffer (kSeparateO): a tile's last P V is issued in
 // the same turn as the next tile's first QK, and its epilogue runs while that QK is on the tensor
 // cores. With O staged in the (only) Q slot, the next tile's Q waits for that epilogue's store, so
-// there each tile drains before the next one starts. OVERLAP_TILES=0 turns it off (A/B).
-#ifndef OVERLAP_TILES
-#define OVERLAP_TILES 1
-#endif
-constexpr bool kOverlapTiles = OVERLAP_TILES && kSeparateO;
+// there each tile drains before the next one starts.
+constexpr bool kOverlapTiles = kSeparateO;
 
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
@@ -24,18 +19,14 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   // 0 the first turn, and after a turn that may be the CTA's last (a drain on its own) it defers
   // that pass to the start of its next turn, so that no arrival is left pending at exit.
   bool owe_turn = last_consumer;
-  TimelineMark mark = timeline_for(cs.c, cs.wg_thread);
   auto turn_begin = [&]() {
-    mark(kTlTurnWait);
     if (owe_turn) named_arrive(kBarWgTurn0, 2 * kWgThreads);
     owe_turn = false;
     cs.turn_wait();
-    mark(kTlTurnGot);
   };
   auto turn_end = [&](bool maybe_last) {
     if (last_consumer && maybe_last) owe_turn = true;
     else cs.turn_pass();
-    mark(kTlIssued);
   };
   float o[kORegs];
   uint32_t p[kPRegs];
@@ -48,9 +39,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   auto finish_prev = [&]() {                               // its last P V has completed
     reg_fence(o);
     cs.release(sm.v_empty + 8 * prev_sv);
-    mark(kTlEpilogue);
     epilogue(cs, sm, tm_o, lse, o, st, Tile{prev_m0, prev_hm, KvRange{}}, pb.seqlen_q, true);
-    mark(kTlEpilogueDone);
     pending = false;
   };
   auto drain_alone = [&]() {
@@ -76,7 +65,6 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     }
     mbar_arrive(sm.tile_empty + 8 * slot);                 // every reader arrives after its read
     if (t >= pb.num_tiles) break;
-    mark(kTlTile);
     if constexpr (!kRangeViaSmem) tl = pb.tile(t);         // a cheap range: recomputed here
     const int tiles = kv_count(tl.r);
     if (tiles == 0) {                                      // nothing attended: O = 0, lse = -inf
@@ -84,7 +72,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
       softmax_init(st);
-      epilogue(cs, sm, tm_o, lse, o, st, tl, pb.seqlen_q, false);
+      if constexpr (!kSeparateO) {                         // O goes through the Q slot: take it
+        mbar_wait(sm.q_full + 8 * (q_iter % kQSlots), (q_iter / kQSlots) & 1);
+        ++q_iter;
+      }
+      epilogue(cs, sm, tm_o, lse, o, st, tl, pb.seqlen_q, !kSeparateO);
       continue;
     }
     const int qs = q_iter % kQSlots;                        // this tile's Q slot
@@ -131,11 +123,9 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     softmax_init(st);
     bool partial = partial_at(0), partial_next = partial_at(1);
     reg_fence(s);
-    mark(kTlScores);
     cs.release(sm.k_empty + 8 * ring_stage(it));
     process_scores(tile_at(tl.r, 0), partial);
     softmax_update(pb.va, s, st, rescale, score_scale);
-    mark(kTlSoftmax);
     convert_p(p, s);
 
     // Steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight while softmax(S_i) runs.
@@ -143,29 +133,23 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       const int sk = ring_stage(it + i), sv = ring_stage(it + i - 1);
       turn_begin();
       mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
-      mark(kTlKReady);
       gemm_qk(s, q_rows, sm.k_tile(sk));
-      mark(kTlQkIssued);
       mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
-      mark(kTlVReady);
       gemm_pv(o, p, sm.v_tile(sv));
       turn_end(false);
       partial = partial_next;
       partial_next = partial_at(i + 1);
       wgmma_wait<1>();
       reg_fence(s);
-      mark(kTlScores);
       cs.release(sm.k_empty + 8 * sk);
-        process_scores(tile_at(tl.r, i), partial);
+      process_scores(tile_at(tl.r, i), partial);
       softmax_update(pb.va, s, st, rescale, score_scale);
-        mark(kTlSoftmax);
       wgmma_wait<0>();
       reg_fence(o);
-      mark(kTlPv);
       cs.release(sm.v_empty + 8 * sv);
       rescale_o(o, rescale);
       convert_p(p, s);
-      }
+    }
     if (kSeparateO) cs.release(sm.q_empty + 8 * qs);     // every QK of this tile is done
 
     // The last P V and the epilogue are owed: issued with the next tile's first QK, or here.

@@ -107,12 +107,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   return KvRange{0, n_end, 0, max(0, min(full_end, n_end))};
 }
 __device__ __forceinline__ int kv_count(const KvRange& r) { return r.n_end - r.n_begin; }
-#ifndef KV_ASCENDING   // experiment knob: 1 visits low n first (the causal diagonal tile last)
-#define KV_ASCENDING 0
-#endif
-__device__ __forceinline__ int tile_at(const KvRange& r, int i) {
-  return KV_ASCENDING ? r.n_begin + i : r.n_end - 1 - i;
-}
+__device__ __forceinline__ int tile_at(const KvRange& r, int i) { return r.n_end - 1 - i; }
 __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {
   return n >= r.full_end || n < r.full_begin;
 }
@@ -361,6 +356,16 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     // Two Q slots: this tile's Q goes first (its slot was freed by the tile before last, long
     // done), hiding its latency behind the tiles still in the ring.
     if (kQSlots > 1 && tiles > 0) load_q();
+    // O staged in the only Q slot: a tile with no KV tile (rows before key 0) still writes its
+    // zero O through that slot, so it takes the slot like any tile, without a load (a bare arrive
+    // completes q_full's phase), and its epilogue frees it. Before this, its O overwrote the next
+    // tile's Q as it landed (D 256, Nq > Nk causal: reruns differed).
+    if (!kSeparateO && tiles == 0) {
+      const int qs = q_iter % kQSlots;
+      mbar_wait(sm.q_empty + 8 * qs, ((q_iter / kQSlots) & 1) ^ 1);
+      mbar_arrive(sm.q_full + 8 * qs);
+      ++q_iter;
+    }
     for (int i = 0; i < tiles; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
       // @cuir-region load_kv

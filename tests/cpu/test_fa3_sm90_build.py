@@ -149,5 +149,3 @@ def test_q_slots_and_shared_memory_follow_the_layout():
     assert one.q_slots_used == 1 and one.separate_o and "-DQ_SLOTS=1" in one.defines()
     assert f"-DHOST_SMEM_BYTES={one.smem_bytes}" in one.defines()
     assert "-DQ_SLOTS=1" not in Fa3Config(head_dim=64).defines()
-    knobbed = Fa3Config(head_dim=64, knobs=("OVERLAP_TILES=0",))
-    assert "-DOVERLAP_TILES=0" in knobbed.defines() and knobbed != Fa3Config(head_dim=64)

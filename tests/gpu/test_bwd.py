@@ -9,6 +9,8 @@ inputs unchanged, deterministic mode bitwise repeatable. Inputs are random norma
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +18,9 @@ import pytest
 import torch
 
 from cubridge.rule import compare
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+import bwd_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -43,17 +48,9 @@ def kernels():
 
 
 def reference(q, k, v, dout, causal: bool, scale: float):
-    """(dq, dk, dv) by torch.autograd of attention computed in q's dtype."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
-    if causal:   # top-left aligned, as the kernels
-        nq, nk = s.shape[-2:]
-        keep = torch.arange(nk, device=s.device)[None, :] <= torch.arange(nq, device=s.device)[:, None]
-        s = s.masked_fill(~keep, -math.inf)
-    out = torch.softmax(s, dim=-1) @ v.repeat_interleave(group, 1)
-    out.backward(dout)
-    return q.grad, k.grad, v.grad
+    """(dq, dk, dv) by torch.autograd of attention in q's dtype (causal end-aligned: row i sees
+    keys j <= i + Nk - Nq, as the forward kernels; a row that sees no key gets zero gradients)."""
+    return bwd_reference.reference(q, k, v, dout, causal, scale)[2]
 
 
 def inputs(b, hq, hkv, nq, nk, d, dtype, seed, amplitude=1.0):
@@ -188,13 +185,16 @@ def test_rejects_bad_inputs_before_launch(kernels):
         bwd(dout, q, k, v, q.clone(), lse, dk=torch.empty_like(q))
 
 
+@pytest.mark.parametrize("lengths", [(333, 517), (517, 333)], ids=["q333-k517", "q517-k333"])
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_autograd_function(kernels, causal, det):
+def test_autograd_function(kernels, causal, det, lengths):
     """cubridge.runtime.autograd.attention: forward (fa3_sm90 on sm_90, else fa2_sm80) + this
-    backward through torch.autograd; gradients pass the rule against autograd of the reference."""
+    backward through torch.autograd; gradients pass the rule against autograd of the reference.
+    Causal with Nq != Nk both ways (end-aligned in forward and backward; Nq > Nk: the first rows
+    see no key and get zero gradients)."""
     from cubridge.runtime.autograd import attention
-    q, k, v, dout = inputs(2, 8, 2, 333, 517, 128, BF16, seed=8)
+    q, k, v, dout = inputs(2, 8, 2, *lengths, 128, BF16, seed=8)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     attention(*leaves, causal=causal, deterministic=det).backward(dout)
     golden = reference(q.double(), k.double(), v.double(), dout.double(), causal, 128 ** -0.5)

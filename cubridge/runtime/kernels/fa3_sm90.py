@@ -17,6 +17,7 @@ import torch
 
 from cubridge.runtime.fa3_sm90 import (SMEM_LIMIT, SUPPORTED_HEAD_DIMS, WG_ROWS, WG_THREADS, Fa3Config,
                                        check_inputs, default_config, fa3_forward)
+from cubridge.runtime.fa3_fast import Fa3Launch, layout_strides, load_cubin
 from cubridge.runtime.kernels import ReferenceKernel, check_dtype, register
 from cubridge.runtime.kernels import reference_kernel  # noqa: F401 - the doctest uses it
 from cubridge.runtime.space import Constraint, Param, Space
@@ -142,3 +143,18 @@ class Fa3Sm90Kernel(ReferenceKernel):
                                    cubin=cubin or None)
             return call
         return prepare
+
+    def shape_launch(self, cubin: bytes, point: dict, head_dim: int, dtype: str, variant, device, dims, scale):
+        """runtime.fa3_fast's cached launch: CUDA-graph safe once built (no sync, no allocation)."""
+        config = self.config(point, head_dim, dtype)
+        func, counts = load_cubin(cubin, config, device)
+        return Fa3Launch(func, counts, config, device, *dims, scale, variant)
+
+    def variant_default(self, head_dim: int, seqlen: int) -> dict:
+        """The runtime's default for a lowered variant, which depends on N (fa3_sm90.default_config)."""
+        c = default_config(head_dim, causal=False, seqlen=seqlen, variant=True)
+        return {"block_m": c.block_m, "block_n": c.block_n, "stages": c.stages, "persistent": c.persistent}
+
+    def reads_in_place(self, t) -> bool:
+        """Any view whose B and H collapse into one stride: the TMA maps are 3-D (fa3_fast)."""
+        return layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size()) is not None

@@ -1,10 +1,20 @@
-"""Variant backward timing: cubridge's lowered fa2_bwd_sm80 (cubridge.runtime.variant_bwd) vs
-torch.autograd of the spec's eager reference, per variant, bf16, D = 128, Hq / Hkv = 16 / 4, B = 1.
-Each system's backward alone is timed (round-robin, L2 flushed: cubridge.runtime.timing); the
-eager one re-runs torch.autograd.grad on a retained graph. A go / no-go sanity check compares the
-gradients with the eager ones (max |ours - eager| / max |eager| per gradient).
+"""Per-variant backward benchmark (issue 17's variant bars): cubridge (the variant's rules transfer
+lowered onto fa3_sm90 for the forward, onto fa2_bwd_sm80 for the backward) against FlexAttention
+(Triton) and FlexAttention with kernel_options={"BACKEND": "FLASH"}, same mask_mod / score_mod
+and BlockMask; and for relu / sigmoid / composite (no FlexAttention) against torch.autograd of the
+spec's eager reference at 8k. bf16, D = 128, 16 heads (MHA), B = 16384 // N.
 
-    python experiments/bench_bwd_variants.py --out $OUT/x.json [--n 8192] [--reps 10]
+Per (variant, N) every system is timed round-robin (cubridge.runtime.timing.bench_round_robin: L2
+flushed, drift hits all alike), three rounds: backward alone (autograd.grad on a retained graph for
+the peers; our backward kernel on the saved out / LSE), forward (training mode: the peers build the
+graph), forward + backward. TFLOPS of a backward = 2.5 x the forward's 4 D (attended pairs), pairs
+counted exactly from the spec's mask. A peer's gradients are checked against ours (max |peer -
+ours| / max |ours| over dQ, dK, dV; `agrees` at <= 0.05); ours are checked against float64 autograd
+by tests/gpu/test_bwd_variants.py. A peer that refuses (FLASH backend unavailable, a normalisation
+Flex cannot express) is recorded with its reason, never a crash. Rows are written after every
+(variant, N), so a run cut short keeps what it measured.
+
+    python experiments/bench_bwd_variants.py --out $OUT/x.json [--n 1024 8192] [--reps 10]
     python experiments/bench_bwd_variants.py --table $OUT/x.json
 """
 from __future__ import annotations
@@ -13,79 +23,202 @@ import argparse
 import json
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import expkit
 import torch
 
-import expkit  # noqa: F401 - cubridge importable from a bare checkout
-from cubridge.runtime.timing import bench_round_robin
+from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops  # noqa: E402
+from cubridge.spec import count_attended, load_spec  # noqa: E402
 
 VARIANTS = ["prefixlm", "causal_blockwise", "global_sliding_window", "share_question", "relative_pos",
             "sigmoid", "relu", "composite"]
-HQ, HKV, D, B = 16, 4, 128, 1
+EAGER = ("relu", "sigmoid", "composite")   # issue 17: >= 10x eager autograd at 8k
+EAGER_N = 8192
+TOKENS, H, D = 16384, 16, 128
+BWD_FLOP_FACTOR = 2.5
+AGREE_REL = 0.05
+OURS = "cubridge"
+BARS = {"flex": 1.3, "flex_flash": 1.1, "eager_autograd": 10.0}
 
 
-def bench_variant(name: str, n: int, reps: int) -> list[dict]:
+class Refused(Exception):
+    """A peer that cannot run this variant or shape; the message is recorded as the reason."""
+
+
+def _inputs(n: int, b: int):
+    g = torch.Generator(device="cuda").manual_seed(n * 131 + b)
+    q, dout = (torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    return q, k, v, dout
+
+
+def ours(name, q, k, v, dout, fwd_ours):
+    """{fwd, bwd, fwd_bwd, grads}: forward = the variant lowered onto fa3_sm90 (out, LSE), backward
+    = VariantBackward on that out / LSE (its Dvec from our out: end to end)."""
     from cubridge.runtime.variant_bwd import VariantBackward
     bwd = VariantBackward(name)
-    gen = torch.Generator(device="cuda").manual_seed(n)
-    q, dout = (torch.randn(B, HQ, n, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    k, v = (torch.randn(B, HKV, n, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = bwd.spec.run_reference(*leaves)
-    from cubridge.runtime.variant_bwd import reference_forward
-    with torch.no_grad():
-        _, lse = reference_forward(bwd.spec, q, k, v)
-    saved_out = out.detach().contiguous()
+    fwd = fwd_ours.fn(name, q, k, v)
+    out, lse = fwd()
+    return {"fwd": fwd, "bwd": lambda: bwd(dout, q, k, v, out, lse),
+            "fwd_bwd": lambda: bwd(dout, q, k, v, *fwd()), "grads": bwd(dout, q, k, v, out, lse)}
 
-    def ours():
-        return bwd(dout, q, k, v, saved_out, lse.contiguous())
 
-    def eager():
-        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    mine, theirs = ours(), eager()
-    sanity = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-                 for a, b in zip(mine, theirs))
-    t_ours, t_eager = bench_round_robin([ours, eager], warmup=2, reps=reps)
-    base = dict(direction="backward", variant=name, N=n, B=B, Hq=HQ, Hkv=HKV, D=D, dtype="bf16")
-    return [dict(base, system="cubridge/fa2_bwd_sm80", ms=round(t_ours.median_ms, 4), max_rel_vs_eager=round(sanity, 5),
-                 speedup_vs_eager=round(t_eager.median_ms / t_ours.median_ms, 2)),
-            dict(base, system="eager_autograd", ms=round(t_eager.median_ms, 4))]
+def _autograd_system(forward, leaves, dout):
+    """The backward alone is autograd.grad on a retained graph; where a second backward through
+    it is refused, bwd is None and its time is (forward + backward) - forward."""
+    out = forward()
+    grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    bwd = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)  # noqa: E731
+    try:
+        bwd()
+    except RuntimeError as e:
+        print(f"  retained backward refused ({str(e)[:120]}): bwd = fwd_bwd - fwd", flush=True)
+        bwd = None
+    return {"fwd": forward, "bwd": bwd, "fwd_bwd": lambda: torch.autograd.grad(forward(), leaves, dout),
+            "grads": grads}
+
+
+def flex(name, hooks, q, k, v, dout, backend):
+    if not hooks.flex_expressible:
+        raise Refused(f"{hooks.normalization.kind} normalisation: FlexAttention is softmax only")
+    fx, cbm = compiled_flex_attention()
+    n = q.shape[2]
+    bm = cbm(hooks.mask_mod, None, None, n, n, device=q.device) if hooks.mask_mod else None
+    kw = {"score_mod": hooks.score_mod, "block_mask": bm}
+    if backend == "flash":
+        kw["kernel_options"] = {"BACKEND": "FLASH"}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    try:
+        return _autograd_system(lambda: fx(*leaves, **kw), leaves, dout)
+    except Exception as e:  # noqa: BLE001 - the backend's refusal (or failure) is the recorded reason
+        raise Refused(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+
+
+def eager(name, q, k, v, dout):
+    spec = load_spec(name)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    return _autograd_system(lambda: spec.run_reference(*leaves), leaves, dout)
+
+
+def max_rel(grads, base) -> float:
+    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+               for a, b in zip(grads, base))
+
+
+def time_systems(systems: dict, reps: int) -> dict:
+    """{system: {fwd_ms, bwd_ms, fwd_bwd_ms}}, each phase one round-robin over all systems."""
+    times = {s: {} for s in systems}
+    for phase in ("bwd", "fwd", "fwd_bwd"):
+        names = [s for s in systems if systems[s][phase] is not None]
+        for s, t in zip(names, bench_round_robin([systems[s][phase] for s in names], warmup=2, reps=reps)):
+            times[s][f"{phase}_ms"] = round(t.median_ms, 4)
+    for s in systems:
+        if systems[s]["bwd"] is None:
+            times[s]["bwd_ms"] = round(times[s]["fwd_bwd_ms"] - times[s]["fwd_ms"], 4)
+            times[s]["bwd_by_difference"] = True
+    return times
+
+
+def bench_shape(name: str, n: int, b: int, peers: list[str], reps: int, fwd_ours, gpu: str) -> list[dict]:
+    spec = load_spec(name)
+    hooks = spec.hooks_for(n, n, H, H, "cuda")
+    flops = 4.0 * D * count_attended(hooks, b, H, n, n, device="cuda")
+    q, k, v, dout = _inputs(n, b)
+    base = dict(direction="backward", variant=name, N=n, B=b, Hq=H, Hkv=H, D=D, dtype="bf16", gpu=gpu)
+    systems, rows = {OURS: ours(name, q, k, v, dout, fwd_ours)}, []
+    makers = {"flex": lambda: flex(name, hooks, q, k, v, dout, "triton"),
+              "flex_flash": lambda: flex(name, hooks, q, k, v, dout, "flash"),
+              "eager_autograd": lambda: eager(name, q, k, v, dout)}
+    for peer in peers:
+        try:
+            systems[peer] = makers[peer]()
+        except (Refused, torch.cuda.OutOfMemoryError) as e:
+            rows.append(dict(base, system=peer, refused=str(e)[:400]))
+            print(f"  {name} N={n} {peer}: refused: {str(e)[:200]}", flush=True)
+            torch.cuda.empty_cache()
+    mine = systems[OURS]["grads"]
+    times = time_systems(systems, reps)
+    for s, t in times.items():
+        row = dict(base, system=s, **t)
+        row.update(bwd_tflops=round(tflops(BWD_FLOP_FACTOR * flops, t["bwd_ms"]) or 0, 1),
+                   fwd_tflops=round(tflops(flops, t["fwd_ms"]) or 0, 1))
+        if s != OURS:
+            rel = max_rel(systems[s]["grads"], mine)
+            row.update(max_rel_vs_ours=round(rel, 5), agrees=rel <= AGREE_REL,
+                       bwd_speedup_of_ours=round(t["bwd_ms"] / times[OURS]["bwd_ms"], 3),
+                       fwd_bwd_speedup_of_ours=round(t["fwd_bwd_ms"] / times[OURS]["fwd_bwd_ms"], 3))
+            if s in BARS:
+                row["bar"] = BARS[s]
+        rows.append(row)
+        print(f"  {name:22s} N={n:5d} B={b} {s:15s} fwd {t['fwd_ms']:8.3f}  bwd {t['bwd_ms']:8.3f}  "
+              f"fwd+bwd {t['fwd_bwd_ms']:8.3f} ms  bwd {row['bwd_tflops']:6.1f} TFLOPS"
+              + (f"  vs ours x{row['bwd_speedup_of_ours']:.2f} rel {row['max_rel_vs_ours']:.1e}" if s != OURS else ""),
+              flush=True)
+    return rows
+
+
+def prebuild(variants, ns) -> None:
+    """Every forward / backward specialisation, in parallel (nvcc and NVRTC run outside the GIL)."""
+    from cubridge.runtime.fa3_sm90 import build_cubin, default_config
+    from cubridge.runtime.launch import device_arch
+    from cubridge.runtime.variant_bwd import VariantBackward
+    arch = device_arch(torch.device("cuda"))
+    fwd_ours = expkit.Ours()
+    jobs = [(fwd_ours.lowered(v)[2], default_config(D, False, True, n, variant=True)) for v in variants for n in ns]
+    bwds = [VariantBackward(v) for v in variants]
+    with ThreadPoolExecutor(16) as pool:
+        futs = [pool.submit(build_cubin, cfg, source=src) for src, cfg in set(jobs)]
+        futs += [pool.submit(b.kernel.build, D, torch.bfloat16, False, False, arch, source=b.source) for b in bwds]
+        for f in futs:
+            f.result()
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"| variant | N | cubridge bwd ms | eager autograd ms | speedup | max rel vs eager |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    eager = {(r["variant"], r["N"]): r["ms"] for r in rows if r["system"] == "eager_autograd"}
+    print("| variant | N | system | fwd ms | bwd ms | fwd+bwd ms | bwd TFLOPS | ours bwd speedup (bar) | rel vs ours |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        if r["system"].startswith("cubridge"):
-            print(f"| {r['variant']} | {r['N']} | {r['ms']:.3f} | {eager.get((r['variant'], r['N']), float('nan')):.3f} | "
-                  f"{r['speedup_vs_eager']:.1f}x | {r['max_rel_vs_eager']:.2e} |")
+        if "refused" in r:
+            print(f"| {r['variant']} | {r['N']} | {r['system']} | refused: {r['refused'][:80]} | | | | | |")
+            continue
+        sp = f"{r['bwd_speedup_of_ours']:.2f}x ({r['bar']}x)" if "bar" in r else ""
+        rel = f"{r['max_rel_vs_ours']:.1e}{'' if r.get('agrees', True) else ' DISAGREES'}" if "max_rel_vs_ours" in r else ""
+        print(f"| {r['variant']} | {r['N']} | {r['system']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | "
+              f"{r['fwd_bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | {sp} | {rel} |")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--n", type=int, nargs="+", default=[8192])
+    ap.add_argument("--n", type=int, nargs="+", default=[8192, 1024, 4096, 16384])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variants", nargs="+", default=VARIANTS)
+    ap.add_argument("--peers", nargs="+", default=["flex", "flex_flash"])
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
         print_table(json.loads(args.table.read_text())["rows"])
         return 0
-    rows = []
-    for n in args.n:
-        for name in args.variants:
-            try:
-                rows += bench_variant(name, n, args.reps)
-                print(f"{name:24s} N={n}: ours {rows[-2]['ms']:.3f} ms, eager {rows[-1]['ms']:.3f} ms, "
-                      f"rel {rows[-2]['max_rel_vs_eager']:.2e}", flush=True)
-            except Exception:   # noqa: BLE001 - one variant failing is reported, the others still run
-                print(f"# {name} N={n}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
-            torch.cuda.empty_cache()
-            if args.out:
-                args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    gpu = torch.cuda.get_device_name()
+    result = {"gpu": gpu, "versions": expkit.versions(), "protocol": "round-robin, L2 flushed, 2 warm-ups, "
+              f"{args.reps} reps, median (cubridge.runtime.timing.bench_round_robin)", "rows": [], "failed": []}
+    try:
+        prebuild(args.variants, args.n)
+    except Exception:  # noqa: BLE001 - a build failure shows again, per variant, below
+        print(f"# prebuild failed\n{traceback.format_exc()[-1500:]}", flush=True)
+    fwd_ours = expkit.Ours()
+    jobs = [(v, n, TOKENS // n, list(args.peers)) for n in args.n for v in args.variants]
+    jobs += [(v, EAGER_N, 1, ["eager_autograd"]) for v in args.variants if v in EAGER and EAGER_N in args.n]
+    for name, n, b, peers in jobs:
+        try:
+            result["rows"] += bench_shape(name, n, b, peers, args.reps, fwd_ours, gpu)
+        except Exception:  # noqa: BLE001 - one variant failing is reported, the others still run
+            result["failed"].append(dict(variant=name, N=n, B=b, error=traceback.format_exc()[-1500:]))
+            print(f"# {name} N={n} B={b}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+        torch.cuda.empty_cache()
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -55,6 +55,17 @@ def attended_pairs(n: int, causal: bool) -> int:
     return n * (n + 1) // 2 if causal else n * n
 
 
+def bwd_reference():
+    """tests/support/bwd_reference.py (the dense backward's end-aligned autograd reference), loaded
+    by path: the scripts use the tests' one reference, with no sys.path edit."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "tests" / "support" / "bwd_reference.py"
+    spec = importlib.util.spec_from_file_location("cubridge_tests_bwd_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def time_ms_interleaved(fns) -> list[float]:
     """Median ms of each callable, timed round-robin with L2 flushed before each call
     (cubridge.runtime.timing.bench_round_robin: drift hits every system alike)."""

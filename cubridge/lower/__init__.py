@@ -62,13 +62,6 @@ class Launchable:
     keep_alive: list
     tile_orders: dict = field(default_factory=dict)   # fa3: longest-first tile order per shape
 
-    def numpy(self):
-        """The same bytes as a NumPy structured scalar (what CuPy kernel launches take)."""
-        import numpy as np
-        kinds = {ctypes.c_void_p: np.uint64, ctypes.c_int32: np.int32, ctypes.c_float: np.float32}
-        dt = np.dtype([(n, kinds[t]) for n, t in self.args._fields_], align=True)
-        return np.frombuffer(bytes(self.args), dtype=dt, count=1)[0]
-
 
 _CTYPES = {"ptr": ctypes.c_void_p, "int": ctypes.c_int32, "float": ctypes.c_float}
 _STRUCTS: dict = {}

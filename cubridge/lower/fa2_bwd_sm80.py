@@ -58,7 +58,7 @@ def q_predicates(ir: VariantIR) -> tuple[str, str, str, str]:
         return "1", "true", "false", "true"
     names = {n: (f"va.{n}", typ) for n, typ in ir.scalars}
     names.update({"q_lo": ("q_lo", "int"), "q_hi": ("q_hi", "int"), "k_lo": ("r.k_lo", "int"),
-                  "k_hi": ("r.k_hi", "int"), "b": ("r.b", "int"), "NQ": ("r.len_q", "int"), "NK": ("r.len_k", "int")})
+                  "k_hi": ("r.k_hi", "int"), "b": ("r.b", "int"), "NQ": ("r.len_k", "int"), "NK": ("r.len_k", "int")})
     tables = hooks.c_tables(ir)
     if ir.table:
         interval = to_c(ir.may, names, tables) if ir.may is not None else "true"
@@ -83,8 +83,11 @@ def q_range(ir: VariantIR) -> str:
 // KV tile [k_lo, k_hi] visits the runs of query tiles that may hold an attended pair (the same
 // interval predicates or block table as the forward's kv_range), lowest first; the first {R - 1}
 // runs are exact, the last absorbs any further ones (its empty tiles then run fully masked).
+// Query tile m holds rows [m BLOCK_M, ...); the predicates see their positions q_lo..q_hi = row +
+// q_shift (queries end-aligned, q_shift = Nk - Nq) and NQ = Nk, as the forward's kv_range does;
+// the block table is indexed by the row tile m (built with the same shift).
 struct QRange {{
-  int b, kv_tile, k_lo, k_hi, len_q, len_k;
+  int b, kv_tile, k_lo, k_hi, len_q, len_k, q_shift;
   {fields}   // run k: query tiles [lo_k, lo_k + len_k)
 }};
 __device__ __forceinline__ int q_tile_class(const VariantArgs& va, const QRange& r, int m) {{
@@ -103,7 +106,7 @@ __device__ __forceinline__ bool q_chunk_may(const VariantArgs& va, const QRange&
 __device__ __forceinline__ QRange q_range(const VariantArgs& va, int b, int h_kv, int kv_tile, int kv_begin,
                                           int len_q, int len_k) {{
   QRange r;
-  r.b = b; r.kv_tile = kv_tile; r.len_q = len_q; r.len_k = len_k;
+  r.b = b; r.kv_tile = kv_tile; r.len_q = len_q; r.len_k = len_k; r.q_shift = len_k - len_q;
   r.k_lo = kv_begin;
   r.k_hi = min(kv_begin + BLOCK_N, len_k) - 1;
   {init}
@@ -112,9 +115,12 @@ __device__ __forceinline__ QRange q_range(const VariantArgs& va, int b, int h_kv
   const int n_tiles = (len_q + BLOCK_M - 1) / BLOCK_M;
   for (int c = 0; c * kQScanChunk < n_tiles; ++c) {{
     const int m0 = c * kQScanChunk, m1 = min(m0 + kQScanChunk, n_tiles);
-    if (!q_chunk_may(va, r, m0 * BLOCK_M, min(m1 * BLOCK_M, len_q) - 1)) {{ open = false; continue; }}
+    if (!q_chunk_may(va, r, m0 * BLOCK_M + r.q_shift, min(m1 * BLOCK_M, len_q) - 1 + r.q_shift)) {{
+      open = false;
+      continue;
+    }}
     for (int m = m0; m < m1; ++m) {{
-      const int q_lo = m * BLOCK_M, q_hi = min(q_lo + BLOCK_M, len_q) - 1;
+      const int q_lo = m * BLOCK_M + r.q_shift, q_hi = min(m * BLOCK_M + BLOCK_M, len_q) - 1 + r.q_shift;
       if (!q_tile_may(va, r, m, q_lo, q_hi, q_tile_class(va, r, m))) {{ open = false; continue; }}
       if (!open && runs < {R}) ++runs;
       open = true;
@@ -130,8 +136,8 @@ __device__ __forceinline__ int q_tile_at(const QRange& r, int i) {{
 }}
 // Tail tiles (rows past Nq, keys past Nk) are always partial: only partial tiles test the bounds.
 __device__ __forceinline__ bool q_tile_partial(const VariantArgs& va, const QRange& r, int m) {{
-  const int q_lo = m * BLOCK_M, q_hi = min(q_lo + BLOCK_M, r.len_q) - 1;
-  return q_lo + BLOCK_M > r.len_q || r.k_lo + BLOCK_N > r.len_k || !q_tile_must(va, r, m, q_lo, q_hi);
+  const int row_lo = m * BLOCK_M, q_hi = min(row_lo + BLOCK_M, r.len_q) - 1 + r.q_shift;
+  return row_lo + BLOCK_M > r.len_q || r.k_lo + BLOCK_N > r.len_k || !q_tile_must(va, r, m, row_lo + r.q_shift, q_hi);
 }}
 """
 

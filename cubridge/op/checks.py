@@ -23,7 +23,7 @@ import logging
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.runtime.fa3_sm90 import map_refusal
+from cubridge.runtime.kernels import reference_kernel
 
 log = logging.getLogger("cubridge")
 
@@ -128,9 +128,7 @@ def _needs_copy(op, name: str, t) -> bool:
 
 def copy_reason(op, t) -> str | None:
     """Why the run's kernel cannot read the [B, H, N, D] view t in place, or None where it can."""
-    if op.buckets[0]["reference"] != "fa3_sm90":
-        return None if t.is_contiguous() else f"{op.buckets[0]['reference']} reads contiguous [B, H, N, D] only"
-    return map_refusal(tuple(t.shape), tuple(t.stride()), t.element_size())
+    return reference_kernel(op.buckets[0]["reference"]).copy_reason(t)
 
 
 def readable(op, t):

@@ -3,8 +3,9 @@ layout), the binder of its extra inputs, the cubin (the run's own, else compiled
 shape a `Prepared` launch.
 
 Nothing here imports cubridge.search's jobs or measure: a run directory loads with the lowering
-(pure Python), the rules transfer (for the binder) and the runtime's driver path. The compiler is
-needed only where the run carries no cubin for the bucket.
+(pure Python), the rules transfer (for the binder) and the reference kernel's own launch
+(ReferenceKernel.shape_launch, through the runtime's driver path). The compiler is needed only
+where the run carries no cubin for the bucket.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Bucket:
         self.directory, self.dispatch, self.entry = directory, dispatch, entry
         self.reference = entry["reference"]
         self._lowered = self._bind = None
-        self._functions: dict = {}
+        self._loaded: set = set()       # device indices whose launch was built
 
     # -------------------------------------------------------------- loading
     def lowered(self):
@@ -66,32 +67,31 @@ class Bucket:
         return self._bind or None
 
     def cuir_params(self) -> dict:
-        from cubridge.search.space import SPACES
-        return SPACES[self.reference].to_cuir(self.entry["config"])
+        return self.kernel.space.to_cuir(self.entry["config"])
 
-    def fa3_config(self):
-        from cubridge.runtime.fa3_sm90 import Fa3Config
-        p, d = self.entry["config"], self.dispatch
-        return Fa3Config(head_dim=int(d["head_dim"]), block_m=p["block_m"], block_n=p["block_n"], stages=p["stages"],
-                         persistent=bool(p.get("persistent")), causal=False, bf16=d["dtype"] == "bf16")
+    @property
+    def kernel(self):
+        """The bucket's reference kernel (runtime.kernels): its compile options and its launch."""
+        from cubridge.runtime.kernels import reference_kernel
+        return reference_kernel(self.reference)
 
     def cubin(self) -> bytes:
         """The run's cubin for this bucket; compiled (once, cached on disk) only where it has none."""
         if self.entry.get("cubin") and (self.directory / self.entry["cubin"]).is_file():
             return (self.directory / self.entry["cubin"]).read_bytes()
         from cubridge.runtime.build import NO_COMPILER, available_compiler, compile_cubin
-        from cubridge.paths import ref_kernel_dir
         compiler = available_compiler()
         if compiler is None:
             raise LaunchError(f"the run carries no cubin for {self.entry['label']} and {NO_COMPILER}",
                               where=str(self.directory / "dispatch.json"),
                               hint="tune on a machine with nvcc (the run then carries its cubins)")
-        options = ["-std=c++17", *self.fa3_config().defines(), f"-I{ref_kernel_dir(self.reference)}"]
-        return compile_cubin(self.lowered().source, arch=self.dispatch["arch"], options=options,
+        d = self.dispatch
+        options = self.kernel.compile_options(self.entry["config"], int(d["head_dim"]), d["dtype"])
+        return compile_cubin(self.lowered().source, arch=d["arch"], options=options,
                              compiler=compiler, name=f"{self.entry['candidate']}.cu").cubin
 
     def loaded(self, device: torch.device) -> bool:
-        return device.index in self._functions
+        return device.index in self._loaded
 
     # -------------------------------------------------------------- per shape
     def prepare(self, device: torch.device, b: int, hq: int, hkv: int, nq: int, nk: int, scale: float,
@@ -103,30 +103,11 @@ class Bucket:
             extra = bind(Nq=nq, Nk=nk, Hq=hq, Hkv=hkv, B=b, params=self.cuir_params(), device=device, **kw)
         launchable = self.lowered().args(extra, device)
         lse = torch.empty((b, hq, nq), device=device, dtype=torch.float32)
-        if self.reference == "fa3_sm90":
-            from cubridge.runtime.fa3_fast import Fa3Launch, load_cubin
-            config = self.fa3_config()
-            key = device.index
-            if key not in self._functions:
-                self._functions[key] = load_cubin(self.cubin(), config, device)
-            func, counts = self._functions[key]
-            return Prepared(Fa3Launch(func, counts, config, device, b, hq, hkv, nq, nk, scale, launchable), lse, launchable)
-        if self.reference == "fa2_sm80":
-            return Prepared(self._fa2_launch(launchable, scale), lse, launchable)
-        raise LaunchError(f"no launch path for reference kernel {self.reference!r}", where="cubridge.load",
-                          hint="the op launches fa3_sm90 and fa2_sm80 kernels")
-
-    def _fa2_launch(self, launchable, scale):
-        """fa2_sm80 goes through its CuPy runtime (eager only: it compiles from source with NVRTC or
-        nvcc and is not CUDA-graph safe)."""
-        from cubridge.runtime.build import default_compiler
-        from cubridge.runtime.fa2_sm80 import Config, Fa2Sm80
-        p = self.entry["config"]
-        kernel = Fa2Sm80(Config(p["block_m"], p["block_n"], p["stages"], p["warps"]), compiler=default_compiler())
-
-        def launch(q, k, v, out, lse):
-            kernel(q, k, v, causal=False, out=out, lse=lse, sm_scale=scale, variant=launchable)
-        return launch
+        d = self.dispatch
+        launch = self.kernel.shape_launch(self.cubin(), self.entry["config"], int(d["head_dim"]), d["dtype"],
+                                          launchable, device, (b, hq, hkv, nq, nk), scale)
+        self._loaded.add(device.index)
+        return Prepared(launch, lse, launchable)
 
 
 def _rules_binder(directory: Path, dispatch: dict, entry: dict):

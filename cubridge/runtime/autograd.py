@@ -113,16 +113,13 @@ class _Attention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None, deterministic: bool = False) -> torch.Tensor:
-    """softmax(q k^T * scale (+ causal mask; causal needs Nq == Nk for now)) v, differentiable in q, k, v.
+    """softmax(q k^T * scale (+ causal mask)) v, differentiable in q, k, v.
+
+    Causal: query row i sees keys j <= i + Nk - Nq (queries aligned to the end of the keys, as
+    FlashAttention; forward and both backward kernels agree); with Nq > Nk the first Nq - Nk rows
+    see no key: their output and gradients are 0.
 
     q [B, Hq, Nq, D], k / v [B, Hkv, Nk, D] (Hq a multiple of Hkv: MHA, GQA, MQA), float16 or
     bfloat16, D = 64 or 128, on an sm_80+ GPU; scale defaults to 1 / sqrt(D)."""
     check_supported(q, k, v, scale)
-    if causal and q.shape[2] != k.shape[2]:
-        # The forward kernels align the queries to the end of the keys (row i at position
-        # i + Nk - Nq); fa2_bwd_sm80's causal mask is still top-left: refuse rather than
-        # return gradients of another mask.
-        raise LaunchError(f"causal with Nq={q.shape[2]} != Nk={k.shape[2]} is not supported by the backward yet",
-                          where="cubridge.runtime.autograd.attention",
-                          hint="use Nq == Nk for causal training, or causal=False")
     return _Attention.apply(q, k, v, bool(causal), None if scale is None else float(scale), bool(deterministic))

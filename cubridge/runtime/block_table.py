@@ -136,7 +136,7 @@ def gpu_block_classes(mask: str, inputs: dict, scalars: list, *, B: int, Hq: int
     heads_eval = hs if reads_h else 1
     packed = lowered.args({**inputs, "BLOCK_CLASS": out}, device)
     kernel = _kernel(lowered.source, device)
-    args = (packed.numpy(), arg_ptr(out), arg_i32(Nq), arg_i32(Nk), arg_i32(block_m), arg_i32(block_n),
+    args = (packed.args, arg_ptr(out), arg_i32(Nq), arg_i32(Nk), arg_i32(block_m), arg_i32(block_n),
             arg_i32(heads_eval), arg_i32(hs))
     kernel.launch((nkt, nqt, bs * heads_eval), (THREADS, 1, 1), 0, args)
     return out if per_bh else out[0, 0]

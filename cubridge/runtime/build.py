@@ -190,3 +190,9 @@ def _compile_nvrtc(source: str, options: tuple[str, ...], arch: str, name: str) 
         return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog).strip()
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def portable_options(options: list[str]) -> list[str]:
+    """Compiler options as a run directory records them: the reference kernel's include folder
+    (-I, an absolute path of the tuning machine) is left out; cubridge.paths finds it on load."""
+    return [o for o in options if not o.startswith("-I")]

@@ -64,10 +64,14 @@ class Driver:
         self.check(self.lib.cuModuleGetFunction(ctypes.byref(func), module, entry),
                    "cuModuleGetFunction")
         if smem_bytes is not None:
-            self.check(self.lib.cuFuncSetAttribute(
-                func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
-                "cuFuncSetAttribute")
+            self.set_dynamic_smem(func, smem_bytes)
         return func
+
+    def set_dynamic_smem(self, func: ctypes.c_void_p, smem_bytes: int) -> None:
+        """Lets `func` launch with up to `smem_bytes` of dynamic shared memory (above 48 KB it
+        must opt in)."""
+        self.check(self.lib.cuFuncSetAttribute(func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                               smem_bytes), "cuFuncSetAttribute")
 
     def load_function(self, cubin: bytes, smem_bytes: int, entry: bytes,
                       *others: bytes) -> tuple[ctypes.c_void_p, ...]:

@@ -14,14 +14,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from cubridge.errors import LaunchError
 from cubridge.runtime.build import CompileResult, compile_cubin
 from cubridge.runtime.fa2_sm80 import DTYPE_MACRO, SMEM_OPTIN_SM90, smem_limit
-from cubridge.runtime.launch import (LoadedKernel, arg_f32, arg_i32, arg_ptr, check_output, overlaps,
-                                     check_attention_args, device_arch)
+from cubridge.runtime.launch import (LoadedKernel, arg_f32, arg_i32, arg_i64, arg_ptr, check_attention_args,
+                                     check_output, device_arch, overlaps)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "ref_kernels" / "fa2_bwd_sm80"
 KERNEL_PATH = KERNEL_DIR / "kernel.cu"
@@ -178,7 +177,7 @@ class Fa2BwdSm80:
         if variant is not None and causal:
             raise LaunchError("causal=True with a variant: the variant's own mask is lowered into the kernel",
                               where="Fa2BwdSm80", hint="pass causal=False with variant=...")
-        va = variant.numpy() if variant is not None else arg_i32(0)   # VariantArgs
+        va = variant.args if variant is not None else arg_i32(0)   # VariantArgs
         device = q.device
         if torch.cuda.get_device_capability(device) < (8, 0):
             raise LaunchError(f"{device} is older than sm_80; fa2_bwd_sm80 needs mma.sync bf16 and cp.async")
@@ -205,14 +204,14 @@ class Fa2BwdSm80:
         row_chunks = d // CHUNK_ELEMS
         kern["fa2_bwd_preprocess"].launch(
             (math.ceil(rows * row_chunks / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
-            (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum) if accum is not None else NULL,
-             _arg_i64(rows)), stream)
+            (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), arg_i64(rows)),   # accum None: null
+            stream)
         common = (arg_i32(b), arg_i32(hq), arg_i32(hkv), arg_i32(nq), arg_i32(nk), arg_f32(scale))
         kern["fa2_bwd_dkdv"].launch(
             (math.ceil(nk / config.block_n), hkv, b), (config.warps * WARP_SIZE, 1, 1),
             config.smem_bytes(d, deterministic),
             (arg_ptr(q), arg_ptr(k), arg_ptr(v), arg_ptr(dout), arg_ptr(lse), arg_ptr(dvec),
-             arg_ptr(accum) if accum is not None else NULL, arg_ptr(dk), arg_ptr(dv), *common,
+             arg_ptr(accum), arg_ptr(dk), arg_ptr(dv), *common,
              va), stream)
         if deterministic:
             kern["fa2_bwd_dq"].launch(
@@ -223,16 +222,9 @@ class Fa2BwdSm80:
         else:
             chunks = rows * d // CHUNK_ELEMS
             kern["fa2_bwd_dq_convert"].launch((math.ceil(chunks / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
-                                              (arg_ptr(accum), arg_ptr(dq), _arg_i64(chunks), arg_f32(scale)),
+                                              (arg_ptr(accum), arg_ptr(dq), arg_i64(chunks), arg_f32(scale)),
                                               stream)
         return dq, dk, dv
-
-
-NULL = np.uint64(0)   # a null pointer argument (no dQ accumulator in deterministic mode)
-
-
-def _arg_i64(x: int) -> np.int64:
-    return np.int64(x)
 
 
 def check_backward_args(dout, q, k, v, out, lse, dq=None, dk=None, dv=None, sm_scale=None, *,

@@ -21,8 +21,8 @@ import torch
 from cubridge.errors import LaunchError
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.build import CompileResult, compile_cubin
-from cubridge.runtime.launch import (LoadedKernel, arg_f32, arg_i32, arg_ptr, check_attention_args,
-                                     device_arch)
+from cubridge.runtime.launch import (AttnShape, LoadedKernel, arg_f32, arg_i32, arg_ptr,
+                                     check_attention_args, device_arch)
 
 KERNEL_PATH = REF_KERNELS_DIR / "fa2_sm80" / "kernel.cu"
 ENTRY = "fa2_sm80_fwd"
@@ -153,7 +153,8 @@ class Fa2Sm80:
     """Forward attention (softmax(Q K^T / sqrt(D)) V) on sm_80+ GPUs.
 
     `config=None` picks default_config(D) per call. `compiler` is "nvrtc" (run-time, through
-    CuPy) or "nvcc"; compiled cubins are cached on disk in `cache_dir`."""
+    CuPy's NVRTC binding) or "nvcc"; compiled cubins are cached on disk in `cache_dir`. Launches
+    go through the CUDA driver API (runtime/driver.py), as fa3's."""
 
     def __init__(self, config: Config | None = None, *, compiler: str = "nvrtc",
                  cache_dir: str | os.PathLike | None = None, source_path: str | os.PathLike | None = None):
@@ -226,9 +227,15 @@ class Fa2Sm80:
         kern = self.kernel(shape.head_dim, shape.dtype, causal, device,
                            variant.source if variant is not None else None, cubin)
         grid = (math.ceil(shape.len_q / config.block_m), shape.heads_q, shape.batch)
-        args = (arg_ptr(q), arg_ptr(k), arg_ptr(v), arg_ptr(out), arg_ptr(lse), arg_i32(shape.batch),
-                arg_i32(shape.heads_q), arg_i32(shape.heads_kv), arg_i32(shape.len_q), arg_i32(shape.len_k),
-                arg_f32(scale), variant.numpy() if variant is not None else arg_i32(0))   # VariantArgs
-        kern.launch(grid, (config.threads, 1, 1), config.smem_bytes(shape.head_dim), args,
+        kern.launch(grid, (config.threads, 1, 1), config.smem_bytes(shape.head_dim),
+                    launch_args(q, k, v, out, lse, shape, scale, variant),
                     torch.cuda.current_stream(device).cuda_stream)
         return out, lse
+
+
+def launch_args(q, k, v, out, lse, shape: AttnShape, scale: float, variant=None) -> tuple:
+    """The parameters of fa2_sm80_fwd in kernel.cu's order, as ctypes values for the driver
+    launch; `variant` (a cubridge.lower.Launchable) gives the VariantArgs structure."""
+    return (arg_ptr(q), arg_ptr(k), arg_ptr(v), arg_ptr(out), arg_ptr(lse), arg_i32(shape.batch),
+            arg_i32(shape.heads_q), arg_i32(shape.heads_kv), arg_i32(shape.len_q), arg_i32(shape.len_k),
+            arg_f32(scale), variant.args if variant is not None else arg_i32(0))   # VariantArgs

@@ -21,7 +21,6 @@ import functools
 import math
 import os
 
-import numpy as np
 import torch
 
 from cubridge.errors import LaunchError
@@ -100,9 +99,10 @@ def _helpers():
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                  dq=None, dk=None, dv=None, compiler: str | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
-    natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx, top-left aligned as the forward."""
+    natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
+    as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args
-    from cubridge.runtime.launch import arg_f32, arg_ptr
+    from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     device = q.device
     if capability(device.index) != (9, 0):
@@ -126,7 +126,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     accum = torch.empty(b, hq, nq, d, device=device, dtype=torch.float32)
     helpers["fa2_bwd_preprocess"].launch(
         (math.ceil(rows * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
-        (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), np.int64(rows)), stream)
+        (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), arg_i64(rows)), stream)
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (lse, dvec, accum, dk, dv)]
@@ -135,6 +135,6 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
                     pack_params(maps + scalars))
     chunks = rows * d // CHUNK_ELEMS
     helpers["fa2_bwd_dq_convert"].launch((math.ceil(chunks / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
-                                         (arg_ptr(accum), arg_ptr(dq), np.int64(chunks), arg_f32(scale)),
+                                         (arg_ptr(accum), arg_ptr(dq), arg_i64(chunks), arg_f32(scale)),
                                          stream)
     return dq, dk, dv

@@ -2,7 +2,8 @@
 
 Everything a kernel would silently get wrong is rejected here first: `check_attention_args`
 validates shapes, dtypes, devices, contiguity and aliasing and raises LaunchError saying what was
-expected. Loading and launching go through CuPy (imported lazily: the checks need no GPU).
+expected. Loading and launching go through the CUDA driver API (runtime/driver.py, ctypes on
+libcuda, opened on first use: the checks need no GPU).
 
 Example (GPU):
     >>> kern = LoadedKernel(cubin_bytes, "fa2_sm80_fwd", device_index=0)     # doctest: +SKIP
@@ -10,14 +11,14 @@ Example (GPU):
 """
 from __future__ import annotations
 
-import functools
+import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from cubridge.errors import LaunchError
+from cubridge.runtime.driver import driver, pack_params
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16)
 MAX_GRID_YZ = 65535          # CUDA limit on gridDim.y and gridDim.z
@@ -124,88 +125,50 @@ def device_arch(device: torch.device | int | None = None) -> str:
     return f"sm_{major}{minor}"
 
 
-def arg_ptr(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
+def arg_ptr(t: torch.Tensor | None) -> ctypes.c_uint64:
+    """A device pointer argument; None is the null pointer."""
+    return ctypes.c_uint64(0 if t is None else t.data_ptr())
 
 
-def arg_i32(x: int) -> np.int32:
+def arg_i32(x: int) -> ctypes.c_int32:
     if not -2**31 <= x <= MAX_INT32:
         raise LaunchError(f"kernel argument {x} does not fit in int32")
-    return np.int32(x)
+    return ctypes.c_int32(x)
 
 
-def arg_f32(x: float) -> np.float32:
-    return np.float32(x)
+def arg_i64(x: int) -> ctypes.c_int64:
+    return ctypes.c_int64(x)
 
 
-@functools.lru_cache(maxsize=None)
-def _cupy():
-    try:
-        import cupy
-        from cupy.cuda import driver
-    except ImportError as e:
-        raise LaunchError(f"launching needs CuPy: {e}", hint="pip install cupy-cuda13x") from e
-    return cupy, driver
-
-
-class _StreamRef:
-    """A raw CUDA stream handle that speaks the CUDA stream protocol (as torch streams do)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
+def arg_f32(x: float) -> ctypes.c_float:
+    return ctypes.c_float(x)
 
 
 class LoadedKernel:
-    """One `extern "C"` entry point of a cubin, loaded on one device."""
+    """One `extern "C"` entry point of a cubin, loaded on one device through the driver API
+    (runtime/driver.py, the one launch path: fa3's launchers call it directly)."""
 
     def __init__(self, cubin: bytes, name: str, device_index: int):
-        cupy, driver = _cupy()
         self.name = name
         self.device_index = device_index
-        with cupy.cuda.Device(device_index):
-            self._module = cupy.cuda.function.Module()
-            self._module.load(cubin)
-            self._func = self._module.get_function(name)
-        self._smem_optin = 0
-        self._streams: dict[int, object] = {}
+        with torch.cuda.device(device_index):
+            torch.cuda.current_stream().synchronize()   # makes the primary context current
+            self.func = driver().get_function(driver().load_module(cubin), name.encode())
+        self.smem_optin = 0
 
     def __repr__(self) -> str:
         return f"LoadedKernel({self.name!r}, device={self.device_index})"
 
-    def attribute(self, attr: int) -> int:
-        _, driver = _cupy()
-        return driver.funcGetAttribute(attr, self._func.ptr)
-
-    def num_regs(self) -> int:
-        _, driver = _cupy()
-        return self.attribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS)
-
-    def _stream(self, ptr: int):
-        cupy, _ = _cupy()
-        if ptr not in self._streams:
-            with cupy.cuda.Device(self.device_index):
-                try:   # CuPy >= 14: the CUDA stream protocol; ExternalStream is deprecated there
-                    stream = cupy.cuda.Stream.from_external(_StreamRef(ptr))
-                except (AttributeError, TypeError):
-                    stream = cupy.cuda.ExternalStream(ptr, self.device_index)
-            self._streams[ptr] = stream
-        return self._streams[ptr]
-
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                args: Sequence, stream_ptr: int | None = None) -> None:
-        """Launch on `stream_ptr` (default: torch's current stream of this device)."""
-        cupy, driver = _cupy()
+        """Launch on `stream_ptr` (default: torch's current stream of this device). `args`: one
+        ctypes value per kernel parameter (arg_ptr, arg_i32, ..., a VariantArgs structure)."""
         if min(grid) <= 0:
             raise LaunchError(f"empty grid {grid}: nothing to launch (caller should skip)")
         if stream_ptr is None:
             stream_ptr = torch.cuda.current_stream(self.device_index).cuda_stream
-        with cupy.cuda.Device(self.device_index):
-            if smem_bytes > self._smem_optin:
-                driver.funcSetAttribute(self._func.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        smem_bytes)
-                self._smem_optin = smem_bytes
-            self._func(tuple(grid), tuple(block), tuple(args), shared_mem=smem_bytes,
-                       stream=self._stream(stream_ptr))
+        with torch.cuda.device(self.device_index):
+            if smem_bytes > self.smem_optin:
+                driver().set_dynamic_smem(self.func, smem_bytes)
+                self.smem_optin = smem_bytes
+            driver().launch(self.func, tuple(grid), tuple(block), smem_bytes, stream_ptr, pack_params(args))

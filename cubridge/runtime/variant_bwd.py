@@ -58,11 +58,13 @@ class VariantBackward:
     def __call__(self, dout, q, k, v, out, lse, sm_scale: float | None = None, deterministic: bool = False,
                  dq=None, dk=None, dv=None):
         b, hq, nq, d = q.shape
-        if nq != k.shape[2]:
+        if nq > k.shape[2]:
+            # as the forward's op: query row i sits at position Nk - Nq + i, so a spec's mods are
+            # defined for Nq <= Nk only (cubridge.inputs.check_query_length)
             from cubridge.errors import LaunchError
-            raise LaunchError(f"Nq={nq} != Nk={k.shape[2]}: the forward now aligns queries to the end of the keys, and "
-                              "the variant backward's regions do not apply that shift yet", where="VariantBackward",
-                              hint="use Nq == Nk for training with a variant (ref_kernels/fa2_bwd_sm80/NOTES.md)")
+            raise LaunchError(f"Nq={nq} > Nk={k.shape[2]}: queries are aligned to the end of the keys (row i at "
+                              "position Nk - Nq + i), so a variant needs Nq <= Nk", where="VariantBackward",
+                              hint="give at least as many keys as queries")
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)
@@ -81,7 +83,8 @@ def reference_forward(spec, q, k, v, **spec_params):
     if hooks.normalization.kind != "softmax":
         return out, torch.zeros(B, Hq, Nq, dtype=torch.float32, device=q.device)
     s = q @ k.repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) / math.sqrt(D)
-    b, h, qi, ki = index_grids(B, Hq, torch.arange(Nq, device=q.device), Nk, q.device)
+    # queries end-aligned: row i sits at position Nk - Nq + i (as the forward and the kernel)
+    b, h, qi, ki = index_grids(B, Hq, torch.arange(Nk - Nq, Nk, device=q.device), Nk, q.device)
     if hooks.score_mod is not None:
         s = hooks.score_mod(s, b, h, qi, ki).to(s.dtype)
     s = s.masked_fill(~mask_of(hooks, b, h, qi, ki), float("-inf"))

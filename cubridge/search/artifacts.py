@@ -109,12 +109,6 @@ def portable_config(config: dict) -> dict:
     return out
 
 
-def portable_options(options: list[str]) -> list[str]:
-    """Compiler options as a run directory records them: the reference kernel's include folder
-    (-I, an absolute path of the tuning machine) is left out; cubridge.paths finds it on load."""
-    return [o for o in options if not o.startswith("-I")]
-
-
 # ------------------------------------------------------------------ front and dispatch
 def _times(rec: dict, keys) -> list[float] | None:
     t = rec["outcome"].get("times_ms") or {}

@@ -154,7 +154,7 @@ def _sha(data: bytes | str) -> str:
 def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
     """CuIR of every verified candidate, CUDA and cubins of the dispatch entries (where built),
     and a copy of the spec; returns paths relative to `out` by (candidate, label)."""
-    from cubridge.runtime.build import resolve_cache_dir
+    from cubridge.runtime.build import portable_options, resolve_cache_dir
     from cubridge.search.building import lower_kernel
     from cubridge.search.messages import kernel_job
     from cubridge.spec import load_spec
@@ -173,7 +173,7 @@ def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
         entry = {"cuir": f"kernel/{e['candidate']}.cuir", "cuda": None, "cubin": None}
         try:
             lowered, options = lower_kernel(kernel_job(cfg, by_id[e["candidate"]], e["config"]))
-            entry["nvcc_options"] = artifacts.portable_options(options)
+            entry["nvcc_options"] = portable_options(options)
             (kdir / f"{name}.cu").write_text(lowered.source)
             entry["cuda"] = f"kernel/{name}.cu"
         except Exception as ex:   # noqa: BLE001 - the artifact says what is missing

@@ -17,12 +17,11 @@ import ctypes
 import torch
 
 from cubridge import rule
+from cubridge.errors import CubridgeError
 from cubridge.search.messages import BENCH_KEYS, RACE_KEYS, KernelJob, TargetShape
 from cubridge.vocab import Outcome, TrialState
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Ragged lengths (no tile multiple), GQA and MHA, two seeds: the GPU half of the verification rule.
-CHECK_LENGTHS = ((2, 300, 0), (1, 1000, 1), (1, 77, 2))
 # Baselines materialising N x N scores (eager, compiled reference) are skipped past this share of
 # free GPU memory rather than dying of out-of-memory halfway through the bench.
 SCORE_MEMORY_SHARE = 0.5
@@ -82,26 +81,28 @@ def _is_cuda_fault(e: Exception) -> bool:
 
 
 def check_and_time(job: KernelJob, lowered, cubin: bytes, bind):
-    """Verification rule at ragged shapes, then the median time at every target shape."""
+    """The verification rule at every case of gpu_cases.check_cases (this tile config's KV ring,
+    Nq < Nk, GQA / MQA, the spec's structure length, the targets' query lengths), O and LSE, then
+    the median time at every target shape."""
+    from cubridge.search.gpu_cases import check_cases, structure_length
     from cubridge.search.space import SPACES
     prepare = launcher(job, lowered, cubin)
     cuir = SPACES[job.reference].to_cuir(job.config)
     dtype = DTYPES[job.dtype]
     hq, hkv, d = job.heads_q, job.heads_kv, job.head_dim
-    checks = []
+    checks: list = []
     try:
-        for b, n, seed in CHECK_LENGTHS:
-            call = prepare(_extras(bind, cuir, b, hq, hkv, n), "cuda")
-            why = gpu_check(call, _spec(job), job.spec_params, (b, hq, hkv, n, d, seed), dtype)
-            checks.append({"shape": f"B={b} Hq={hq} Hkv={hkv} N={n} D={d} seed={seed}", "result": why or "pass"})
-            if why:
-                return Outcome(TrialState.WRONG_ANSWER, f"GPU check at {checks[-1]['shape']}: {why}"), {"check": checks}
-        for n, nq in _short_query_checks(job.shapes):      # targets with fewer queries than keys
-            call = prepare(_extras(bind, cuir, 1, hq, hkv, n, Nq=nq), "cuda")
-            why = gpu_check(call, _spec(job), job.spec_params, (1, hq, hkv, n, d, 3, nq), dtype)
-            checks.append({"shape": f"B=1 Hq={hq} Hkv={hkv} Nq={nq} Nk={n} D={d} seed=3", "result": why or "pass"})
-            if why:
-                return Outcome(TrialState.WRONG_ANSWER, f"GPU check at {checks[-1]['shape']}: {why}"), {"check": checks}
+        spec = _spec(job)
+        try:
+            structure = structure_length(spec, job.spec_params, cuir, hq, hkv)
+        except CubridgeError as e:     # the other cases still run; the record says why this one did not
+            structure = None
+            checks.append({"shape": "structure length", "result": f"not found: {str(e).splitlines()[0]}"})
+        cases = check_cases(hq, hkv, cuir, job.shapes, structure)
+        failed = run_checks(lambda c: prepare(_extras(bind, cuir, c.B, c.Hq, c.Hkv, c.Nk, Nq=c.Nq), "cuda"),
+                            spec, job.spec_params, cases, d, dtype, checks)
+        if failed:
+            return Outcome(TrialState.WRONG_ANSWER, failed), {"check": checks}
         times = {}
         for t in job.shapes:
             q, k, v = _inputs(t.batch, hq, hkv, t.seqlen, d, dtype, seed=7, Nq=t.nq)
@@ -113,15 +114,16 @@ def check_and_time(job: KernelJob, lowered, cubin: bytes, bind):
     return Outcome(TrialState.OK, f"{len(checks)} GPU checks passed", times), {"check": checks, "device": device_info()}
 
 
-def _short_query_checks(shapes) -> list:
-    """(Nk, Nq) of one GPU check per distinct query length below its length: the keys capped at
-    2048 (the golden is float64 on the GPU), the queries end-aligned within them."""
-    out = []
-    for t in shapes:
-        pair = (min(t.seqlen, 2048), min(t.nq, 2047) if t.nq >= 2048 else t.nq)
-        if t.nq < t.seqlen and pair not in out:
-            out.append(pair)
-    return out
+def run_checks(call_at, spec, spec_params: dict, cases, d: int, dtype, checks: list, device="cuda") -> str | None:
+    """gpu_check at each case (gpu_cases.CheckCase) with `call_at(case)`'s kernel call, appending
+    {"shape", "result"} to `checks`; the first failure's message, or None when all pass."""
+    for c in cases:
+        why = gpu_check(call_at(c), spec, spec_params, (c.B, c.Hq, c.Hkv, c.Nk, d, c.seed, c.Nq or c.Nk), dtype,
+                        device=device)
+        checks.append({"shape": f"{c.label} D={d}", "result": why or "pass"})
+        if why:
+            return f"GPU check at {checks[-1]['shape']}: {why}"
+    return None
 
 
 def _inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda", Nq=None):
@@ -133,13 +135,47 @@ def _inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda", Nq=None):
 
 
 def gpu_check(call, spec, spec_params: dict, shape, dtype, device="cuda") -> str | None:
-    """None when the rule (cubridge.rule.check_run) holds for `call(q, k, v, out)` on fresh random
-    inputs of `shape` (B, Hq, Hkv, N, D, seed[, Nq]: Nq < N, queries end-aligned), else the reason."""
+    """None when the rule (cubridge.rule.check_run) holds for `call(q, k, v, out, lse=None)` on
+    fresh random inputs of `shape` (B, Hq, Hkv, N, D, seed[, Nq]: Nq <= N, queries end-aligned),
+    for O and, where the spec normalises with softmax, for the LSE the call returns (natural log,
+    -inf for a row with no key; poisoned first, bitwise on rerun); else the reason."""
+    from cubridge.verify import lse_of
     B, Hq, Hkv, N, D, seed, *nq = shape
     q, k, v = _inputs(B, Hq, Hkv, N, D, dtype, seed, device, Nq=nq[0] if nq else None)
     golden = spec.run_reference(q.double(), k.double(), v.double(), **spec_params)
     ref = spec.run_reference(q, k, v, **spec_params)
-    return rule.check_run(call, (q, k, v), golden, ref)
+    lses: list = []
+    why = rule.check_run(_recording_lse(call, lses), (q, k, v), golden, ref)
+    if why:
+        return why
+    lse_golden = lse_of(spec, q.double(), k.double(), spec_params)
+    if lse_golden is None:              # no softmax: the kernel's LSE slot means nothing
+        return None
+    if any(x is None for x in lses):
+        return ("the call returned no LSE (ReferenceKernel.launcher: call(q, k, v, out, lse=None) "
+                "returns (out, lse))")
+    if not torch.equal(lses[0].nan_to_num(7.0), lses[1].nan_to_num(7.0)):
+        return "two runs differ in LSE (race or uninitialised read)"
+    verdict = rule.compare(lses[0], lse_golden, lse_of(spec, q, k, spec_params))
+    return None if verdict.passed else f"LSE: {verdict.reason}"
+
+
+def _recording_lse(call, lses: list):
+    """call(q, k, v, out) that hands the kernel a NaN-poisoned LSE where it takes one (so a row
+    never written shows) and keeps the LSE each run returns."""
+    import inspect
+    try:
+        takes_lse = "lse" in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        takes_lse = False
+
+    def run(q, k, v, out):
+        lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32) if takes_lse else None
+        res = call(q, k, v, out, lse=lse) if takes_lse else call(q, k, v, out)
+        if isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], torch.Tensor):
+            lse = res[1]
+        lses.append(None if lse is None else lse.clone())
+    return run
 
 
 # ------------------------------------------------------------------ side by side with baselines

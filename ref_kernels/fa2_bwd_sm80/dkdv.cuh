@@ -105,7 +105,7 @@ struct DkdvCta {
     float s[KEY_TILES][QN_TILES][4], g[KEY_TILES][QN_TILES][4], dp[KEY_TILES][QN_TILES][4];
     zero(s);
     gemm_ss_abt<KEY_TILES, QN_TILES, D_STEPS, ROW_BYTES, ROW_BYTES>(s, k_a, q_b + slot * QT_BYTES);
-    probs<PARTIAL, true>(*va, s, g, lse_s, b, h, key_row0, col0, len_q, len_k, sm_scale, q_begin);
+    probs<PARTIAL, true>(*va, s, g, lse_s, b, h, key_row0, col0, len_q, len_k, sm_scale, q_begin, len_k - len_q);
     zero(dp);
     gemm_ss_abt<KEY_TILES, QN_TILES, D_STEPS, ROW_BYTES, ROW_BYTES>(dp, v_a, do_b + slot * QT_BYTES);
     dscores<true>(*va, dp, s, g, dvec_s, key_row0, col0, q_begin);

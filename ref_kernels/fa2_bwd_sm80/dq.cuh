@@ -50,7 +50,7 @@ struct DqCta {
     float s[DQ_MT][DQ_NT][4], g[DQ_MT][DQ_NT][4], dp[DQ_MT][DQ_NT][4];
     zero(s);
     gemm_ss_abt<DQ_MT, DQ_NT, D_STEPS, ROW_BYTES, ROW_BYTES>(s, q_a, k_b + slot * DQ_KV_BYTES);
-    probs<PARTIAL, false>(*va, s, g, lse_s, b, h, row0, col0, len_q, len_k, sm_scale, q_begin);
+    probs<PARTIAL, false>(*va, s, g, lse_s, b, h, row0, col0, len_q, len_k, sm_scale, q_begin, len_k - len_q);
     zero(dp);
     gemm_ss_abt<DQ_MT, DQ_NT, D_STEPS, ROW_BYTES, ROW_BYTES>(dp, do_a, v_b + slot * DQ_KV_BYTES);
     dscores<false>(*va, dp, s, g, dvec_s, row0, col0, q_begin);
@@ -86,7 +86,9 @@ fa2_bwd_dq(const fa2b::elem_t* __restrict__ q, const fa2b::elem_t* __restrict__ 
   c.row0 = q_begin + c.warp * DQ_WARP_ROWS + c.lane / QUAD;
   c.kv_off = (static_cast<i64>(b) * heads_kv + h_kv) * len_k * HEAD_DIM;
   c.sm_scale = sm_scale;
-  c.kv = kv_range(va, b, h, q_tile, q_begin, len_q, len_k);
+  // kv_range sees query positions, as the forward's: the tile's first row sits at q_begin + Nk - Nq
+  // and the last query at Nk - 1 (so len_q is passed as Nk).
+  c.kv = kv_range(va, b, h, q_tile, q_begin + len_k - len_q, len_k, len_k);
   c.count = max(kv_count(c.kv), 0);
   c.slot = 0;
   c.q_a = a_rows<ROW_BYTES>(c.s_base + DQ_OFF_Q, c.warp * DQ_WARP_ROWS, c.lane);

@@ -15,7 +15,10 @@
 // Glossary
 //   B, Hq, Hkv, G  batch, query heads, kv heads, G = Hq / Hkv query heads per kv head
 //   Nq, Nk, D      query length, key length (any >= 0), head dim (HEAD_DIM)
-//   q_idx, kv_idx  absolute query row / key row
+//   row            a query's row in q / o / lse, in [0, Nq)
+//   q_idx, kv_idx  a query's position row + q_shift, a key's row in [0, Nk)
+//   q_shift        Nk - Nq: queries are aligned to the end of the keys, as the forward kernels
+//                  (and FlashAttention) place them; with Nq > Nk the first Nq - Nk rows see no key
 //   KV tile        BLOCK_N keys: the CTA of fa2_bwd_dkdv owns one; query tile: BLOCK_M queries
 //   S^T, P^T       scores / probabilities with keys as rows (each warp owns WARP_KEYS keys), so
 //                  P^T and dS^T are already the A operands of dV += P^T dO and dK += dS^T Q
@@ -53,7 +56,7 @@
 #define HEAD_DIM 128      // 64 or 128
 #endif
 #ifndef IS_CAUSAL
-#define IS_CAUSAL 0       // 1: kv_idx <= q_idx (top-left aligned, as the forward kernels)
+#define IS_CAUSAL 0       // 1: kv_idx <= q_idx (q_idx = row + Nk - Nq: end-aligned, as the forward kernels)
 #endif
 #ifndef IS_BF16
 #define IS_BF16 0         // 0: float16, 1: bfloat16
@@ -127,10 +130,12 @@ struct VariantArgs { int unused; };
 // @cuir-end extra_io
 
 // @cuir-region q_range
-// Query tiles that reach KV tile `kv_tile` (keys [kv_begin, kv_begin + BLOCK_N)): [begin, end).
-// Tiles in [full_begin, full_end) need no mask (every query sees every key of the tile and all
-// rows / keys are in range); the others are partial. The skeleton only uses q_count, q_tile_at and
-// q_tile_partial, so a variant may replace the set by any list of tiles.
+// Query tiles (of rows) that reach KV tile `kv_tile` (keys [kv_begin, kv_begin + BLOCK_N)):
+// [begin, end). Tiles in [full_begin, full_end) need no mask (every query sees every key of the
+// tile and all rows / keys are in range); the others are partial. Row r sits at position
+// r + Nk - Nq, so causal row r reaches key j iff r >= j - (Nk - Nq); rows that see no key at all
+// (Nq > Nk) lie before full_begin and are masked element by element. The skeleton only uses
+// q_count, q_tile_at and q_tile_partial, so a variant may replace the set by any list of tiles.
 struct QRange {
   int begin, end, full_begin, full_end;
 };
@@ -140,8 +145,9 @@ __device__ __forceinline__ QRange q_range(const VariantArgs& va, int b, int h_kv
   const bool keys_whole = kv_begin + BLOCK_N <= len_k;
   const int full_end = keys_whole ? len_q / BLOCK_M : 0;
 #if IS_CAUSAL
-  const int begin = min(kv_begin / BLOCK_M, n_tiles);              // first tile holding q_idx >= kv_begin
-  const int full_begin = ceil_div(kv_begin + BLOCK_N - 1, BLOCK_M);  // every q_idx >= the tile's last key
+  const int q_shift = len_k - len_q;
+  const int begin = min(max(kv_begin - q_shift, 0) / BLOCK_M, n_tiles);            // first tile with q_idx >= kv_begin
+  const int full_begin = ceil_div(max(kv_begin + BLOCK_N - 1 - q_shift, 0), BLOCK_M);  // every q_idx >= the last key
   return QRange{begin, n_tiles, full_begin, full_end};
 #else
   return QRange{0, n_tiles, 0, full_end};
@@ -155,8 +161,10 @@ __device__ __forceinline__ bool q_tile_partial(const VariantArgs& va, const QRan
 // @cuir-end q_range
 
 // @cuir-region kv_range
-// KV tiles one query tile of fa2_bwd_dq visits (as the forward): [begin, partial_begin) full,
-// [partial_begin, end) partial (causal diagonal, ragged tail).
+// KV tiles one query tile of fa2_bwd_dq visits (as the forward, called as the forward calls it:
+// q_begin is the tile's first query position, row + Nk - Nq, and len_q is Nk, the position past
+// the last query): [begin, partial_begin) full, [partial_begin, end) partial (causal diagonal,
+// ragged tail). A tile whose rows all see no key (Nq > Nk) gets end <= begin: nothing visited.
 struct KvRange {
   int begin, partial_begin, end;
 };
@@ -218,13 +226,16 @@ __device__ __forceinline__ float dscore(const VariantArgs& va, float p, float dp
 
 // Skeleton: S (or S^T) -> P in place for one tile, each element with its (q_idx, kv_idx); g gets
 // score_mod' where score_mod is not the identity. KEYS_ROWS: rows are keys (fa2_bwd_dkdv's S^T).
-// row0 / col0: index of this lane's first fragment row / column; lse, dvec indexed by query.
+// row0 / col0: index of this lane's first fragment row / column (query rows, not positions); lse,
+// dvec indexed by query row; mask_pred / score_mod / score_grad see the position row + q_shift. A
+// row that sees no key has LSE = -inf (P = inf before the select): it is only ever in partial
+// tiles, where the mask selects P = 0, so nothing is multiplied by it.
 __device__ __forceinline__ float s_unit(float sm_scale) { return SCORE_MOD_IS_IDENTITY ? sm_scale : 1.f; }
 
 template <bool PARTIAL, bool KEYS_ROWS, int MT, int NT>
 __device__ __forceinline__ void probs(const VariantArgs& va, float (&s)[MT][NT][4], float (&g)[MT][NT][4],
                                       const float* lse, int b, int h, int row0, int col0, int len_q,
-                                      int len_k, float sm_scale, int lse_row0) {
+                                      int len_k, float sm_scale, int lse_row0, int q_shift) {
   const float scale_log2 = s_unit(sm_scale) * LOG2E;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -233,15 +244,16 @@ __device__ __forceinline__ void probs(const VariantArgs& va, float (&s)[MT][NT][
 #pragma unroll
       for (int c = 0; c < 4; ++c) {   // c: (row g, col 2tq), (g, 2tq + 1), (g + 8, 2tq), (g + 8, 2tq + 1)
         const int row = row0 + mt * MMA_M + (c / 2) * 8, col = col0 + nt * MMA_N + c % 2;
-        const int q_idx = KEYS_ROWS ? col : row, kv_idx = KEYS_ROWS ? row : col;
-        const float l = lse[q_idx - lse_row0];
+        const int q_row = KEYS_ROWS ? col : row, kv_idx = KEYS_ROWS ? row : col;
+        const int q_idx = q_row + q_shift;
+        const float l = lse[q_row - lse_row0];
         float x = s[mt][nt][c];
         if (!SCORE_MOD_IS_IDENTITY) {
           g[mt][nt][c] = score_grad(va, x * sm_scale, b, h, q_idx, kv_idx);
           x = score_mod(va, x * sm_scale, b, h, q_idx, kv_idx);
         }
         float p = prob(va, x, l, scale_log2);
-        if (PARTIAL && !((kv_idx < len_k) & (q_idx < len_q) & mask_pred(va, b, h, q_idx, kv_idx))) p = 0.f;
+        if (PARTIAL && !((kv_idx < len_k) & (q_row < len_q) & mask_pred(va, b, h, q_idx, kv_idx))) p = 0.f;
         s[mt][nt][c] = p;
       }
 }
@@ -257,8 +269,8 @@ __device__ __forceinline__ void dscores(const VariantArgs& va, float (&dp)[MT][N
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int q_idx = KEYS_ROWS ? col0 + nt * MMA_N + c % 2 : row0 + mt * MMA_M + (c / 2) * 8;
-        float ds = dscore(va, p[mt][nt][c], dp[mt][nt][c], dvec[q_idx - vec_row0]);
+        const int q_row = KEYS_ROWS ? col0 + nt * MMA_N + c % 2 : row0 + mt * MMA_M + (c / 2) * 8;
+        float ds = dscore(va, p[mt][nt][c], dp[mt][nt][c], dvec[q_row - vec_row0]);
         if (!SCORE_MOD_IS_IDENTITY) ds *= g[mt][nt][c];
         dp[mt][nt][c] = ds;
       }

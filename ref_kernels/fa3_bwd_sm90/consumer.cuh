@@ -83,9 +83,9 @@ __device__ __forceinline__ void add_dq(const Consumer& cs, float* __restrict__ d
   const int col_base = kDqSplitN ? cs.c * kDqCols : 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int q_idx = m0 + cs.row0() + 8 * h;
-    if (q_idx >= seqlen_q) continue;
-    float* row = dq_accum + (size_t(bh_q) * seqlen_q + q_idx) * kHeadDim + col_base + cs.col0();
+    const int q_row = m0 + cs.row0() + 8 * h;
+    if (q_row >= seqlen_q) continue;
+    float* row = dq_accum + (size_t(bh_q) * seqlen_q + q_row) * kHeadDim + col_base + cs.col0();
 #pragma unroll
     for (int j = 0; j < kDqCols / 8; ++j) red_add2(row + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
   }
@@ -96,30 +96,35 @@ __device__ __forceinline__ void add_dq(const Consumer& cs, float* __restrict__ d
 // at the peak and spilled 24 bytes at D = 128 causal.
 struct RowTerms { float lse2; float dvec; };
 __device__ __forceinline__ RowTerms row_terms(const float* __restrict__ lse, const float* __restrict__ dvec,
-                                              size_t row_base, int q_idx, int seqlen_q) {
-  if (q_idx >= seqlen_q) return RowTerms{kPosInf, 0.f};
-  const float l = __ldg(lse + row_base + q_idx);
-  return RowTerms{l == kNegInf ? kPosInf : l * kLog2e, __ldg(dvec + row_base + q_idx)};
+                                              size_t row_base, int q_row, int seqlen_q) {
+  if (q_row >= seqlen_q) return RowTerms{kPosInf, 0.f};
+  const float l = __ldg(lse + row_base + q_row);
+  return RowTerms{l == kNegInf ? kPosInf : l * kLog2e, __ldg(dvec + row_base + q_row)};
 }
 
-// S^T -> P^T (in s) and dP^T -> dS^T (in dp), masked on partial steps.
+// S^T -> P^T (in s) and dP^T -> dS^T (in dp), masked on partial steps. mask_pred sees positions
+// (q_idx = row + q_shift, kv_idx); the keys are carried in the rows' frame (kv_row = kv_idx -
+// q_shift; kv_idx < Nk iff kv_row < Nq), the shift read from shared memory (step_q_shift) at each
+// step; mask_pred's two shifts cancel for causal. Each form kept here is the one ptxas left
+// spill-free at D = 128 causal (a register for the shift: 8 bytes; one shared read reused: 12).
 // One body with a runtime `partial` (two template copies spilled 12 bytes at D = 128 causal).
 __device__ __forceinline__ void probs_and_ds(bool partial, const Consumer& cs, float (&s)[kSRegs], float (&dp)[kSRegs],
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float scale_log2, const Problem& pb, int g, int m0) {
-  const int kv_base = pb.n0 + cs.c * kWgRows + cs.row0();
+  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();
   const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int q_idx = m0 + 8 * j + cs.col0() + e;
-      const RowTerms rt = row_terms(lse, dvec, row_base, q_idx, pb.seqlen_q);
+      const int q_row = m0 + 8 * j + cs.col0() + e;
+      const RowTerms rt = row_terms(lse, dvec, row_base, q_row, pb.seqlen_q);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = 4 * j + 2 * h + e, kv_idx = kv_base + 8 * h;
-        const bool keep = !partial || ((kv_idx < pb.seqlen_k) &
-                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_idx, kv_idx));
+        const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
+        const bool keep = !partial || ((kv_row < pb.seqlen_q) &
+                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
+                                                  kv_row + pb.q_shift()));
         s[i] = score(s[i], scale_log2);
         softmax_bwd(s[i], dp[i], rt.lse2, rt.dvec, keep);
       }
@@ -170,7 +175,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       wgmma_wait<0>();
       reg_fence(s);
       reg_fence(dp);
-      probs_and_ds(step_partial(m0, pb.n0 + cs.c * kWgRows, pb.seqlen_k), cs, s, dp, lse, dvec,
+      probs_and_ds(step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q), cs, s, dp, lse, dvec,
                    scale_log2, pb, g, m0);
       uint32_t p16[kPRegs], ds16[kPRegs];
       pack_frag(p16, s);

@@ -9,6 +9,9 @@
 // Glossary
 //   B, Hq, Hkv, G   batch, query heads, kv heads, G = Hq / Hkv query heads per kv head
 //   Nq, Nk          query / key lengths (>= 1; TMA zero-fills tails, which are masked)
+//   q_idx           a query's position: row + q_shift, q_shift = Nk - Nq (queries aligned to the
+//                   end of the keys, as the forward kernels; with Nq > Nk the first Nq - Nk rows
+//                   see no key: their LSE is -inf, so P = 0 and they contribute nothing)
 //   D               head dimension (HEAD_DIM); "Dvec" is the softmax backward's row term
 //   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch)
 //   producer        WG 0; one thread loads K, V once, then streams (Q, dO) tiles of 64 queries
@@ -58,15 +61,20 @@ using fa3::kDescUnit;
 
 // ------------------------------------------------------------------ regions
 // @cuir-region q_range
-// Query tiles [m_begin, m_end) that may attend keys [n0, n0 + kBlockN) (causal top-left: q >= kv).
+// Query tiles [m_begin, m_end) (of rows) that may attend keys [n0, n0 + kBlockN): causal, row r
+// sits at position r + q_shift and sees key j iff j <= r + q_shift, so the first tile holds row
+// n0 - q_shift.
 struct QRange { int m_begin; int m_end; };
-__device__ __forceinline__ QRange q_range(int n0, int seqlen_q) {
+__device__ __forceinline__ QRange q_range(int n0, int seqlen_q, int q_shift) {
   const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
-  return QRange{kCausal ? min(num_m, n0 / kBlockM) : 0, num_m};
+  return QRange{kCausal ? min(num_m, max(n0 - q_shift, 0) / kBlockM) : 0, num_m};
 }
-// A step needs the mask when some pair of it is not attended or a key is past Nk.
-__device__ __forceinline__ bool step_partial(int m0, int kv0, int seqlen_k) {
-  return (kCausal && m0 < kv0 + kWgRows - 1) || kv0 + kWgRows > seqlen_k;
+// A step needs the mask when some pair of it is not attended or a key is past Nk. In the rows'
+// frame: m0 the step's first row, kv_row0 = kv0 - q_shift the consumer's first key minus the
+// shift (key kv0 + i is visible to row r iff kv_row0 + i <= r; kv0 + i < Nk iff kv_row0 + i < Nq).
+// Rows past Nq need no mask: their LSE is +inf (P = 0).
+__device__ __forceinline__ bool step_partial(int m0, int kv_row0, int seqlen_q) {
+  return (kCausal && m0 < kv_row0 + kWgRows - 1) || kv_row0 + kWgRows > seqlen_q;
 }
 // @cuir-end q_range
 
@@ -92,6 +100,10 @@ __device__ __forceinline__ void softmax_bwd(float& p, float& ds, float lse_log2,
 // @cuir-end softmax_bwd
 
 // ------------------------------------------------------------------ shared memory
+// Nk - Nq for the consumers, re-read from shared memory at every step: held in a register across
+// the step loop, it made ptxas spill 8 bytes at D = 128 causal.
+__shared__ int g_q_shift;
+__device__ __forceinline__ int step_q_shift() { return *static_cast<volatile int*>(&g_q_shift); }
 struct Smem {
   uint32_t k, v, q, dout, ds, kv_full, q_full, q_empty;
   __device__ __forceinline__ uint32_t q_tile(int s) const { return q + s * kQBytes; }
@@ -102,6 +114,9 @@ struct Smem {
 struct Problem {
   int seqlen_q, seqlen_k, heads_q, heads_kv, group;
   int b, h_kv, n0;
+  // Nk - Nq: row r is query position r + q_shift (recomputed from the parameters where used: a
+  // field held in a register spilled 8 bytes at D = 128 causal, ptxas)
+  __device__ __forceinline__ int q_shift() const { return seqlen_k - seqlen_q; }
   __device__ __forceinline__ int bh_q(int g) const { return b * heads_q + h_kv * group + g; }
   __device__ __forceinline__ int bh_kv() const { return b * heads_kv + h_kv; }
 };
@@ -159,10 +174,11 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   sm.q_empty = sm.q_full + 8 * kStages;
   const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, heads_q / heads_kv,
                    int(blockIdx.z), int(blockIdx.y), int(blockIdx.x) * kBlockN};
-  const QRange qr = q_range(pb.n0, seqlen_q);
+  const QRange qr = q_range(pb.n0, seqlen_q, pb.q_shift());
   const bool has_work = qr.m_begin < qr.m_end;   // else dK = dV = 0 and nothing is loaded
 
   if (threadIdx.x == 0) {
+    g_q_shift = pb.q_shift();
     mbar_init(sm.kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.q_full + 8 * s, 1);

@@ -24,8 +24,9 @@ NAMES = ("preprocess", "dkdv", "dq")
 TEXTS = {n: (KERNEL_DIR / f"{n}.cuir").read_text() for n in NAMES}
 PROGS = {n: parse(t, source=f"{n}.cuir") for n, t in TEXTS.items()}
 F16, BF16 = torch.float16, torch.bfloat16
-# (B, Hq, Hkv, Nq, Nk, D): one token; ragged GQA; MQA with Nq > Nk; Nq < Nk over several KV tiles.
-CASES = [(1, 2, 2, 1, 1, 16), (1, 4, 2, 77, 150, 32), (2, 3, 1, 200, 77, 16), (1, 2, 1, 130, 300, 32)]
+# (B, Hq, Hkv, Nq, Nk, D): one token; ragged GQA with Nq < Nk; MQA with Nq > Nk (causal: the
+# first 123 rows see no key); Nq < Nk over several KV tiles (queries end-aligned: row i at Nk - Nq + i).
+CASES = [(1, 2, 2, 1, 1, 16), (1, 4, 2, 77, 300, 32), (2, 3, 1, 200, 77, 16), (1, 2, 1, 300, 1000, 16)]
 
 
 def run_programs(case, dtype, causal, progs=PROGS, program_causal=None):
@@ -65,6 +66,16 @@ def test_gradients_pass_the_rule(case, causal):
 def test_verification_is_not_vacuous():
     """The programs run without the causal mask against a causal reference: dQ and dK fail."""
     grads, golden, ref = run_programs((1, 2, 1, 130, 130, 16), F16, causal=True, program_causal=False)
+    assert not compare(grads[0], golden[0], ref[0]).passed
+    assert not compare(grads[1], golden[1], ref[1]).passed
+
+
+@pytest.mark.parametrize("case", [(1, 2, 1, 77, 300, 16), (1, 2, 1, 200, 77, 16)], ids=["q77-k300", "q200-k77"])
+def test_top_left_causal_fails_when_lengths_differ(case):
+    """The programs with the query shift removed (top-left causal, as before session 8) against the
+    end-aligned reference: the rule rejects dQ and dK at Nq != Nk."""
+    bad = {n: parse(t.replace("NK - NQ", "0"), source=f"{n}_top_left.cuir") for n, t in TEXTS.items()}
+    grads, golden, ref = run_programs(case, F16, causal=True, progs=bad)
     assert not compare(grads[0], golden[0], ref[0]).passed
     assert not compare(grads[1], golden[1], ref[1]).passed
 

@@ -77,8 +77,9 @@ def run_emulated(exe, tmp, q, k, v, out, dout, lse, scale, det, schedule):
             for n, t in (("dq", q), ("dk", k), ("dv", v))]
 
 
-# (B, Hq, Hkv, Nq, Nk): ragged both ways (Nq > Nk: causal rows past Nk see every key), GQA, MQA.
-SHAPES = [(1, 4, 2, 77, 150), (2, 3, 1, 200, 77)]
+# (B, Hq, Hkv, Nq, Nk): ragged both ways, queries end-aligned (row i at position Nk - Nq + i; with
+# Nq > Nk the first Nq - Nk causal rows see no key and get dQ = 0), GQA, MQA.
+SHAPES = [(1, 4, 2, 77, 300), (2, 3, 1, 200, 77), (1, 2, 1, 300, 1000)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}x{}-q{}-k{}".format(*s))

@@ -273,22 +273,27 @@ def test_gpu_check_applies_the_verification_rule(tmp_path):
     shape = (1, 4, 2, 37, 32, 0)
 
     def good(q, k, v, out):
+        from cubridge.verify import lse_of
         out.copy_(spec.run_reference(q.float(), k.float(), v.float()).to(out.dtype))
+        return out, lse_of(spec, q.float(), k.float(), {})      # the LSE is an output too
 
     def unwritten(q, k, v, out):
         good(q, k, v, out)
         out[:, :, -1] = float("nan")
+        return out, good(q, k, v, out.clone())[1]
 
     def clobbers(q, k, v, out):
-        good(q, k, v, out)
+        res = good(q, k, v, out)
         k.zero_()
+        return res
 
     calls = []
 
     def racy(q, k, v, out):
-        good(q, k, v, out)
+        res = good(q, k, v, out)
         calls.append(1)
         out[0, 0, 0, 0] += len(calls) * 1e-2
+        return res
 
     check = lambda call: gpu_check(call, spec, {}, shape, torch.bfloat16, device="cpu")  # noqa: E731
     assert check(good) is None

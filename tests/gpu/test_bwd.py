@@ -9,6 +9,8 @@ inputs unchanged, deterministic mode bitwise repeatable. Inputs are random norma
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +18,9 @@ import pytest
 import torch
 
 from cubridge.rule import compare
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+import bwd_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -43,17 +48,9 @@ def kernels():
 
 
 def reference(q, k, v, dout, causal: bool, scale: float):
-    """(dq, dk, dv) by torch.autograd of attention computed in q's dtype."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
-    if causal:   # top-left aligned, as the kernels
-        nq, nk = s.shape[-2:]
-        keep = torch.arange(nk, device=s.device)[None, :] <= torch.arange(nq, device=s.device)[:, None]
-        s = s.masked_fill(~keep, -math.inf)
-    out = torch.softmax(s, dim=-1) @ v.repeat_interleave(group, 1)
-    out.backward(dout)
-    return q.grad, k.grad, v.grad
+    """(dq, dk, dv) by torch.autograd of attention in q's dtype (causal end-aligned: row i sees
+    keys j <= i + Nk - Nq, as the forward kernels; a row that sees no key gets zero gradients)."""
+    return bwd_reference.reference(q, k, v, dout, causal, scale)[2]
 
 
 def inputs(b, hq, hkv, nq, nk, d, dtype, seed, amplitude=1.0):

@@ -19,11 +19,13 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
     pytest.skip("the backward kernels need an sm_80+ GPU", allow_module_level=True)
 
 F16, BF16 = torch.float16, torch.bfloat16
-VARIANTS = [("prefixlm", {}), ("causal_blockwise", {}), ("global_sliding_window", {}), ("share_question", {}),
+VARIANTS = [("causal", {}), ("prefixlm", {}), ("causal_blockwise", {}), ("global_sliding_window", {}), ("share_question", {}),
             ("relative_pos", {}), ("sigmoid", {}), ("relu", {}), ("composite", {}), ("composite", {"softcap": 2.0})]
-# (B, Hq, Hkv, Nq, Nk, D, dtype, deterministic): ragged GQA, MQA, both head dims and dtypes.
+# (B, Hq, Hkv, Nq, Nk, D, dtype, deterministic): ragged GQA, MQA, both head dims and dtypes; the
+# last two with fewer queries than keys (rows end-aligned: row i at position Nk - Nq + i).
 SHAPES = [(2, 8, 2, 1000, 1000, 128, BF16, False), (1, 4, 1, 777, 777, 64, F16, True),
-          (1, 4, 2, 1400, 1400, 128, F16, False)]
+          (1, 4, 2, 1400, 1400, 128, F16, False), (2, 8, 2, 700, 1300, 128, BF16, False),
+          (1, 4, 1, 333, 1000, 64, F16, True)]
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@ A reference kernel is a folder (`ref_kernels/<name>/`: kernel.cu, kernel.cuir, R
 `ReferenceKernel` subclass, registered by name with `@register`. Everything kernel-specific that
 the transfer, lowering, compile, search and load paths need goes through it: the tile search
 space, the -D flags of a point, the compile options, the region generator the lowering patches
-kernel.cu with, the input checks and the launcher. No code outside a kernel's own modules tests a
-kernel's name.
+kernel.cu with, the input checks, the search's launcher and the tuned op's per-shape launch (with
+its untuned default tile and the strided views it reads in place). No code outside a kernel's own
+modules tests a kernel's name (tests/cpu/test_kernel_names.py).
 
 The launcher contract (search/measure.py, cubridge.load, tests):
 
@@ -13,6 +14,7 @@ The launcher contract (search/measure.py, cubridge.load, tests):
     prepare = kernel.launcher(lowered, cubin, point)     # lowered: cubridge.lower.LoweredKernel
     call = prepare(extra_inputs, device)                 # the variant's bound inputs, packed once
     call(q, k, v, out)                                   # out preallocated, written in place
+    out, lse = call(q, k, v, out, lse)                   # lse too (float32 [B, Hq, Nq]); both returned
 
 Example:
     >>> k = reference_kernel("fa2_sm80")
@@ -35,12 +37,15 @@ from cubridge.runtime.space import Space
 from cubridge.vocab import DTYPES
 
 
-Prepare = Callable[[dict, object], Callable]   # (extra inputs, device) -> call(q, k, v, out)
+# (extra inputs, device) -> call(q, k, v, out, lse=None) -> (out, lse): the LSE (float32
+# [B, Hq, Nq], natural log, -inf for a row with no key) is an output the GPU check compares.
+Prepare = Callable[[dict, object], Callable]
+ShapeLaunch = Callable[..., None]               # launch(q, k, v, out, lse), written in place
 
 
 class ReferenceKernel(ABC):
     """An expert kernel that cubridge transfers variants onto. Subclasses set the class attributes
-    and implement the four methods; `@register` makes the kernel known by `name`."""
+    and implement the abstract methods; `@register` makes the kernel known by `name`."""
     name: ClassVar[str]            # the folder under ref_kernels/ and the name in configs / --ref
     arch: ClassVar[str]            # its lowest target ("sm_80"); a run compiles for its config's arch
     generator: ClassVar[str]       # module with lower_source(kernel_cu, VariantIR) -> str
@@ -72,9 +77,32 @@ class ReferenceKernel(ABC):
 
     @abstractmethod
     def launcher(self, lowered, cubin: bytes, point: dict) -> Prepare:
-        """prepare(extra, device) -> call(q, k, v, out) for a lowered variant compiled to `cubin`
-        at tile config `point` (head dim and dtype are q's; they must match the cubin's). An
+        """prepare(extra, device) -> call(q, k, v, out, lse=None) -> (out, lse) for a lowered
+        variant compiled to `cubin` at tile config `point` (head dim and dtype are q's; they must match the cubin's). An
         empty `cubin` builds lowered.source through the compile cache on the first call."""
+
+    @abstractmethod
+    def shape_launch(self, cubin: bytes, point: dict, head_dim: int, dtype: str, variant, device,
+                     dims: tuple[int, int, int, int, int], scale: float) -> ShapeLaunch:
+        """launch(q, k, v, out, lse) at one shape, dims = (B, Hq, Hkv, Nq, Nk), on the current
+        stream: the tuned op's path (cubridge.load), built once per shape and called many times.
+        `cubin` was compiled with compile_options(point, head_dim, dtype); `variant` is the
+        lowered variant's cubridge.lower.Launchable (its packed extra inputs)."""
+
+    def variant_default(self, head_dim: int, seqlen: int) -> dict:
+        """The tile config a lowered variant runs at untuned (cubridge.op.build): the space's first
+        measured point; a kernel whose best tile depends on N says so by overriding this."""
+        return dict(self.space.best_known(head_dim)[0])
+
+    def reads_in_place(self, t) -> bool:
+        """Whether the kernel reads the [B, H, N, D] view `t` (a real or a traced, fake tensor)
+        without a contiguous copy first (copy_reason says why not)."""
+        return self.copy_reason(t) is None
+
+    def copy_reason(self, t) -> str | None:
+        """Why the kernel cannot read the [B, H, N, D] view `t` in place, or None where it can:
+        contiguous views only, unless the kernel says more."""
+        return None if t.is_contiguous() else f"{self.name} reads contiguous [B, H, N, D] only"
 
     def __repr__(self) -> str:
         return f"<reference kernel {self.name} ({self.arch}, {self.directory})>"

@@ -17,6 +17,7 @@ from cubridge.runtime.launch import check_attention_args
 from cubridge.runtime.space import Constraint, Param, Space
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_RUNTIMES: dict = {}     # (kernel folder, point) -> Fa2Sm80, for shape_launch
 # Opt-in shared memory per block by target arch (the runtime's table, keyed by capability).
 ARCH_CAPABILITY = {"sm_80": (8, 0), "sm_90a": (9, 0)}
 
@@ -67,10 +68,25 @@ class Fa2Sm80Kernel(ReferenceKernel):
     def check_inputs(self, q, k, v) -> None:
         check_attention_args(q, k, v, head_dims=HEAD_DIMS)
 
+    def runtime(self, point: dict) -> Fa2Sm80:
+        return Fa2Sm80(config(point), compiler=default_compiler(), source_path=self.directory / "kernel.cu")
+
     def launcher(self, lowered, cubin: bytes, point: dict):
-        kernel = Fa2Sm80(config(point), compiler=default_compiler(), source_path=self.directory / "kernel.cu")
+        kernel = self.runtime(point)
 
         def prepare(extra: dict, device):
             launch = lowered.args(extra, device)        # keeps the packed tensors alive with the call
-            return lambda q, k, v, out: kernel(q, k, v, causal=False, out=out, variant=launch, cubin=cubin or None)
+            return lambda q, k, v, out, lse=None: kernel(q, k, v, causal=False, out=out, lse=lse, variant=launch,
+                                                          cubin=cubin or None)
         return prepare
+
+    def shape_launch(self, cubin: bytes, point: dict, head_dim: int, dtype: str, variant, device, dims, scale):
+        """Fa2Sm80's checked call. One runtime per (folder, point) for every shape, so a cubin is
+        loaded once per device: a later shape's first call then loads nothing (a CUDA graph
+        capture forbids the load's synchronisation)."""
+        key = (self.directory, tuple(sorted(point.items())))
+        kernel = _RUNTIMES.get(key) or _RUNTIMES.setdefault(key, self.runtime(point))
+
+        def launch(q, k, v, out, lse):
+            kernel(q, k, v, causal=False, out=out, lse=lse, sm_scale=scale, variant=variant, cubin=cubin)
+        return launch

@@ -16,7 +16,8 @@ from dataclasses import replace
 import torch
 
 from cubridge.runtime.fa3_sm90 import (SMEM_LIMIT, SUPPORTED_HEAD_DIMS, WG_ROWS, WG_THREADS, Fa3Config,
-                                       check_inputs, default_config, fa3_forward)
+                                       check_inputs, default_config, fa3_forward, map_refusal)
+from cubridge.runtime.fa3_fast import Fa3Launch, load_cubin
 from cubridge.runtime.kernels import ReferenceKernel, check_dtype, register
 from cubridge.runtime.kernels import reference_kernel  # noqa: F401 - the doctest uses it
 from cubridge.runtime.space import Constraint, Param, Space
@@ -134,10 +135,27 @@ class Fa3Sm90Kernel(ReferenceKernel):
         def prepare(extra: dict, device):
             launch = lowered.args(extra, device)        # keeps the packed tensors alive with the call
 
-            def call(q, k, v, out):
+            def call(q, k, v, out, lse=None):
                 key = (q.shape[-1], q.dtype)
                 if key not in configs:
                     configs[key] = self.config(point, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16")
-                return fa3_forward(q, k, v, causal=False, config=configs[key], out=out, variant=launch, cubin=cubin or None)
+                return fa3_forward(q, k, v, causal=False, config=configs[key], out=out, lse=lse, variant=launch,
+                                   cubin=cubin or None)
             return call
         return prepare
+
+    def shape_launch(self, cubin: bytes, point: dict, head_dim: int, dtype: str, variant, device, dims, scale):
+        """runtime.fa3_fast's cached launch: CUDA-graph safe once built (no sync, no allocation)."""
+        config = self.config(point, head_dim, dtype)
+        func, counts = load_cubin(cubin, config, device)
+        return Fa3Launch(func, counts, config, device, *dims, scale, variant)
+
+    def variant_default(self, head_dim: int, seqlen: int) -> dict:
+        """The runtime's default for a lowered variant, which depends on N (fa3_sm90.default_config)."""
+        c = default_config(head_dim, causal=False, seqlen=seqlen, variant=True)
+        return {"block_m": c.block_m, "block_n": c.block_n, "stages": c.stages, "persistent": c.persistent}
+
+    def copy_reason(self, t) -> str | None:
+        """Any view with D contiguous and 16-byte-multiple strides is read in place: the TMA maps
+        are 4-D (D, N, H, B), so [B, N, H, D] memory too (runtime.fa3_sm90.map_refusal)."""
+        return map_refusal(tuple(t.shape), tuple(t.stride()), t.element_size())

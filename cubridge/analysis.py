@@ -66,11 +66,12 @@ class Analysis:
 
 
 def analyze(program: N.Program, case, *, params: dict | None = None, dtype="bf16", spec=None,
-            spec_params: dict | None = None) -> Analysis:
+            spec_params: dict | None = None, progress=None) -> Analysis:
     """Interpret `program` once at `case` (a verify.Case) on random inputs and report its counts.
     With a spec: a reference kernel is first transferred to the spec (so the counts are those of
     the spec's iteration space, not the kernel's causal one), and a transferred program's extra
-    inputs are bound from the spec as the tuner binds them."""
+    inputs are bound from the spec as the tuner binds them. progress(done, total): called after
+    each block the interpreter runs (minutes at N = 8k: the caller says how far it is)."""
     from cubridge.verify import DTYPES, make_inputs
     tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     extra = {}
@@ -79,13 +80,13 @@ def analyze(program: N.Program, case, *, params: dict | None = None, dtype="bf16
     merged = {**program.params(), **(params or {})}
     report = check(program, params=params, dims={"D": case.D})
     q, k, v = make_inputs(case, tdtype)
-    run = interpret(program, {"Q": q, "K": k, "V": v, **extra}, params=params)
+    run = interpret(program, {"Q": q, "K": k, "V": v, **extra}, params=params, progress=progress)
     total = None
     if "BLOCK_N" in merged and "NK" in run.dims:
         total = run.counters.blocks * math.ceil(run.dims["NK"] / merged["BLOCK_N"])
     useful = None
     if spec is not None:
-        from cubridge.spec import count_attended
+        from cubridge.transfer.pairs import count_attended
         hooks = spec.hooks_for(case.Nq, case.Nk, case.Hq, case.Hkv, **(spec_params or {}))
         useful = 4 * case.D * count_attended(hooks, case.B, case.Hq, case.Nq, case.Nk)
     return Analysis(program.name, case, merged, run.counters, report.smem_bytes, total, useful)

@@ -159,9 +159,34 @@ def cmd_analyze(a) -> int:
     from cubridge.verify import Case
     B, Hq, Hkv, N, D = _shape(a.shape, "--shape")
     spec = load_spec(a.spec) if a.spec else None
+    if N >= ANALYZE_SAYS_FROM:
+        print(f"analyze: interpreting every tile on the CPU at N={N}: minutes (4 at 8k, fa3_sm90, one core); "
+              f"progress every {ANALYZE_PROGRESS_S:.0f} s", file=sys.stderr, flush=True)
     print(analyze(_program(a.program), Case(B, Hq, Hkv, N, N, D), params=_params(a.param), spec=spec,
-                  spec_params=_spec_params(a.spec_param)).table())
+                  spec_params=_spec_params(a.spec_param), progress=_progress_printer()).table())
     return 0
+
+
+# `analyze` at 8k ran 4 minutes without a word (issue 20): it says so up front from 4k and
+# reports blocks done every ANALYZE_PROGRESS_S.
+ANALYZE_SAYS_FROM = 4096
+ANALYZE_PROGRESS_S = 10.0
+
+
+def _progress_printer(clock=None):
+    import time
+    clock = clock or time.monotonic
+    start = last = clock()
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        now = clock()
+        if now - last >= ANALYZE_PROGRESS_S:
+            last = now
+            left = (now - start) / done * (total - done)
+            print(f"analyze: {done}/{total} blocks interpreted ({now - start:.0f} s, about {left:.0f} s left)",
+                  file=sys.stderr, flush=True)
+    return report
 
 
 def cmd_specs(a) -> int:

@@ -9,14 +9,14 @@ wrong answer fails here too (exit 1). The forward's out / LSE come from the floa
 only the backward kernels run under the tool. Shapes are tiny: racecheck slows kernels ~100x.
 
     compute-sanitizer --tool racecheck --error-exitcode 9 python3 experiments/sanitize_bwd.py
-    python3 experiments/sanitize_bwd.py --only fa3_bwd_sm90
+    python3 experiments/sanitize_bwd.py --only fa3_bwd_sm90 [--fa3-option bulk_overlap]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-import expkit  # makes the checkout's cubridge importable (experiments/expkit.py)
+import expkit  # makes the checkout's cubridge importable (experiments/expkit/)
 import torch
 
 from cubridge import rule  # noqa: E402
@@ -54,16 +54,17 @@ def _verdicts(label, grads, golden, ref) -> bool:
     return ok
 
 
-def dense_case(kernel, det, b, hq, hkv, nq, nk, d, dtype, causal) -> bool:
+def dense_case(kernel, det, b, hq, hkv, nq, nk, d, dtype, causal, fa3_option=None) -> bool:
     q, k, v, dout = _inputs(b, hq, hkv, nq, nk, d, dtype, nq * 7 + nk)
     scale = d ** -0.5
     out, lse, golden = reference(q.double(), k.double(), v.double(), dout.double(), causal, scale)
     ref = reference(q, k, v, dout, causal, scale)[2]
     poisoned = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     if kernel == "fa3_bwd_sm90":
-        from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
+        from cubridge.runtime.fa3_bwd_sm90 import DEFAULT_OPTION, fa3_backward
         fa3_backward(dout, q, k, v, out.to(dtype), lse.float(), causal=causal, softmax_scale=scale,
-                     dq=poisoned[0], dk=poisoned[1], dv=poisoned[2])
+                     dq=poisoned[0], dk=poisoned[1], dv=poisoned[2], option=fa3_option or DEFAULT_OPTION)
+        kernel = f"{kernel}[{fa3_option or DEFAULT_OPTION}]"
     else:
         from cubridge.runtime.fa2_bwd_sm80 import Fa2BwdSm80
         Fa2BwdSm80()(dout, q, k, v, out.to(dtype), lse.float(), causal=causal, sm_scale=scale, deterministic=det,
@@ -95,12 +96,13 @@ def variant_case(spec, det, b, hq, hkv, nq, nk, d) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["fa2_bwd_sm80", "fa3_bwd_sm90", "variants"])
+    ap.add_argument("--fa3-option", help="fa3_bwd_sm90's performance option (its OPTIONS; default: DEFAULT_OPTION)")
     args = ap.parse_args(argv)
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     ok = True
     for case in DENSE:
         if args.only in (None, case[0]) and (case[0] != "fa3_bwd_sm90" or sm90):
-            ok &= dense_case(*case)
+            ok &= dense_case(*case, fa3_option=args.fa3_option)
     if args.only in (None, "variants"):
         for case in VARIANTS:
             ok &= variant_case(*case)

@@ -210,12 +210,15 @@ def tma_load(it, e, args, ctx):
     phase = bar.completed            # the phase this copy's arrival belongs to
     _async_copy(it, e, args[0], args[1], ("tma", bar, phase, e.line), ctx)
     bar.arrive()
+    bar.last_line = e.line
 
 
 # ------------------------------------------------------------------ synchronisation
 def arrive(it, e, args, ctx):
     _need_ctx(it, e, ctx)
-    it._barrier(args[0], e.line).arrive()
+    bar = it._barrier(args[0], e.line)
+    bar.arrive()
+    bar.last_line = e.line
 
 
 def sync(it, e, args, ctx):

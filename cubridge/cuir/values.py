@@ -91,6 +91,7 @@ class Barrier:
     count: int
     completed: int = 0
     arrivals: int = 0
+    last_line: int = 0        # the line of the latest arrival (named when a wait on it hangs)
 
     def arrive(self) -> int:
         """One arrival; returns the index of the phase it contributed to."""

@@ -7,6 +7,7 @@ capability(), pack_params() and the CU_* / TENSOR_MAP_* constants.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -43,6 +44,12 @@ class Driver:
         self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                  ctypes.c_char_p]
         self.lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        self.lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        # cuda.h maps cuCtxPushCurrent / cuCtxPopCurrent to these _v2 symbols (the plain names are
+        # the pre-4.0 ABI, kept in libcuda for old binaries).
+        self.lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        self.lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.contexts: dict[int, ctypes.c_void_p] = {}
 
     def check(self, result: int, what: str) -> None:
         if result != 0:
@@ -50,6 +57,24 @@ class Driver:
             self.lib.cuGetErrorString(result, ctypes.byref(msg))
             text = msg.value.decode() if msg.value else "unknown error"
             raise LaunchError(f"{what} failed: CUDA driver error {result} ({text})")
+
+    @contextlib.contextmanager
+    def primary_context(self, device_index: int):
+        """Runs the block in the primary context of device `device_index` (the one the CUDA
+        runtime and torch use), the thread's own current context restored after. It touches no
+        stream, so it is safe inside a CUDA graph capture, unlike a stream synchronisation."""
+        ctx = self.contexts.get(device_index)
+        if ctx is None:
+            self.check(self.lib.cuInit(0), "cuInit")
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self.contexts[device_index] = ctx
+        self.check(self.lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent_v2")
+        try:
+            yield
+        finally:
+            self.check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent_v2")
 
     def load_module(self, cubin: bytes) -> ctypes.c_void_p:
         """Loads a cubin into the current context (the caller makes the right one current)."""

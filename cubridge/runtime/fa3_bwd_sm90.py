@@ -6,6 +6,12 @@ accumulator * scale). The first and last are the portable backward's kernels (re
 fa2_bwd_sm80); the middle one reads Q, K, V, dO through TMA, so it is launched through the driver
 API with four CUtensorMap descriptors, as cubridge.runtime.fa3_sm90 launches the forward.
 
+Options (compile-time, `option=` of fa3_backward; params.cuh and NOTES.md say what each does):
+"base" (DQ_MODE 0, SCHED 0: the session-7 kernel, per-thread dQ atomics), "bulk" (DQ_MODE 1: dQ
+through shared memory and one bulk reduce-add per consumer and step, into a tiled accumulator that
+fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
+order). DEFAULT_OPTION stays "base" until a GPU run has checked and timed the others.
+
 Status: compiles spill-free for sm_90a (tests/cpu/test_fa3_bwd_sm90_build.py); not yet run on a
 GPU. cubridge.runtime.autograd uses it only when `enabled()` (CUBRIDGE_HOPPER_BWD=1) until
 tests/gpu/test_bwd_sm90.py has passed on an H100.
@@ -32,7 +38,11 @@ KERNEL_DIR = REF_KERNELS_DIR / "fa3_bwd_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part of the cache key)
 ENTRY = b"fa3_bwd_sm90"
+CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
+# option name -> (DQ_MODE, SCHED); SCHED 1 requires DQ_MODE 1 (params.cuh static_assert).
+OPTIONS = {"base": (0, 0), "bulk": (1, 0), "bulk_overlap": (1, 1)}
+DEFAULT_OPTION = "base"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
 BLOCK_N = 128            # keys per CTA
@@ -45,29 +55,44 @@ SMEM_ALIGN = 1024
 HEAD_DIMS = (64, 128)
 PRE_THREADS = 256        # fa2_bwd_preprocess / fa2_bwd_dq_convert block (fa2_bwd_sm80 kernel.cu)
 CHUNK_ELEMS = 8
+DQ_PART_BYTES = 64 * 64 * 4  # one consumer's 64 x 64 f32 dQ part (DQ_MODE 1)
+DQ_SLOTS = 2
+CONSUMERS = 2
+CONVERT_THREADS = 256
 
 
-def smem_bytes(head_dim: int) -> int:
-    """K, V, STAGES x (Q, dO), DS_SLOTS x dS^T, the barriers, alignment slack (params.cuh)."""
+def _modes(option: str) -> tuple[int, int]:
+    if option not in OPTIONS:
+        raise LaunchError(f"unknown option {option!r}", where="fa3_bwd_sm90",
+                          hint=f"option must be one of {sorted(OPTIONS)}")
+    return OPTIONS[option]
+
+
+def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
+    """K, V, STAGES x (Q, dO), DS_SLOTS x dS^T, DQ_MODE 1's dQ slots, the barriers, alignment
+    slack (params.cuh)."""
     kv = BLOCK_N * head_dim * ELEM_BYTES
     q = BLOCK_M * head_dim * ELEM_BYTES
     ds = BLOCK_N * BLOCK_M * ELEM_BYTES
-    return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
+    dq = DQ_SLOTS * CONSUMERS * DQ_PART_BYTES if _modes(option)[0] == 1 else 0
+    return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
 
 
-def options(head_dim: int, causal: bool, bf16: bool) -> list[str]:
+def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION) -> list[str]:
+    dq_mode, sched = _modes(option)
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
-            f"-DHOST_SMEM_BYTES={smem_bytes(head_dim)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
+            f"-DDQ_MODE={dq_mode}", f"-DSCHED={sched}",
+            f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
 
 
-def build_cubin(head_dim: int, causal: bool, bf16: bool, *, compiler: str | None = None,
-                extra_options: tuple[str, ...] = (), cache_dir=None):
+def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
+                compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None):
     """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache."""
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
     return compile_cubin(KERNEL_SOURCE.read_text(), arch="sm_90a",
-                         options=[*options(head_dim, causal, bf16), *extra_options],
+                         options=[*options(head_dim, causal, bf16, option), *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
 
 
@@ -76,16 +101,18 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "0") == "1"
 
 
-_FUNCTIONS: dict[tuple, ctypes.c_void_p] = {}
+_FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
 
 
-def _function(head_dim: int, causal: bool, bf16: bool, device: torch.device, compiler: str | None):
-    key = (head_dim, causal, bf16, device.index, compiler)
+def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
+               compiler: str | None):
+    """(the backward kernel, the tiled dQ convert kernel) of one specialisation."""
+    key = (head_dim, causal, bf16, option, device.index, compiler)
     if key not in _FUNCTIONS:
-        cubin = build_cubin(head_dim, causal, bf16, compiler=compiler).cubin
+        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler).cubin
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
-            _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim), ENTRY)[0]
+            _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, CONVERT_ENTRY)
     return _FUNCTIONS[key]
 
 
@@ -97,12 +124,14 @@ def _helpers():
 
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                 dq=None, dk=None, dv=None, compiler: str | None = None):
+                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
-    as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0)."""
+    as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
+    option: one of OPTIONS (the kernel's compile-time performance options)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
+    dq_mode, _ = _modes(option)
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     device = q.device
     if capability(device.index) != (9, 0):
@@ -118,21 +147,33 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     if nk == 0:                        # no key: out = 0, nothing flows back to q
         return dq.zero_(), dk, dv
     bf16 = q.dtype == torch.bfloat16
-    func = _function(d, bool(causal), bf16, device, compiler)
+    func, convert = _functions(d, bool(causal), bf16, option, device, compiler)
     helpers = _helpers().kernels(d, q.dtype, False, False, device)
     stream = torch.cuda.current_stream(device).cuda_stream
     rows = b * hq * nq
+    num_m = math.ceil(nq / BLOCK_M)
     dvec = torch.empty(b, hq, nq, device=device, dtype=torch.float32)
-    accum = torch.empty(b, hq, nq, d, device=device, dtype=torch.float32)
-    helpers["fa2_bwd_preprocess"].launch(
+    # DQ_MODE 1: tiled [B * Hq, num_m, D / 64, 64 * 64] (fragment order, rows past Nq padding)
+    accum_elems = b * hq * num_m * BLOCK_M * d if dq_mode == 1 else rows * d
+    accum = torch.empty(accum_elems, device=device, dtype=torch.float32)
+    helpers["fa2_bwd_preprocess"].launch(      # Dvec, and zeroes accum[:rows * d]
         (math.ceil(rows * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
         (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), arg_i64(rows)), stream)
+    if accum_elems > rows * d:
+        accum[rows * d:].zero_()
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (lse, dvec, accum, dk, dv)]
-    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv)] + [ctypes.c_float(scale)]
-    driver().launch(func, (math.ceil(nk / BLOCK_N), hkv, b), (THREADS, 1, 1), smem_bytes(d), stream,
+    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
+    driver().launch(func, (math.ceil(nk / BLOCK_N), hkv, b), (THREADS, 1, 1), smem_bytes(d, option), stream,
                     pack_params(maps + scalars))
+    if dq_mode == 1:
+        chunks = accum_elems // 4
+        args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(nq),
+                ctypes.c_int32(num_m), ctypes.c_int64(chunks), ctypes.c_float(scale)]
+        driver().launch(convert, (math.ceil(chunks / CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0,
+                        stream, pack_params(args))
+        return dq, dk, dv
     chunks = rows * d // CHUNK_ELEMS
     helpers["fa2_bwd_dq_convert"].launch((math.ceil(chunks / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
                                          (arg_ptr(accum), arg_ptr(dq), arg_i64(chunks), arg_f32(scale)),

@@ -18,6 +18,8 @@ template <int kN> __device__ __forceinline__ void reg_fence_u(uint32_t (&r)[kN])
 }
 using fa3::reg_fence;
 
+#include "dq_store.cuh"
+
 // S^T (64 keys x 64 queries) = X_c T^T: X = K or V rows of this consumer, T = Q or dO of the
 // stage; both K-major (D contiguous) in swizzled panels.
 __device__ __forceinline__ void gemm_xt(float (&s)[kSRegs], uint32_t x_rows, uint32_t t_tile) {
@@ -73,24 +75,6 @@ __device__ __forceinline__ void store_ds(const Consumer& cs, uint32_t slot, cons
     }
 }
 
-__device__ __forceinline__ void red_add2(float* addr, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
-
-// dq_accum[bh_q, m0 + row, col] += dq for the rows below Nq.
-__device__ __forceinline__ void add_dq(const Consumer& cs, float* __restrict__ dq_accum,
-                                       const float (&dq)[kDqRegs], int bh_q, int m0, int seqlen_q) {
-  const int col_base = kDqSplitN ? cs.c * kDqCols : 0;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int q_row = m0 + cs.row0() + 8 * h;
-    if (q_row >= seqlen_q) continue;
-    float* row = dq_accum + (size_t(bh_q) * seqlen_q + q_row) * kHeadDim + col_base + cs.col0();
-#pragma unroll
-    for (int j = 0; j < kDqCols / 8; ++j) red_add2(row + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-  }
-}
-
 // LSE (log2 units; +inf past Nq or for a row that attended nothing, so P = 0) and Dvec of one
 // query row. Read where used (L1 hits): preloading all 16 of each per thread cost 32 registers
 // at the peak and spilled 24 bytes at D = 128 causal.
@@ -131,6 +115,103 @@ __device__ __forceinline__ void probs_and_ds(bool partial, const Consumer& cs, f
     }
 }
 
+// An LSE / Dvec load that stays where it is written: asm volatile keeps it after the wgmma wait
+// before it. With __ldg the compiler hoisted the second pass's 16 Dvec loads above the first
+// pass (latency hiding), 16 more registers at the peak: 64-68 bytes of spill at D = 128.
+__device__ __forceinline__ float ld_row_term(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+// SCHED 1's P^T pass (runs while the dP GEMM does); ds_only16 below is its dS^T pass. Two bodies
+// (masked / unmasked): with one body and a runtime flag, the masked predicates were hoisted and
+// saved to registers (P2R) and D = 128 causal fp16 spilled 16 bytes.
+template <bool kPartial>
+__device__ __forceinline__ void probs_body(const Consumer& cs, float (&s)[kSRegs],
+                                           const float* __restrict__ lse, float scale_log2,
+                                           const Problem& pb, int g, int m0) {
+  constexpr bool partial = kPartial;
+  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();   // as probs_and_ds
+  const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int q_row = m0 + 8 * j + cs.col0() + e;
+      float lse2 = kPosInf;
+      if (q_row < pb.seqlen_q) {
+        const float l = ld_row_term(lse + row_base + q_row);
+        lse2 = l == kNegInf ? kPosInf : l * kLog2e;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
+        const bool keep = !partial || ((kv_row < pb.seqlen_q) &
+                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
+                                                  kv_row + pb.q_shift()));
+        s[i] = softmax_p(score(s[i], scale_log2), lse2, keep);
+      }
+    }
+}
+__device__ __forceinline__ void probs_only(bool partial, const Consumer& cs, float (&s)[kSRegs],
+                                           const float* __restrict__ lse, float scale_log2,
+                                           const Problem& pb, int g, int m0) {
+  if (partial) probs_body<true>(cs, s, lse, scale_log2, pb, g, m0);
+  else probs_body<false>(cs, s, lse, scale_log2, pb, g, m0);
+}
+
+// dS^T from the 16-bit P^T (SCHED 1): the f32 P^T dies at the pack, 32 registers fewer while dV
+// runs under the dS pass. P is rounded once more than in SCHED 0 (the dV GEMM reads the same
+// rounded P); the GPU test's rule decides whether that is acceptable.
+__device__ __forceinline__ float unpack_lo(uint32_t w) {
+#if DTYPE_BF16
+  return __uint_as_float(w << 16);
+#else
+  float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(w)); return f;
+#endif
+}
+__device__ __forceinline__ float unpack_hi(uint32_t w) {
+#if DTYPE_BF16
+  return __uint_as_float(w & 0xffff0000u);
+#else
+  float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(w)); return f;
+#endif
+}
+
+// SCHED 1: dS^T = P^T (dP^T - Dvec) with P^T read back from its 16-bit pack.
+__device__ __forceinline__ void ds_only16(const Consumer& cs, const uint32_t (&p16)[kPRegs], float (&dp)[kSRegs],
+                                          const float* __restrict__ dvec, const Problem& pb, int g, int m0) {
+  // m0 made opaque: otherwise the 16 row offsets and "q < Nq" predicates of the P pass are kept
+  // for this one (CSE), 16+ registers across the peak: 60-68 bytes of spill at D = 128.
+  asm volatile("" : "+r"(m0));
+  const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int q_row = m0 + 8 * j + cs.col0() + e;
+      const float dv = q_row < pb.seqlen_q ? ld_row_term(dvec + row_base + q_row) : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * j + 2 * h + e;   // p16[i / 2] packs s[i - e] (low) and s[i - e + 1] (high)
+        const float p = e == 0 ? unpack_lo(p16[i / 2]) : unpack_hi(p16[i / 2]);
+        dp[i] = softmax_ds(p, dp[i], dv);
+      }
+    }
+}
+
+// dQ part out: atomics (DQ_MODE 0) or the shared buffer the writer warp adds (DQ_MODE 1).
+__device__ __forceinline__ void emit_dq(const Consumer& cs, const Smem& sm, float* __restrict__ dq_accum,
+                                        const float (&dq)[kDqRegs], int bh_q, int m0, int seqlen_q, int it) {
+  if constexpr (kDqBulk) {
+    const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
+    put_dq_smem(cs, sm.dq(), dq, it, dq_accum + dq_tile_offset(bh_q, m0 / kBlockM, kDqSplitN ? cs.c : 0, num_m));
+  } else {
+    add_dq_atomic(cs, dq_accum, dq, bh_q, m0, seqlen_q);
+  }
+}
+
 // dK (scaled) and dV rows of this consumer to global memory, rows below Nk.
 __device__ __forceinline__ void store_rows(const Consumer& cs, uint16_t* __restrict__ out,
                                            const float (&acc)[kAccRegs], float mul, const Problem& pb) {
@@ -145,28 +226,99 @@ __device__ __forceinline__ void store_rows(const Consumer& cs, uint16_t* __restr
   }
 }
 
+// SCHED 1, one step: S^T and dP^T issued together; P^T computed while dP^T still runs; dV issued
+// before the dS pass, which reads P^T back from its 16 bits; dQ and dK issued back to back; the dQ
+// part written out while dK runs (FlashAttention-3/4's order, own code). With the f32 P^T kept
+// through the dS pass instead (dV issued after it), D = 128 spilled 8-64 bytes in every variant
+// of the ordering tried (NOTES.md).
+__device__ __forceinline__ void overlap_step(const Consumer& cs, const Smem& sm, const Problem& pb, int st, int it,
+                                             int g, int m0, uint32_t kr, uint32_t vr, uint32_t kt,
+                                             float (&dk_acc)[kAccRegs], float (&dv_acc)[kAccRegs],
+                                             const float* __restrict__ lse, const float* __restrict__ dvec,
+                                             float* __restrict__ dq_accum, float scale_log2) {
+  float s[kSRegs], dp[kSRegs];
+  wgmma_fence();
+  gemm_xt(s, kr, sm.q_tile(st));
+  wgmma_commit();
+  gemm_xt(dp, vr, sm.do_tile(st));
+  wgmma_commit();
+  wgmma_wait<1>();                               // S^T landed, dP^T in flight
+  reg_fence(s);
+  probs_only(step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q), cs, s, lse, scale_log2,
+             pb, g, m0);
+  uint32_t p16[kPRegs], ds16[kPRegs];
+  pack_frag(p16, s);
+  wgmma_fence();
+  gemm_rs(dv_acc, p16, sm.do_tile(st));          // dV += P^T dO runs under the dS pass
+  wgmma_commit();
+  wgmma_wait<1>();                               // dP^T landed
+  reg_fence(dp);
+  ds_only16(cs, p16, dp, dvec, pb, g, m0);
+  pack_frag(ds16, dp);
+  const uint32_t slot = sm.ds_slot(it % kDsSlots);
+  store_ds(cs, slot, ds16);
+  fa3::fence_async_smem();                       // generic stores -> the wgmma (async proxy) reads
+  dq_slot_wait(cs);
+  if (kDqSplitN) named_sync(kBarDsReady, kConsumers * kWgThreads);
+  else cs.wg_sync();
+  wgmma_wait<0>();   // dV (long done: the dS pass, store and barrier ran under it) frees P^T's
+  reg_fence(dv_acc); // registers before dQ's 32 are taken: waiting after the dQ issue spilled 8
+  reg_fence_u(p16);  // bytes at D = 128 causal fp16
+  float dq[kDqRegs];
+  wgmma_fence();
+  gemm_dq(dq, slot, kt, cs.c);
+  wgmma_commit();
+  gemm_rs(dk_acc, ds16, sm.q_tile(st));          // dK += dS^T Q
+  wgmma_commit();
+  wgmma_wait<1>();                               // dQ landed, dK in flight
+  reg_fence(dq);
+  emit_dq(cs, sm, dq_accum, dq, pb.bh_q(g), m0, pb.seqlen_q, it);
+  wgmma_wait<0>();
+  reg_fence(dk_acc);
+  reg_fence_u(ds16);
+  if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);   // Q, dO of this stage are read
+}
+
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const Problem& pb, QRange qr,
                                          bool has_work, const float* __restrict__ lse,
                                          const float* __restrict__ dvec, float* __restrict__ dq_accum,
                                          uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
                                          float softmax_scale) {
+  if (kDqBulk) {  // the query range again from an opaque Nq: computed before the warpgroup branch, its end
+     // was live across setmaxnreg and spilled (4-8 bytes at D = 128, DQ_MODE 1)
+    int nq = pb.seqlen_q;
+    asm volatile("" : "+r"(nq));
+    qr = q_range(pb.n0, nq, pb.seqlen_k - nq);
+  }
   float dk_acc[kAccRegs], dv_acc[kAccRegs];
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) dk_acc[i] = dv_acc[i] = 0.f;
   const float scale_log2 = softmax_scale * kLog2e;
-  const uint32_t k_rows = sm.k + cs.c * kWgRows * kSwizzleBytes;
-  const uint32_t v_rows = sm.v + cs.c * kWgRows * kSwizzleBytes;
-  if (has_work) mbar_wait(sm.kv_full, 0);
+  const uint32_t k_rows = sm.k() + cs.c * kWgRows * kSwizzleBytes;
+  const uint32_t v_rows = sm.v() + cs.c * kWgRows * kSwizzleBytes;
+  if (has_work) mbar_wait(sm.kv_full(), 0);
+  if constexpr (kOverlap) {
+    // One flat loop, (g, m) derived from `it`: nested loops kept g, m, m_end and the group size
+    // live, and g spilled (4 bytes, D = 128 causal fp16).
+    const int steps = qr.m_end - qr.m_begin, total = has_work ? steps * pb.group : 0;
+    for (int it = 0; it < total; ++it) {
+      const int g = it / steps, m0 = (qr.m_begin + it - g * steps) * kBlockM, st = it % kStages;
+      mbar_wait(sm.q_full() + 8 * st, (it / kStages) & 1);
+      uint32_t kr = k_rows, vr = v_rows, kt = sm.k();   // opaque per step, as below
+      asm volatile("" : "+r"(kr), "+r"(vr), "+r"(kt));
+      overlap_step(cs, sm, pb, st, it, g, m0, kr, vr, kt, dk_acc, dv_acc, lse, dvec, dq_accum, scale_log2);
+    }
+  }
   int it = 0;
-  for (int g = 0; has_work && g < pb.group; ++g)
+  for (int g = 0; !kOverlap && has_work && g < pb.group; ++g)
     for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) {
       const int st = it % kStages, m0 = m * kBlockM, bh_q = pb.bh_q(g);
-      mbar_wait(sm.q_full + 8 * st, (it / kStages) & 1);
-      float s[kSRegs], dp[kSRegs];
+      mbar_wait(sm.q_full() + 8 * st, (it / kStages) & 1);
       // K / V descriptors are loop-invariant: hoisted, 16 of them took 32 registers and spilled
       // 24 bytes at D = 128. An opaque copy per step keeps them recomputed (a few integer ops).
-      uint32_t kr = k_rows, vr = v_rows, kt = sm.k;
+      uint32_t kr = k_rows, vr = v_rows, kt = sm.k();
       asm volatile("" : "+r"(kr), "+r"(vr), "+r"(kt));
+      float s[kSRegs], dp[kSRegs];
       wgmma_fence();
       gemm_xt(s, kr, sm.q_tile(st));
       wgmma_commit();
@@ -187,6 +339,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       const uint32_t slot = sm.ds_slot(it % kDsSlots);
       store_ds(cs, slot, ds16);
       fa3::fence_async_smem();                 // generic stores -> the wgmma (async proxy) reads
+      dq_slot_wait(cs);
       if (kDqSplitN) named_sync(kBarDsReady, kConsumers * kWgThreads);
       else cs.wg_sync();
       float dq[kDqRegs];
@@ -199,9 +352,10 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       reg_fence(dv_acc);
       reg_fence_u(p16);                        // the dV / dK wgmmas read them until the wait
       reg_fence_u(ds16);
-      if (cs.lane == 0) mbar_arrive(sm.q_empty + 8 * st);   // Q, dO of this stage are read
-      add_dq(cs, dq_accum, dq, bh_q, m0, pb.seqlen_q);
+      if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);   // Q, dO of this stage are read
+      emit_dq(cs, sm, dq_accum, dq, bh_q, m0, pb.seqlen_q, it);
     }
   store_rows(cs, dv, dv_acc, 1.f, pb);
   store_rows(cs, dk, dk_acc, softmax_scale, pb);
+  if (kDqBulk && cs.wg_thread == 0) bulk_wait_all();   // shared memory stays valid until read
 }

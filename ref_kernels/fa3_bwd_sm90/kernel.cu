@@ -49,6 +49,12 @@ typedef unsigned long long uint64_t;
 #ifndef DTYPE_BF16
 #define DTYPE_BF16 1
 #endif
+#ifndef DQ_MODE
+#define DQ_MODE 0
+#endif
+#ifndef SCHED
+#define SCHED 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
@@ -97,6 +103,11 @@ __device__ __forceinline__ void softmax_bwd(float& p, float& ds, float lse_log2,
   p = keep ? fast_exp2(p - lse_log2) : 0.f;
   ds = p * (ds - dvec);
 }
+// The same two lines apart (SCHED 1 computes P while the dP GEMM still runs).
+__device__ __forceinline__ float softmax_p(float p, float lse_log2, bool keep) {
+  return keep ? fast_exp2(p - lse_log2) : 0.f;
+}
+__device__ __forceinline__ float softmax_ds(float p, float dp, float dvec) { return p * (dp - dvec); }
 // @cuir-end softmax_bwd
 
 // ------------------------------------------------------------------ shared memory
@@ -104,11 +115,23 @@ __device__ __forceinline__ void softmax_bwd(float& p, float& ds, float lse_log2,
 // the step loop, it made ptxas spill 8 bytes at D = 128 causal.
 __shared__ int g_q_shift;
 __device__ __forceinline__ int step_q_shift() { return *static_cast<volatile int*>(&g_q_shift); }
+// One register (the aligned base); every region is base + a constant, folded into the shared
+// memory instructions' immediate offsets. Ten separate addresses kept 8-10 more registers live
+// through the consumer loop (4-8 bytes of spill at D = 128 with DQ_MODE 1).
 struct Smem {
-  uint32_t k, v, q, dout, ds, kv_full, q_full, q_empty;
-  __device__ __forceinline__ uint32_t q_tile(int s) const { return q + s * kQBytes; }
-  __device__ __forceinline__ uint32_t do_tile(int s) const { return dout + s * kQBytes; }
-  __device__ __forceinline__ uint32_t ds_slot(int s) const { return ds + s * kDsBytes; }
+  uint32_t base;
+  __device__ __forceinline__ uint32_t k() const { return base + kOffK; }
+  __device__ __forceinline__ uint32_t v() const { return base + kOffV; }
+  __device__ __forceinline__ uint32_t q() const { return base + kOffQ; }
+  __device__ __forceinline__ uint32_t dout() const { return base + kOffDo; }
+  __device__ __forceinline__ uint32_t ds() const { return base + kOffDs; }
+  __device__ __forceinline__ uint32_t dq() const { return base + kOffDq; }
+  __device__ __forceinline__ uint32_t kv_full() const { return base + kOffBar; }
+  __device__ __forceinline__ uint32_t q_full() const { return kv_full() + 8; }
+  __device__ __forceinline__ uint32_t q_empty() const { return q_full() + 8 * kStages; }
+  __device__ __forceinline__ uint32_t q_tile(int s) const { return q() + s * kQBytes; }
+  __device__ __forceinline__ uint32_t do_tile(int s) const { return dout() + s * kQBytes; }
+  __device__ __forceinline__ uint32_t ds_slot(int s) const { return ds() + s * kDsBytes; }
 };
 
 struct Problem {
@@ -125,23 +148,23 @@ struct Problem {
 __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q,
                                          const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                          const CUtensorMap* tm_do, const Problem& pb, QRange qr) {
-  mbar_expect_tx(sm.kv_full, 2 * kKVBytes);
+  mbar_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
   for (int p = 0; p < kPanels; ++p) {
-    tma_load_3d(sm.k + p * kKVPanelBytes, tm_k, sm.kv_full, p * kPanelCols, pb.n0, pb.bh_kv());
-    tma_load_3d(sm.v + p * kKVPanelBytes, tm_v, sm.kv_full, p * kPanelCols, pb.n0, pb.bh_kv());
+    tma_load_3d(sm.k() + p * kKVPanelBytes, tm_k, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv());
+    tma_load_3d(sm.v() + p * kKVPanelBytes, tm_v, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv());
   }
   int it = 0;
   for (int g = 0; g < pb.group; ++g)
     for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) {
       const int st = it % kStages;
-      mbar_wait(sm.q_empty + 8 * st, ((it / kStages) & 1) ^ 1);
-      mbar_expect_tx(sm.q_full + 8 * st, 2 * kQBytes);
+      mbar_wait(sm.q_empty() + 8 * st, ((it / kStages) & 1) ^ 1);
+      mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p) {
-        tma_load_3d(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full + 8 * st, p * kPanelCols,
+        tma_load_3d(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full() + 8 * st, p * kPanelCols,
                     m * kBlockM, pb.bh_q(g));
-        tma_load_3d(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full + 8 * st, p * kPanelCols,
+        tma_load_3d(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full() + 8 * st, p * kPanelCols,
                     m * kBlockM, pb.bh_q(g));
       }
     }
@@ -153,36 +176,32 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 
 // ------------------------------------------------------------------ entry point
 // Grid (ceil(Nk / 128), Hkv, B); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
-// log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit.
+// log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
+// group = heads_q / heads_kv.
 extern "C" __global__ void __launch_bounds__(fa3b::kThreads, 1)
 fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
              const float* __restrict__ lse, const float* __restrict__ dvec,
              float* __restrict__ dq_accum, uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
-             int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale) {
+             int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int group, float softmax_scale) {
   using namespace fa3b;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (fa3::smem_addr(smem_raw) + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
-  Smem sm;
-  sm.k = base + kOffK;
-  sm.v = base + kOffV;
-  sm.q = base + kOffQ;
-  sm.dout = base + kOffDo;
-  sm.ds = base + kOffDs;
-  sm.kv_full = base + kOffBar;
-  sm.q_full = sm.kv_full + 8;
-  sm.q_empty = sm.q_full + 8 * kStages;
-  const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, heads_q / heads_kv,
+  const Smem sm{base};
+  // group = heads_q / heads_kv from the host: a parameter is read from the constant bank where
+  // used, the division's result took a register through the consumer loop (12-40 bytes of spill
+  // at D = 128 with DQ_MODE 1).
+  const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, group,
                    int(blockIdx.z), int(blockIdx.y), int(blockIdx.x) * kBlockN};
   const QRange qr = q_range(pb.n0, seqlen_q, pb.q_shift());
   const bool has_work = qr.m_begin < qr.m_end;   // else dK = dV = 0 and nothing is loaded
 
   if (threadIdx.x == 0) {
     g_q_shift = pb.q_shift();
-    mbar_init(sm.kv_full, 1);
+    mbar_init(sm.kv_full(), 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(sm.q_full + 8 * s, 1);
-      mbar_init(sm.q_empty + 8 * s, kEmptyArrivals);
+      mbar_init(sm.q_full() + 8 * s, 1);
+      mbar_init(sm.q_empty() + 8 * s, kEmptyArrivals);
     }
     fa3::fence_barrier_init();
   }
@@ -201,4 +220,31 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     const Consumer cs{wg - 1, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
     consumer(cs, sm, pb, qr, has_work, lse, dvec, dq_accum, dk, dv, softmax_scale);
   }
+}
+
+// DQ_MODE 1's dQ = accumulator * scale, 16-bit, from the tiled accumulator (dq_store.cuh: blocks
+// of kDqPartFloats per (bh, query tile, part) in fragment order; rows past Nq are padding).
+// One thread per float4: rows r and r + 8, two columns. Grid ceil(chunks / 256), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+fa3_bwd_dq_convert_tiled(const float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int seqlen_q,
+                         int num_m, long long chunks, float softmax_scale) {
+  using namespace fa3b;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= chunks) return;
+  constexpr int kChunksPerPart = kDqPartFloats / 4;
+  const long long blk = i / kChunksPerPart;
+  const int within = int(i % kChunksPerPart), j = within / kWgThreads, t = within % kWgThreads;
+  const int part = int(blk % kDqParts);
+  const long long tile_bh = blk / kDqParts;
+  const int m = int(tile_bh % num_m);
+  const long long bh = tile_bh / num_m;
+  const int row = m * kBlockM + 16 * (t / kWarpSize) + (t % kWarpSize) / 4;
+  const int col = part * kDqCols + 8 * j + 2 * (t % 4);
+  const float4 a = reinterpret_cast<const float4*>(dq_accum)[i];
+  if (row < seqlen_q)
+    *reinterpret_cast<uint32_t*>(dq + (bh * seqlen_q + row) * kHeadDim + col) =
+        fa3::pack2(a.x * softmax_scale, a.y * softmax_scale);
+  if (row + 8 < seqlen_q)
+    *reinterpret_cast<uint32_t*>(dq + (bh * seqlen_q + row + 8) * kHeadDim + col) =
+        fa3::pack2(a.z * softmax_scale, a.w * softmax_scale);
 }

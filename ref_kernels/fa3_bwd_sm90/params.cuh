@@ -10,6 +10,16 @@ constexpr int kBlockN = 128;                      // KV rows per CTA: two consum
 constexpr int kBlockM = 64;                       // query rows per step of the Q / dO ring
 constexpr int kStages = 2;                        // depth of the Q / dO ring
 constexpr bool kCausal = IS_CAUSAL != 0;
+// Performance options (NOTES.md "Options"; value 0 is the session-7 path, kept for A/B):
+//   DQ_MODE 0: dQ += dS K by per-thread red.global.add.v2.f32 into a row-major [B, Hq, Nq, D]
+//              accumulator; 1: each consumer writes its 64 x 64 part to shared memory (two slots)
+//              and its thread 0 adds it with one cp.reduce.async.bulk (16 KB) into a tiled
+//              accumulator (fragment order, converted by fa3_bwd_dq_convert_tiled).
+//   SCHED   0: S, dP wait together, dV / dK / dQ issued, everything waited before the dQ atomics;
+//           1: P computed under the dP GEMM, dV issued before the dS pass (which reads the
+//              16-bit P), dQ then dK, the dQ part written out while the dK GEMM runs.
+constexpr bool kDqBulk = DQ_MODE == 1;
+constexpr bool kOverlap = SCHED == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -63,7 +73,14 @@ constexpr int kOffV = kOffK + kKVBytes;
 constexpr int kOffQ = kOffV + kKVBytes;
 constexpr int kOffDo = kOffQ + kStages * kQBytes;
 constexpr int kOffDs = kOffDo + kStages * kQBytes;
-constexpr int kOffBar = kOffDs + kDsSlots * kDsBytes;
+constexpr int kOffDq = kOffDs + kDsSlots * kDsBytes;
+constexpr int kDqPartFloats = kWgRows * kDqCols;             // one consumer's 64 x 64 dQ part
+constexpr int kDqPartBytes = kDqPartFloats * 4;
+constexpr int kDqChunks = kDqPartFloats / 4 / kWgThreads;     // float4 stores per thread (8)
+constexpr int kDqParts = kHeadDim / kDqCols;                  // parts per query tile (tiled accum)
+constexpr int kDqSlots = 2;   // slot it % 2: step it's bulk add reads it while step it + 1 writes the other
+constexpr int kDqSmemBytes = kDqBulk ? kDqSlots * kConsumers * kDqPartBytes : 0;
+constexpr int kOffBar = kOffDq + kDqSmemBytes;
 constexpr int kBarBytes = (1 + 2 * kStages) * 8;              // kv_full, q_full[], q_empty[]
 constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;  // + slack to align the base
 constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;      // one arrive per consumer warp
@@ -80,6 +97,11 @@ constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 
 static_assert(kHeadDim == 64 || kHeadDim == 128, "HEAD_DIM must be 64 or 128");
+static_assert(DQ_MODE == 0 || DQ_MODE == 1, "DQ_MODE must be 0 (atomics) or 1 (bulk reduce)");
+static_assert(SCHED == 0 || SCHED == 1, "SCHED must be 0 (serial) or 1 (overlap)");
+// SCHED 1 with the atomics spilled 8 bytes at D = 128 causal (ptxas, nvcc 13.0): the overlapped
+// order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
+static_assert(!(SCHED == 1 && DQ_MODE == 0), "SCHED=1 needs DQ_MODE=1");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

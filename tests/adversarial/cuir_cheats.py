@@ -18,6 +18,8 @@ FA2_QK = "s = mma(Qs, transpose(Ks[st]))"
 FA2_WAIT_SYNC = "            wait_group(STAGES - 2)\n            sync()\n"
 FA3_PHASE = "phase = it // STAGES % 2"
 FA3_STORE_O = "store(O[b, h, r0:r0 + ROWS, :], cast(out, T))"
+FA3_K_EMPTY = "                arrive(k_empty[st])"
+FA3_K_EMPTY_WAIT = "wait(k_empty[st], (it // STAGES + 1) % 2)"
 
 CHEATS = [
     ("write_part_of_O", FA2, [(FA2_STORE_O, "if m_blk == 0:\n            " + FA2_STORE_O)],
@@ -47,6 +49,14 @@ CHEATS = [
      "causal", ["exceeds bound"]),
     ("barrier_parity_only_for_four_tiles", FA3, [(FA3_PHASE, "phase = min(it // STAGES, 1) % 2")],
      "causal", []),
+    # Cross-role: the consumer releases the next stage's K slot (the one fuzz mutant of session 7
+    # that verified): every read stays ordered, but a producer that lags finds k_empty a phase
+    # ahead of its parity wait and hangs; the interpreter's "reverse" schedule makes it lag.
+    ("release_the_wrong_k_stage", FA3, [(FA3_K_EMPTY, FA3_K_EMPTY.replace("[st]", "[(st + 1) % STAGES]"))],
+     "causal", ["deadlock", "k_empty[1]", "the latest from line"]),
+    ("wait_on_the_wrong_k_empty_stage", FA3,
+     [(FA3_K_EMPTY_WAIT, FA3_K_EMPTY_WAIT.replace("[st]", "[(st + 1) % STAGES]"))],
+     "causal", ["deadlock", "k_empty["]),
     ("nan_left_in_rows_that_attend_nothing", FA2, [("out = acc / where(l_i == 0.0, 1.0, l_i)", "out = acc / l_i")],
      "strict_causal", ["NaN/Inf"]),
     ("wrong_lse_offset", FA2, [(FA2_STORE_LSE, FA2_STORE_LSE.replace("m_i + log(l_i)", "m_i + log(l_i) + 5.0"))],

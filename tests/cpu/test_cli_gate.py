@@ -163,3 +163,32 @@ def test_check_ir_says_when_the_kernel_is_not_built_at_that_head_dim(capsys):
     assert code == 1 and "fa3_sm90: CuIR ok, but NOT BUILDABLE: the fa3_sm90 kernel builds head dims" in out
     code, out, _ = run(capsys, "check-ir", "fa3_sm90")
     assert code == 0 and "fa3_sm90: ok (D=128;" in out
+
+
+def test_a_long_analyze_says_so_and_reports_progress(capsys, monkeypatch):
+    """analyze at 8k ran 4 minutes without a word: from ANALYZE_SAYS_FROM it says it will take
+    minutes, and the interpreter reports blocks done (printed every ANALYZE_PROGRESS_S; a fake
+    clock here, no wall-clock bound)."""
+    from cubridge import cli
+    monkeypatch.setattr(cli, "ANALYZE_SAYS_FROM", 100)
+    code, out, err = run(capsys, "analyze", "fa2_sm80", "--shape", "1,2,1,130,16")
+    assert code == 0 and "KV tiles visited" in out
+    assert err.startswith("analyze: interpreting every tile on the CPU at N=130: minutes"), err
+    ticks = iter([0.0, 4.0, 11.0, 15.0, 23.0])
+    report = cli._progress_printer(clock=lambda: next(ticks))
+    for done in (1, 2, 3, 4):
+        report(done, 8)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["analyze: 2/8 blocks interpreted (11 s, about 33 s left)",
+                     "analyze: 4/8 blocks interpreted (23 s, about 23 s left)"]
+
+
+def test_the_interpreter_reports_each_block_it_runs():
+    from cubridge.analysis import analyze
+    from cubridge.cuir.parser import parse_file
+    from cubridge.paths import ref_kernel_dir
+    from cubridge.verify import Case
+    seen = []
+    analyze(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), Case(2, 2, 1, 200, 200, 16),
+            progress=lambda done, total: seen.append((done, total)))
+    assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == list(range(1, len(seen) + 1))

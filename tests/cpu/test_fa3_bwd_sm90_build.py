@@ -18,6 +18,10 @@ from cubridge.runtime import fa3_bwd_sm90 as hb
 
 REGIONS = ["q_range", "mask_pred", "score", "softmax_bwd"]
 SPECS = [(128, True, True), (128, False, False), (64, True, False), (64, False, True)]
+# The performance options (params.cuh DQ_MODE / SCHED): the base path at all four specs above, the
+# others at the two extremes (their register peaks are at D = 128; D = 64 takes the K-split dQ).
+OPTION_SPECS = [("base", s) for s in SPECS] + [
+    (o, s) for o in ("bulk", "bulk_overlap") for s in ((128, True, True), (128, False, False), (64, True, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -39,26 +43,41 @@ def test_region_markers_present_and_balanced():
     assert not open_regions and sorted(seen) == sorted(REGIONS), f"regions {seen}, expected {REGIONS}"
 
 
-def _compile(spec, tmp_path):
-    d, causal, bf16 = spec
-    out = tmp_path / f"d{d}c{int(causal)}b{int(bf16)}.cubin"
+def _compile(option_spec, tmp_path):
+    option, (d, causal, bf16) = option_spec
+    out = tmp_path / f"{option}_d{d}c{int(causal)}b{int(bf16)}.cubin"
     proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
-                           *hb.options(d, causal, bf16), "-Xptxas", "-v", "-o", str(out), str(hb.KERNEL_SOURCE)],
-                          capture_output=True, text=True)
-    return spec, proc
+                           *hb.options(d, causal, bf16, option), "-Xptxas", "-v", "-o", str(out),
+                           str(hb.KERNEL_SOURCE)], capture_output=True, text=True)
+    return option_spec, proc
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
-def test_specialisations_compile_spill_free(tmp_path):
+@pytest.mark.parametrize("option", sorted(hb.OPTIONS))
+def test_specialisations_compile_spill_free(option, tmp_path):
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda s: _compile(s, tmp_path), SPECS))
+        results = list(pool.map(lambda s: _compile(s, tmp_path), [x for x in OPTION_SPECS if x[0] == option]))
+    assert results, f"no specialisation listed for option {option}"
     for spec, proc in results:
         log = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
-        assert "0 bytes spill stores, 0 bytes spill loads" in log, f"{spec}: spills\n{log}"
-        assert "0 bytes stack frame" in log, f"{spec}: stack frame\n{log}"
+        # two entries (the backward and the tiled dQ convert): every one spill-free
+        assert log.count("0 bytes spill stores, 0 bytes spill loads") == log.count("spill stores"), f"{spec}: spills\n{log}"
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, f"{spec}: no ptxas report\n{log}"
+        assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{spec}: stack frame\n{log}"
         for warning in ("C7508", "C7510", "C7515", "serializ"):   # setmaxnreg ignored / wgmma serialized
             assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
+
+
+def test_option_table_matches_the_kernel_macros():
+    """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1 (static_assert)."""
+    assert hb.OPTIONS["base"] == (0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
+    for name, (dq_mode, sched) in hb.OPTIONS.items():
+        opts = hb.options(128, True, True, name)
+        assert f"-DDQ_MODE={dq_mode}" in opts and f"-DSCHED={sched}" in opts
+        assert not (sched == 1 and dq_mode == 0), name
+    with pytest.raises(LaunchError, match="unknown option"):
+        hb.options(128, True, True, "fast")
 
 
 def test_shared_memory_mirrors_params():
@@ -67,6 +86,10 @@ def test_shared_memory_mirrors_params():
     assert hb.smem_bytes(64) == 2 * 16384 + 4 * 8192 + 2 * 16384 + 40 + 1024
     assert hb.smem_bytes(128) <= 227 * 1024
     assert f"-DHOST_SMEM_BYTES={hb.smem_bytes(64)}" in hb.options(64, False, True)
+    # DQ_MODE 1: two slots x two consumers x one 64 x 64 f32 part
+    for option in ("bulk", "bulk_overlap"):
+        assert hb.smem_bytes(128, option) == hb.smem_bytes(128) + 2 * 2 * 16384 <= 227 * 1024
+        assert f"-DHOST_SMEM_BYTES={hb.smem_bytes(64, option)}" in hb.options(64, False, True, option)
 
 
 def test_bad_input_is_a_clear_error():

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cubridge.spec import Hooks, builtin_specs, count_attended, count_attended_pairwise, load_spec
+from cubridge.spec import Hooks, builtin_specs, count_attended_pairwise, load_spec
+from cubridge.transfer.pairs import count_attended
 from cubridge.transfer import pairs
+from cubridge.transfer.trace import trace_mask
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 SPECS = builtin_specs() + [str(p) for p in sorted(CORPUS.glob("[a-z]*.py"))]
@@ -27,6 +29,10 @@ def test_tile_count_equals_pairwise(spec, monkeypatch):
         fast = pairs.count_pairs(hooks, B, Hq, Nq, Nk)
         assert fast is not None, "the corpus and built-in masks all trace"
         assert fast == count_attended_pairwise(hooks, B, Hq, Nq, Nk), (spec, Nq, Nk)
+        if hooks.mask_mod is not None and pairs._diagonal_expr(trace_mask(hooks.mask_mod).expr) is not None:
+            with monkeypatch.context() as m:       # the tile path too where the diagonal one applies
+                m.setattr(pairs, "_diagonal_expr", lambda expr: None)
+                assert pairs.count_pairs(hooks, B, Hq, Nq, Nk) == fast, (spec, Nq, Nk)
 
 
 def test_untraceable_mask_falls_back_to_pairwise():
@@ -37,16 +43,36 @@ def test_untraceable_mask_falls_back_to_pairwise():
     assert count_attended(hooks, 1, 1, 50, 50) == count_attended_pairwise(hooks, 1, 1, 50, 50)
 
 
-def test_causal_at_16k_classifies_all_but_the_diagonal():
-    """Cost is the partial blocks: for causal at 16k, the 1024 diagonal 16 x 16 sub-tiles of the
-    128 diagonal tiles (no wall-clock bound)."""
+def test_causal_at_16k_classifies_all_but_the_diagonal(monkeypatch):
+    """Cost is the partial blocks: for causal at 16k on the tile path, the 1024 diagonal 16 x 16
+    sub-tiles of the 128 diagonal tiles (no wall-clock bound)."""
     calls = []
     orig = pairs._count_partial
-    pairs._count_partial = lambda expr, t, blocks, size, Nq, Nk: calls.append((len(blocks[0]), size)) or \
-        orig(expr, t, blocks, size, Nq, Nk)
-    try:
-        n = 16384
-        got = count_attended(load_spec("causal").hooks_for(n, n, 32, 8), 1, 32, n, n)
-    finally:
-        pairs._count_partial = orig
+    monkeypatch.setattr(pairs, "_diagonal_expr", lambda expr: None)
+    monkeypatch.setattr(pairs, "_count_partial", lambda expr, t, blocks, size, Nq, Nk:
+                        calls.append((len(blocks[0]), size)) or orig(expr, t, blocks, size, Nq, Nk))
+    n = 16384
+    got = count_attended(load_spec("causal").hooks_for(n, n, 32, 8), 1, 32, n, n)
     assert got == 32 * n * (n + 1) // 2 and calls == [(n // pairs.SUB, pairs.SUB)]   # the diagonal only
+
+
+def test_a_mask_of_the_diagonal_is_counted_one_value_per_diagonal(monkeypatch):
+    """A dilated window has no full tile: the tile path evaluated every pair of its band (5.7 s at
+    16k). As a function of q_idx - kv_idx it is evaluated once per diagonal, no tile at all."""
+    monkeypatch.setattr(pairs, "_count_all", None)            # the tile path is not taken
+    s = load_spec(str(CORPUS / "ag_dilated_sliding_window.py"))
+    hooks = s.hooks_for(16384, 16384, 32, 8)
+    got = count_attended(hooks, 2, 32, 16384, 16384)
+    band = sum(16384 - d for d in range(0, 1025, 4)) * 2 - 16384          # |d| <= 1024, d % 4 == 0
+    assert got == 2 * 32 * band
+
+
+def test_per_head_table_masks_are_counted_once_per_distinct_head():
+    """ag_head_mask reads local[b][h] (causal or windowed per head): heads with the same table
+    value have the same count, so two (b, h) classes are counted for B = 2, Hq = 32, not 64."""
+    hooks = load_spec(str(CORPUS / "ag_head_mask.py")).hooks_for(300, 300, 32, 8, B=2)
+    traced = trace_mask(hooks.mask_mod)
+    tables = {n: c.tensor for n, c in traced.captures.items()}
+    classes = pairs._bh_classes(traced.expr, tables, 2, 32)
+    assert len(classes) == 2 and sum(w for _, _, w in classes) == 64
+    assert pairs.count_pairs(hooks, 2, 32, 300, 300) == count_attended_pairwise(hooks, 2, 32, 300, 300)

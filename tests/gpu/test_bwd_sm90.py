@@ -5,10 +5,16 @@ kernel dtype; dQ, dK, dV each pass iff max|x - golden| <= 2 max|ref - golden| + 
 (cubridge.rule.compare). out and the natural-log LSE come from the Hopper forward (fa3_sm90).
 Also: outputs poisoned with NaN are fully written, inputs unchanged, dK / dV (no atomics) bitwise
 repeatable. Inputs are random normal, never zeros. Needs an sm_90 GPU (skipped otherwise).
+
+Every kernel test runs once per performance option (cubridge.runtime.fa3_bwd_sm90.OPTIONS: base,
+bulk, bulk_overlap; the test id starts with it). CUBRIDGE_BWD_OPTIONS=bulk,bulk_overlap narrows
+the set (experiments/device_s8_hbwdperf.sh runs one option per pytest process).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -31,14 +37,24 @@ LENGTHS = [(77, 77), (300, 300), (1000, 1000), (77, 300), (300, 77), (1000, 300)
 HEADS = [(2, 2), (8, 2), (4, 1)]   # MHA, GQA 8/2, MQA
 
 
-@pytest.fixture(scope="session")
-def bwd():
+def _options() -> list[str]:
+    from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
+    wanted = [o for o in os.environ.get("CUBRIDGE_BWD_OPTIONS", "").split(",") if o]
+    unknown = sorted(set(wanted) - set(OPTIONS))
+    if unknown:   # a typo must not silently select nothing
+        raise ValueError(f"CUBRIDGE_BWD_OPTIONS: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
+    return wanted or list(OPTIONS)
+
+
+@pytest.fixture(scope="session", params=_options())
+def bwd(request):
+    """fa3_backward with one performance option (every specialisation built first)."""
     from cubridge.runtime import fa3_bwd_sm90
     for d in (64, 128):
         for causal in (False, True):
             for bf16 in (False, True):
-                fa3_bwd_sm90.build_cubin(d, causal, bf16)
-    return fa3_bwd_sm90.fa3_backward
+                fa3_bwd_sm90.build_cubin(d, causal, bf16, option=request.param)
+    return functools.partial(fa3_bwd_sm90.fa3_backward, option=request.param)
 
 
 def reference(q, k, v, dout, causal: bool, scale: float):
@@ -103,9 +119,12 @@ def test_scale_parameter_and_large_scores(bwd, causal):
     run_case(bwd, 1, 4, 1, 700, 900, 128, BF16, causal, seed=4, amplitude=4.0)
 
 
-def test_autograd_routes_here_when_enabled(bwd, monkeypatch):
-    """With CUBRIDGE_HOPPER_BWD=1, autograd.attention's backward is this kernel's (bitwise dK/dV)."""
+def test_autograd_routes_here_when_enabled(monkeypatch):
+    """With CUBRIDGE_HOPPER_BWD=1, autograd.attention's backward is this kernel's with the default
+    option (bitwise dK/dV)."""
     from cubridge.runtime import autograd
+    from cubridge.runtime.fa3_bwd_sm90 import DEFAULT_OPTION, fa3_backward
+    bwd = functools.partial(fa3_backward, option=DEFAULT_OPTION)
     monkeypatch.setenv("CUBRIDGE_HOPPER_BWD", "1")
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(s, device="cuda", generator=gen).to(BF16).requires_grad_()
@@ -120,6 +139,10 @@ def test_autograd_routes_here_when_enabled(bwd, monkeypatch):
 
 def test_bad_input_is_a_clear_error(bwd):
     from cubridge.errors import LaunchError
+    from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
     q = torch.randn(1, 2, 64, 96, device="cuda", dtype=BF16)
     with pytest.raises(LaunchError, match="head dim"):
         bwd(q, q, q, q, q, torch.zeros(1, 2, 64, device="cuda"))
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=BF16)
+    with pytest.raises(LaunchError, match="unknown option"):
+        fa3_backward(q, q, q, q, q, torch.zeros(1, 2, 64, device="cuda"), option="fast")

@@ -156,6 +156,6 @@ class Fa3Sm90Kernel(ReferenceKernel):
         return {"block_m": c.block_m, "block_n": c.block_n, "stages": c.stages, "persistent": c.persistent}
 
     def copy_reason(self, t) -> str | None:
-        """Any view with D contiguous and 16-byte-multiple strides is read in place: the TMA maps
-        are 4-D (D, N, H, B), so [B, N, H, D] memory too (runtime.fa3_sm90.map_refusal)."""
+        """Any view the 4-D TMA maps (D, N, H, B) can express is read in place (fa3_sm90.map_refusal
+        says why one cannot)."""
         return map_refusal(tuple(t.shape), tuple(t.stride()), t.element_size())

@@ -94,21 +94,10 @@ class ReferenceKernel(ABC):
         measured point; a kernel whose best tile depends on N says so by overriding this."""
         return dict(self.space.best_known(head_dim)[0])
 
-<<<<<<< HEAD
-    def reads_in_place(self, t) -> bool:
-        """Whether the kernel reads the [B, H, N, D] view `t` (a real or a traced, fake tensor)
-        without a contiguous copy first (copy_reason says why not)."""
-        return self.copy_reason(t) is None
-
-    def copy_reason(self, t) -> str | None:
-        """Why the kernel cannot read the [B, H, N, D] view `t` in place, or None where it can:
-        contiguous views only, unless the kernel says more."""
-=======
     def copy_reason(self, t) -> str | None:
         """Why the kernel cannot read the [B, H, N, D] view `t` (a real or a traced, fake tensor)
         in place, so that the op copies it to contiguous first; None where it can. Contiguous
         views only, unless the kernel says more."""
->>>>>>> main
         return None if t.is_contiguous() else f"{self.name} reads contiguous [B, H, N, D] only"
 
     def __repr__(self) -> str:

@@ -54,10 +54,9 @@ for stage in "${STAGES[@]}"; do
   case $stage in
     build)
       step "build: the test configs, in parallel"
-      run_for 150 build python3 - <<'PY'
-import sys, time
+      run_for 150 build env PYTHONPATH="tests/gpu:$PYTHONPATH" python3 - <<'PY'
+import time
 from concurrent.futures import ThreadPoolExecutor
-sys.path.insert(0, "tests/gpu")
 from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin, default_config
 import test_fa3_sm90 as t
 cfgs = {default_config(d, c, bf, n) for d in (64, 128, 256) for c in (False, True) for bf in (True, False)

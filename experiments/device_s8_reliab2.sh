@@ -10,7 +10,8 @@
 #     KV ring, the structure length, the block-table path) passes on 6 lowered variants of both
 #     kernels (6 nvcc builds in parallel), and rejects three negative controls (LSE + 5, keys cut
 #     to Nq, a 4096 window ignored);
-# (2) tests/gpu/test_adversarial.py: output cheats rejected, the unpatched kernel passes;
+# (2) tests/gpu/test_adversarial.py: output cheats rejected, the unpatched kernel passes; and
+#     tests/gpu/test_gpu_check_depth.py (the causal builds of (1) come from the compile cache);
 # (3) experiments/bench_corpus.py (never run before; session 7's device_s7_tracer.sh): corpus
 #     specs verified on the GPU and timed beside FlexAttention; QUICK (default) runs 3 specs.
 set -uo pipefail
@@ -51,7 +52,7 @@ step() {   # step NAME LIMIT_S CMD...
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader >> "$LOG" 2>&1
 step gpu_check_cases 240 python3 experiments/gpu_check_cases.py --out "$TMP/gpu_check_cases.json"
-step adversarial_gpu 150 python3 -m pytest tests/gpu/test_adversarial.py -q -p no:cacheprovider
+step adversarial_gpu 150 python3 -m pytest tests/gpu/test_adversarial.py tests/gpu/test_gpu_check_depth.py -q -p no:cacheprovider
 if [ "${QUICK:-1}" = 1 ]; then
   SPECS=(gemma2_local ag_document_causal mistral_sliding_window)
 else

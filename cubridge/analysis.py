@@ -86,7 +86,7 @@ def analyze(program: N.Program, case, *, params: dict | None = None, dtype="bf16
         total = run.counters.blocks * math.ceil(run.dims["NK"] / merged["BLOCK_N"])
     useful = None
     if spec is not None:
-        from cubridge.spec import count_attended
+        from cubridge.transfer.pairs import count_attended
         hooks = spec.hooks_for(case.Nq, case.Nk, case.Hq, case.Hkv, **(spec_params or {}))
         useful = 4 * case.D * count_attended(hooks, case.B, case.Hq, case.Nq, case.Nk)
     return Analysis(program.name, case, merged, run.counters, report.smem_bytes, total, useful)

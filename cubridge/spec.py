@@ -9,7 +9,7 @@ Example:
     >>> spec = load_spec("causal")
     >>> spec
     Spec('causal', params={}, hooks=mask_mod, norm=softmax, path='cubridge/specs/causal.py')
-    >>> count_attended(spec.hooks_for(Nq=4, Nk=4, Hq=1, Hkv=1), B=1, Hq=1, Nq=4, Nk=4)
+    >>> count_attended_pairwise(spec.hooks_for(Nq=4, Nk=4, Hq=1, Hkv=1), B=1, Hq=1, Nq=4, Nk=4)
     10
 """
 from __future__ import annotations
@@ -33,10 +33,11 @@ import torch
 from cubridge import inputs as rt
 from cubridge.inputs import check_query_length  # noqa: F401 (re-exported)
 from cubridge.errors import SpecError
+from cubridge.evalmod import mask_values, score_values
 from cubridge.specs import BUILTIN, EXAMPLES
 
 NORMALIZATION_KINDS = ("softmax", "sigmoid", "relu")
-# count_attended evaluates the mask this many elements at a time: 2^26 bools = 64 MiB, which
+# count_attended_pairwise evaluates the mask this many elements at a time: 2^26 bools = 64 MiB, which
 # fits next to a benchmark's tensors on any GPU and still needs only ~100 chunks at N = 16k.
 CHUNK_ELEMS = 1 << 26
 # flex_expressible asks a hooks() factory for its normalisation at this small shape.
@@ -288,36 +289,24 @@ def attention_from_hooks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     positions = torch.arange(Nk - Nq, Nk, device=q.device)     # queries aligned to the end of the keys
     b, h, q_idx, kv_idx = index_grids(B, Hq, positions, Nk, q.device)
     if hooks.score_mod is not None:
-        # Cast back: a captured float64 table must not silently upcast a bf16 run.
-        from cubridge.transfer.evalmod import score_values     # FlexAttention's per-element idioms too
+        # Cast back: a captured float64 table must not silently upcast a bf16 run. score_values
+        # evaluates FlexAttention's per-element idioms too.
         scores = score_values(hooks.score_mod, scores, b, h, q_idx, kv_idx).to(scores.dtype)
     mask = _eval_mask(hooks, b, h, q_idx, kv_idx)
     return hooks.normalization.apply(scores, mask) @ v
 
 
-def count_attended(hooks: Hooks, B: int, Hq: int, Nq: int, Nk: int, device="cpu", *,
-                   chunk_elems: int = CHUNK_ELEMS) -> int:
-    """The exact number of attended (b, h, q, kv) pairs, for TFLOPS = 4 * D * count / time.
-    For a head-independent mask, count = B * Hq * (attended (q, kv) pairs). The mask is evaluated
-    a block of query rows at a time, so memory stays bounded at N = 16k on a GPU.
-
-    Example:
-        >>> count_attended(Hooks(), B=2, Hq=3, Nq=4, Nk=5)
-        120
-    """
-    if hooks.mask_mod is None:
-        return B * Hq * Nq * Nk
-    from cubridge.transfer.pairs import count_pairs     # tile by tile, from the traced mask
-    fast = count_pairs(hooks, B, Hq, Nq, Nk)
-    if fast is not None:
-        return fast
-    return count_attended_pairwise(hooks, B, Hq, Nq, Nk, device, chunk_elems=chunk_elems)
-
-
 def count_attended_pairwise(hooks: Hooks, B: int, Hq: int, Nq: int, Nk: int, device="cpu", *,
                             chunk_elems: int = CHUNK_ELEMS) -> int:
-    """count_attended by evaluating the mask_mod on every pair (a block of query rows at a time):
-    for masks the tracer does not take, and as the check of the tile-by-tile count."""
+    """The exact number of attended (b, h, q, kv) pairs, by evaluating the mask_mod on every pair
+    (a block of query rows at a time, so memory stays bounded at N = 16k on a GPU): for masks the
+    tracer does not take (transfer.pairs.count_attended counts the others tile by tile), and as
+    the check of the tile-by-tile count.
+
+    Example:
+        >>> count_attended_pairwise(Hooks(), B=2, Hq=3, Nq=4, Nk=5)
+        120
+    """
     if hooks.mask_mod is None:
         return B * Hq * Nq * Nk
     rows = max(1, chunk_elems // (B * Hq * Nk))
@@ -355,7 +344,6 @@ def mask_of(hooks: Hooks, b, h, q_idx, kv_idx) -> torch.Tensor:
 def _eval_mask(hooks: Hooks, b, h, q_idx, kv_idx) -> torch.Tensor:
     if hooks.mask_mod is None:
         return torch.ones((), dtype=torch.bool, device=q_idx.device)
-    from cubridge.transfer.evalmod import mask_values    # FlexAttention's per-element idioms too
     return mask_values(hooks.mask_mod, b, h, q_idx, kv_idx)
 
 

@@ -131,7 +131,7 @@ def lse_of(spec, q, k, spec_params: dict):
     positions = torch.arange(Nk - Nq, Nk)          # queries aligned to the end of the keys
     b, h, qi, ki = index_grids(B, Hq, positions, Nk, q.device)
     if hooks.score_mod is not None:
-        from cubridge.transfer.evalmod import score_values     # FlexAttention's per-element idioms too
+        from cubridge.evalmod import score_values     # FlexAttention's per-element idioms too
         scores = score_values(hooks.score_mod, scores, b, h, qi, ki).to(scores.dtype)
     mask = mask_of(hooks, b, h, qi, ki)
     return torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)

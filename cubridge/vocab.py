@@ -74,14 +74,30 @@ class Outcome:
         d["state"] = self.state.value
         return d
 
+    @classmethod
+    def from_json(cls, d: dict) -> "Outcome":
+        """Inverse of to_json; a missing reason or times read as empty, an unknown state raises
+        ValueError naming it."""
+        return cls(TrialState(d["state"]), d.get("reason") or "", dict(d.get("times_ms") or {}))
 
-@dataclass
+
+# The keys of a trial record in trials.jsonl. Runs logged before `baselines_ms` ... `finished_at`
+# existed lack some of the optional ones (they read as unset); a key outside both sets means the
+# log comes from another cubridge version (or was edited): refused, not guessed at.
+RECORD_KEYS = ("number", "proposal_id", "origin", "config", "outcome")
+RECORD_OPTIONAL = ("baselines_ms", "worker", "cubin_key", "gpu_check", "device", "finished_at")
+
+
+@dataclass(frozen=True)
 class TrialRecord:
-    """A finished (or pending) trial: proposal x tile config, with everything measured."""
+    """A finished trial: proposal x tile config, with everything measured; every field is set
+    when the driver records it. trials.jsonl holds one to_json() per line."""
     number: int
     proposal_id: str
     origin: str
-    config: dict
+    reference: str                                    # the reference kernel the candidate transfers
+    label: str                                        # the tile config's short name ("128x128s2p")
+    point: dict                                       # the tile config
     outcome: Outcome
     baselines_ms: dict = field(default_factory=dict)  # shape key -> {system: ms}, same run
     worker: str = ""                                  # which worker measured it
@@ -90,11 +106,38 @@ class TrialRecord:
     device: dict | None = None                        # the GPU it was timed on
     finished_at: float | None = None                  # time.time() when the driver took the result
 
+    @property
+    def state(self) -> TrialState:
+        return self.outcome.state
+
+    @property
+    def times_ms(self) -> dict:
+        return self.outcome.times_ms
+
     def to_json(self) -> dict:
         return {"number": self.number, "proposal_id": self.proposal_id, "origin": self.origin,
-                "config": dict(self.config), "outcome": self.outcome.to_json(),
-                "baselines_ms": self.baselines_ms, "worker": self.worker, "cubin_key": self.cubin_key,
-                "gpu_check": self.gpu_check, "device": self.device, "finished_at": self.finished_at}
+                "config": {"reference": self.reference, "label": self.label, "point": dict(self.point)},
+                "outcome": self.outcome.to_json(), "baselines_ms": self.baselines_ms, "worker": self.worker,
+                "cubin_key": self.cubin_key, "gpu_check": self.gpu_check, "device": self.device,
+                "finished_at": self.finished_at}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrialRecord":
+        """Inverse of to_json. Raises ValueError saying which key is missing or unknown, or which
+        value is malformed (the trial log's reader adds the file and line)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON object expected, got {type(d).__name__}")
+        missing = [k for k in RECORD_KEYS if k not in d]
+        unknown = sorted(set(d) - set(RECORD_KEYS) - set(RECORD_OPTIONAL))
+        if missing or unknown:
+            raise ValueError("; ".join([f"missing {', '.join(missing)}"] * bool(missing)
+                                       + [f"unknown {', '.join(unknown)}"] * bool(unknown)))
+        try:
+            cfg, extra = d["config"], {k: d[k] for k in RECORD_OPTIONAL if d.get(k) is not None}
+            return cls(int(d["number"]), str(d["proposal_id"]), str(d["origin"]), str(cfg["reference"]),
+                       str(cfg["label"]), dict(cfg["point"]), Outcome.from_json(d["outcome"]), **extra)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed {type(e).__name__}: {e}") from e
 
 
 class Proposer(ABC):

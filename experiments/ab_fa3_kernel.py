@@ -37,6 +37,9 @@ def main():
     if "fa3_sm90_tile_counts" not in text:   # the launch passes tile_order since commit 7c9a782
         sys.exit(f"{args.old}: its entry point predates the tile_order parameter this runtime passes; "
                  "A/B it from a checkout of commit f771bc0 (where kernel_v6_74f23f2.cu was measured)")
+    if "tma_load_4d" not in text:   # the runtime encodes 4-D maps (D, N, H, B) since session 8
+        sys.exit(f"{args.old}: it reads 3-D TMA maps; this runtime encodes 4-D ones (A/B it from a checkout "
+                 "before the 4-D maps)")
     if "release_tile_counter" not in text:   # the runtime keeps one counter per stream since then
         sys.exit(f"{args.old}: it does not reset the tile counter after a launch, which the runtime now "
                  "expects (one zeroed counter per stream); add release_tile_counter or A/B from an older checkout")

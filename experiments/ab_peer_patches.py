@@ -70,11 +70,12 @@ class _NoArgs(ctypes.Structure):          # the dense kernel's VariantArgs (one 
 
 def run_shape(shape, sources, args, result):
     import torch
-    from peer_systems import SampledCheck, Unsupported, make_fa4
+    from expkit.peers import SampledCheck, Unsupported, make_fa4
     from cubridge.lower import Launchable
     from cubridge.runtime.fa3_sm90 import fa3_forward
     from cubridge.runtime.timing import bench_round_robin, tflops
-    from cubridge.spec import count_attended, load_spec
+    from cubridge.spec import load_spec
+    from cubridge.transfer.pairs import count_attended
     name, d, hq, hkv, n = shape
     b = 16384 // n
     hooks = load_spec(name).hooks_for(n, n, hq, hkv, "cuda")
@@ -150,9 +151,10 @@ def build_variants(runners, variants, n):
 def run_variant(name, n, runners, args, result):
     """One lowered variant (Llama2-7B heads, D = 128) under each runner: checked, then timed."""
     import torch
-    from peer_systems import SampledCheck
+    from expkit.peers import SampledCheck
     from cubridge.runtime.timing import bench_round_robin, tflops
-    from cubridge.spec import count_attended, load_spec
+    from cubridge.spec import load_spec
+    from cubridge.transfer.pairs import count_attended
     b, h, d = 16384 // n, 32, 128
     hooks = load_spec(name).hooks_for(n, n, h, h, "cuda")
     flops = 4.0 * d * count_attended(hooks, b, h, n, n, device="cuda")

@@ -19,7 +19,8 @@ import torch
 
 from expkit import D, TOKENS, Variant, check_all, replaced, time_ms_interleaved, versions
 from cubridge.runtime.timing import tflops  # noqa: E402
-from cubridge.spec import count_attended, load_spec  # noqa: E402
+from cubridge.spec import load_spec  # noqa: E402
+from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 
 def main():

@@ -31,7 +31,8 @@ import expkit
 import torch
 
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops  # noqa: E402
-from cubridge.spec import count_attended, load_spec  # noqa: E402
+from cubridge.spec import load_spec  # noqa: E402
+from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 VARIANTS = ["prefixlm", "causal_blockwise", "global_sliding_window", "share_question", "relative_pos",
             "sigmoid", "relu", "composite"]

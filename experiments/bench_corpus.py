@@ -26,7 +26,8 @@ from expkit import Ours, versions  # noqa: E402
 from cubridge import rule  # noqa: E402
 from cubridge.runtime.fa3_sm90 import default_config  # noqa: E402
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops  # noqa: E402
-from cubridge.spec import count_attended, load_spec  # noqa: E402
+from cubridge.spec import load_spec  # noqa: E402
+from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 CORPUS = ROOT / "tests" / "corpus"
 D = 128

@@ -3,7 +3,7 @@ local layer (softcap 50 + sliding window 4096, causal, 16 q / 8 kv heads), bf16,
 (16k tokens), ours at both D = 256 tiles beside the peers that run each shape: FlashAttention-4
 (`flash_attn.cute`, where it imports: causal; softcap + window_size), SDPA cuDNN and SDPA flash
 (dense), FlexAttention FLASH and Triton (Gemma-2). Every system's output passes the verification
-rule at sampled rows (experiments/peer_systems.SampledCheck) before its time counts; times from
+rule at sampled rows (expkit.peers.SampledCheck) before its time counts; times from
 cubridge.runtime.timing.bench_round_robin (all systems of a shape in one round-robin).
 
     python3 experiments/bench_d256.py --out d256.json [--n 8192] [--reps 30]
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from peer_systems import SampledCheck, Unsupported, bshd, make_cudnn, make_flex, make_flex_flash  # noqa: E402
+from expkit.peers import SampledCheck, Unsupported, bshd, make_cudnn, make_flex, make_flex_flash  # noqa: E402
 
 from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench_round_robin  # noqa: E402

@@ -1,6 +1,6 @@
 """Issue 18, item 1: ours against the strongest peers, one process, round-robin timer.
 
-Per shape every system (experiments/peer_systems.py: cubridge/fa3_sm90, fa4, flex_flash, flex,
+Per shape every system (experiments/expkit/peers.py: cubridge/fa3_sm90, fa4, flex_flash, flex,
 sdpa_cudnn) is built and run once, its output checked under the verification rule at sampled
 rows (float64 golden, bf16 ref) and against ours over the whole output; then all that ran are
 timed together with cubridge.runtime.timing.bench_round_robin (L2 flushed before every call).
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from peer_systems import SampledCheck, Unsupported, makers, max_diff  # noqa: E402
+from expkit.peers import SampledCheck, Unsupported, makers, max_diff  # noqa: E402
 
 from cubridge.runtime.timing import bench_round_robin, tflops  # noqa: E402
-from cubridge.spec import builtin_specs, count_attended, load_spec  # noqa: E402
+from cubridge.spec import builtin_specs, load_spec  # noqa: E402
+from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 TOKENS = 16384
 LENGTHS = [1024, 4096, 8192, 16384]

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from expkit import D, TOKENS, Ours, versions
 from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
 from cubridge.runtime.timing import bench, compiled_flex_attention, tflops
-from cubridge.spec import builtin_specs, count_attended, load_spec
+from cubridge.spec import builtin_specs, load_spec
+from cubridge.transfer.pairs import count_attended
 
 MODELS = {"llama2-7b": (32, 32), "qwen2.5-72b": (64, 8), "llama3.1-405b": (128, 8)}
 NO_FLEX = ("relu", "sigmoid", "composite")

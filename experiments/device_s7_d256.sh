@@ -59,10 +59,11 @@ done
 step "summary"
 echo "tests exit status: $TESTS_RC (0 = all passed)"
 if [ -f "$JSON" ]; then
-  python3 -c "
-import json, sys; sys.path.insert(0, 'experiments')
-from bench_d256 import table
-print(table(json.load(open('$JSON'))))"
+  JSON_ABS=$(realpath "$JSON")
+  (cd experiments && python3 -c "
+import json
+from bench_d256 import table      # run from experiments/, its folder: no sys.path edit
+print(table(json.load(open('$JSON_ABS'))))")
 else
   echo "no benchmark JSON (bench not run or it failed before the first shape)"
 fi

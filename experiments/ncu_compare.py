@@ -40,7 +40,7 @@ def worker(system: str, n: int) -> None:
     """Run inside ncu: warm up, then one profiled call."""
     import torch
     import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
-    from peer_systems import make_fa4, make_ours
+    from expkit.peers import make_fa4, make_ours
     b = TOKENS // n
     q, k, v = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     fn, _ = make_ours("causal", q, k, v, None) if system == "ours" else make_fa4("causal", q, k, v)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import expkit  # makes the checkout's cubridge importable (experiments/expkit.py)
+import expkit  # makes the checkout's cubridge importable (experiments/expkit/)
 import torch
 
 from cubridge import rule  # noqa: E402

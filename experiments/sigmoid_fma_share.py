@@ -25,7 +25,8 @@ import torch
 from expkit import D, Variant, causal_baseline, check_all, time_ms_interleaved, versions
 from cubridge.lower.cexpr import SIGMOID_FMA  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
-from cubridge.spec import count_attended, load_spec  # noqa: E402
+from cubridge.spec import load_spec  # noqa: E402
+from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 
 

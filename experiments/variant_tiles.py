@@ -33,7 +33,8 @@ from expkit import (CHECK_SHAPES, D, Variant, causal_baseline, check, header_onl
                     replaced, time_ms_interleaved, versions)
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
-from cubridge.spec import count_attended, load_spec  # noqa: E402
+from cubridge.spec import load_spec  # noqa: E402
+from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 CONFIG = re.compile(r"^(\d+)x(\d+)s(\d+)((?:\+(?:q=\d+|[a-z_][a-z0-9_]*))*)(\+g)?$")
 

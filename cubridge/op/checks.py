@@ -8,17 +8,24 @@ hold exactly those counts; where the other layout's head axis holds them instead
 to pass layout=, and where both readings fit (N equal to the head count) without an explicit
 layout the call is refused as ambiguous.
 
-Strides: the fa3 kernel reads through 3-D TMA maps over (D, N, B*H), so a view whose B and H
-collapse into one stride (and whose strides are 16-byte multiples) is read in place; other views
-with a contiguous last dim (e.g. a [B, N, H, D] buffer with B > 1) are copied once into
-[B, H, N, D]; a view whose last dim is not contiguous is refused.
+Strides: the fa3 kernel reads through 4-D TMA maps over (D, N, H, B), so any view whose last dim
+is contiguous and whose other strides are 16-byte multiples is read in place, [B, N, H, D] memory
+included (transformers' transposed projections, layout='bnhd'); a view with a contiguous last dim
+that the maps cannot express (an odd stride, a broadcast head) is copied once into [B, H, N, D],
+saying why in the log (logger "cubridge", level INFO); a view whose last dim is not contiguous is
+refused. The output comes back in q's memory order (out_like), so a [B, N, H, D] caller gets
+contiguous [B, N, H, D] memory: transformers' transpose and reshape of it copy nothing.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from cubridge.errors import LaunchError
 from cubridge.runtime.kernels import reference_kernel
+
+log = logging.getLogger("cubridge")
 
 WHERE = "cubridge op"
 LAYOUTS = ("bhnd", "bnhd")
@@ -107,9 +114,38 @@ def _resolve_layout(op, q, k, layout: str | None) -> str:
 
 
 def _needs_copy(op, name: str, t) -> bool:
-    """False where the kernel can read t in place, True where one contiguous copy is needed;
-    refused where the last dim is not contiguous."""
+    """False where the kernel can read t in place, True where one contiguous copy is needed (the
+    reason logged once per call signature: check_plan's result is cached); refused where the last
+    dim is not contiguous."""
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise LaunchError(f"{name} has strides {tuple(t.stride())}: its last (head) dim is not contiguous",
                           where=f"{WHERE}: {name}", hint=f"pass {name}.contiguous() (or a view with stride 1 in D)")
-    return not reference_kernel(op.buckets[0]["reference"]).reads_in_place(t)
+    why = copy_reason(op, t)
+    if why:
+        log.info("%s: %s %s strides %s copied to [B, H, N, D]: %s", WHERE, name, tuple(t.shape), tuple(t.stride()), why)
+    return why is not None
+
+
+def copy_reason(op, t) -> str | None:
+    """Why the run's kernel cannot read the [B, H, N, D] view t in place, or None where it can."""
+    return reference_kernel(op.buckets[0]["reference"]).copy_reason(t)
+
+
+def readable(op, t):
+    """t, or a contiguous copy of it where the run's kernel cannot read it in place (the custom
+    ops: a compiler may hand them other strides than the traced call had)."""
+    return t if copy_reason(op, t) is None else t.contiguous()
+
+
+def bnhd_order(t) -> bool:
+    """Whether a [B, H, N, D] view lies in [B, N, H, D] memory order (heads closer than rows)."""
+    return t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2)
+
+
+def out_like(q):
+    """An empty output for the [B, H, N, D] view q, in q's memory order: [B, N, H, D] memory seen
+    as [B, H, N, D] where bnhd_order(q) (the kernel writes it through its 4-D TMA map), else
+    contiguous [B, H, N, D]. The fake implementations use it too: a compiled graph sees the
+    strides the kernel writes."""
+    b, h, n, d = q.shape
+    return q.new_empty((b, n, h, d)).transpose(1, 2) if bnhd_order(q) else q.new_empty((b, h, n, d))

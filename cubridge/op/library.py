@@ -13,31 +13,34 @@ from __future__ import annotations
 
 import torch
 
+from cubridge.op.checks import bnhd_order, out_like, readable
 from cubridge.op.handles import op_for
-from cubridge.runtime.fa3_fast import layout_strides
 
 
 @torch.library.custom_op("cubridge::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
               runtime: list[torch.Tensor]) -> torch.Tensor:
-    return op_for(handle).forward(*_readable(q, k, v), scale, runtime, False)[0]
+    op = op_for(handle)
+    return _in_order_of(op.forward(*_readable(op, q, k, v), scale, runtime, False)[0], q)
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, handle, scale, runtime):
-    return q.new_empty(q.shape)
+    return out_like(q)
 
 
 @torch.library.custom_op("cubridge::attention_lse", mutates_args=())
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   runtime: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return op_for(handle).forward(*_readable(q, k, v), scale, runtime, True)
+    op = op_for(handle)
+    out, lse = op.forward(*_readable(op, q, k, v), scale, runtime, True)
+    return _in_order_of(out, q), lse
 
 
 @attention_lse.register_fake
 def _attention_lse_fake(q, k, v, handle, scale, runtime):
     b, h, n, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+    return out_like(q), q.new_empty((b, h, n), dtype=torch.float32)
 
 
 @torch.library.custom_op("cubridge::attention_backward", mutates_args=())
@@ -63,8 +66,13 @@ def _register_autograd():
 _register_autograd()
 
 
-def _readable(*ts):
+def _readable(op, *ts):
     """A compiler may hand the op other strides than the traced call had (inductor picks its own
-    layouts): what the kernel's TMA maps cannot address is copied, as the eager path would."""
-    return tuple(t if layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size()) else t.contiguous()
-                 for t in ts)
+    layouts): what the kernel cannot address in place is copied, as the eager path would."""
+    return tuple(readable(op, t) for t in ts)
+
+
+def _in_order_of(out, q):
+    """out in the memory order the fake implementation promised for q (out_like): they differ only
+    where q was copied before the launch."""
+    return out if bnhd_order(out) == bnhd_order(q) else out_like(q).copy_(out)

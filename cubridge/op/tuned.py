@@ -25,7 +25,7 @@ import torch
 
 from cubridge.errors import LaunchError
 from cubridge.op import handles, library  # noqa: F401 - library registers the custom ops torch.compile sees
-from cubridge.op.checks import apply_plan, check_plan
+from cubridge.op.checks import apply_plan, bnhd_order, check_plan, out_like
 from cubridge.op.autograd import check_trainable
 from cubridge.op.kernels import DTYPES, Bucket, device_checked
 
@@ -120,7 +120,7 @@ class TunedOp:
             return
         if len(self._fast) >= PLAN_CACHE:
             self._fast.pop(next(iter(self._fast)))
-        self._fast[key] = _fast_call(plan, prep, tuple(qh.shape), qh.dtype, qh.device)
+        self._fast[key] = _fast_call(plan, prep, tuple(qh.shape), qh.dtype, qh.device, bnhd_order(qh))
 
     def _plan(self, q, k, v, layout, compiling: bool):
         """check_plan, remembered per (layout, shapes, strides, dtypes, devices) when eager: a
@@ -168,9 +168,10 @@ class TunedOp:
 
     # -------------------------------------------------------------- the launch
     def forward(self, q, k, v, scale: float, rt: list, want_lse: bool):
-        """(out, lse or None) for bhnd views that checks.bhnd_views accepted."""
+        """(out, lse or None) for [B, H, N, D] views that check_plan accepted; out in q's memory
+        order (checks.out_like)."""
         b, hq, n, d = q.shape
-        out = torch.empty((b, hq, n, d), dtype=q.dtype, device=q.device)
+        out = out_like(q)
         if b * hq * n == 0:
             lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
             return out, (lse if want_lse else None)
@@ -207,18 +208,21 @@ class TunedOp:
         self(q, k, v, **kw)
 
 
-def _fast_call(plan, prep, shape: tuple, dtype, device):
-    """The repeated eager call of one checked signature: apply the plan, allocate only the output,
-    launch (LSE goes to the prepared scratch; no other allocation, no GPU work beside the kernel)."""
+def _fast_call(plan, prep, shape: tuple, dtype, device, out_bnhd: bool):
+    """The repeated eager call of one checked signature: apply the plan, allocate only the output
+    (in the memory order out_like gives these strides), launch (LSE goes to the prepared scratch;
+    no other allocation, no GPU work beside the kernel)."""
     bnhd, copies = plan[0] == "bnhd", plan[1]
     any_copy, launch, lse = any(copies), prep.launch, prep.lse_scratch
+    b, h, n, d = shape
 
     def call(q, k, v):
         if bnhd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if any_copy:
             q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), copies))
-        out = torch.empty(shape, dtype=dtype, device=device)
+        out = (torch.empty((b, n, h, d), dtype=dtype, device=device).transpose(1, 2) if out_bnhd
+               else torch.empty(shape, dtype=dtype, device=device))
         launch(q, k, v, out, lse)
         return out.transpose(1, 2) if bnhd else out
     return call

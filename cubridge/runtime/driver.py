@@ -7,6 +7,7 @@ capability(), pack_params() and the CU_* / TENSOR_MAP_* constants.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -43,6 +44,12 @@ class Driver:
         self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                  ctypes.c_char_p]
         self.lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        self.lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        # cuda.h maps cuCtxPushCurrent / cuCtxPopCurrent to these _v2 symbols (the plain names are
+        # the pre-4.0 ABI, kept in libcuda for old binaries).
+        self.lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        self.lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.contexts: dict[int, ctypes.c_void_p] = {}
 
     def check(self, result: int, what: str) -> None:
         if result != 0:
@@ -50,6 +57,24 @@ class Driver:
             self.lib.cuGetErrorString(result, ctypes.byref(msg))
             text = msg.value.decode() if msg.value else "unknown error"
             raise LaunchError(f"{what} failed: CUDA driver error {result} ({text})")
+
+    @contextlib.contextmanager
+    def primary_context(self, device_index: int):
+        """Runs the block in the primary context of device `device_index` (the one the CUDA
+        runtime and torch use), the thread's own current context restored after. It touches no
+        stream, so it is safe inside a CUDA graph capture, unlike a stream synchronisation."""
+        ctx = self.contexts.get(device_index)
+        if ctx is None:
+            self.check(self.lib.cuInit(0), "cuInit")
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self.contexts[device_index] = ctx
+        self.check(self.lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent_v2")
+        try:
+            yield
+        finally:
+            self.check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent_v2")
 
     def load_module(self, cubin: bytes) -> ctypes.c_void_p:
         """Loads a cubin into the current context (the caller makes the right one current)."""
@@ -86,19 +111,33 @@ class Driver:
         The box is panel_cols x rows_per_box x 1, swizzled 128B. `strides`: (row, head) strides in
         elements of a view whose B and H collapse into one stride; default: contiguous."""
         b, h, n, d = t.shape
-        elem = t.element_size()
         row, head = strides if strides is not None else (d, n * d)
+        return self.encode_tiled(t, (d, n, b * h), (row, head), (panel_cols, rows_per_box, 1))
+
+    def tensor_map_4d(self, t: torch.Tensor, rows_per_box: int, strides: tuple[int, int, int],
+                      panel_cols: int = PANEL_COLS) -> ctypes.Array:
+        """4-D map over a [B, H, N, D] view seen as (D, N, H, B), `strides` its (row, head, batch)
+        strides in elements (any order: [B, N, H, D] memory has head < row). The box is one head
+        of one batch, panel_cols x rows_per_box, swizzled 128B; zero fill stops at each head's N."""
+        b, h, n, d = t.shape
+        return self.encode_tiled(t, (d, n, h, b), strides, (panel_cols, rows_per_box, 1, 1))
+
+    def encode_tiled(self, t: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> ctypes.Array:
+        """cuTensorMapEncodeTiled over t's memory: dims innermost first, the strides (elements) of
+        every dim but the first, a box per dim, 128B swizzle; 64-byte-aligned 128-byte result."""
+        elem = t.element_size()
+        rank = len(dims)
         dtype = (CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
                  else CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-        dims = (ctypes.c_uint64 * 3)(d, n, b * h)
-        gstrides = (ctypes.c_uint64 * 2)(row * elem, head * elem)
-        box = (ctypes.c_uint32 * 3)(panel_cols, rows_per_box, 1)
-        elem_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
+        gdims = (ctypes.c_uint64 * rank)(*dims)
+        gstrides = (ctypes.c_uint64 * (rank - 1))(*(s * elem for s in strides))
+        gbox = (ctypes.c_uint32 * rank)(*box)
+        elem_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
         raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
         offset = (-ctypes.addressof(raw)) % TENSOR_MAP_ALIGN
         view = (ctypes.c_uint8 * TENSOR_MAP_BYTES).from_buffer(raw, offset)
         self.check(self.lib.cuTensorMapEncodeTiled(
-            ctypes.addressof(view), dtype, 3, ctypes.c_void_p(t.data_ptr()), dims, gstrides, box,
+            ctypes.addressof(view), dtype, rank, ctypes.c_void_p(t.data_ptr()), gdims, gstrides, gbox,
             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
             "cuTensorMapEncodeTiled")

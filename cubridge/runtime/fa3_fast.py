@@ -8,10 +8,11 @@ and the packed scalar tail of the argument list. A call then only encodes (or fi
 four TMA descriptors, fetches the stream's tile counter and calls cuLaunchKernel: no host sync, no
 allocation, no host-to-device copy, so it can be captured in a CUDA graph.
 
-Strided inputs: the kernel's TMA maps are 3-D, (D, N, B*H), so a [B, H, N, D] view is readable in
-place when its last dim is contiguous and B and H collapse into one stride (contiguous [B, H, N, D],
-any row stride such as a [B, N, H, D] buffer seen as [B, H, N, D] when B == 1 or H == 1).
-`bh_strides` says whether a view qualifies.
+Strided inputs: the kernel's TMA maps are 4-D, (D, N, H, B) with a box of one head, so a
+[B, H, N, D] view is read (and O written) in place when its last dim is contiguous and its other
+strides are 16-byte multiples: contiguous [B, H, N, D], and [B, N, H, D] memory seen as
+[B, H, N, D] (transformers' transposed projections) at any B. `tma_strides` says whether a view
+qualifies.
 
 Example (on an sm_90 GPU):
     >>> fn, counts = load_cubin(cubin, config, q.device)                     # doctest: +SKIP
@@ -30,55 +31,36 @@ from cubridge.errors import LaunchError
 from cubridge.runtime import fa3_sm90 as fa3
 from cubridge.runtime.driver import driver, sm_count
 
-MAX_STRIDE_BYTES = 1 << 40     # cuTensorMapEncodeTiled: global strides below 2^40 and multiples of 16 B
 _MAPS: OrderedDict = OrderedDict()
 MAP_CACHE = 512
 _LOADED: dict = {}
 ARGV_CACHE = 64          # packed argument arrays per launch, by (addresses, strides, stream)
 
 
-def bh_strides(t: torch.Tensor) -> tuple[int, int] | None:
-    """(row stride, head stride) in elements of a [B, H, N, D] view that the kernel's 3-D TMA map
-    (D, N, B*H) can address in place, or None when it cannot (last dim not contiguous, B and H not
-    one stride, a stride or the address not 16-byte aligned, a zero stride).
+def tma_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(row, head, batch) strides in elements of a [B, H, N, D] view that the kernel's 4-D TMA maps
+    (D, N, H, B) address in place, or None when they cannot (fa3_sm90.map_refusal: D not
+    contiguous, a stride not a positive 16-byte multiple below 2^40; or the address not 16-byte
+    aligned).
 
-    >>> bh_strides(torch.empty(2, 4, 8, 64))
-    (64, 512)
-    >>> bh_strides(torch.empty(1, 8, 4, 64).transpose(1, 2))     # [B=1, N, H, D] seen as [B, H, N, D]
-    (256, 64)
-    >>> bh_strides(torch.empty(2, 8, 4, 64).transpose(1, 2)) is None
+    >>> tma_strides(torch.empty(2, 4, 8, 64))
+    (64, 512, 2048)
+    >>> tma_strides(torch.empty(2, 8, 4, 64).transpose(1, 2))     # [B, N, H, D] seen as [B, H, N, D]
+    (256, 64, 2048)
+    >>> tma_strides(torch.empty(2, 8, 4, 64).transpose(1, 3)) is None
     True
     """
     strides = layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size())
     return strides if strides is not None and t.data_ptr() % 16 == 0 else None
 
 
-def layout_strides(shape: tuple, stride: tuple, elem: int) -> tuple[int, int] | None:
-    """bh_strides from the shape and strides alone (what a traced, fake tensor has)."""
-    b, h, n, d = shape
-    sb, sh, sn, sd = stride
-    if d > 1 and sd != 1:
-        return None
-    if n == 1:
-        sn = d
-    if b == 1 and h == 1:
-        sbh = n * sn
-    elif b == 1:
-        sbh = sh
-    elif h == 1:
-        sbh = sb
-    elif sb == h * sh:
-        sbh = sh
-    else:
-        return None
-    for s in (sn, sbh):
-        if s <= 0 or (s * elem) % 16 or s * elem >= MAX_STRIDE_BYTES:
-            return None
-    return sn, sbh
+def layout_strides(shape: tuple, stride: tuple, elem: int) -> tuple[int, int, int] | None:
+    """tma_strides from the shape and strides alone (what a traced, fake tensor has)."""
+    return fa3.map_strides(shape, stride, elem)
 
 
 def tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
-    """The TMA descriptor of a [B, H, N, D] view (bh_strides must accept it), cached by address,
+    """The TMA descriptor of a [B, H, N, D] view (tma_strides must accept it), cached by address,
     shape, strides and dtype: a reused buffer (the caching allocator hands the same block to the
     next output of the same size) costs a dictionary lookup."""
     key = (t.data_ptr(), t.shape, t.stride(), t.dtype, rows_per_box)
@@ -93,18 +75,20 @@ def tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
 
 
 def _encode(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
-    strides = bh_strides(t)
+    strides = tma_strides(t)
     if strides is None:
+        why = fa3.map_refusal(tuple(t.shape), tuple(t.stride()), t.element_size()) or "address not 16-byte aligned"
         raise LaunchError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not addressable by "
-                          "the kernel's 3-D TMA map (strides or address not 16-byte aligned)",
+                          f"the kernel's 4-D TMA maps: {why}",
                           hint="pass a fresh copy (.clone(memory_format=torch.contiguous_format))")
-    return driver().tensor_map(t, rows_per_box, fa3.PANEL_COLS, strides)
+    return driver().tensor_map_4d(t, rows_per_box, strides, fa3.PANEL_COLS)
 
 
 def load_cubin(cubin: bytes, config: fa3.Fa3Config, device: torch.device):
     """(attention function, tile-count function) of a cubin on `device`, loaded once."""
     key = (hash(cubin), len(cubin), config.smem_bytes, device.index)
     if key not in _LOADED:
+        fa3.check_cubin(cubin)
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
             _LOADED[key] = driver().load_function(cubin, config.smem_bytes, fa3.ENTRY, fa3.COUNTS_ENTRY)
@@ -138,7 +122,7 @@ class Fa3Launch:
     def __call__(self, q, k, v, out, lse) -> None:
         stream = current_stream(self.device.index)
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), stream,
-               q.stride(), k.stride(), v.stride())
+               q.stride(), k.stride(), v.stride(), out.stride())
         argv = self._argvs.get(key)
         if argv is None:
             argv = self._pack(key, q, k, v, out, lse, stream)

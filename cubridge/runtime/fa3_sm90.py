@@ -37,6 +37,7 @@ KERNEL_DIR = REF_KERNELS_DIR / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 ENTRY = b"fa3_sm90_fwd"
 COUNTS_ENTRY = b"fa3_sm90_tile_counts"   # KV tiles per work tile, for the longest-first order
+MAPS_4D_MARK = b"fa3_sm90_maps_4d"         # kernel.cu's marker: Q, K, V, O through 4-D TMA maps
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)   # wgmma/setmaxnreg need sm_90a
 NVCC_FLAGS = ("-cubin", "-std=c++17", "-O3", *ARCH_FLAGS)
 
@@ -50,6 +51,8 @@ WG_THREADS = 128
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 TILE_SLOTS = 2           # depth of the producer -> consumer tile ring
 TILE_SLOT_BYTES = 128    # one TileMsg (tile index, heads, KV range)
+MAX_STRIDE_BYTES = 1 << 40   # cuTensorMapEncodeTiled: global strides below 2^40 and multiples of 16 B
+STRIDE_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -179,13 +182,50 @@ TENSOR_MAP_CACHE = 256
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
+def map_strides(shape: tuple, stride: tuple, elem: int) -> tuple[int, int, int] | None:
+    """(row, head, batch) strides in elements of a [B, H, N, D] view for the kernel's 4-D TMA maps
+    (D, N, H, B), or None where a map cannot express them (map_refusal says why). A dim of extent 1
+    never moves off coordinate 0, so its stride is replaced by the contiguous one.
+
+    >>> map_strides((2, 4, 8, 64), (2048, 512, 64, 1), 2)           # [B, H, N, D] contiguous
+    (64, 512, 2048)
+    >>> map_strides((2, 4, 8, 64), (2048, 64, 256, 1), 2)           # [B, N, H, D] seen as [B, H, N, D]
+    (256, 64, 2048)
+    >>> map_strides((2, 4, 8, 64), (2048, 512, 65, 1), 2) is None   # 130-byte rows
+    True
+    """
+    return None if map_refusal(shape, stride, elem) else _strides(shape, stride)
+
+
+def _strides(shape: tuple, stride: tuple) -> tuple[int, int, int]:
+    b, h, n, d = shape
+    sb, sh, sn, _ = stride
+    return (sn if n > 1 else d, sh if h > 1 else n * d, sb if b > 1 else h * n * d)
+
+
+def map_refusal(shape: tuple, stride: tuple, elem: int) -> str | None:
+    """Why the 4-D TMA maps cannot address a [B, H, N, D] view in place, or None where they can.
+    TMA needs the innermost dim contiguous and every other stride a positive multiple of 16 bytes
+    below 2^40 (cuTensorMapEncodeTiled)."""
+    if len(shape) != 4 or len(stride) != 4:
+        return f"shape {tuple(shape)} is not 4-d"
+    if shape[3] > 1 and stride[3] != 1:
+        return f"the head dim D is not contiguous (strides {tuple(stride)})"
+    for name, s in zip(("N", "H", "B"), _strides(shape, stride)):
+        if s <= 0 or (s * elem) % STRIDE_ALIGN or s * elem >= MAX_STRIDE_BYTES:
+            return (f"the {name} stride {s} ({s * elem} bytes) is not a positive multiple of "
+                    f"{STRIDE_ALIGN} bytes below 2^40")
+    return None
+
+
 def _tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
-    """The TMA descriptor of t, cached: it depends only on the address, shape and dtype (t is
-    contiguous), so a reused buffer, or the same tensor again, gets the same bytes."""
-    key = (t.data_ptr(), tuple(t.shape), t.dtype, rows_per_box, t.device.index)
+    """The TMA descriptor of t (a view check_inputs accepted), cached: it depends only on the
+    address, shape, strides and dtype, so a reused buffer, or the same tensor again, gets the
+    same bytes."""
+    key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, rows_per_box, t.device.index)
     view = _TENSOR_MAPS.get(key)
     if view is None:
-        view = driver().tensor_map(t, rows_per_box, PANEL_COLS)
+        view = driver().tensor_map_4d(t, rows_per_box, _strides(tuple(t.shape), t.stride()), PANEL_COLS)
         _TENSOR_MAPS[key] = view
         if len(_TENSOR_MAPS) > TENSOR_MAP_CACHE:
             _TENSOR_MAPS.popitem(last=False)
@@ -216,6 +256,7 @@ def _function(config: Fa3Config, device: torch.device, source: str | None = None
     if key not in _FUNCTIONS:
         if cubin is None:
             cubin = build_cubin(config, source=source, compiler=compiler)
+        check_cubin(cubin)
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
             _FUNCTIONS[key] = driver().load_function(cubin, config.smem_bytes, ENTRY, COUNTS_ENTRY)
@@ -223,9 +264,20 @@ def _function(config: Fa3Config, device: torch.device, source: str | None = None
 
 
 # ------------------------------------------------------------------ checks and launch
+def check_cubin(cubin: bytes, where: str | None = None) -> None:
+    """LaunchError for a cubin of this kernel from before its 4-D TMA maps (session 8): it would
+    take the 4-D descriptors the host now encodes for 3-D ones and read the wrong heads."""
+    if MAPS_4D_MARK not in cubin:
+        raise LaunchError("this fa3_sm90 cubin was built from a kernel.cu with 3-D TMA maps (D, N, B*H); the "
+                          "runtime now encodes 4-D maps (D, N, H, B)", where=where,
+                          hint="rebuild it from this checkout's kernel.cu (tune the run again, or delete its "
+                               "cubins so that cubridge.load compiles them)")
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3Config) -> None:
     """LaunchError naming the problem and the fix for inputs this kernel cannot run at `config`."""
-    usage = "expected q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D], contiguous, same dtype and device"
+    usage = ("expected q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] views (D contiguous; [B, N, H, D] memory "
+             "seen through .transpose(1, 2) is read in place), same dtype and device")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise LaunchError(f"{name} has shape {tuple(t.shape)}", hint=usage)
@@ -233,8 +285,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Fa3C
             raise LaunchError(f"{name} is on {t.device}, not a CUDA device", hint="move it with .cuda()")
         if t.dtype not in (torch.float16, torch.bfloat16):
             raise LaunchError(f"{name} has dtype {t.dtype}", hint="use torch.float16 or torch.bfloat16")
-        if not t.is_contiguous():
-            raise LaunchError(f"{name} is not contiguous (strides {t.stride()})",
+        why = map_refusal(tuple(t.shape), t.stride(), t.element_size())
+        if why:
+            raise LaunchError(f"{name}: the kernel's TMA maps cannot read it in place: {why}",
                               hint="call .contiguous() first")
         if t.data_ptr() % 16:
             raise LaunchError(f"{name} data pointer is not 16-byte aligned", hint="call .clone()")
@@ -267,7 +320,9 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
 
     causal means kv_idx <= q_idx with q_idx the query's position row + Nk - Nq (queries aligned to the
     end of the keys, as in FlashAttention; with Nq > Nk the first Nq - Nk rows see no key).
-    `out` / `lse` may be passed preallocated (contiguous, right shape and dtype). `max_ctas` caps
+    q, k, v and out are [B, H, N, D] views with D contiguous and the other strides 16-byte
+    multiples (4-D TMA maps): [B, N, H, D] memory seen through .transpose(1, 2) is read and written
+    in place. `out` / `lse` may be passed preallocated (right shape and dtype; lse contiguous). `max_ctas` caps
     the grid (each CTA then loops over several tiles); tests use it to exercise tile hand-over.
     `variant` (a cubridge.lower.Launchable) runs a lowered variant of the kernel: its CUDA source
     and its VariantArgs (captured tensors, scalars), which must stay alive until the kernel ran.
@@ -284,11 +339,14 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty_like(q)   # q's memory order: a [B, N, H, D] caller gets [B, N, H, D] memory back
     if lse is None:
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous() or out.device != q.device:
-        raise LaunchError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    if (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.data_ptr() % 16
+            or map_refusal(tuple(out.shape), out.stride(), out.element_size())):
+        raise LaunchError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}, 16-byte "
+                          f"aligned, D contiguous and its other strides 16-byte multiples (got strides "
+                          f"{out.stride()})", hint="leave out=None: it is allocated in q's memory order")
     if lse.shape != (b, hq, nq) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise LaunchError(f"lse must be a contiguous float32 tensor of shape {(b, hq, nq)}")
     if b * hq * nq == 0:

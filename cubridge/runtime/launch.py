@@ -151,8 +151,7 @@ class LoadedKernel:
     def __init__(self, cubin: bytes, name: str, device_index: int):
         self.name = name
         self.device_index = device_index
-        with torch.cuda.device(device_index):
-            torch.cuda.current_stream().synchronize()   # makes the primary context current
+        with driver().primary_context(device_index):    # the module loads into torch's context
             self.func = driver().get_function(driver().load_module(cubin), name.encode())
         self.smem_optin = 0
 
@@ -167,7 +166,7 @@ class LoadedKernel:
             raise LaunchError(f"empty grid {grid}: nothing to launch (caller should skip)")
         if stream_ptr is None:
             stream_ptr = torch.cuda.current_stream(self.device_index).cuda_stream
-        with torch.cuda.device(self.device_index):
+        with driver().primary_context(self.device_index):   # the module's context, whatever is current
             if smem_bytes > self.smem_optin:
                 driver().set_dynamic_smem(self.func, smem_bytes)
                 self.smem_optin = smem_bytes

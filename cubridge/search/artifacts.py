@@ -10,10 +10,9 @@
     report.md        table + tflops.png (TFLOPS vs sequence length, ours and baselines)
 
 Example:
-    >>> recs = [{"number": 0, "outcome": {"state": "ok", "times_ms": {"a": 1.0, "b": 3.0}}},
-    ...         {"number": 1, "outcome": {"state": "ok", "times_ms": {"a": 2.0, "b": 2.0}}},
-    ...         {"number": 2, "outcome": {"state": "ok", "times_ms": {"a": 2.5, "b": 2.5}}}]
-    >>> [r["number"] for r in pareto_front(recs, ["a", "b"])]
+    >>> ok = lambda n, a, b: TrialRecord(n, "c", "rules", "fa3_sm90", "x", {},
+    ...                                  Outcome(TrialState.OK, times_ms={"a": a, "b": b}))
+    >>> [r.number for r in pareto_front([ok(0, 1.0, 3.0), ok(1, 2.0, 2.0), ok(2, 2.5, 2.5)], ["a", "b"])]
     [0, 1]
 """
 from __future__ import annotations
@@ -23,6 +22,7 @@ import math
 import os
 from pathlib import Path
 
+from cubridge.vocab import Outcome, TrialRecord, TrialState  # noqa: F401 - Outcome: the doctest uses it
 
 # ------------------------------------------------------------------ the trial log
 class TrialLog:
@@ -42,14 +42,14 @@ class TrialLog:
                 f.truncate(data.rfind(b"\n") + 1)
                 os.fsync(f.fileno())
 
-    def append(self, record: dict) -> None:
+    def append(self, record: TrialRecord) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.write(json.dumps(record.to_json(), sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
-    def read(self) -> list[dict]:
+    def read(self) -> list[TrialRecord]:
         if not self.path.is_file():
             return []
         out = []
@@ -59,17 +59,18 @@ class TrialLog:
         return out
 
 
-def _json_line(line: str, where: str) -> dict:
+def _json_line(line: str, where: str) -> TrialRecord:
     from cubridge.config import ConfigError
     try:
-        rec = json.loads(line)
+        return TrialRecord.from_json(json.loads(line))
     except json.JSONDecodeError as e:
-        rec = e.msg
-    if not isinstance(rec, dict) or "number" not in rec:
-        raise ConfigError(f"not a trial record ({rec if isinstance(rec, str) else 'fields missing'}): the trial "
-                          "log was edited or damaged", where=where,
-                          hint="restore the file, or delete this line (its trial will be run again) and --resume")
-    return rec
+        why = e.msg
+    except ValueError as e:
+        why = str(e)
+    raise ConfigError(f"not a trial record of this cubridge version ({why}): the trial log was edited, damaged "
+                      "or written by another version", where=where,
+                      hint="resume with the cubridge version that wrote it, or delete this line (its trial will "
+                           "be run again) and --resume")
 
 
 def read_json(path: Path, where: str):
@@ -110,18 +111,18 @@ def portable_config(config: dict) -> dict:
 
 
 # ------------------------------------------------------------------ front and dispatch
-def _times(rec: dict, keys) -> list[float] | None:
-    t = rec["outcome"].get("times_ms") or {}
-    return [float(t[k]) for k in keys] if rec["outcome"]["state"] == "ok" and all(k in t for k in keys) else None
+def _times(rec: TrialRecord, keys) -> list[float] | None:
+    t = rec.times_ms
+    return [float(t[k]) for k in keys] if rec.state == TrialState.OK and all(k in t for k in keys) else None
 
 
-def pareto_front(records: list[dict], keys: list[str]) -> list[dict]:
+def pareto_front(records: list[TrialRecord], keys: list[str]) -> list[TrialRecord]:
     """OK trials no other OK trial beats at every shape (and strictly at one), by trial number."""
     pts = [(r, v) for r in records if (v := _times(r, keys)) is not None]
 
     def dominated(v):
         return any(all(a <= b for a, b in zip(w, v)) and any(a < b for a, b in zip(w, v)) for _, w in pts)
-    return sorted((r for r, v in pts if not dominated(v)), key=lambda r: r["number"])
+    return sorted((r for r, v in pts if not dominated(v)), key=lambda r: r.number)
 
 
 # Within this fraction of a shape's best time, prefer a config already chosen for other shapes:
@@ -139,18 +140,18 @@ RACE_WINDOW = 0.10
 RACE_MAX = 4
 
 
-def finalists(front: list[dict], targets) -> dict[str, list[int]]:
+def finalists(front: list[TrialRecord], targets) -> dict[str, list[int]]:
     """Shape key -> trial numbers of the race finalists, fastest search time first."""
     out = {}
     for t in targets:
-        ranked = sorted(front, key=lambda r: (r["outcome"]["times_ms"][t.key], r["number"]))
+        ranked = sorted(front, key=lambda r: (r.times_ms[t.key], r.number))
         if ranked:
-            best = ranked[0]["outcome"]["times_ms"][t.key]
-            out[t.key] = [r["number"] for r in ranked if r["outcome"]["times_ms"][t.key] <= best * (1 + RACE_WINDOW)][:RACE_MAX]
+            best = ranked[0].times_ms[t.key]
+            out[t.key] = [r.number for r in ranked if r.times_ms[t.key] <= best * (1 + RACE_WINDOW)][:RACE_MAX]
     return out
 
 
-def choose_dispatch(front: list[dict], targets, race: dict | None = None) -> list[dict]:
+def choose_dispatch(front: list[TrialRecord], targets, race: dict | None = None) -> list[dict]:
     """Shape bucket -> best front trial. Bucket i covers lengths from the geometric midpoint with
     the previous target length to the one with the next; the first starts at 1, the last is open.
     `race` ({shape key: {trial number (str): ms}}, the final race's times): where a shape was
@@ -161,25 +162,25 @@ def choose_dispatch(front: list[dict], targets, race: dict | None = None) -> lis
 
     def ms(r, key):
         if key in race:
-            return race[key].get(str(r["number"]), math.inf)
-        return r["outcome"]["times_ms"][key]
+            return race[key].get(str(r.number), math.inf)
+        return r.times_ms[key]
     lengths = [t.seqlen for t in targets]
-    picks = [min(front, key=lambda r: (ms(r, t.key), r["number"])) for t in targets]
+    picks = [min(front, key=lambda r: (ms(r, t.key), r.number)) for t in targets]
     entries = []
     for i, t in enumerate(targets):
         best = ms(picks[i], t.key)
         near = [r for r in front if ms(r, t.key) <= best * (1 + SHARE_TOLERANCE)]
         # votes: how many other shapes picked this trial outright
-        rec = max(near, key=lambda r: (sum(p["number"] == r["number"] for j, p in enumerate(picks) if j != i),
-                                       -ms(r, t.key), -r["number"]))
+        rec = max(near, key=lambda r: (sum(p.number == r.number for j, p in enumerate(picks) if j != i),
+                                       -ms(r, t.key), -r.number))
         lo = 1 if i == 0 else math.floor(math.sqrt(lengths[i - 1] * lengths[i])) + 1
         hi = None if i == len(targets) - 1 else math.floor(math.sqrt(lengths[i] * lengths[i + 1]))
         entry = {"shape": t.key, "seqlen": t.seqlen, "query_len": t.nq, "batch": t.batch, "min_seqlen": lo, "max_seqlen": hi,
-                 "trial": rec["number"], "candidate": rec["proposal_id"], "origin": rec["origin"],
-                 "reference": rec["config"]["reference"], "config": rec["config"]["point"],
-                 "label": rec["config"]["label"], "time_ms": rec["outcome"]["times_ms"][t.key]}
+                 "trial": rec.number, "candidate": rec.proposal_id, "origin": rec.origin,
+                 "reference": rec.reference, "config": rec.point, "label": rec.label,
+                 "time_ms": rec.times_ms[t.key]}
         if t.key in race:
-            entry["race_ms"] = race[t.key][str(rec["number"])]
+            entry["race_ms"] = race[t.key][str(rec.number)]
         entries.append(entry)
     return entries
 

@@ -62,10 +62,10 @@ def _race(cfg, pop, front, runner, say) -> dict:
     raced = [k for k, v in by_shape.items() if len(v) >= 2]
     if not raced:
         return {}
-    by_id, by_num = {c.id: c for c in pop}, {r["number"]: r for r in front}
+    by_id, by_num = {c.id: c for c in pop}, {r.number: r for r in front}
     nums = sorted({n for k in raced for n in by_shape[k]})
-    fin = {str(n): payload(cfg, by_id[by_num[n]["proposal_id"]], by_num[n]["config"]["point"]) for n in nums}
-    body = {**payload(cfg, by_id[by_num[nums[0]]["proposal_id"]]), "candidate": "race", "finalists": fin,
+    fin = {str(n): payload(cfg, by_id[by_num[n].proposal_id], by_num[n].point) for n in nums}
+    body = {**payload(cfg, by_id[by_num[nums[0]].proposal_id]), "candidate": "race", "finalists": fin,
                "by_shape": {k: by_shape[k] for k in raced}}
     say(f"final race: {len(nums)} finalist config(s) timed round-robin at {len(raced)} shape(s)")
     res = run_jobs(runner, [Job("race", body, 2 * cfg.runner.timeout_s, needs_gpu=True)])["race"]
@@ -78,12 +78,13 @@ def _race(cfg, pop, front, runner, say) -> dict:
 @dataclass
 class RunSummary:
     """Everything the end of a run writes (manifest.json, report.md, dispatch.json) in one place:
-    what was screened, measured, raced, chosen and benched, and how the run ended."""
+    what was screened, measured, raced, chosen and benched, and how the run ended. The tuner
+    fills the first fields (up to `notes`); finish_run the rest."""
     cfg: object                       # TuneConfig
     out: Path
     pop: list                         # Candidate
     verdicts: dict                    # candidate id -> Outcome of its screening
-    records: list = field(default_factory=list)     # trial records (trials.jsonl), by number
+    records: list = field(default_factory=list)     # TrialRecord (trials.jsonl)
     compiled: dict = field(default_factory=dict)    # compile-only pass (no GPU): candidate id -> result
     status: str | None = None         # None until decided: tuned / no_trial_ok from the records
     message: str = ""
@@ -98,16 +99,16 @@ class RunSummary:
     files: dict = field(default_factory=dict)       # (candidate, label) -> written kernel files
 
 
-def finish_run(cfg, out: Path, pop, verdicts, *, runner, records=(), compiled=None, status=None, message="",
-               stop_reason="", notes=(), say=None):
+def finish_run(run: RunSummary, *, runner, say=None):
+    """Choose (front, race, dispatch, bench), write every artifact of `run`, return its TuneResult."""
     from cubridge.search.messages import TuneResult
     say = say or logging.getLogger("cubridge.tune").info
-    run = RunSummary(cfg, out, pop, verdicts, sorted(records, key=lambda r: r["number"]), compiled or {}, status,
-                     message, stop_reason, tuple(notes))
+    cfg, out = run.cfg, run.out
+    run.records = sorted(run.records, key=lambda r: r.number)
     _choose(run, runner, say)
-    run.files = _write_kernels(cfg, out, pop, verdicts, run.dispatch, run.records)
+    run.files = _write_kernels(run)
     run.rows = artifacts.report_rows(cfg.shapes.targets, run.dispatch, run.bench.get("shapes") or {})
-    run.device = run.bench.get("device") or next((r["device"] for r in run.records if r.get("device")), None) \
+    run.device = run.bench.get("device") or next((r.device for r in run.records if r.device), None) \
         or getattr(runner, "device", None) or None
     if run.dispatch:
         artifacts.write_json(out / "dispatch.json", _dispatch_doc(cfg, run.dispatch, run.files))
@@ -136,7 +137,7 @@ def _choose(run: RunSummary, runner, say) -> None:
         return
     if run.dispatch:
         run.bench = _bench(cfg, run.pop, run.dispatch, runner, say)
-        measured = sum(r["outcome"]["state"] != TrialState.CONFIG_INVALID.value for r in records)
+        measured = sum(r.state != TrialState.CONFIG_INVALID for r in records)
         run.status, run.message = "tuned", (f"tuned: {measured} trials measured ({len(records) - measured} invalid "
                                             f"configs skipped unbuilt), {len(run.front)} on the Pareto front")
     else:
@@ -151,13 +152,14 @@ def _sha(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
-def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
+def _write_kernels(run: RunSummary) -> dict:
     """CuIR of every verified candidate, CUDA and cubins of the dispatch entries (where built),
-    and a copy of the spec; returns paths relative to `out` by (candidate, label)."""
+    and a copy of the spec; returns paths relative to the output by (candidate, label)."""
     from cubridge.runtime.build import portable_options, resolve_cache_dir
     from cubridge.search.building import lower_kernel
     from cubridge.search.messages import kernel_job
     from cubridge.spec import load_spec
+    cfg, out, pop, verdicts = run.cfg, run.out, run.pop, run.verdicts
     spec = load_spec(cfg.spec)
     if Path(spec.path).is_file():
         shutil.copyfile(spec.path, out / "spec.py")
@@ -166,9 +168,9 @@ def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
     for c in pop:
         if verdicts[c.id].state == TrialState.VERIFIED:
             (kdir / f"{c.id}.cuir").write_text(c.proposal.text)
-    by_id, by_num = {c.id: c for c in pop}, {r["number"]: r for r in records}
+    by_id, by_num = {c.id: c for c in pop}, {r.number: r for r in run.records}
     files = {}
-    for e in dispatch:
+    for e in run.dispatch:
         name = f"{e['candidate']}_{e['label']}"
         entry = {"cuir": f"kernel/{e['candidate']}.cuir", "cuda": None, "cubin": None}
         try:
@@ -178,7 +180,7 @@ def _write_kernels(cfg, out: Path, pop, verdicts, dispatch, records) -> dict:
             entry["cuda"] = f"kernel/{name}.cu"
         except Exception as ex:   # noqa: BLE001 - the artifact says what is missing
             entry["cuda_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-        key = by_num[e["trial"]].get("cubin_key")
+        key = by_num[e["trial"]].cubin_key
         cached = resolve_cache_dir() / f"{key}.cubin" if key else None      # the workers' compile cache
         if cached is not None and cached.is_file():
             cdir.mkdir(exist_ok=True)
@@ -227,10 +229,10 @@ def _manifest(run: RunSummary) -> dict:
             "candidates": [{"id": c.id, "reference": c.reference, "origin": c.proposal.origin,
                             "notes": list(c.proposal.notes), **verdicts[c.id].to_json()} for c in pop],
             "compile": run.compiled,
-            "gpu_checks": {str(e["trial"]): next((r.get("gpu_check") for r in records if r["number"] == e["trial"]), None)
+            "gpu_checks": {str(e["trial"]): next((r.gpu_check for r in records if r.number == e["trial"]), None)
                            for e in dispatch},
-            "trials": {"total": len(records), "by_state": dict(Counter(r["outcome"]["state"] for r in records)),
-                       "pareto": [r["number"] for r in run.front], "stop_reason": run.stop_reason,
+            "trials": {"total": len(records), "by_state": dict(Counter(r.state.value for r in records)),
+                       "pareto": [r.number for r in run.front], "stop_reason": run.stop_reason,
                        "log": "trials.jsonl"},
             "dispatch": "dispatch.json" if run.front else None,
             "timings": {"protocol": "CUDA events, warm-up, median, L2 flushed; ours and baselines in one job",
@@ -239,7 +241,7 @@ def _manifest(run: RunSummary) -> dict:
 
 
 def _race_section(race: dict, records, dispatch) -> str:
-    by_num = {r["number"]: r for r in records}
+    by_num = {r.number: r for r in records}
     chosen = {e["shape"]: e["trial"] for e in dispatch}
     lines = [f"Each shape's finalists (front trials within {artifacts.RACE_WINDOW:.0%} of its best search time, at "
              f"most {artifacts.RACE_MAX}) timed again round-robin in one job; the race decides among them."]
@@ -252,11 +254,11 @@ def _race_section(race: dict, records, dispatch) -> str:
         times = (race.get("shapes") or {}).get(key, {})
         errs = (race.get("errors") or {}).get(key, {})
         for n in nums:
-            r = by_num.get(n, {})
+            r = by_num.get(n)
             rt = times.get(str(n))
             cell = f"{rt:.3f}" if rt is not None else (_first(errs.get(str(n), "-"), 80))
-            lines.append(f"| {key} | #{n} | {r.get('config', {}).get('label', '?')} | "
-                         f"{r.get('outcome', {}).get('times_ms', {}).get(key, float('nan')):.3f} | {cell} | "
+            lines.append(f"| {key} | #{n} | {r.label if r else '?'} | "
+                         f"{r.times_ms.get(key, float('nan')) if r else float('nan'):.3f} | {cell} | "
                          f"{'yes' if chosen.get(key) == n else ''} |")
     return "\n".join(lines)
 
@@ -284,11 +286,11 @@ def _report(run: RunSummary, plot_note: str) -> str:
                      f"{(v.reason.splitlines() or [''])[0][:120]} |")
     for cid, comp in run.compiled.items():
         cands.append(f"| {cid} | compile {comp['config']} | | {comp['state']} | {_first(comp['reason'], 160)} |")
-    states = Counter(r["outcome"]["state"] for r in records)
-    reasons = Counter((r["outcome"]["state"], (r["outcome"]["reason"].splitlines() or [""])[0][:140])
-                      for r in records if TrialState(r["outcome"]["state"]).failed)
+    states = Counter(r.state.value for r in records)
+    reasons = Counter((r.state.value, (r.outcome.reason.splitlines() or [""])[0][:140])
+                      for r in records if r.state.failed)
     search = [f"{len(records)} trials ({', '.join(f'{k} {v}' for k, v in sorted(states.items())) or 'none'}); "
-              f"Pareto front: {', '.join('#' + str(r['number']) for r in front) or 'empty'}."
+              f"Pareto front: {', '.join('#' + str(r.number) for r in front) or 'empty'}."
               + (f" Stopped: {run.stop_reason}." if run.stop_reason else "")]
     search += [f"- {n} x {s}: {why}" for (s, why), n in reasons.most_common(8)]
     raced = any("race_ms" in e for e in dispatch)

@@ -264,7 +264,7 @@ def race(p: dict):
 
 
 def _flops(spec, sp, B, Hq, Hkv, N, D, Nq=None) -> float:
-    from cubridge.spec import count_attended
+    from cubridge.transfer.pairs import count_attended
     Nq = N if Nq is None else Nq
     if not spec.has_hooks:
         return 4.0 * D * B * Hq * Nq * N

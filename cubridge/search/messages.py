@@ -31,8 +31,8 @@ class TuneResult:
     status: str                       # tuned | screened | no_gpu | nothing_verified | no_trial_ok
     message: str
     out: Path
-    dispatch: list = field(default_factory=list)
-    records: list = field(default_factory=list)
+    dispatch: list = field(default_factory=list)    # dispatch.json's buckets
+    records: list = field(default_factory=list)     # TrialRecord, by number
 
     @property
     def exit_code(self) -> int:

@@ -88,7 +88,7 @@ def build_population(cfg: TuneConfig, runner, out: Path, *, quick: bool, say) ->
     from cubridge.registry import make_proposer
     from cubridge.search.screen import ScreenContext
     pop = load_population(out)
-    verdicts = {k: Outcome(TrialState(v["state"]), v["reason"]) for k, v in _read(out / "screen.json", {}).items()}
+    verdicts = {k: Outcome.from_json(v) for k, v in _read(out / "screen.json", {}).items()}
     proposers, notes = {}, []
     # An LLM population also holds the rules transfer where the spec's hooks trace: the model's
     # candidates compete with it rather than replace it.
@@ -139,8 +139,8 @@ class Search:
         self.targets = cfg.shapes.targets
         self.cands = {c.id: c for c in verified}
         self.log = artifacts.TrialLog(out / "trials.jsonl")
-        self.records = {r["number"]: r for r in self.log.read()}
-        self.seen = {(r["proposal_id"], _key(r["config"]["point"])): r["number"] for r in self.records.values()}
+        self.records: dict[int, TrialRecord] = {r.number: r for r in self.log.read()}
+        self.seen = {(r.proposal_id, _key(r.point)): r.number for r in self.records.values()}
         self.inflight: dict[int, tuple] = {}
         self.study = open_study(cfg)
         self.grid = sum(math.prod(len(p.choices) for p in SPACES[c.reference].params) for c in verified)
@@ -150,7 +150,7 @@ class Search:
     # ---- budget
     @property
     def measured(self) -> int:
-        return sum(r["outcome"]["state"] != TrialState.CONFIG_INVALID.value for r in self.records.values())
+        return sum(r.state != TrialState.CONFIG_INVALID for r in self.records.values())
 
     def run(self) -> None:
         self.reconcile()
@@ -269,18 +269,17 @@ class Search:
         trial.set_user_attr("state", outcome.state.value)
         trial.set_user_attr("reason", outcome.reason[:2000])
         data = res.data if res else {}
-        rec = TrialRecord(number, cand.id, cand.proposal.origin,
-                          {"reference": cand.reference, "label": space.label(point), "point": point}, outcome,
-                          worker=res.worker if res else "", cubin_key=data.get("cubin_key"),
-                          gpu_check=data.get("check"), device=data.get("device"), finished_at=time.time()).to_json()
+        rec = TrialRecord(number, cand.id, cand.proposal.origin, cand.reference, space.label(point), dict(point),
+                          outcome, worker=res.worker if res else "", cubin_key=data.get("cubin_key"),
+                          gpu_check=data.get("check"), device=data.get("device"), finished_at=time.time())
         self.log.append(rec)        # durable before Optuna hears of it: a kill in between is reconciled
         self.records[number] = rec
 
-    def _tell(self, trial, rec: dict) -> None:
+    def _tell(self, trial, rec: TrialRecord) -> None:
         """Tell Optuna a logged trial's result; `trial`: the Trial from ask(), or a trial number
         (a trial asked before a kill, reconciled from the log)."""
-        state = TrialState(rec["outcome"]["state"])
-        values = self._values(rec["outcome"]["times_ms"]) if state == TrialState.OK else None
+        state = rec.state
+        values = self._values(rec.times_ms) if state == TrialState.OK else None
         if values is not None:
             self.study.tell(trial, values)
         else:
@@ -290,12 +289,12 @@ class Search:
         if self.progress is None:
             return
         recs = list(self.records.values())
-        fails = Counter(r["outcome"]["state"] for r in recs if TrialState(r["outcome"]["state"]).failed)
-        ok = [(self._values(r["outcome"]["times_ms"]), r) for r in recs if r["outcome"]["state"] == "ok"]
+        fails = Counter(r.state.value for r in recs if r.state.failed)
+        ok = [(self._values(r.times_ms), r) for r in recs if r.state == TrialState.OK]
         best = None
         if ok:
             v, r = min(ok, key=lambda x: math.prod(x[0]))
-            best = f"{math.exp(sum(map(math.log, v)) / len(v)):.3f} ms geomean ({r['config']['label']}, #{r['number']})"
+            best = f"{math.exp(sum(map(math.log, v)) / len(v)):.3f} ms geomean ({r.label}, #{r.number})"
         self.progress.update(self.measured, best, fails, force=force)
 
 
@@ -343,7 +342,7 @@ def tune(cfg: TuneConfig, *, runner=None, resume: bool = False, dry_run: bool = 
 
 
 def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> TuneResult:
-    from cubridge.search.finish import compile_population, finish_run
+    from cubridge.search.finish import RunSummary, compile_population, finish_run
     own = runner is None
     if own:
         from cubridge.search.runners import make_runner
@@ -358,9 +357,11 @@ def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> T
         say(f"screened {len(pop)} candidate(s): {len(verified)} verified"
             + "".join(f"\n  {c.id} ({c.reference}, {c.proposal.origin}): {verdicts[c.id].state.value}: "
                       f"{verdicts[c.id].reason.splitlines()[0] if verdicts[c.id].reason else ''}" for c in pop))
+        def summary(**kw) -> RunSummary:
+            return RunSummary(cfg, out, pop, verdicts, notes=tuple(notes), **kw)
         if not verified:
-            return finish_run(cfg, out, pop, verdicts, status="nothing_verified", runner=runner, say=say, notes=notes,
-                              message="no candidate passed the CPU stages: nothing to tune")
+            return finish_run(summary(status="nothing_verified", message="no candidate passed the CPU stages: "
+                                      "nothing to tune"), runner=runner, say=say)
         if dry_run or runner.num_gpus == 0:
             compiler = available_compiler()
             compiled = compile_population(cfg, verified, runner, say) if compiler else {}
@@ -368,8 +369,8 @@ def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> T
                 "screening (compile skipped: neither nvcc nor NVRTC is on this machine)"
             why = f"--dry-run: stopped after {done} on purpose" if dry_run else \
                 f"timing needs a GPU: this runner has none, so nothing was timed or tuned (stopped after {done})"
-            return finish_run(cfg, out, pop, verdicts, compiled=compiled, runner=runner, say=say,
-                              status="screened" if dry_run else "no_gpu", message=why)
+            return finish_run(summary(compiled=compiled, status="screened" if dry_run else "no_gpu", message=why),
+                              runner=runner, say=say)
         from cubridge.search.llm_lowering import lowering_overrides
         overrides = lowering_overrides(cfg, verified, runner, out, say)
         verified = [replace(c, cuda_source=overrides.get(c.id)) for c in verified]
@@ -378,8 +379,8 @@ def _tune_locked(cfg, runner, resume, dry_run, quick_screen, progress, say) -> T
         if progress is not None:
             progress.close()
         say(f"search stopped: {search.stop_reason or 'no trial left to run'}")
-        return finish_run(cfg, out, pop, verdicts, records=list(search.records.values()), runner=runner,
-                          stop_reason=search.stop_reason, say=say)
+        return finish_run(summary(records=list(search.records.values()), stop_reason=search.stop_reason),
+                          runner=runner, say=say)
     finally:
         if own:
             runner.close()

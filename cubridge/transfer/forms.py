@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cubridge.cuir import nodes as N
-from cubridge.transfer.evalmod import mask_values
+from cubridge.evalmod import mask_values
 from cubridge.transfer.trace import trace_mask, trace_score
 
 EMPTY, PARTIAL, FULL = 0, 1, 2

@@ -14,7 +14,6 @@ evaluated. Measured on this 2-core CPU (load 13), B=2, Hq=32, N=16k: causal 24 s
 windows: many partial tiles). tests/cpu/test_pairs.py checks the counts against brute force.
 
 Example:
-    >>> from cubridge.spec import Hooks
     >>> count_pairs(Hooks(mask_mod=lambda b, h, q, kv: kv <= q), B=2, Hq=3, Nq=1000, Nk=1000)
     3003000
 """
@@ -24,6 +23,7 @@ import torch
 
 from cubridge.cuir import nodes as N
 from cubridge.errors import CubridgeError
+from cubridge.spec import CHUNK_ELEMS, Hooks, count_attended_pairwise  # noqa: F401 - Hooks: the doctests
 
 TILE = 128
 SUB = 16                        # partial tiles are classified again in SUB x SUB sub-tiles
@@ -32,6 +32,24 @@ _BATCH_ELEMS = 1 << 24          # partial-tile pairs evaluated per step
 
 class _Unbounded(Exception):
     """The interval evaluator met a construct it does not bound: classify every tile partial."""
+
+
+def count_attended(hooks, B: int, Hq: int, Nq: int, Nk: int, device="cpu", *,
+                   chunk_elems: int = CHUNK_ELEMS) -> int:
+    """The exact number of attended (b, h, q, kv) pairs, for TFLOPS = 4 * D * count / time:
+    tile by tile from the traced mask (count_pairs), else pair by pair on `device`
+    (spec.count_attended_pairwise). For a head-independent mask, B * Hq * (attended (q, kv) pairs).
+
+    Example:
+        >>> count_attended(Hooks(), B=2, Hq=3, Nq=4, Nk=5)
+        120
+    """
+    if hooks.mask_mod is None:
+        return B * Hq * Nq * Nk
+    fast = count_pairs(hooks, B, Hq, Nq, Nk)
+    if fast is not None:
+        return fast
+    return count_attended_pairwise(hooks, B, Hq, Nq, Nk, device, chunk_elems=chunk_elems)
 
 
 def count_pairs(hooks, B: int, Hq: int, Nq: int, Nk: int) -> int | None:

@@ -109,6 +109,26 @@ def _internal(filename: str) -> bool:
             or filename.startswith("<frozen"))
 
 
+class OpTable:
+    """The tracer's operators (trace_ops, trace_table), which build Syms: those modules register
+    them here when cubridge.transfer is imported, so Sym dispatches through this table and
+    trace.py imports neither (no import cycle)."""
+    binary = negate = invert = call_torch = method = nearest = torch_function = None
+    method_names: tuple = ()
+    partial: type = type(None)         # trace_ops.Partial: a captured tensor not indexed fully yet
+
+
+OPS = OpTable()
+
+
+def register_ops(**ops) -> None:
+    """Set the operator table (trace_table does, once, at import)."""
+    for name, fn in ops.items():
+        if not hasattr(OpTable, name):
+            raise TypeError(f"the tracer has no operator slot {name!r}")
+        setattr(OPS, name, fn)
+
+
 def const(v):
     """(CuIR constant node, kind) of a Python or 0-d tensor value, or None."""
     if isinstance(v, torch.Tensor) and v.dim() == 0:
@@ -151,18 +171,16 @@ class Sym:
         self.ctx.fail("indexing a symbolic value", "only captured tensors can be indexed")
 
     def __getattr__(self, name):
-        from cubridge.transfer import trace_ops
         if name == "dtype":
             return {BOOL: torch.bool, INT: torch.int64, FLOAT: torch.float32}[self.kind]
         if name == "device":
             return torch.device("cpu")
         if name in ("shape",):
             return torch.Size([])
-        method = trace_ops.method(name)
+        method = OPS.method(name)
         if method is not None:
             return lambda *a, **k: method(self.ctx, self, *a, **k)
-        self.ctx.fail(f"attribute or method '.{name}'",
-                      trace_ops.nearest(name, trace_ops.METHOD_NAMES, "methods"))
+        self.ctx.fail(f"attribute or method '.{name}'", OPS.nearest(name, OPS.method_names, "methods"))
 
     def size(self, *a):
         return torch.Size([])
@@ -171,9 +189,8 @@ class Sym:
         return 0
 
     def _op(self, name, other, reverse=False):
-        from cubridge.transfer import trace_ops
         a, b = (other, self) if reverse else (self, other)
-        return trace_ops.binary(self.ctx, name, a, b)
+        return OPS.binary(self.ctx, name, a, b)
 
     def __add__(self, o): return self._op("+", o)
     def __radd__(self, o): return self._op("+", o, True)
@@ -207,27 +224,23 @@ class Sym:
     def __rpow__(self, o): return self._op("**", o, True)
 
     def __neg__(self):
-        from cubridge.transfer import trace_ops
-        return trace_ops.negate(self.ctx, self)
+        return OPS.negate(self.ctx, self)
 
     def __pos__(self):
         return self
 
     def __invert__(self):
-        from cubridge.transfer import trace_ops
-        return trace_ops.invert(self.ctx, self)
+        return OPS.invert(self.ctx, self)
 
     def __abs__(self):
-        from cubridge.transfer import trace_ops
-        return trace_ops.call_torch(self.ctx, "abs", (self,), {})
+        return OPS.call_torch(self.ctx, "abs", (self,), {})
 
     __hash__ = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from cubridge.transfer import trace_ops
-        ctx = next(a.ctx for a in _flat(args, kwargs) if isinstance(a, (Sym, trace_ops.Partial)))
-        return trace_ops.torch_function(ctx, func, args, kwargs or {})
+        ctx = next(a.ctx for a in _flat(args, kwargs) if isinstance(a, (Sym, OPS.partial)))
+        return OPS.torch_function(ctx, func, args, kwargs or {})
 
 
 def _flat(args, kwargs=None):
@@ -251,8 +264,7 @@ def _run(fn, args, want: str):
         raise
     except Exception as e:  # the hook raised on a symbolic value: report where
         ctx.fail(f"{type(e).__name__}: {e}", "hooks must be elementwise torch code")
-    from cubridge.transfer import trace_ops
-    if isinstance(out, trace_ops.Partial):
+    if isinstance(out, OPS.partial):
         out.incomplete()
     if isinstance(out, Sym):
         node, kind = out.node, out.kind

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from cubridge.cuir import nodes as N
-from cubridge.transfer.trace import BOOL, FLOAT, INT, Sym, const
+from cubridge.transfer.trace import BOOL, FLOAT, INT, OPS, Sym, const
 
 _NUM_OPS = {"+", "-", "*", "/", "//", "%", "**"}
 _BIT_OPS = {"&", "|", "^"}
@@ -32,7 +32,7 @@ def val(ctx, v):
     return c
 
 
-def _sym(ctx, node, kind):
+def sym(ctx, node, kind):
     return Sym(node, ctx, kind)
 
 
@@ -40,16 +40,16 @@ def _num(v):
     return v.value if isinstance(v, N.Const) and not isinstance(v.value, bool) else None
 
 
-def _as_int(node, kind):
+def as_int(node, kind):
     """A boolean used as a number is 0 / 1 (torch promotes it so)."""
     return (N.Call("cast", (node, N.Name("i32"))), INT) if kind == BOOL else (node, kind)
 
 
-def _as_bool(node, kind):
+def as_bool(node, kind):
     return (node, BOOL) if kind == BOOL else (N.Compare("!=", node, N.Const(0)), BOOL)
 
 
-def _join(*kinds):
+def join_kinds(*kinds):
     return FLOAT if FLOAT in kinds else BOOL if all(k == BOOL for k in kinds) else INT
 
 
@@ -72,19 +72,19 @@ def _fold(op, a, b):
 def binary(ctx, op, a, b):
     (na, ka), (nb, kb) = val(ctx, a), val(ctx, b)
     if op in _CMP_OPS:
-        return _sym(ctx, _fold(op, na, nb) or N.Compare(op, na, nb), BOOL)
+        return sym(ctx, _fold(op, na, nb) or N.Compare(op, na, nb), BOOL)
     if op in _BIT_OPS:
         return _bitwise(ctx, op, na, ka, nb, kb)
     if op in _SHIFT_OPS:
         return _shift(ctx, op, na, ka, nb, kb)
     if op == "**":
         return _power(ctx, a, b, nb)
-    (na, ka), (nb, kb) = _as_int(na, ka), _as_int(nb, kb)
-    kind = FLOAT if op == "/" else _join(ka, kb)
+    (na, ka), (nb, kb) = as_int(na, ka), as_int(nb, kb)
+    kind = FLOAT if op == "/" else join_kinds(ka, kb)
     folded = _fold(op, na, nb)
     if folded is not None and not (op == "/" and isinstance(folded.value, int)):
-        return _sym(ctx, folded, kind)
-    return _sym(ctx, N.BinOp(op, na, nb), kind)
+        return sym(ctx, folded, kind)
+    return sym(ctx, N.BinOp(op, na, nb), kind)
 
 
 def _bitwise(ctx, op, na, ka, nb, kb):
@@ -93,12 +93,12 @@ def _bitwise(ctx, op, na, ka, nb, kb):
     if ka == kb == BOOL:
         for x, y in ((na, nb), (nb, na)):       # identities of and_masks / or_masks' seeds
             if isinstance(x, N.Const) and x.value is (op == "&") and op in ("&", "|"):
-                return _sym(ctx, y, BOOL)
+                return sym(ctx, y, BOOL)
             if isinstance(x, N.Const) and x.value is False and op == "^":
-                return _sym(ctx, y, BOOL)
-        return _sym(ctx, _fold(op, na, nb) or N.BinOp(op, na, nb), BOOL)
-    (na, _), (nb, _) = _as_int(na, ka), _as_int(nb, kb)
-    return _sym(ctx, _fold(op, na, nb) or N.BinOp(op, na, nb), INT)
+                return sym(ctx, y, BOOL)
+        return sym(ctx, _fold(op, na, nb) or N.BinOp(op, na, nb), BOOL)
+    (na, _), (nb, _) = as_int(na, ka), as_int(nb, kb)
+    return sym(ctx, _fold(op, na, nb) or N.BinOp(op, na, nb), INT)
 
 
 def _shift(ctx, op, na, ka, nb, kb):
@@ -106,14 +106,14 @@ def _shift(ctx, op, na, ka, nb, kb):
     analysis reads); a shift by a symbolic amount stays a shift (arithmetic, as torch's)."""
     if FLOAT in (ka, kb):
         ctx.fail(f"shift '{op}' of a float value", "shift integers; cast first with .long()")
-    (na, _), (nb, _) = _as_int(na, ka), _as_int(nb, kb)
+    (na, _), (nb, _) = as_int(na, ka), as_int(nb, kb)
     k = _num(nb)
     if k is None:
-        return _sym(ctx, _fold(op, na, nb) or N.BinOp(op, na, nb), INT)
+        return sym(ctx, _fold(op, na, nb) or N.BinOp(op, na, nb), INT)
     if not 0 <= k < 31:
         ctx.fail(f"shift '{op}' by {k}", "shift 32-bit integers by 0..30")
     mul = "*" if op == "<<" else "//"
-    return _sym(ctx, _fold(mul, na, N.Const(1 << k)) or N.BinOp(mul, na, N.Const(1 << k)), INT)
+    return sym(ctx, _fold(mul, na, N.Const(1 << k)) or N.BinOp(mul, na, N.Const(1 << k)), INT)
 
 
 def _power(ctx, a, b, nb):
@@ -124,9 +124,9 @@ def _power(ctx, a, b, nb):
             out = binary(ctx, "*", out, a)
         return out
     if e == 0.5:
-        return call_torch(ctx, "sqrt", (a,), {})
+        return OPS.call_torch(ctx, "sqrt", (a,), {})
     if e == -0.5:
-        return call_torch(ctx, "rsqrt", (a,), {})
+        return OPS.call_torch(ctx, "rsqrt", (a,), {})
     if e == -1:
         return binary(ctx, "/", 1.0, a)
     ctx.fail(f"power {('x ** ' + repr(e)) if e is not None else 'with a symbolic exponent'}",
@@ -138,31 +138,31 @@ def negate(ctx, x):
     if k == BOOL:
         ctx.fail("negation of a boolean", "use ~ (logical not)")
     if isinstance(n, N.Const):
-        return _sym(ctx, N.Const(-n.value), k)
-    return _sym(ctx, N.UnaryOp("-", n), k)
+        return sym(ctx, N.Const(-n.value), k)
+    return sym(ctx, N.UnaryOp("-", n), k)
 
 
 def invert(ctx, x):
     n, k = val(ctx, x)
     if k == BOOL:
         if isinstance(n, N.Const):
-            return _sym(ctx, N.Const(not n.value), BOOL)
-        return _sym(ctx, N.UnaryOp("~", n), BOOL)
+            return sym(ctx, N.Const(not n.value), BOOL)
+        return sym(ctx, N.UnaryOp("~", n), BOOL)
     if k == INT:                         # two's complement: ~x == -x - 1
         return binary(ctx, "-", negate(ctx, x), 1)
     ctx.fail("~ of a float value", "~ is logical not on booleans and bitwise not on integers")
 
 
 def where(ctx, c, a, b):
-    nc, _ = _as_bool(*val(ctx, c))
+    nc, _ = as_bool(*val(ctx, c))
     (na, ka), (nb, kb) = val(ctx, a), val(ctx, b)
     if isinstance(nc, N.Const):
-        return _sym(ctx, na if nc.value else nb, ka if nc.value else kb)
+        return sym(ctx, na if nc.value else nb, ka if nc.value else kb)
     if ka == kb == BOOL:                 # boolean select as logic (what the mask code expects)
-        c_, a_, b_ = (_sym(ctx, n, BOOL) for n in (nc, na, nb))
+        c_, a_, b_ = (sym(ctx, n, BOOL) for n in (nc, na, nb))
         return binary(ctx, "|", binary(ctx, "&", c_, a_), binary(ctx, "&", invert(ctx, c_), b_))
-    (na, ka), (nb, kb) = _as_int(na, ka), _as_int(nb, kb)
-    return _sym(ctx, N.Call("where", (nc, na, nb)), _join(ka, kb))
+    (na, ka), (nb, kb) = as_int(na, ka), as_int(nb, kb)
+    return sym(ctx, N.Call("where", (nc, na, nb)), join_kinds(ka, kb))
 
 
 # ------------------------------------------------------------------ captured tensors
@@ -210,14 +210,14 @@ def index(ctx, table, items: tuple):
                      "cast it to an integer first: idx.long() (truncates, as torch does)")
         if isinstance(n, N.Const) and isinstance(n.value, int) and n.value < 0:
             n = N.Const(n.value + table.shape[d])       # a constant negative index counts from the end
-        nodes.append(_as_int(n, k)[0])
+        nodes.append(as_int(n, k)[0])
     if len(items) < table.dim():
         return Partial(ctx, table, tuple(items))
     name = ctx.capture(table)
     g = N.Call("gather", (N.Name(name),) + tuple(nodes))
     if table.dtype == torch.bool:        # bound as 0 / 1 integers: read back as a boolean
-        return _sym(ctx, N.Compare("!=", g, N.Const(0)), BOOL)
-    return _sym(ctx, g, FLOAT if table.is_floating_point() else INT)
+        return sym(ctx, N.Compare("!=", g, N.Const(0)), BOOL)
+    return sym(ctx, g, FLOAT if table.is_floating_point() else INT)
 
 
 # ------------------------------------------------------------------ casts and constants
@@ -229,27 +229,27 @@ _FLOAT_DT = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 def cast(ctx, x, dtype):
     n, k = val(ctx, x)
     if dtype == torch.bool:
-        return _sym(ctx, *_as_bool(n, k))
+        return sym(ctx, *as_bool(n, k))
     if dtype in _INT_DT:
         if k == INT:
-            return _sym(ctx, n, INT)
+            return sym(ctx, n, INT)
         if isinstance(n, N.Const):
-            return _sym(ctx, N.Const(int(n.value)), INT)
-        return _sym(ctx, N.Call("cast", (n, N.Name("i32"))), INT)    # truncates toward zero
+            return sym(ctx, N.Const(int(n.value)), INT)
+        return sym(ctx, N.Call("cast", (n, N.Name("i32"))), INT)    # truncates toward zero
     if dtype in _FLOAT_DT:
         if dtype in (torch.float16, torch.bfloat16):
             ctx.note(f"the cast to {dtype} is traced without its rounding (scores stay fp32 in registers)")
         if k == FLOAT:
-            return _sym(ctx, n, FLOAT)
+            return sym(ctx, n, FLOAT)
         if isinstance(n, N.Const):
-            return _sym(ctx, N.Const(float(n.value)), FLOAT)
-        return _sym(ctx, N.Call("cast", (n, N.Name("f32"))), FLOAT)
+            return sym(ctx, N.Const(float(n.value)), FLOAT)
+        return sym(ctx, N.Call("cast", (n, N.Name("f32"))), FLOAT)
     if dtype in _NARROW_DT:
         ctx.fail(f"a cast to {dtype} (it wraps around)", "cast to torch.int32 / torch.int64 (.int() / .long())")
     ctx.fail(f"a cast to {dtype}", "cast to torch.bool, torch.int64 or torch.float32")
 
 
-def _dtype_of(args, kwargs):
+def dtype_of(args, kwargs):
     """The dtype a .to(...) call asks for (None: only a device or copy flags)."""
     for a in list(args) + [kwargs.get("dtype")]:
         if isinstance(a, torch.dtype):
@@ -270,7 +270,7 @@ def _filled(ctx, like, value, dtype):
     kind = {torch.bool: BOOL}.get(dtype, INT if dtype in _INT_DT else FLOAT if dtype in _FLOAT_DT
                                   else (like.kind if isinstance(like, Sym) else FLOAT))
     v = bool(value) if kind == BOOL else int(value) if kind == INT else float(value)
-    return _sym(ctx, const(v)[0], kind)
+    return sym(ctx, const(v)[0], kind)
 
 
 def new_full(ctx, self, size=(), fill_value=0, *, dtype=None, **_):
@@ -282,7 +282,7 @@ def full_like(ctx, x, fill_value, *, dtype=None, **_):
     return _filled(ctx, x, fill_value, dtype)
 
 
-def _new(fill):
+def new(fill):
     def fn(ctx, self, *size, dtype=None, size_kw=None, **kw):
         size = kw.pop("size", size[0] if len(size) == 1 else tuple(size))
         _scalar_size(ctx, size, "new_ones" if fill else "new_zeros")
@@ -290,8 +290,6 @@ def _new(fill):
     return fn
 
 
-def _like(fill):
+def like(fill):
     return lambda ctx, x, *, dtype=None, **_: _filled(ctx, x, fill, dtype)
 
-
-from cubridge.transfer.trace_table import METHOD_NAMES, call_torch, method, nearest, torch_function  # noqa: E402,F401

@@ -8,7 +8,7 @@ import torch
 
 from cubridge.cuir import nodes as N
 from cubridge.transfer import trace_ops as T
-from cubridge.transfer.trace import BOOL, FLOAT, INT, Sym
+from cubridge.transfer.trace import BOOL, FLOAT, INT, Sym, register_ops
 
 _SQRT1_2 = 0.7071067811865476          # 1 / sqrt(2), gelu's erf argument
 _SQRT_2_PI = 0.7978845608028654        # sqrt(2 / pi), gelu's tanh form
@@ -16,7 +16,7 @@ _SQRT_2_PI = 0.7978845608028654        # sqrt(2 / pi), gelu's tanh form
 
 def _fn(op):
     """A float function CuIR has as an op (exp, log, tanh, erf, ...)."""
-    return lambda ctx, x, *a, **k: T._sym(ctx, N.Call(op, (T.val(ctx, x)[0],)), FLOAT)
+    return lambda ctx, x, *a, **k: T.sym(ctx, N.Call(op, (T.val(ctx, x)[0],)), FLOAT)
 
 
 def _bin(op):
@@ -29,10 +29,10 @@ def _cmp(op):
 
 def _logical(op):
     def fn(ctx, a, b=None, *r, **k):
-        a = T._sym(ctx, *T._as_bool(*T.val(ctx, a)))
+        a = T.sym(ctx, *T.as_bool(*T.val(ctx, a)))
         if op == "~":
             return T.invert(ctx, a)
-        return T.binary(ctx, op, a, T._sym(ctx, *T._as_bool(*T.val(ctx, b))))
+        return T.binary(ctx, op, a, T.sym(ctx, *T.as_bool(*T.val(ctx, b))))
     return fn
 
 
@@ -41,8 +41,8 @@ def _minmax(op, reduction_name=None):
         if reduction_name and not isinstance(b, (Sym, torch.Tensor)):   # torch.max(x) / torch.max(x, dim)
             ctx.fail(f"torch.{reduction_name} of one value (a reduction)",
                      f"hooks are elementwise: torch.{op}(a, b)")
-        (na, ka), (nb, kb) = T._as_int(*T.val(ctx, a)), T._as_int(*T.val(ctx, b))
-        return T._sym(ctx, N.Call(op, (na, nb)), T._join(ka, kb))
+        (na, ka), (nb, kb) = T.as_int(*T.val(ctx, a)), T.as_int(*T.val(ctx, b))
+        return T.sym(ctx, N.Call(op, (na, nb)), T.join_kinds(ka, kb))
     return fn
 
 
@@ -57,14 +57,14 @@ def clamp(ctx, x, min=None, max=None, **_):
 
 def _abs(ctx, x, *a, **k):
     n, kind = T.val(ctx, x)
-    return x if kind == BOOL else T._sym(ctx, N.Call("abs", (n,)), kind)
+    return x if kind == BOOL else T.sym(ctx, N.Call("abs", (n,)), kind)
 
 
 def _relu(ctx, x, *a, **k):
     n, kind = T.val(ctx, x)
     if kind == INT:
-        return T._sym(ctx, N.Call("maximum", (n, N.Const(0))), INT)
-    return T._sym(ctx, N.Call("relu", (n,)), FLOAT)
+        return T.sym(ctx, N.Call("maximum", (n, N.Const(0))), INT)
+    return T.sym(ctx, N.Call("relu", (n,)), FLOAT)
 
 
 def _sign(ctx, x, *a, **k):
@@ -95,7 +95,7 @@ def _div(ctx, a, b, *r, rounding_mode=None, **k):
         return T.binary(ctx, "/", a, b)
     if rounding_mode == "floor":
         return T.binary(ctx, "//", a, b)
-    if T._join(T.val(ctx, a)[1], T.val(ctx, b)[1]) == FLOAT:
+    if T.join_kinds(T.val(ctx, a)[1], T.val(ctx, b)[1]) == FLOAT:
         return _trunc(ctx, T.binary(ctx, "/", a, b))
     return _trunc_div_int(ctx, a, b)
 
@@ -145,7 +145,7 @@ def _leaky_relu(ctx, x, negative_slope=0.01, *a, **k):
 
 
 def _to(ctx, x, *args, **kwargs):
-    dt = T._dtype_of(args, kwargs)
+    dt = T.dtype_of(args, kwargs)
     return x if dt is None else T.cast(ctx, x, dt)
 
 
@@ -180,8 +180,8 @@ TORCH = {
     "neg": lambda ctx, x: T.negate(ctx, x), "negative": lambda ctx, x: T.negate(ctx, x),
     "eq": _cmp("=="), "ne": _cmp("!="), "lt": _cmp("<"), "le": _cmp("<="), "gt": _cmp(">"), "ge": _cmp(">="),
     "not_equal": _cmp("!="), "less": _cmp("<"), "less_equal": _cmp("<="), "greater": _cmp(">"),
-    "greater_equal": _cmp(">="), "zeros_like": T._like(0), "ones_like": T._like(1), "full_like": T.full_like,
-    "new_ones": T._new(1), "new_zeros": T._new(0), "new_full": T.new_full,
+    "greater_equal": _cmp(">="), "zeros_like": T.like(0), "ones_like": T.like(1), "full_like": T.full_like,
+    "new_ones": T.new(1), "new_zeros": T.new(0), "new_full": T.new_full,
     "to": _to, "type_as": lambda ctx, x, o: T.cast(ctx, x, o.dtype), "long": _cast_to(torch.int64),
     "int": _cast_to(torch.int32), "float": _cast_to(torch.float32), "double": _cast_to(torch.float64),
     "bool": _cast_to(torch.bool), "half": _cast_to(torch.float16), "bfloat16": _cast_to(torch.bfloat16),
@@ -259,3 +259,7 @@ def _custom_op(ctx, func, args, kwargs):
         return call_torch(ctx, _CUSTOM[base], args, kwargs)
     ctx.fail(f"custom op {ns}::{base}", "write it with torch functions the tracer takes: "
              + ", ".join(METHOD_NAMES))
+
+
+register_ops(binary=T.binary, negate=T.negate, invert=T.invert, call_torch=call_torch, method=method,
+             nearest=nearest, method_names=tuple(METHOD_NAMES), torch_function=torch_function, partial=T.Partial)

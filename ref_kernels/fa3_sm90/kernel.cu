@@ -7,7 +7,9 @@
 //   B, Hq, Hkv      batch, query heads, key/value heads (Hq % Hkv == 0; G = Hq / Hkv queries per kv head)
 //   Nq, Nk          query / key sequence lengths (any value >= 1; tails are zero-filled by TMA, masked)
 //   D               head dimension (HEAD_DIM)
-//   q, k, v, o      [B, H, N, D] contiguous 16-bit tensors; lse [B, Hq, Nq] float32, natural log
+//   q, k, v, o      [B, H, N, D] 16-bit views, D contiguous, the strides of N, H and B any 16-byte
+//                   multiples ([B, N, H, D] memory is read in place): 4-D TMA maps (D, N, H, B),
+//                   a box of one head; lse [B, Hq, Nq] float32 contiguous, natural log
 //   tile            one (m_block, head, batch) work item. A CTA starts with tile blockIdx.x and
 //                   then takes gridDim.x + atomicAdd(tile_counter, 1) until past the last tile
 //                   (the last producer done resets the counter to 0 for the next launch)
@@ -76,10 +78,11 @@ namespace fa3 {
 
 // ------------------------------------------------------------------ regions
 // @cuir-region head_map
-struct HeadMap { int bh_q; int bh_kv; int b; int h; };
+// bh_q indexes LSE (b * Hq + h); b, h and h_kv (the kv head) address the 4-D TMA maps.
+struct HeadMap { int bh_q; int bh_kv; int b; int h; int h_kv; };
 __device__ __forceinline__ HeadMap head_map(int b, int h, int heads_q, int heads_kv) {
   const int group = heads_q / heads_kv;          // MHA: 1, GQA: Hq / Hkv, MQA: Hq
-  return HeadMap{b * heads_q + h, b * heads_kv + h / group, b, h};
+  return HeadMap{b * heads_q + h, b * heads_kv + h / group, b, h, h / group};
 }
 // @cuir-end head_map
 
@@ -348,8 +351,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_expect_tx(sm.q_full + 8 * qs, kQBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
-        tma_load_3d(sm.q_tile(qs) + p * kQPanelBytes, tm_q, sm.q_full + 8 * qs, p * kPanelCols, tl.m0,
-                    tl.hm.bh_q);
+        tma_load_4d(sm.q_tile(qs) + p * kQPanelBytes, tm_q, sm.q_full + 8 * qs, p * kPanelCols, tl.m0,
+                    tl.hm.h, tl.hm.b);
       // @cuir-end load_q
       ++q_iter;
     };
@@ -373,8 +376,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_expect_tx(sm.k_full + 8 * st, kKVBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
-        tma_load_3d(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
-                    n * kBlockN, tl.hm.bh_kv);
+        tma_load_4d(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
+                    n * kBlockN, tl.hm.h_kv, tl.hm.b);
       // @cuir-end load_kv
       // One Q slot: after the first K, so that the K load overlaps the wait for the slot.
       if (kQSlots == 1 && i == 0) load_q();
@@ -382,8 +385,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
-        tma_load_3d(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
-                    n * kBlockN, tl.hm.bh_kv);
+        tma_load_4d(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
+                    n * kBlockN, tl.hm.h_kv, tl.hm.b);
     }
     // Fetched after the loads (keeps the 24-register producer spill-free); its latency hides
     // behind the STAGES tiles the ring holds ahead of the consumers.
@@ -443,7 +446,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
   if (cs.wg_thread == 0) {
 #pragma unroll
     for (int p = 0; p < kPanels; ++p)
-      tma_store_3d(tm_o, o_rows + p * kQPanelBytes, p * kPanelCols, q_base, tl.hm.bh_q);
+      tma_store_4d(tm_o, o_rows + p * kQPanelBytes, p * kPanelCols, q_base, tl.hm.h, tl.hm.b);
     tma_store_commit();
   }
   if (cs.lane % 4 == 0) {
@@ -540,3 +543,8 @@ extern "C" __global__ void fa3_sm90_tile_counts(int* __restrict__ counts, int se
   counts[t] = kv_count(kv_range(va, hm.b, hm.h, m_block, m_block * kBlockM + seqlen_k - seqlen_q, seqlen_k,
                                 seqlen_k));
 }
+
+// A marker: its name in a cubin's symbols says that the forward reads Q, K, V and writes O through
+// 4-D maps (D, N, H, B). The host refuses a cubin without it (built before, for 3-D maps
+// (D, N, B*H)), which would read the 4-D descriptors as 3-D ones: wrong heads, silently.
+extern "C" __device__ int fa3_sm90_maps_4d = 4;

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 import cubridge
-from cubridge.config import Target, load_config
+from cubridge.config import ConfigError, Target, load_config
 from cubridge.errors import CubridgeError, LaunchError
 from cubridge.load import check_arch
 from cubridge.search import artifacts
 from cubridge.search.runners import make_runner
 from cubridge.search.testing_jobs import synthetic_recording
 from cubridge.search.tuner import tune
+from cubridge.vocab import Outcome, TrialRecord, TrialState
 
 LENGTHS = [1024, 4096, 16384]
 
@@ -50,20 +51,19 @@ def run_dir(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ pure pieces
-def rec(n, a, b, state="ok"):
-    return {"number": n, "proposal_id": "c", "origin": "rules", "outcome": {"state": state, "times_ms": {"a": a, "b": b}},
-            "config": {"reference": "fa3_sm90", "label": f"cfg{n}", "point": {"n": n}}}
+def rec(n, a=0.0, b=0.0, state="ok", times=None):
+    return TrialRecord(n, "c", "rules", "fa3_sm90", f"cfg{n}", {"n": n},
+                       Outcome(TrialState(state), times_ms=times or {"a": a, "b": b}))
 
 
 def test_pareto_front_keeps_the_non_dominated_ok_trials():
     recs = [rec(0, 1.0, 3.0), rec(1, 2.0, 2.0), rec(2, 2.5, 2.5), rec(3, 0.5, 0.5, "crash"), rec(4, 3.0, 1.0)]
-    assert [r["number"] for r in artifacts.pareto_front(recs, ["a", "b"])] == [0, 1, 4]
+    assert [r.number for r in artifacts.pareto_front(recs, ["a", "b"])] == [0, 1, 4]
 
 
 def test_dispatch_buckets_cover_every_length_and_prefer_shared_configs():
     targets = [Target(1, 8, 2, 1024, 128), Target(1, 8, 2, 4096, 128)]
-    front = [{**rec(0, 1.0, 3.0), "outcome": {"state": "ok", "times_ms": {"N=1024,B=1": 1.0, "N=4096,B=1": 3.0}}},
-             {**rec(1, 0, 0), "outcome": {"state": "ok", "times_ms": {"N=1024,B=1": 1.01, "N=4096,B=1": 2.0}}}]
+    front = [rec(0, times={"N=1024,B=1": 1.0, "N=4096,B=1": 3.0}), rec(1, times={"N=1024,B=1": 1.01, "N=4096,B=1": 2.0})]
     table = artifacts.choose_dispatch(front, targets)
     assert [e["trial"] for e in table] == [1, 1]        # 1% slower at 1k, but one kernel for both
     assert (table[0]["min_seqlen"], table[0]["max_seqlen"], table[1]["min_seqlen"], table[1]["max_seqlen"]) \
@@ -75,8 +75,7 @@ def test_dispatch_buckets_cover_every_length_and_prefer_shared_configs():
 def test_final_race_decides_among_each_shapes_finalists():
     targets = [Target(1, 8, 2, 1024, 128), Target(1, 8, 2, 4096, 128)]
     k1, k4 = targets[0].key, targets[1].key
-    front = [{**rec(n, 0, 0), "outcome": {"state": "ok", "times_ms": {k1: a, k4: b}}}
-             for n, a, b in [(0, 1.00, 2.00), (1, 1.05, 2.30), (2, 1.50, 1.95)]]
+    front = [rec(n, times={k1: a, k4: b}) for n, a, b in [(0, 1.00, 2.00), (1, 1.05, 2.30), (2, 1.50, 1.95)]]
     fin = artifacts.finalists(front, targets)
     assert fin == {k1: [0, 1], k4: [2, 0]}              # within 10% of each shape's best search time
     # Round-robin, trial 1 beats trial 0 at 1k by more than the sharing tolerance; 4k was not raced.
@@ -96,14 +95,47 @@ def test_report_says_the_race_did_not_run_on_a_replay_without_one(run_dir):
 
 def test_trial_log_survives_a_torn_last_line(tmp_path):
     log = artifacts.TrialLog(tmp_path / "trials.jsonl")
-    log.append({"number": 0})
-    log.append({"number": 1})
+    log.append(rec(0))
+    log.append(rec(1))
     with open(log.path, "a") as f:
         f.write('{"number": 2, "outc')                 # a kill in the middle of a write
     log = artifacts.TrialLog(log.path)
-    assert [r["number"] for r in log.read()] == [0, 1]
-    log.append({"number": 2})
-    assert [r["number"] for r in log.read()] == [0, 1, 2]
+    assert [r.number for r in log.read()] == [0, 1]
+    log.append(rec(2))
+    assert [r.number for r in log.read()] == [0, 1, 2]
+
+
+def test_trial_records_read_back_typed_and_equal(tmp_path):
+    full = TrialRecord(3, "c", "llm", "fa2_sm80", "128x64s2w4", {"block_m": 128},
+                       Outcome(TrialState.WRONG_ANSWER, "max err 0.3", {}), {"N=1024,B=1": {"sdpa": 0.5}}, "gpu0",
+                       "abc", [{"case": 1}], {"name": "H100"}, 12.5)
+    log = artifacts.TrialLog(tmp_path / "trials.jsonl")
+    log.append(full)
+    [back] = log.read()
+    assert back == full and back.state is TrialState.WRONG_ANSWER
+    assert TrialRecord.from_json(json.loads(json.dumps(full.to_json()))) == full
+
+
+def test_an_older_runs_records_still_read(tmp_path):
+    """Runs logged before worker / cubin_key / gpu_check / device / finished_at existed."""
+    old = {"number": 0, "proposal_id": "c", "origin": "rules", "outcome": {"state": "ok", "times_ms": {"a": 1.0}},
+           "config": {"reference": "fa3_sm90", "label": "l", "point": {"block_m": 128}}}
+    (tmp_path / "trials.jsonl").write_text(json.dumps(old) + "\n")
+    [r] = artifacts.TrialLog(tmp_path / "trials.jsonl").read()
+    assert (r.times_ms, r.point, r.worker, r.device) == ({"a": 1.0}, {"block_m": 128}, "", None)
+
+
+@pytest.mark.parametrize("edit, why", [(lambda d: d.update(speedup=2), "unknown speedup"),
+                                       (lambda d: d.pop("outcome"), "missing outcome"),
+                                       (lambda d: d["outcome"].update(state="great"), "'great' is not a valid"),
+                                       (lambda d: d["config"].pop("point"), "malformed KeyError")])
+def test_a_record_of_another_version_is_refused_by_line(tmp_path, edit, why):
+    d = rec(0).to_json()
+    edit(d)
+    (tmp_path / "trials.jsonl").write_text(json.dumps(rec(1).to_json()) + "\n" + json.dumps(d) + "\n")
+    with pytest.raises(ConfigError, match=why) as e:
+        artifacts.TrialLog(tmp_path / "trials.jsonl").read()
+    assert e.value.where.endswith("trials.jsonl:2") and "another version" in str(e.value)
 
 
 # ------------------------------------------------------------------ the output directory

@@ -11,7 +11,8 @@ import pytest
 from cubridge.cuir.parser import parse_file
 from cubridge.lower import lower
 from cubridge.paths import ref_kernel_dir
-from cubridge.spec import Hooks, count_attended, load_spec
+from cubridge.spec import Hooks, load_spec
+from cubridge.transfer.pairs import count_attended
 from cubridge.transfer.rules import transfer
 from cubridge.verify import Case, verify_transfer
 

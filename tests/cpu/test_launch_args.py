@@ -85,3 +85,45 @@ def test_scalar_helpers():
     assert arg_ptr(None).value == 0
     with pytest.raises(LaunchError, match="int32"):
         arg_i32(2**31)
+
+
+# ------------------------------------------------------------------ LoadedKernel, driver stubbed
+class FakeLib:
+    """libcuda's calls LoadedKernel makes, recorded in order; every call succeeds."""
+
+    def __init__(self):
+        self.calls, self.params = [], None
+
+    def __getattr__(self, name):
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+        return lambda *args: self.calls.append(name) or 0
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.calls.append("cuLaunchKernel")
+        self.launch = ((gx, gy, gz), (bx, by, bz), smem, stream.value)
+        self.params = [params[i] for i in range(12)]
+        return 0
+
+
+def test_loaded_kernel_loads_and_launches_in_the_primary_context(monkeypatch):
+    from cubridge.runtime import driver as drv
+    from cubridge.runtime import launch as launch_mod
+    lib = FakeLib()
+    fake = drv.Driver.__new__(drv.Driver)          # the real methods on the recording lib
+    fake.lib, fake.contexts = lib, {}
+    monkeypatch.setattr(launch_mod, "driver", lambda: fake)
+    kern = launch_mod.LoadedKernel(b"\x7fELF", "fa2_sm80_fwd", 0)
+    assert lib.calls == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxPushCurrent_v2",
+                         "cuModuleLoadData", "cuModuleGetFunction", "cuCtxPopCurrent_v2"]
+    q, k, v, out, lse = tensors = inputs()
+    args = launch_args(q, k, v, out, lse, check_attention_args(q, k, v, out, lse, require_cuda=False), 0.125)
+    lib.calls.clear()
+    for _ in range(2):
+        kern.launch((1, 4, 2), (128, 1, 1), 70000, args, stream_ptr=5)
+    assert lib.calls == ["cuCtxPushCurrent_v2", "cuFuncSetAttribute", "cuLaunchKernel", "cuCtxPopCurrent_v2",
+                         "cuCtxPushCurrent_v2", "cuLaunchKernel", "cuCtxPopCurrent_v2"]   # opt-in set once
+    assert lib.launch == ((1, 4, 2), (128, 1, 1), 70000, 5)
+    assert [ctypes.c_uint64.from_address(p).value for p in lib.params[:5]] == [t.data_ptr() for t in tensors]
+    with pytest.raises(LaunchError, match="empty grid"):
+        kern.launch((0, 4, 2), (128, 1, 1), 0, args)

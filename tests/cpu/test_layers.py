@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2] / "cubridge"
 LAYERS = (
     ("vocabulary", ("cubridge.errors", "cubridge.paths", "cubridge.rule", "cubridge.vocab",
                     "cubridge.registry", "cubridge.version", "cubridge.timelimit", "cubridge.archs")),
-    ("ir", ("cubridge.cuir", "cubridge.spec", "cubridge.specs", "cubridge.inputs")),
+    ("ir", ("cubridge.cuir", "cubridge.spec", "cubridge.specs", "cubridge.inputs", "cubridge.evalmod")),
     ("kernels", ("cubridge.transfer", "cubridge.lower", "cubridge.runtime", "cubridge.verify",
                  "cubridge.analysis")),
     ("llm", ("cubridge.llm",)),
@@ -73,15 +73,8 @@ def test_every_module_has_a_layer():
         layer_of(m)
 
 
-# Upward imports that exist today, with their reasons (the same rules as KNOWN_CYCLES).
-KNOWN_UPWARD = {
-    ("cubridge.spec", "cubridge.transfer.pairs"):
-        "count_attended counts pairs tile by tile from the traced mask (fix: count_attended moves to "
-        "transfer/pairs.py; its callers, measure and analysis, sit above it)",
-    ("cubridge.spec", "cubridge.transfer.evalmod"):
-        "the mask picture evaluates FlexAttention idioms through the tracer's evaluator (fix: the "
-        "evaluator is pure torch and could sit beside spec.py)",
-}
+# Upward imports that exist today, with their reasons (the same rules as KNOWN_CYCLES). None now.
+KNOWN_UPWARD: dict = {}
 
 
 def test_layers_import_only_downwards():
@@ -95,13 +88,8 @@ def test_layers_import_only_downwards():
 
 
 # Cycles that exist today, each with its reason; any other cycle fails, and so does an entry here
-# once its cycle is gone (delete it then). Both came in with work merged while the layers were
-# being untangled; breaking them belongs to their owners.
-KNOWN_CYCLES = {
-    frozenset({"cubridge.transfer.trace", "cubridge.transfer.trace_ops", "cubridge.transfer.trace_table"}):
-        "the tracer's Sym operators dispatch into trace_ops / trace_table, which build Syms "
-        "(fix: an op table registered into trace.py instead of imported from it)",
-}
+# once its cycle is gone (delete it then). None now.
+KNOWN_CYCLES: dict = {}
 
 
 def strongly_connected(g: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -163,12 +151,8 @@ def _private_attribute_uses(module: str) -> list[tuple[str, str]]:
 
 
 # Module pairs that share underscore names today, each with its reason (the same rules as
-# KNOWN_CYCLES: any other pair fails, a pair that no longer shares any must be deleted).
-KNOWN_PRIVATE = {
-    ("cubridge.transfer.trace_table", "cubridge.transfer.trace_ops"):
-        "trace_table is the second half of trace_ops, split for length; its helpers (_sym, _join, ...) "
-        "are the tracer's internals (fix: one private module they both import, or public names)",
-}
+# KNOWN_CYCLES: any other pair fails, a pair that no longer shares any must be deleted). None now.
+KNOWN_PRIVATE: dict = {}
 
 
 def _private_uses() -> dict[tuple[str, str], list[str]]:

@@ -107,28 +107,40 @@ def test_a_layout_is_never_misread(run_dir):
     assert torch.equal(attn(q8, q8, q8, layout="bnhd"), q8)
 
 
-def test_strides_read_in_place_copied_or_refused(run_dir):
+def test_strides_read_in_place_copied_or_refused(run_dir, caplog):
     attn = stubbed(run_dir)
     q, k, v = qkv()
     bnhd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
     views = [t.transpose(1, 2) for t in bnhd]                               # transformers' [B, H, N, D] views
-    assert torch.equal(attn(*views), q)                                     # B = 2: copied once
-    assert attn._plans[next(reversed(attn._plans))][1] == (True, True, True)
-    one = [t[:1].transpose(1, 2) for t in bnhd]                             # B = 1: read in place
+    out = attn(*views)                                                      # B = 2: read in place (4-D maps)
+    assert torch.equal(out, q) and attn._plans[next(reversed(attn._plans))][1] == (False, False, False)
+    assert out.stride() == views[0].stride() and out.transpose(1, 2).is_contiguous()   # O in the caller's order
+    one = [t[:1].transpose(1, 2) for t in bnhd]                             # B = 1 likewise
     assert torch.equal(attn(*one), q[:1])
     assert attn._plans[next(reversed(attn._plans))][1] == (False, False, False)
+    odd = torch.randn(2, 8, 64, 136, dtype=BF)[..., :128]                  # 272-byte rows: fine; 130-element rows: not
+    wide = torch.randn(2, 8, 64, 130, dtype=BF)[..., :128]
+    with caplog.at_level("INFO", logger="cubridge"):
+        assert torch.equal(attn(odd, k, v), odd) and attn._plans[next(reversed(attn._plans))][1] == (False,) * 3
+        assert torch.equal(attn(wide, k, v), wide) and attn._plans[next(reversed(attn._plans))][1] == (True, False, False)
+    assert "the N stride 130 (260 bytes) is not a positive multiple of 16 bytes" in caplog.text
     bad = torch.randn(2, 8, 128, 64, dtype=BF).transpose(-1, -2)            # D not contiguous
     with pytest.raises(LaunchError, match=r"q: q has strides .* last \(head\) dim is not contiguous(.|\n)*\.contiguous\(\)"):
         attn(bad, k, v)
 
 
 def test_layout_strides_follow_the_kernels_tma_map():
-    assert layout_strides((2, 4, 8, 64), (2048, 512, 64, 1), 2) == (64, 512)
-    assert layout_strides((1, 8, 4, 64), (2048, 64, 512, 1), 2) == (512, 64)      # B = 1 bnhd view
-    assert layout_strides((2, 8, 4, 64), (2048, 64, 512, 1), 2) is None           # B and H do not collapse
-    assert layout_strides((2, 1, 4, 64), (4096, 256, 1024, 1), 2) == (1024, 4096)  # H = 1: B's stride
+    """(row, head, batch) strides of the 4-D maps (D, N, H, B); an extent-1 dim takes the
+    contiguous stride (its coordinate is always 0)."""
+    assert layout_strides((2, 4, 8, 64), (2048, 512, 64, 1), 2) == (64, 512, 2048)
+    assert layout_strides((1, 8, 4, 64), (2048, 64, 512, 1), 2) == (512, 64, 2048)     # B = 1 bnhd view
+    assert layout_strides((2, 8, 4, 64), (2048, 64, 512, 1), 2) == (512, 64, 2048)     # B = 2 bnhd view
+    assert layout_strides((2, 1, 4, 64), (4096, 256, 1024, 1), 2) == (1024, 256, 4096)  # H = 1
+    assert layout_strides((3, 2, 5, 64), (7 * 640, 640, 128, 1), 2) == (128, 640, 4480)  # padded rows, spaced batches
     assert layout_strides((2, 4, 8, 64), (2048, 512, 65, 1), 2) is None           # 130-byte rows
     assert layout_strides((2, 4, 8, 64), (0, 0, 64, 1), 2) is None                # broadcast heads
+    assert layout_strides((2, 4, 8, 64), (2048, 512, 64, 2), 2) is None           # D not contiguous
+    assert layout_strides((2, 4, 8, 64), (1 << 40, 512, 64, 1), 2) is None        # batch stride >= 2^40 bytes
 
 
 def test_lse_only_for_softmax(run_dir):
@@ -169,13 +181,16 @@ def test_the_repeated_call_fast_path_matches_the_checked_path(run_dir):
     assert len(attn._fast) == 1
     again = attn(q, k, v)
     assert torch.equal(first, q) and torch.equal(again, q) and again.data_ptr() != first.data_ptr()
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))            # [B, N, H, D] views, B = 2: copied once
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))            # [B, N, H, D] views of bhnd memory
     a, b = attn(qt, kt, vt, layout="bnhd"), attn(qt, kt, vt, layout="bnhd")
     assert len(attn._fast) == 2 and a.shape == qt.shape and torch.equal(a, qt) and torch.equal(b, qt)
+    bq, bk, bv = (t.transpose(1, 2).contiguous() for t in (q, k, v))   # [B, N, H, D] memory: O comes back so
+    c, d = attn(bq, bk, bv, layout="bnhd"), attn(bq, bk, bv, layout="bnhd")
+    assert torch.equal(c, bq) and torch.equal(d, bq) and c.is_contiguous() and d.is_contiguous()
     with pytest.raises(LaunchError, match="q is torch.float16"):    # another dtype: a new key, re-checked
         attn(q.half(), k.half(), v.half())
     out, lse = attn(q, k, v, return_lse=True)                       # LSE asked: the checked path, its own LSE
-    assert torch.equal(out, q) and lse.shape == q.shape[:3] and len(attn._fast) == 2
+    assert torch.equal(out, q) and lse.shape == q.shape[:3] and len(attn._fast) == 3
     served = []
     attn._fast = {key: (lambda f: lambda *a: served.append(1) or f(*a))(f) for key, f in attn._fast.items()}
     attn(q, k, v)
@@ -216,10 +231,14 @@ def test_fake_tensor_mode_and_opcheck(run_dir):
     attn = stubbed(run_dir)
     q, k, v = qkv()
     attn(q, k, v)
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]   # [B, N, H, D] memory
+    eager = attn(*views, return_lse=True)[0]
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         out, lse = attn(fq, fk, fv, return_lse=True)
         assert out.shape == q.shape and out.dtype == BF and lse.shape == (2, 8, 64) and lse.dtype == torch.float32
+        fake = attn(*(mode.from_tensor(t) for t in views), return_lse=True)[0]
+        assert fake.stride() == eager.stride() == views[0].stride()     # the strides the kernel writes
     torch.library.opcheck(torch.ops.cubridge.attention.default, (q, k, v, attn.handle, 0.125, []),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     torch.library.opcheck(torch.ops.cubridge.attention_lse.default, (q, k, v, attn.handle, 0.125, []),
@@ -255,10 +274,12 @@ class _FakeLib:
     """Records cuTensorMapEncodeTiled / cuLaunchKernel calls; every call succeeds."""
 
     def __init__(self):
-        self.encoded, self.launches = 0, []
+        self.encoded, self.launches, self.maps = 0, [], []
 
-    def cuTensorMapEncodeTiled(self, *args):
+    def cuTensorMapEncodeTiled(self, out, dtype, rank, ptr, dims, strides, box, elem_strides, *modes):
         self.encoded += 1
+        self.maps.append(dict(rank=rank, ptr=ptr.value, dims=list(dims[:rank]), strides=list(strides[:rank - 1]),
+                              box=list(box[:rank]), elem_strides=list(elem_strides[:rank])))
         return 0
 
     def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
@@ -294,6 +315,41 @@ def test_fa3_launch_packs_the_kernels_arguments(monkeypatch):
     assert lib.launches[0][1] == argv                                              # the same packed array
     launch(q, k, v, torch.empty_like(q), lse)                                      # a new output buffer
     assert lib.encoded == 5
+
+
+def test_tma_maps_express_both_layouts(monkeypatch):
+    """The descriptor math, encoded without a GPU: 4-D (D, N, H, B) with the view's strides in
+    bytes and a box of one head, for contiguous [B, H, N, D] and for [B, N, H, D] memory."""
+    import ctypes
+
+    from cubridge.runtime import driver as drv
+    from cubridge.runtime import fa3_fast
+    lib = _FakeLib()
+    real = drv.Driver.__new__(drv.Driver)
+    real.lib = lib
+    monkeypatch.setattr(fa3_fast, "driver", lambda: real)
+    b, h, n, d = 2, 8, 1000, 128
+    bhnd = torch.empty(b, h, n, d, dtype=BF)
+    bnhd = torch.empty(b, n, h, d, dtype=BF).transpose(1, 2)
+    fa3_fast._encode(bhnd, 128)
+    fa3_fast._encode(bnhd, 64)
+    first, second = lib.maps
+    assert first == dict(rank=4, ptr=bhnd.data_ptr(), dims=[d, n, h, b], strides=[2 * d, 2 * n * d, 2 * h * n * d],
+                         box=[64, 128, 1, 1], elem_strides=[1, 1, 1, 1])
+    assert second == dict(rank=4, ptr=bnhd.data_ptr(), dims=[d, n, h, b], strides=[2 * h * d, 2 * d, 2 * n * h * d],
+                          box=[64, 64, 1, 1], elem_strides=[1, 1, 1, 1])
+    with pytest.raises(LaunchError, match=r"not addressable by the kernel's 4-D TMA maps: the N stride 130"):
+        fa3_fast._encode(torch.empty(1, 2, 8, 130, dtype=BF)[..., :128], 64)
+    assert ctypes.sizeof(fa3_fast.tensor_map(bhnd, 128)) == 128
+
+
+def test_a_cubin_for_3d_maps_is_refused():
+    """A run's cubin built before the 4-D maps would read them as 3-D ones (wrong heads): refused."""
+    from cubridge.runtime import fa3_fast
+    from cubridge.runtime.fa3_sm90 import Fa3Config, check_cubin
+    with pytest.raises(LaunchError, match=r"3-D TMA maps(.|\n)*hint: rebuild it"):
+        fa3_fast.load_cubin(b"\x7fELF old cubin, no marker", Fa3Config(), torch.device("cpu"))
+    check_cubin(b"\x7fELF ... fa3_sm90_maps_4d ...")
 
 
 def test_build_writes_a_relocatable_run_from_default_configs(tmp_path, monkeypatch):

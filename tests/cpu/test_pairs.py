@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cubridge.spec import Hooks, builtin_specs, count_attended, count_attended_pairwise, load_spec
+from cubridge.spec import Hooks, builtin_specs, count_attended_pairwise, load_spec
+from cubridge.transfer.pairs import count_attended
 from cubridge.transfer import pairs
 from cubridge.transfer.trace import trace_mask
 

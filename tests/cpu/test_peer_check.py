@@ -1,4 +1,4 @@
-"""experiments/peer_systems.py's sampled check: the rows it computes equal the spec's own reference
+"""experiments/expkit/peers.py's sampled check: the rows it computes equal the spec's own reference
 at those rows, for every variant (MHA and GQA), and it fails an output with a wrong mask. The
 benchmark's go / no-go for every system rests on it, so it must be able to fail."""
 import sys
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-from peer_systems import SampledCheck, fa4_window, sample_rows, sampled_attention  # noqa: E402
+from expkit.peers import SampledCheck, fa4_window, sample_rows, sampled_attention  # noqa: E402
 
 from cubridge.spec import builtin_specs, load_spec  # noqa: E402
 

@@ -128,3 +128,14 @@ def test_a_third_kernel_needs_its_folder_and_its_class_only(toy, tmp_path):
         [comp] = manifest["compile"].values()
         assert comp["state"] == "verified", comp["reason"]
         assert "compile" in runner.kinds
+
+
+def test_a_third_kernel_gets_the_op_path_from_its_class(toy):
+    """cubridge.op (build, checks, load) asks the kernel too: the toy inherits fa2's answers."""
+    from cubridge.op.build import default_points
+    fa2_default = reference_kernel("fa2_sm80").variant_default
+    assert default_points("toy_sm80", 64, (1024, 8192)) == {n: fa2_default(64, n) for n in (1024, 8192)}
+    q = torch.empty(1, 2, 8, 64)
+    assert toy.reads_in_place(q) and not toy.reads_in_place(q.transpose(1, 2))
+    assert callable(toy.shape_launch(b"", fa2_default(64, 1024), 64, "bf16", None, torch.device("cpu"),
+                                     (1, 2, 2, 8, 8), 0.125))

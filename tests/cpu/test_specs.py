@@ -16,8 +16,8 @@ import cubridge.specs
 from cubridge.errors import SpecError
 from cubridge.specs import EXAMPLES
 from cubridge.rule import compare
-from cubridge.spec import (Hooks, Normalization, attention_from_hooks, builtin_specs,
-                           count_attended, load_spec)
+from cubridge.spec import Hooks, Normalization, attention_from_hooks, builtin_specs, load_spec
+from cubridge.transfer.pairs import count_attended
 
 NAMES = ["full", "causal", "prefixlm", "global_sliding_window", "causal_blockwise",
          "share_question", "relative_pos", "relu", "sigmoid", "composite"]

@@ -14,7 +14,7 @@ from cubridge.cuir.interp import Interpreter
 from cubridge.cuir.printer import expr
 from cubridge.cuir.values import DType, GTensor
 from cubridge.lower.cexpr import to_c
-from cubridge.transfer.evalmod import vmapped
+from cubridge.evalmod import vmapped
 from cubridge.transfer.trace import TraceError, trace_mask, trace_score
 
 Q, K = 24, 20

@@ -46,11 +46,18 @@ def attention(q, k, v, causal: bool):
 
 
 def run_case(b, hq, hkv, nq, nk, d, dtype, causal, seed=0, persistent=False, max_ctas=None,
-             **tiles):
-    """tiles: Fa3Config overrides (block_m, block_n, stages); default_config otherwise."""
+             memory="bhnd", **tiles):
+    """tiles: Fa3Config overrides (block_m, block_n, stages); default_config otherwise. memory:
+    "bnhd" lays q, k, v out as [B, N, H, D] and passes their [B, H, N, D] views (transformers'
+    projections), "padded" gives every row 8 spare elements; the kernel reads both in place and
+    writes O in q's memory order."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
                for shape in ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)))
+    if memory == "bnhd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    elif memory == "padded":
+        q, k, v = (torch.nn.functional.pad(t, (0, 8))[..., :d] for t in (q, k, v))
     saved = [t.clone() for t in (q, k, v)]
     bf16 = dtype == torch.bfloat16
     config = (Fa3Config(head_dim=d, causal=causal, bf16=bf16, persistent=persistent, **tiles) if tiles
@@ -60,6 +67,9 @@ def run_case(b, hq, hkv, nq, nk, d, dtype, causal, seed=0, persistent=False, max
     fa3_forward(q, k, v, causal=causal, config=config, out=out, lse=lse, max_ctas=max_ctas)
     out2, lse2 = fa3_forward(q, k, v, causal=causal, config=config, max_ctas=max_ctas)
     torch.cuda.synchronize()
+    assert out.stride() == q.stride() or memory == "padded", "full_like keeps q's memory order"
+    if memory == "bnhd":
+        assert out2.transpose(1, 2).is_contiguous(), "the default O is not in q's [B, N, H, D] order"
     for t, s in zip((q, k, v), saved):
         assert torch.equal(t, s), "kernel modified an input"
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "second run differs (not deterministic)"
@@ -137,6 +147,25 @@ def test_rows_before_key_zero_with_o_in_the_q_slot(nq, nk):
     as test_fa3_sm90_d256.py::test_d256_ragged did at D 256). Few CTAs: one CTA runs both."""
     run_case(2, 16, 8, nq, nk, 128, torch.bfloat16, True, persistent=True, max_ctas=7,
              block_m=128, block_n=176, stages=2)
+
+
+@pytest.mark.parametrize("memory", ["bnhd", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk", [(777, 777), (1000, 17), (300, 1000)])
+@pytest.mark.parametrize("d", HEAD_DIMS + [256], ids=lambda d: f"d{d}")
+def test_strided_memory_read_in_place(d, nq, nk, causal, memory):
+    """The 4-D TMA maps (D, N, H, B): [B, N, H, D] memory (B > 1, GQA) and padded rows are read,
+    and O written, in place; few CTAs, so tiles of several heads and batches share a CTA."""
+    run_case(3, 8, 2, nq, nk, d, torch.bfloat16, causal, persistent=True, max_ctas=11, memory=memory)
+
+
+def test_strides_the_maps_cannot_express_are_refused():
+    q = torch.randn(1, 2, 64, 130, device="cuda", dtype=torch.bfloat16)[..., :128]   # 260-byte rows
+    k = v = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(LaunchError, match=r"q: the kernel's TMA maps cannot read it in place: the N stride 130"):
+        fa3_forward(q, k, v)
+    with pytest.raises(LaunchError, match=r"out must be .* 16-byte multiples"):
+        fa3_forward(k, k, v, out=torch.empty(1, 2, 64, 130, device="cuda", dtype=torch.bfloat16)[..., :128])
 
 
 def test_tile_counter_is_zero_after_every_launch():

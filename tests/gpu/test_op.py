@@ -102,7 +102,7 @@ def test_layouts_strides_scale_and_lse(runs, name):
     attn, spec = cubridge.load(runs[name]), load_spec(name)
     q, k, v = _inputs(name, 2, 777)
     out = attn(q, k, v)
-    # bnhd: contiguous [B, N, H, D] (copied once for B > 1) and a B = 1 slice (read in place)
+    # bnhd: contiguous [B, N, H, D] and a B = 1 slice (both read in place: 4-D TMA maps)
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     assert torch.equal(attn(qt, kt, vt, layout="bnhd"), out.transpose(1, 2))
     one = attn(qt[:1], kt[:1], vt[:1], layout="bnhd")
@@ -118,6 +118,31 @@ def test_layouts_strides_scale_and_lse(runs, name):
         s = (q.double() @ k.double().repeat_interleave(HQ // HKV, 1).transpose(-1, -2)) / math.sqrt(D)
         s = s.masked_fill(torch.ones(777, 777, device="cuda", dtype=torch.bool).triu(1), -math.inf)
         assert torch.allclose(lse.double(), torch.logsumexp(s, -1), atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["causal", "prefixlm", "share_question"])
+def test_bnhd_memory_is_read_and_written_in_place(runs, name):
+    """issue 15's Llama path: [B, N, H, D] projections (B > 1, GQA 8 / 2, ragged N) are read in
+    place and O comes back contiguous in the caller's layout, so neither the op nor transformers
+    copies; bitwise the [B, H, N, D] result; also inside torch.compile (the fake's strides)."""
+    attn, spec = cubridge.load(runs[name]), load_spec(name)
+    q, k, v = _inputs(name, 2, 777)
+    bq, bk, bv = (t.transpose(1, 2).contiguous() for t in (q, k, v))      # [B, N, H, D] memory
+    before = [t.clone() for t in (bq, bk, bv)]
+    _poison(bq.shape, bq.dtype)
+    out = attn(bq, bk, bv, layout="bnhd")
+    torch.cuda.synchronize()
+    assert out.shape == bq.shape and out.is_contiguous(), "O is not contiguous [B, N, H, D]"
+    assert attn._plans[next(reversed(attn._plans))][1] == (False, False, False), "an input was copied"
+    _check(spec, out.transpose(1, 2), q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(before, (bq, bk, bv))), "inputs changed"
+    views = [t.transpose(1, 2) for t in (bq, bk, bv)]                       # transformers' [B, H, N, D] views
+    _poison(bq.shape, bq.dtype)
+    seen = attn(*views)
+    assert seen.transpose(1, 2).is_contiguous() and torch.equal(seen, out.transpose(1, 2))
+    assert torch.equal(attn(q, k, v), seen), "the bhnd result differs from the bnhd one"
+    merged = torch.compile(lambda a, b, c: attn(a, b, c).transpose(1, 2).reshape(2, 777, -1) * 1.0, fullgraph=True)
+    assert torch.equal(merged(*views), out.reshape(2, 777, -1)), "torch.compile differs from eager"
 
 
 def test_first_call_inside_a_capture_is_refused(runs):

@@ -94,10 +94,11 @@ class ReferenceKernel(ABC):
         measured point; a kernel whose best tile depends on N says so by overriding this."""
         return dict(self.space.best_known(head_dim)[0])
 
-    def reads_in_place(self, t) -> bool:
-        """Whether the kernel reads the [B, H, N, D] view `t` (a real or a traced, fake tensor)
-        without a contiguous copy first: contiguous views only, unless the kernel says more."""
-        return t.is_contiguous()
+    def copy_reason(self, t) -> str | None:
+        """Why the kernel cannot read the [B, H, N, D] view `t` (a real or a traced, fake tensor)
+        in place, so that the op copies it to contiguous first; None where it can. Contiguous
+        views only, unless the kernel says more."""
+        return None if t.is_contiguous() else f"{self.name} reads contiguous [B, H, N, D] only"
 
     def __repr__(self) -> str:
         return f"<reference kernel {self.name} ({self.arch}, {self.directory})>"

@@ -88,5 +88,5 @@ class Fa2Sm80Kernel(ReferenceKernel):
         kernel = _RUNTIMES.get(key) or _RUNTIMES.setdefault(key, self.runtime(point))
 
         def launch(q, k, v, out, lse):
-            kernel(q, k, v, causal=False, out=out, lse=lse, sm_scale=scale, variant=variant, cubin=cubin)
+            kernel(q, k, v, causal=False, out=out, lse=lse, sm_scale=scale, variant=variant, cubin=cubin or None)
         return launch

@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 
 from cubridge.runtime.fa3_sm90 import (SMEM_LIMIT, SUPPORTED_HEAD_DIMS, WG_ROWS, WG_THREADS, Fa3Config,
-                                       check_inputs, default_config, fa3_forward)
-from cubridge.runtime.fa3_fast import Fa3Launch, layout_strides, load_cubin
+                                       check_inputs, default_config, fa3_forward, map_refusal)
+from cubridge.runtime.fa3_fast import Fa3Launch, load_cubin
 from cubridge.runtime.kernels import ReferenceKernel, check_dtype, register
 from cubridge.runtime.kernels import reference_kernel  # noqa: F401 - the doctest uses it
 from cubridge.runtime.space import Constraint, Param, Space
@@ -155,6 +155,7 @@ class Fa3Sm90Kernel(ReferenceKernel):
         c = default_config(head_dim, causal=False, seqlen=seqlen, variant=True)
         return {"block_m": c.block_m, "block_n": c.block_n, "stages": c.stages, "persistent": c.persistent}
 
-    def reads_in_place(self, t) -> bool:
-        """Any view whose B and H collapse into one stride: the TMA maps are 3-D (fa3_fast)."""
-        return layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size()) is not None
+    def copy_reason(self, t) -> str | None:
+        """Any view the 4-D TMA maps (D, N, H, B) can express is read in place (fa3_sm90.map_refusal
+        says why one cannot)."""
+        return map_refusal(tuple(t.shape), tuple(t.stride()), t.element_size())

@@ -175,7 +175,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
   if (cs.wg_thread == 0) {
 #pragma unroll
     for (int p = 0; p < kPanels; ++p)
-      tma_store_3d(tm_o, o_rows + p * kQPanelBytes, p * kPanelCols, q_base, tl.hm.bh_q);
+      tma_store_4d(tm_o, o_rows + p * kQPanelBytes, p * kPanelCols, q_base, tl.hm.h, tl.hm.b);
     tma_store_commit();
   }
   if (cs.lane % 4 == 0) {

@@ -1,6 +1,7 @@
-"""What the experiment scripts share, in one module: a script imports this and cubridge, nothing
-else of experiments/ (its own folder is on sys.path when it runs, so `import expkit` needs no path
-edit; importing expkit makes the checkout's cubridge importable where it is not installed).
+"""What the experiment scripts share, in one package: a script imports this (and expkit.peers, the
+FA4 comparison's peer systems) and cubridge, nothing else of experiments/ (its own folder is on
+sys.path when it runs, so `import expkit` needs no path edit; importing expkit makes the
+checkout's cubridge importable where it is not installed).
 
 Timing: time_ms_interleaved (the one timing protocol, round-robin). Variants: Ours (rules
 transfer, lowering and launch of a variant on fa3_sm90, as the tuner runs it), Variant (one with
@@ -24,10 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]       # the checkout (experiments/expkit/__init__.py)
 try:
     import cubridge  # noqa: F401 - installed (pip install -e .) or on PYTHONPATH
 except ModuleNotFoundError:     # a bare checkout: the one place experiments/ edits sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
@@ -40,7 +42,6 @@ from cubridge.runtime.timing import bench_round_robin  # noqa: E402
 from cubridge.spec import load_spec  # noqa: E402
 from cubridge.transfer.rules import transfer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "experiments" / "patches"
 KERNEL_REL = Path("ref_kernels") / "fa3_sm90"
 TOKENS = 16384          # tokens per shape: B = TOKENS // N
@@ -59,7 +60,7 @@ def bwd_reference():
     """tests/support/bwd_reference.py (the dense backward's end-aligned autograd reference), loaded
     by path: the scripts use the tests' one reference, with no sys.path edit."""
     import importlib.util
-    path = Path(__file__).resolve().parents[1] / "tests" / "support" / "bwd_reference.py"
+    path = ROOT / "tests" / "support" / "bwd_reference.py"
     spec = importlib.util.spec_from_file_location("cubridge_tests_bwd_reference", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

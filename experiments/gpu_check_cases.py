@@ -36,8 +36,9 @@ D, HQ, HKV = 128, 16, 16           # MHA targets: the cases add MQA and GQA (gro
 SHAPES = [TargetShape("N=8192,B=2", 2, 8192), TargetShape("Nq=128,Nk=4096", 1, 4096, query_len=128)]
 MISTRAL = str(ROOT / "tests/corpus/mistral_sliding_window.py")
 # (kernel, spec, which of the kernel's measured best-known points)
+# (gemma2_local: softcap score_mod, so the LSE of a score_mod, and a 4096 window: structure 8229)
 RUNS = [("fa3_sm90", "causal", 0), ("fa3_sm90", "causal", 1), ("fa3_sm90", "document", 0),
-        ("fa3_sm90", MISTRAL, 0), ("fa3_sm90", str(ROOT / "tests/corpus/gemma2_local.py"), 0),
+        ("fa3_sm90", str(ROOT / "tests/corpus/gemma2_local.py"), 0),
         ("fa2_sm80", "causal", 0), ("fa2_sm80", "document", 0)]
 
 
@@ -51,21 +52,24 @@ def point_of(kernel, index: int) -> dict:
     return points[min(index, len(points) - 1)]
 
 
-def prepare_run(kname: str, sname: str, index: int, dry: bool) -> dict:
-    """Transfer, lower, compile (not when dry): everything before the checks."""
+def prepare_run(kname: str, sname: str, index: int) -> dict:
+    """Transfer and lower (in the main thread: tracing is not thread-safe)."""
     kernel, spec = reference_kernel(kname), load_spec(sname)
     cand = transfer(parse_file(kernel.cuir_path()), spec)
     lowered = lower(cand.program, kname)
     point = point_of(kernel, index)
-    run = {"kernel": kname, "spec": spec.name, "point": kernel.space.label(point), "block_table": bool(cand.table),
-           "k": kernel, "specobj": spec, "cand": cand, "lowered": lowered, "cuir": kernel.space.to_cuir(point),
-           "pt": point}
-    if not dry:
-        from cubridge.runtime.build import compile_cubin, default_compiler
-        t0 = time.time()
-        run["cubin"] = compile_cubin(lowered.source, arch=arch(), options=kernel.compile_options(point, D, "bf16"),
-                                     compiler=default_compiler()).cubin
-        run["compile_s"] = round(time.time() - t0, 1)
+    return {"kernel": kname, "spec": spec.name, "point": kernel.space.label(point), "block_table": bool(cand.table),
+            "k": kernel, "specobj": spec, "cand": cand, "lowered": lowered, "cuir": kernel.space.to_cuir(point),
+            "pt": point}
+
+
+def build(run: dict) -> dict:
+    """nvcc of one lowered variant (threads: nvcc runs as a process)."""
+    from cubridge.runtime.build import compile_cubin, default_compiler
+    t0 = time.time()
+    options = run["k"].compile_options(run["pt"], D, "bf16")
+    run["cubin"] = compile_cubin(run["lowered"].source, arch=arch(), options=options, compiler=default_compiler()).cubin
+    run["compile_s"] = round(time.time() - t0, 1)
     return run
 
 
@@ -125,8 +129,10 @@ def main():
     ap.add_argument("--dry", action="store_true", help="CPU: transfer, lower and the case lists only")
     args = ap.parse_args()
     device = "cpu" if args.dry else "cuda"
-    with ThreadPoolExecutor(len(RUNS)) as pool:        # nvcc runs in parallel; the checks do not
-        runs = list(pool.map(lambda r: prepare_run(*r, dry=args.dry), RUNS))
+    runs = [prepare_run(*r) for r in RUNS]
+    if not args.dry:
+        with ThreadPoolExecutor(len(runs)) as pool:    # nvcc runs in parallel; the checks do not
+            runs = list(pool.map(build, runs))
     result = {"device": "cpu (dry)" if args.dry else torch.cuda.get_device_name(), "rows": [], "controls": []}
     for run in runs:
         row = {k: run[k] for k in ("kernel", "spec", "point", "block_table")} | {"compile_s": run.get("compile_s")}

@@ -33,6 +33,10 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
+        for p in (self.out, *self.out.parents):         # "File exists" said nothing of the cause
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"{p} is a file, not a directory: the run's output must be a directory",
+                                  where=self.where, hint="choose another output directory (--out DIR)")
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)

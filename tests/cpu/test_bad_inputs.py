@@ -63,6 +63,19 @@ def test_a_shape_no_gpu_can_hold(capsys, tmp_path):
     assert "the largest sm_90a GPU has 141 GiB" in err
 
 
+@pytest.mark.parametrize("output", ["afile", "afile/sub"])
+def test_an_output_that_is_a_file(capsys, tmp_path, output):
+    (tmp_path / "afile").write_text("not a run")
+    p = config(tmp_path, f"""\
+        spec: causal
+        shapes: {{model: llama2-7b, lengths: [1024]}}
+        output: {tmp_path / output}
+        """)
+    code, err = tune_cli(capsys, p, "--dry-run")
+    assert code == 2 and err.startswith(f"error: {p}: output: {tmp_path / 'afile'} is a file, not a directory"), err
+    assert (tmp_path / "afile").read_text() == "not a run"
+
+
 @pytest.fixture
 def finished_run(tmp_path):
     p = config(tmp_path, """\

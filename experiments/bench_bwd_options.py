@@ -3,7 +3,9 @@ flash_attn.cute imports, FlashAttention-4: dense bf16, D = 128, 32 heads, 16k to
 only (ours called directly after one forward, the peers through torch.autograd.grad), all systems
 of a shape timed round-robin in one process with L2 flushed (bench_round_robin). TFLOPS = 2.5 x
 the forward's FLOPs on attended pairs (issue 17). Each row carries a go / no-go note against
-SDPA cuDNN's gradients (the verification rule is tests/gpu/test_bwd_sm90.py).
+SDPA cuDNN's gradients (the verification rule is tests/gpu/test_bwd_sm90.py). Each option first
+runs a small backward in a child process (preflight): one that faults is left out and named,
+rather than taking every system's timing down with this process's CUDA context.
 
   python3 experiments/bench_bwd_options.py --out results.json [--n 8192 16384 1024]   (GPU)
   python3 experiments/bench_bwd_options.py --table results.json
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import traceback
@@ -67,6 +70,41 @@ def systems(options: list[str]) -> dict:
     table = {f"{OURS}[{o}]": functools.partial(ours, o) for o in options}
     table.update({"cubridge/fa2_bwd_sm80": fa2, "sdpa_cudnn": cudnn, "fa4": fa4})
     return table
+
+
+PREFLIGHT = """
+import sys, torch
+from cubridge.runtime.autograd import forward_with_lse
+from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
+for causal in (True, False):
+    q, k, v, do = (torch.randn(1, 2, 300, 128, device="cuda").bfloat16() for _ in range(4))
+    out, lse = forward_with_lse(q, k, v, causal)
+    grads = fa3_backward(do, q, k, v, out, lse, causal=causal, option=sys.argv[1])
+    torch.cuda.synchronize()
+    assert all(bool(g.isfinite().all()) for g in grads), "non-finite gradients"
+"""
+
+
+def preflight(options: list[str], timeout_s: float = 120.0) -> list[str]:
+    """The options whose small causal and full backward runs in a child process without a fault:
+    a kernel fault kills the CUDA context of this process, and every system's timing with it.
+    The children run side by side (a few seconds each, mostly imports and the first builds)."""
+    root = str(Path(__file__).resolve().parents[1])   # the checkout's cubridge, in the child too
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    procs = {o: subprocess.Popen([sys.executable, "-c", PREFLIGHT, o], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=env) for o in options}
+    good = []
+    for o, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = f"timed out after {timeout_s:.0f} s"
+        if proc.returncode == 0:
+            good.append(o)
+        else:
+            print(f"# option {o} left out: its preflight failed: {text.strip().splitlines()[-1:]}", flush=True)
+    return good
 
 
 def sanity(grads, ref) -> str:
@@ -147,11 +185,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
+    ap.add_argument("--no-preflight", dest="preflight", action="store_false",
+                    help="time every option without first running each in a child process")
     args = ap.parse_args(argv)
     if args.table:
         print_table(json.loads(args.table.read_text())["rows"])
         return 0
-    table, rows, info = systems(args.options), [], versions()
+    options = preflight(args.options) if args.preflight else args.options
+    table, rows, info = systems(options), [], versions()
+    info["options_left_out"] = sorted(set(args.options) - set(options))
     for n in args.n:
         for causal in (True, False):
             try:

@@ -1,6 +1,5 @@
-"""A/B of fa3_bwd_sm90's performance options (cubridge.runtime.fa3_bwd_sm90.OPTIONS: base, bulk,
-bulk_overlap) beside fa2_bwd_sm80, SDPA's cuDNN backward and, when flash_attn.cute imports,
-FlashAttention-4: dense bf16, D = 128, 32 heads, 16k tokens per shape, causal and full, backward
+"""A/B of fa3_bwd_sm90's performance options (cubridge.runtime.fa3_bwd_sm90.OPTIONS) beside fa2_bwd_sm80, SDPA's cuDNN backward and, when
+flash_attn.cute imports, FlashAttention-4: dense bf16, D = 128, 32 heads, 16k tokens per shape, causal and full, backward
 only (ours called directly after one forward, the peers through torch.autograd.grad), all systems
 of a shape timed round-robin in one process with L2 flushed (bench_round_robin). TFLOPS = 2.5 x
 the forward's FLOPs on attended pairs (issue 17). Each row carries a go / no-go note against

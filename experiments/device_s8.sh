@@ -4,12 +4,14 @@
 # under its own time limit and all under one deadline, and results are written as they arrive.
 #
 #   usage (repo root, GPU):  DEADLINE_S=420 bash experiments/device_s8.sh JOBFILE
-#   JOBFILE lines:  NAME<TAB>SECONDS<TAB>COMMAND   (# comments and blank lines ignored)
+#   JOBFILE lines:  NAME<TAB>SECONDS<TAB>COMMAND   (# comments and blank lines ignored); a NAME
+#   starting with '!' runs alone (timings: every earlier job has ended, no later one starts until
+#   it ends)
 #
 # Writes $OUT/s8.log (every job's tail, in the order they end) and $OUT/s8.json (per job: rc,
 # seconds, pytest's summary line, the failed test ids), both rewritten after each job ends.
 set -uo pipefail
-OUT=${OUT:-/tmp/s8_out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/s8_out}; mkdir -p "$OUT"; export OUT
 JOBS=${1:?name a job file}
 DEADLINE_S=${DEADLINE_S:-420}
 PARALLEL=${PARALLEL:-3}
@@ -62,8 +64,11 @@ run_job() {   # run_job INDEX NAME SECONDS COMMAND
 i=0
 while IFS=$'\t' read -r name secs cmd; do
   [[ -z "$name" || "$name" == \#* ]] && continue
+  if [[ "$name" == !* ]]; then
+    wait; collect; i=$((i + 1)); run_job "$i" "${name#!}" "$secs" "$cmd" < /dev/null; collect; continue
+  fi
   while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; collect; done
-  i=$((i + 1)); run_job "$i" "$name" "$secs" "$cmd" &
+  i=$((i + 1)); run_job "$i" "$name" "$secs" "$cmd" < /dev/null &
 done < "$JOBS"
 wait; collect
 echo; echo "=== table ($(( $(date +%s) - START ))s)"

@@ -3,9 +3,14 @@
 # and O read / written in place in [B, H, N, D] and [B, N, H, D] memory), the D 256 fix (a tile
 # with no KV tile takes the Q slot its zero O is staged in), the experiment knobs moved out.
 # One device call on an H100 (BUDGET seconds, default 570). Writes two files under $OUT:
-# fwdfa3.json (test summaries, the Llama rows) and fwdfa3.log (everything printed). Table last.
+# fwdfa3${TAG}.json (test summaries, the Llama rows) and fwdfa3${TAG}.log (everything printed),
+# TAG empty unless set (e.g. TAG=_llama when the stages run as separate jobs of device_s8.sh).
+# Table last.
 #
 #   usage (repo root):  bash experiments/device_s8_fwdfa3.sh [build] [focus] [llama] [full]
+#   as device_s8.sh jobs (the stages are independent; focus and full need build's cache or compile):
+#     fwdfa3_focus<TAB>300<TAB>TAG=_focus BUDGET=290 bash experiments/device_s8_fwdfa3.sh build focus
+#     fwdfa3_llama<TAB>220<TAB>TAG=_llama BUDGET=210 bash experiments/device_s8_fwdfa3.sh llama
 #   build: every kernel config the tests use, compiled in parallel (later builds hit the cache)
 #   focus: what this branch changed, first and -x per file: test_d256_ragged (the bug), the strided
 #          memory / refusal / Q-slot tests of test_fa3_sm90.py, test_op.py's layout tests
@@ -19,7 +24,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fwdfa3_out}
 mkdir -p "$OUT"
-LOG="$OUT/fwdfa3.log"
+LOG="$OUT/fwdfa3${TAG:-}.log"
 WORK=$(mktemp -d /tmp/fwdfa3.XXXX)
 exec > >(tee -a "$LOG") 2>&1
 START=$(date +%s)
@@ -35,7 +40,6 @@ run_for() {   # run_for SECONDS NAME CMD...: the command's exit status into $WOR
 }
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(build focus llama full)
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 PYTEST=(python3 -m pytest -q -x -p no:cacheprovider -rfE)
 export CUBRIDGE_OP_RUNS="$WORK/op_runs"
@@ -50,10 +54,9 @@ for stage in "${STAGES[@]}"; do
   case $stage in
     build)
       step "build: the test configs, in parallel"
-      run_for 150 build python3 - <<'PY'
-import sys, time
+      run_for 150 build env PYTHONPATH="tests/gpu:$PYTHONPATH" python3 - <<'PY'
+import time
 from concurrent.futures import ThreadPoolExecutor
-sys.path.insert(0, "tests/gpu")
 from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin, default_config
 import test_fa3_sm90 as t
 cfgs = {default_config(d, c, bf, n) for d in (64, 128, 256) for c in (False, True) for bf in (True, False)
@@ -91,7 +94,7 @@ PY
 done
 
 step "summary"
-python3 - "$WORK" "$OUT/fwdfa3.json" <<'PY'
+python3 - "$WORK" "$OUT/fwdfa3${TAG:-}.json" <<'PY'
 import json, re, sys
 from pathlib import Path
 work, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -10,7 +10,9 @@ Options (compile-time, `option=` of fa3_backward; params.cuh and NOTES.md say wh
 "base" (DQ_MODE 0, SCHED 0: the session-7 kernel, per-thread dQ atomics), "bulk" (DQ_MODE 1: dQ
 through shared memory and one bulk reduce-add per consumer and step, into a tiled accumulator that
 fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
-order). DEFAULT_OPTION stays "base" until a GPU run has checked and timed the others.
+order), "bulk_overlap_lse" (also LSE / Dvec staged in shared memory by the producer, from padded
+copies made here), "bulk_overlap_lse_lpt" (also the KV tile in blockIdx.z: causal's longest tiles
+dispatched first). DEFAULT_OPTION stays "base" until a GPU run has checked and timed the others.
 
 Status: compiles spill-free for sm_90a (tests/cpu/test_fa3_bwd_sm90_build.py); not yet run on a
 GPU. cubridge.runtime.autograd uses it only when `enabled()` (CUBRIDGE_HOPPER_BWD=1) until
@@ -40,8 +42,10 @@ FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
-# option name -> (DQ_MODE, SCHED); SCHED 1 requires DQ_MODE 1 (params.cuh static_assert).
-OPTIONS = {"base": (0, 0), "bulk": (1, 0), "bulk_overlap": (1, 1)}
+# option name -> (DQ_MODE, SCHED, LSE_SMEM, TILE_ORDER); SCHED 1 requires DQ_MODE 1, LSE_SMEM 1
+# requires SCHED 1 (params.cuh static_asserts).
+OPTIONS = {"base": (0, 0, 0, 0), "bulk": (1, 0, 0, 0), "bulk_overlap": (1, 1, 0, 0),
+           "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1)}
 DEFAULT_OPTION = "base"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
@@ -59,9 +63,11 @@ DQ_PART_BYTES = 64 * 64 * 4  # one consumer's 64 x 64 f32 dQ part (DQ_MODE 1)
 DQ_SLOTS = 2
 CONSUMERS = 2
 CONVERT_THREADS = 256
+ROW_TERM_BYTES = BLOCK_M * 4   # one stage's LSE or Dvec (LSE_SMEM 1)
+LOG2E = 1.4426950408889634
 
 
-def _modes(option: str) -> tuple[int, int]:
+def _modes(option: str) -> tuple[int, int, int, int]:
     if option not in OPTIONS:
         raise LaunchError(f"unknown option {option!r}", where="fa3_bwd_sm90",
                           hint=f"option must be one of {sorted(OPTIONS)}")
@@ -74,14 +80,16 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     kv = BLOCK_N * head_dim * ELEM_BYTES
     q = BLOCK_M * head_dim * ELEM_BYTES
     ds = BLOCK_N * BLOCK_M * ELEM_BYTES
-    dq = DQ_SLOTS * CONSUMERS * DQ_PART_BYTES if _modes(option)[0] == 1 else 0
-    return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
+    dq_mode, _, lse_smem, _ = _modes(option)
+    dq = DQ_SLOTS * CONSUMERS * DQ_PART_BYTES if dq_mode == 1 else 0
+    rows = 2 * STAGES * ROW_TERM_BYTES if lse_smem == 1 else 0
+    return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION) -> list[str]:
-    dq_mode, sched = _modes(option)
+    dq_mode, sched, lse_smem, tile_order = _modes(option)
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
-            f"-DDQ_MODE={dq_mode}", f"-DSCHED={sched}",
+            f"-DDQ_MODE={dq_mode}", f"-DSCHED={sched}", f"-DLSE_SMEM={lse_smem}", f"-DTILE_ORDER={tile_order}",
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
 
 
@@ -123,6 +131,19 @@ def _helpers():
     return Fa2BwdSm80()
 
 
+def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
+    """LSE_SMEM 1's inputs: [B * Hq, num_m * 64] copies the producer bulk-loads one 256-byte tile at
+    a time (16-byte aligned, never past the end): LSE in log2 units with +inf where P must be 0
+    (padding rows, rows that saw no key: natural-log -inf), Dvec with zero padding. Queued after
+    the preprocess kernel that writes Dvec (same stream)."""
+    lse2 = torch.full((bh, num_m * BLOCK_M), math.inf, device=lse.device, dtype=torch.float32)
+    rows = lse.reshape(bh, nq)
+    lse2[:, :nq] = torch.where(rows == -math.inf, math.inf, rows * LOG2E)
+    dvec_pad = torch.zeros((bh, num_m * BLOCK_M), device=dvec.device, dtype=torch.float32)
+    dvec_pad[:, :nq] = dvec.reshape(bh, nq)
+    return lse2, dvec_pad
+
+
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                  dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
@@ -131,7 +152,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     option: one of OPTIONS (the kernel's compile-time performance options)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
-    dq_mode, _ = _modes(option)
+    dq_mode, _, lse_smem, tile_order = _modes(option)
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     device = q.device
     if capability(device.index) != (9, 0):
@@ -161,12 +182,14 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
         (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), arg_i64(rows)), stream)
     if accum_elems > rows * d:
         accum[rows * d:].zero_()
+    row_terms = _padded_row_terms(lse, dvec, b * hq, nq, num_m) if lse_smem == 1 else (lse, dvec)
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
-    scalars = [ctypes.c_uint64(t.data_ptr()) for t in (lse, dvec, accum, dk, dv)]
+    scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
-    driver().launch(func, (math.ceil(nk / BLOCK_N), hkv, b), (THREADS, 1, 1), smem_bytes(d, option), stream,
-                    pack_params(maps + scalars))
+    tiles = math.ceil(nk / BLOCK_N)
+    grid = (hkv, b, tiles) if tile_order == 1 else (tiles, hkv, b)
+    driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if dq_mode == 1:
         chunks = accum_elems // 4
         args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(nq),

@@ -194,7 +194,7 @@ def check(var: Variant) -> list[str]:
 def _apply(patch: Path, cwd: str) -> subprocess.CompletedProcess:
     """patch(1), or git apply where the image has no patch binary."""
     try:
-        return subprocess.run(["patch", "-p1", "--forward", "-s", "-i", str(patch)], cwd=cwd,
+        return subprocess.run(["patch", "-p1", "--forward", "-s", "--no-backup-if-mismatch", "-i", str(patch)], cwd=cwd,
                               capture_output=True, text=True)
     except FileNotFoundError:
         return subprocess.run(["git", "apply", "-p1", "--unsafe-paths", str(patch)], cwd=cwd,
@@ -216,7 +216,8 @@ def patched_files(*names: str) -> dict[str, str]:
                                  f"{KERNEL_REL}: {done.stdout.strip()} {done.stderr.strip()} "
                                  "(regenerate it against the current kernel)")
         return {f.name: f.read_text() for f in (Path(tmp) / KERNEL_REL).iterdir()
-                if f.is_file() and f.read_text() != (ROOT / KERNEL_REL / f.name).read_text()}
+                if f.is_file() and (not (ROOT / KERNEL_REL / f.name).is_file()
+                                    or f.read_text() != (ROOT / KERNEL_REL / f.name).read_text())}
 
 
 def inline_headers(text: str, changed: dict[str, str]) -> str:

@@ -124,13 +124,20 @@ __device__ __forceinline__ float ld_row_term(const float* p) {
   return v;
 }
 
+// LSE_SMEM: a row term of the stage (asm volatile: stays after the stage's mbarrier wait).
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+
 // SCHED 1's P^T pass (runs while the dP GEMM does); ds_only16 below is its dS^T pass. Two bodies
 // (masked / unmasked): with one body and a runtime flag, the masked predicates were hoisted and
 // saved to registers (P2R) and D = 128 causal fp16 spilled 16 bytes.
 template <bool kPartial>
 __device__ __forceinline__ void probs_body(const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
-                                           const Problem& pb, int g, int m0) {
+                                           const Problem& pb, int g, int m0, uint32_t lse_tile) {
   constexpr bool partial = kPartial;
   const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();   // as probs_and_ds
   const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
@@ -140,7 +147,9 @@ __device__ __forceinline__ void probs_body(const Consumer& cs, float (&s)[kSRegs
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
       float lse2 = kPosInf;
-      if (q_row < pb.seqlen_q) {
+      if constexpr (kLseSmem) {
+        lse2 = ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
+      } else if (q_row < pb.seqlen_q) {
         const float l = ld_row_term(lse + row_base + q_row);
         lse2 = l == kNegInf ? kPosInf : l * kLog2e;
       }
@@ -156,9 +165,9 @@ __device__ __forceinline__ void probs_body(const Consumer& cs, float (&s)[kSRegs
 }
 __device__ __forceinline__ void probs_only(bool partial, const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
-                                           const Problem& pb, int g, int m0) {
-  if (partial) probs_body<true>(cs, s, lse, scale_log2, pb, g, m0);
-  else probs_body<false>(cs, s, lse, scale_log2, pb, g, m0);
+                                           const Problem& pb, int g, int m0, uint32_t lse_tile) {
+  if (partial) probs_body<true>(cs, s, lse, scale_log2, pb, g, m0, lse_tile);
+  else probs_body<false>(cs, s, lse, scale_log2, pb, g, m0, lse_tile);
 }
 
 // dS^T from the 16-bit P^T (SCHED 1): the f32 P^T dies at the pack, 32 registers fewer while dV
@@ -181,7 +190,8 @@ __device__ __forceinline__ float unpack_hi(uint32_t w) {
 
 // SCHED 1: dS^T = P^T (dP^T - Dvec) with P^T read back from its 16-bit pack.
 __device__ __forceinline__ void ds_only16(const Consumer& cs, const uint32_t (&p16)[kPRegs], float (&dp)[kSRegs],
-                                          const float* __restrict__ dvec, const Problem& pb, int g, int m0) {
+                                          const float* __restrict__ dvec, const Problem& pb, int g, int m0,
+                                          uint32_t dvec_tile) {
   // m0 made opaque: otherwise the 16 row offsets and "q < Nq" predicates of the P pass are kept
   // for this one (CSE), 16+ registers across the peak: 60-68 bytes of spill at D = 128.
   asm volatile("" : "+r"(m0));
@@ -191,7 +201,8 @@ __device__ __forceinline__ void ds_only16(const Consumer& cs, const uint32_t (&p
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
-      const float dv = q_row < pb.seqlen_q ? ld_row_term(dvec + row_base + q_row) : 0.f;
+      const float dv = kLseSmem ? ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e))
+                       : q_row < pb.seqlen_q ? ld_row_term(dvec + row_base + q_row) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e;   // p16[i / 2] packs s[i - e] (low) and s[i - e + 1] (high)
@@ -245,7 +256,7 @@ __device__ __forceinline__ void overlap_step(const Consumer& cs, const Smem& sm,
   wgmma_wait<1>();                               // S^T landed, dP^T in flight
   reg_fence(s);
   probs_only(step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q), cs, s, lse, scale_log2,
-             pb, g, m0);
+             pb, g, m0, sm.lse_tile(st));
   uint32_t p16[kPRegs], ds16[kPRegs];
   pack_frag(p16, s);
   wgmma_fence();
@@ -253,7 +264,7 @@ __device__ __forceinline__ void overlap_step(const Consumer& cs, const Smem& sm,
   wgmma_commit();
   wgmma_wait<1>();                               // dP^T landed
   reg_fence(dp);
-  ds_only16(cs, p16, dp, dvec, pb, g, m0);
+  ds_only16(cs, p16, dp, dvec, pb, g, m0, sm.dvec_tile(st));
   pack_frag(ds16, dp);
   const uint32_t slot = sm.ds_slot(it % kDsSlots);
   store_ds(cs, slot, ds16);

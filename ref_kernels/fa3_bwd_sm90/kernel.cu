@@ -13,7 +13,8 @@
 //                   end of the keys, as the forward kernels; with Nq > Nk the first Nq - Nk rows
 //                   see no key: their LSE is -inf, so P = 0 and they contribute nothing)
 //   D               head dimension (HEAD_DIM); "Dvec" is the softmax backward's row term
-//   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch)
+//   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch), or
+//                   (kv head, batch, n) with TILE_ORDER 1
 //   producer        WG 0; one thread loads K, V once, then streams (Q, dO) tiles of 64 queries
 //                   of every query head of the group through the kStages ring
 //   consumer c      WG c + 1; owns keys [n0 + 64c, n0 + 64c + 64): its dK, dV rows in registers
@@ -54,6 +55,12 @@ typedef unsigned long long uint64_t;
 #endif
 #ifndef SCHED
 #define SCHED 0
+#endif
+#ifndef LSE_SMEM
+#define LSE_SMEM 0
+#endif
+#ifndef TILE_ORDER
+#define TILE_ORDER 0
 #endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
@@ -132,6 +139,8 @@ struct Smem {
   __device__ __forceinline__ uint32_t q_tile(int s) const { return q() + s * kQBytes; }
   __device__ __forceinline__ uint32_t do_tile(int s) const { return dout() + s * kQBytes; }
   __device__ __forceinline__ uint32_t ds_slot(int s) const { return ds() + s * kDsBytes; }
+  __device__ __forceinline__ uint32_t lse_tile(int s) const { return base + kOffLse + s * kRowTermBytes; }
+  __device__ __forceinline__ uint32_t dvec_tile(int s) const { return base + kOffDvec + s * kRowTermBytes; }
 };
 
 struct Problem {
@@ -145,9 +154,16 @@ struct Problem {
 };
 
 // ------------------------------------------------------------------ producer
+// LSE_SMEM: a non-tensor bulk copy global -> shared that completes on the stage's mbarrier.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const float* src, int bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q,
                                          const CUtensorMap* tm_k, const CUtensorMap* tm_v,
-                                         const CUtensorMap* tm_do, const Problem& pb, QRange qr) {
+                                         const CUtensorMap* tm_do, const Problem& pb, QRange qr,
+                                         const float* __restrict__ lse, const float* __restrict__ dvec) {
   mbar_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
   for (int p = 0; p < kPanels; ++p) {
@@ -159,13 +175,18 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) {
       const int st = it % kStages;
       mbar_wait(sm.q_empty() + 8 * st, ((it / kStages) & 1) ^ 1);
-      mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes);
+      mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes + (kLseSmem ? 2 * kRowTermBytes : 0));
 #pragma unroll
       for (int p = 0; p < kPanels; ++p) {
         tma_load_3d(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full() + 8 * st, p * kPanelCols,
                     m * kBlockM, pb.bh_q(g));
         tma_load_3d(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full() + 8 * st, p * kPanelCols,
                     m * kBlockM, pb.bh_q(g));
+      }
+      if constexpr (kLseSmem) {   // padded [B * Hq, num_m * 64]: tile m of head bh_q is contiguous
+        const size_t off = (size_t(pb.bh_q(g)) * ((pb.seqlen_q + kBlockM - 1) / kBlockM) + m) * kBlockM;
+        bulk_load(sm.lse_tile(st), lse + off, kRowTermBytes, sm.q_full() + 8 * st);
+        bulk_load(sm.dvec_tile(st), dvec + off, kRowTermBytes, sm.q_full() + 8 * st);
       }
     }
 }
@@ -175,9 +196,10 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 }  // namespace fa3b
 
 // ------------------------------------------------------------------ entry point
-// Grid (ceil(Nk / 128), Hkv, B); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
+// Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 1: (Hkv, B, ceil(Nk / 128))); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
 // log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
-// group = heads_q / heads_kv.
+// group = heads_q / heads_kv. LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
+// copies instead, lse in log2 units with +inf where P must be 0 (padding, rows that see no key).
 extern "C" __global__ void __launch_bounds__(fa3b::kThreads, 1)
 fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -192,7 +214,8 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   // used, the division's result took a register through the consumer loop (12-40 bytes of spill
   // at D = 128 with DQ_MODE 1).
   const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, group,
-                   int(blockIdx.z), int(blockIdx.y), int(blockIdx.x) * kBlockN};
+                   kTileMajor ? int(blockIdx.y) : int(blockIdx.z), kTileMajor ? int(blockIdx.x) : int(blockIdx.y),
+                   (kTileMajor ? int(blockIdx.z) : int(blockIdx.x)) * kBlockN};
   const QRange qr = q_range(pb.n0, seqlen_q, pb.q_shift());
   const bool has_work = qr.m_begin < qr.m_end;   // else dK = dV = 0 and nothing is loaded
 
@@ -213,7 +236,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     if (threadIdx.x == 0 && has_work) {
       fa3::tma_prefetch_map(&tm_q);
       fa3::tma_prefetch_map(&tm_do);
-      producer(sm, &tm_q, &tm_k, &tm_v, &tm_do, pb, qr);
+      producer(sm, &tm_q, &tm_k, &tm_v, &tm_do, pb, qr, lse, dvec);
     }
   } else {
     fa3::reg_alloc<kConsumerRegs>();

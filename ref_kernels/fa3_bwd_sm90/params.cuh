@@ -20,6 +20,16 @@ constexpr bool kCausal = IS_CAUSAL != 0;
 //              16-bit P), dQ then dK, the dQ part written out while the dK GEMM runs.
 constexpr bool kDqBulk = DQ_MODE == 1;
 constexpr bool kOverlap = SCHED == 1;
+//   LSE_SMEM 1 (with SCHED 1): the producer bulk-copies each query tile's 64 LSE (log2 units, +inf
+//              for padding / rows that see no key) and Dvec values into the stage beside Q / dO,
+//              from per-head padded copies the launcher makes; the passes read shared memory
+//              instead of 16 + 16 global (L1) loads per thread, with no "row < Nq" branches.
+constexpr bool kLseSmem = LSE_SMEM == 1;
+//   TILE_ORDER 1: the KV tile is blockIdx.z, so every head's tile 0 is dispatched before any tile 1
+//              (blocks go out x fastest): causal tiles have less work the later they start (tile
+//              n is attended by the rows at or after n0), so the longest run first and the short
+//              ones fill the last wave; 0 (blockIdx.x) ends with each last head's full range.
+constexpr bool kTileMajor = TILE_ORDER == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -80,7 +90,11 @@ constexpr int kDqChunks = kDqPartFloats / 4 / kWgThreads;     // float4 stores p
 constexpr int kDqParts = kHeadDim / kDqCols;                  // parts per query tile (tiled accum)
 constexpr int kDqSlots = 2;   // slot it % 2: step it's bulk add reads it while step it + 1 writes the other
 constexpr int kDqSmemBytes = kDqBulk ? kDqSlots * kConsumers * kDqPartBytes : 0;
-constexpr int kOffBar = kOffDq + kDqSmemBytes;
+constexpr int kRowTermBytes = kBlockM * 4;                   // one stage's LSE (or Dvec) floats
+constexpr int kOffLse = kOffDq + kDqSmemBytes;
+constexpr int kOffDvec = kOffLse + kStages * kRowTermBytes;
+constexpr int kRowTermSmemBytes = kLseSmem ? 2 * kStages * kRowTermBytes : 0;
+constexpr int kOffBar = kOffLse + kRowTermSmemBytes;
 constexpr int kBarBytes = (1 + 2 * kStages) * 8;              // kv_full, q_full[], q_empty[]
 constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;  // + slack to align the base
 constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;      // one arrive per consumer warp
@@ -102,6 +116,8 @@ static_assert(SCHED == 0 || SCHED == 1, "SCHED must be 0 (serial) or 1 (overlap)
 // SCHED 1 with the atomics spilled 8 bytes at D = 128 causal (ptxas, nvcc 13.0): the overlapped
 // order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
 static_assert(!(SCHED == 1 && DQ_MODE == 0), "SCHED=1 needs DQ_MODE=1");
+static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED == 1), "LSE_SMEM=1 needs SCHED=1");
+static_assert(TILE_ORDER == 0 || TILE_ORDER == 1, "TILE_ORDER must be 0 or 1");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

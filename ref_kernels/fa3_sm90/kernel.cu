@@ -78,11 +78,14 @@ namespace fa3 {
 
 // ------------------------------------------------------------------ regions
 // @cuir-region head_map
-// bh_q indexes LSE (b * Hq + h); b, h and h_kv (the kv head) address the 4-D TMA maps.
-struct HeadMap { int bh_q; int bh_kv; int b; int h; int h_kv; };
+// bh_q indexes LSE (b * Hq + h); (h, b) address Q and O in their 4-D TMA maps, bh_kv split into
+// (bh_kv % Hkv, bh_kv / Hkv) K and V: split at each load, not carried (two more live values in
+// the 24-register producer of D 256 128x80 spilled 32 bytes, 22 with the 3-D maps; split in the
+// load's arguments it spills 2, nvcc 13.0; hoisted to the loop's top, 60).
+struct HeadMap { int bh_q; int bh_kv; int b; int h; };
 __device__ __forceinline__ HeadMap head_map(int b, int h, int heads_q, int heads_kv) {
   const int group = heads_q / heads_kv;          // MHA: 1, GQA: Hq / Hkv, MQA: Hq
-  return HeadMap{b * heads_q + h, b * heads_kv + h / group, b, h, h / group};
+  return HeadMap{b * heads_q + h, b * heads_kv + h / group, b, h};
 }
 // @cuir-end head_map
 
@@ -297,8 +300,8 @@ struct Problem {
 // consumers spill under 224). Every other kernel keeps 40 / 232.
 // HEAD_DIM 256 with BLOCK_N > 64 (a 64 x 256 O accumulator: 128 registers per thread): 24 / 240,
 // as FlashAttention-3 runs it. nvcc 13.0, 128 x 80 causal: under 232 the consumers spill 50 bytes;
-// under 240 they spill 2 (once per tile) and the one producer thread ~20. 128 x 64 is spill-free
-// under 40 / 232 and keeps it.
+// under 240 they spill 2 (once per tile) and the one producer thread ~20 (0 since the 4-D maps:
+// see head_map). 128 x 64 is spill-free under 40 / 232 and keeps it.
 constexpr bool kScanningProducer = kProducerReadsTable && kConsumers == 2 && kBlockN <= 128;
 constexpr bool kWideHead = kHeadDim == 256 && kBlockN > 64 && !kScanningProducer;
 constexpr int kProducerRegs = kConsumers == 2 ? (kScanningProducer ? 56 : kWideHead ? 24 : 40) : 32;
@@ -377,7 +380,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
         tma_load_4d(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
-                    n * kBlockN, tl.hm.h_kv, tl.hm.b);
+                    n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
       // @cuir-end load_kv
       // One Q slot: after the first K, so that the K load overlaps the wait for the slot.
       if (kQSlots == 1 && i == 0) load_q();
@@ -386,7 +389,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
         tma_load_4d(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
-                    n * kBlockN, tl.hm.h_kv, tl.hm.b);
+                    n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
     }
     // Fetched after the loads (keeps the 24-register producer spill-free); its latency hides
     // behind the STAGES tiles the ring holds ahead of the consumers.

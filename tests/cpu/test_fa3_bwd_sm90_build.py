@@ -5,6 +5,7 @@ serialized wgmma; the launcher refuses bad input with a clear error; autograd ke
 backward unless the Hopper one is enabled."""
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -21,7 +22,9 @@ SPECS = [(128, True, True), (128, False, False), (64, True, False), (64, False, 
 # The performance options (params.cuh DQ_MODE / SCHED): the base path at all four specs above, the
 # others at the two extremes (their register peaks are at D = 128; D = 64 takes the K-split dQ).
 OPTION_SPECS = [("base", s) for s in SPECS] + [
-    (o, s) for o in ("bulk", "bulk_overlap") for s in ((128, True, True), (128, False, False), (64, True, False))]
+    (o, s) for o in ("bulk", "bulk_overlap", "bulk_overlap_lse")
+    for s in ((128, True, True), (128, False, False), (64, True, False))] + [
+    ("bulk_overlap_lse_lpt", (128, True, True))]   # only the block -> tile mapping differs
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -70,12 +73,14 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 
 
 def test_option_table_matches_the_kernel_macros():
-    """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1 (static_assert)."""
-    assert hb.OPTIONS["base"] == (0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
-    for name, (dq_mode, sched) in hb.OPTIONS.items():
+    """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
+    with SCHED 1 (static_asserts)."""
+    assert hb.OPTIONS["base"] == (0, 0, 0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
+    for name, (dq_mode, sched, lse_smem, tile_order) in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
-        assert f"-DDQ_MODE={dq_mode}" in opts and f"-DSCHED={sched}" in opts
-        assert not (sched == 1 and dq_mode == 0), name
+        assert f"-DDQ_MODE={dq_mode}" in opts and f"-DSCHED={sched}" in opts and f"-DLSE_SMEM={lse_smem}" in opts
+        assert f"-DTILE_ORDER={tile_order}" in opts
+        assert not (sched == 1 and dq_mode == 0) and not (lse_smem == 1 and sched == 0), name
     with pytest.raises(LaunchError, match="unknown option"):
         hb.options(128, True, True, "fast")
 
@@ -89,7 +94,23 @@ def test_shared_memory_mirrors_params():
     # DQ_MODE 1: two slots x two consumers x one 64 x 64 f32 part
     for option in ("bulk", "bulk_overlap"):
         assert hb.smem_bytes(128, option) == hb.smem_bytes(128) + 2 * 2 * 16384 <= 227 * 1024
+    # LSE_SMEM 1: + 2 stages x (LSE, Dvec) x 64 floats
+    assert hb.smem_bytes(128, "bulk_overlap_lse") == hb.smem_bytes(128, "bulk") + 2 * 2 * 256 <= 227 * 1024
+    for option in hb.OPTIONS:
         assert f"-DHOST_SMEM_BYTES={hb.smem_bytes(64, option)}" in hb.options(64, False, True, option)
+
+
+def test_padded_row_terms_for_lse_smem():
+    """LSE_SMEM 1's copies: log2 LSE, +inf for rows that saw no key and for padding (P = 0 there),
+    Dvec zero-padded; one 64-float tile per (head, query tile)."""
+    lse = torch.tensor([[[0.5, -math.inf, 2.0]], [[1.0, 3.0, -1.0]]])       # [B=2, Hq=1, Nq=3]
+    dvec = torch.tensor([[[0.1, 0.2, 0.3]], [[0.4, 0.5, 0.6]]])
+    lse2, dvec_pad = hb._padded_row_terms(lse, dvec, 2, 3, 1)
+    assert lse2.shape == dvec_pad.shape == (2, 64)
+    torch.testing.assert_close(lse2[0, :3], torch.tensor([0.5 * hb.LOG2E, math.inf, 2.0 * hb.LOG2E]))
+    torch.testing.assert_close(lse2[1, :3], torch.tensor([1.0, 3.0, -1.0]) * hb.LOG2E)
+    assert bool((lse2[:, 3:] == math.inf).all()) and bool((dvec_pad[:, 3:] == 0).all())
+    assert torch.equal(dvec_pad[:, :3], dvec.reshape(2, 3))
 
 
 def test_bad_input_is_a_clear_error():

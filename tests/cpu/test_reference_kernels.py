@@ -136,6 +136,6 @@ def test_a_third_kernel_gets_the_op_path_from_its_class(toy):
     fa2_default = reference_kernel("fa2_sm80").variant_default
     assert default_points("toy_sm80", 64, (1024, 8192)) == {n: fa2_default(64, n) for n in (1024, 8192)}
     q = torch.empty(1, 2, 8, 64)
-    assert toy.reads_in_place(q) and not toy.reads_in_place(q.transpose(1, 2))
+    assert toy.copy_reason(q) is None and "toy_sm80 reads contiguous" in toy.copy_reason(q.transpose(1, 2))
     assert callable(toy.shape_launch(b"", fa2_default(64, 1024), 64, "bf16", None, torch.device("cpu"),
                                      (1, 2, 2, 8, 8), 0.125))

@@ -6,9 +6,9 @@ kernel dtype; dQ, dK, dV each pass iff max|x - golden| <= 2 max|ref - golden| + 
 Also: outputs poisoned with NaN are fully written, inputs unchanged, dK / dV (no atomics) bitwise
 repeatable. Inputs are random normal, never zeros. Needs an sm_90 GPU (skipped otherwise).
 
-Every kernel test runs once per performance option (cubridge.runtime.fa3_bwd_sm90.OPTIONS: base,
-bulk, bulk_overlap; the test id starts with it). CUBRIDGE_BWD_OPTIONS=bulk,bulk_overlap narrows
-the set (experiments/device_s8_hbwdperf.sh runs one option per pytest process).
+Every kernel test runs once per performance option (cubridge.runtime.fa3_bwd_sm90.OPTIONS; the
+test id starts with it). CUBRIDGE_BWD_OPTIONS=bulk,base
+narrows the set (experiments/device_s8_hbwdperf.sh runs one option per pytest process).
 """
 from __future__ import annotations
 

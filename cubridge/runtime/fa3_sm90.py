@@ -206,9 +206,19 @@ def _strides(shape: tuple, stride: tuple) -> tuple[int, int, int]:
 def map_refusal(shape: tuple, stride: tuple, elem: int) -> str | None:
     """Why the 4-D TMA maps cannot address a [B, H, N, D] view in place, or None where they can.
     TMA needs the innermost dim contiguous and every other stride a positive multiple of 16 bytes
-    below 2^40 (cuTensorMapEncodeTiled)."""
+    below 2^40 (cuTensorMapEncodeTiled).
+
+    >>> map_refusal((1, 2, 0, 64), (0, 0, 64, 1), 2) is None        # no key: nothing to address
+    True
+    >>> map_refusal((1, 2, 8, 64), (1024, 64, 128, 1), 2) is None    # [B, N, H, D] memory
+    True
+    >>> map_refusal((1, 2, 8, 64), (1024, 1, 2, 16), 2)
+    'the head dim D is not contiguous (strides (1024, 1, 2, 16))'
+    """
     if len(shape) != 4 or len(stride) != 4:
         return f"shape {tuple(shape)} is not 4-d"
+    if 0 in shape:   # nothing to address (torch gives an empty tensor zero strides): the launchers
+        return None  # return before building a map (fa3_forward: Nk = 0 -> O = 0, LSE = -inf)
     if shape[3] > 1 and stride[3] != 1:
         return f"the head dim D is not contiguous (strides {tuple(stride)})"
     for name, s in zip(("N", "H", "B"), _strides(shape, stride)):

@@ -273,8 +273,8 @@ def test_launch_checks(bad):
     q = torch.randn(1, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
     v = k.clone()
-    if bad == "noncontig":
-        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    if bad == "noncontig":   # D not contiguous: no TMA map reads it ([B, N, H, D] memory is read in place)
+        q = q.transpose(2, 3).contiguous().transpose(2, 3)
     elif bad == "dtype":
         q = q.float()
     elif bad == "heads":

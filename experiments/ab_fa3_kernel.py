@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from expkit import REPEATS, TOKENS, WARMUP, NoArgs, attended_pairs, time_ms_interleaved
+from expkit import REPEATS, TOKENS, WARMUP, NoArgs, attended_pairs, source_at, time_ms_interleaved
 from cubridge.lower import Launchable  # noqa: E402
 from cubridge.runtime.fa3_sm90 import default_config, fa3_forward  # noqa: E402
 
@@ -30,13 +30,14 @@ SHAPES = [(32, 32, 128, 1024), (32, 32, 128, 8192), (32, 32, 64, 8192), (64, 8, 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("old", type=Path, help="the other kernel.cu (compiled with -I ref_kernels/fa3_sm90)")
+    ap.add_argument("old", help="the other kernel.cu: a path or COMMIT:ref_kernels/fa3_sm90/kernel.cu "
+                                "(compiled with -I ref_kernels/fa3_sm90)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    text = args.old.read_text()
+    text = source_at(args.old).read_text()
     if "fa3_sm90_tile_counts" not in text:   # the launch passes tile_order since commit 7c9a782
         sys.exit(f"{args.old}: its entry point predates the tile_order parameter this runtime passes; "
-                 "A/B it from a checkout of commit f771bc0 (where kernel_v6_74f23f2.cu was measured)")
+                 "A/B it from a checkout of commit f771bc0 (where 74f23f2:ref_kernels/fa3_sm90/kernel.cu was measured)")
     if "tma_load_4d" not in text:   # the runtime encodes 4-D maps (D, N, H, B) since session 8
         sys.exit(f"{args.old}: it reads 3-D TMA maps; this runtime encodes 4-D ones (A/B it from a checkout "
                  "before the 4-D maps)")

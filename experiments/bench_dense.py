@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
+from expkit import source_at  # noqa: E402
 from cubridge.runtime.fa2_sm80 import Config, Fa2Sm80, default_config  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench, compiled_flex_attention, tflops  # noqa: E402
 
@@ -64,7 +65,7 @@ class Systems:
         """One Fa2Sm80 per config (and per extra kernel source, to compare versions side by side)."""
         self.ours = {str(c): Fa2Sm80(c) for c in configs}
         for label, path in (sources or {}).items():
-            self.ours.update({f"{label}:{c}": Fa2Sm80(c, source_path=path) for c in configs})
+            self.ours.update({f"{label}:{c}": Fa2Sm80(c, source_path=source_at(path)) for c in configs})
         self._flex = None
 
     def make(self, system: str, q, k, v, causal: bool):
@@ -242,7 +243,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS), type=lambda s: s.split(","))
     p.add_argument("--systems", default=",".join(SYSTEMS), type=lambda s: s.split(","))
     p.add_argument("--configs", default="", help="tilings of ours, e.g. 128x64s2w4,256x64s2w8 (default: the default)")
-    p.add_argument("--sources", default="", help="extra kernel versions of ours: label=path,... (same configs)")
+    p.add_argument("--sources", default="", help="extra kernel versions of ours: label=path or label=COMMIT:path,... (same configs)")
     p.add_argument("--head-dim", default=HEAD_DIM, type=int, choices=(64, 128))
     p.add_argument("--tokens", default=TOKENS, type=int, help="B * N")
     p.add_argument("--warmup", default=3, type=int)

@@ -9,7 +9,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 [ -d .devdeps ] && bash .devdeps/install.sh >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "== fa3 A/B ($(date +%T))"
-CUDA_VISIBLE_DEVICES=0 timeout 150 python3 experiments/ab_fa3_kernel.py experiments/fa3_versions/kernel_v6_74f23f2.cu \
+CUDA_VISIBLE_DEVICES=0 timeout 150 python3 experiments/ab_fa3_kernel.py 74f23f2:ref_kernels/fa3_sm90/kernel.cu \
   --out "$OUT/ab_fa3_v7_vs_v6.json" 2>&1 | tail -12
 echo "== ray scaling ($(date +%T))"
 timeout 300 python3 experiments/ray_scaling.py --out "$OUT/ray_scaling.json" 2>&1 | tail -40

@@ -9,7 +9,7 @@ an edited source), replaced (a source edit), the verification rule at the GPU te
 (check, check_all), the causal softmax baseline. Provenance: versions(). Kernel patches
 (experiments/patches/: the peer A/B's changes, and under knobs/ the experiment knobs that left the
 product kernel: kv_ascending, serial_tiles, timeline): patched_source, patched_files,
-inline_headers. SASS: disassembler().
+inline_headers. SASS: disassembler(). Old kernel versions by commit: source_at("COMMIT:PATH").
 """
 from __future__ import annotations
 
@@ -254,3 +254,26 @@ def disassembler() -> list[str]:
         raise SystemExit("error: no cuobjdump or nvdisasm on PATH (CUDA toolkit) and no "
                          "nvidia-cuda-nvdisasm wheel; install one of them")
     return [found, "-c"]
+
+
+def source_at(spec: str) -> Path:
+    """A kernel source as a path: `COMMIT:PATH` (a version kept in git history, written with its
+    folder at that commit into a temporary directory, so its includes resolve as they did) or a
+    plain path. Measured old versions are named by their commit instead of frozen copies.
+
+    >>> source_at("HEAD:README.md").name
+    'README.md'
+    """
+    commit, sep, rel = spec.partition(":")
+    if not sep or Path(spec).exists():
+        return Path(spec)
+    folder = str(Path(rel).parent) if Path(rel).parent != Path(".") else ""
+    dest = Path(tempfile.mkdtemp(prefix=f"source_{commit}_"))
+    try:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *([folder] if folder else [rel])],
+                                 check=True, capture_output=True).stdout
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"error: {spec}: git cannot give it ({e.stderr.decode(errors='replace').strip()}); "
+                         "name a commit of this checkout's history (a shallow clone may lack it)") from e
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest / rel

@@ -1,8 +1,9 @@
 """Progress of long work: trials done, best so far, failures by reason.
 
-On a terminal one line is redrawn in place; in CI (the CI variable set) or when the stream is not
-a terminal, a plain line is printed at most every `interval_s` seconds (and at the end), so logs
-stay short and readable.
+On a terminal a tqdm bar is redrawn in place (best and failures as its postfix; log lines go above
+it through tqdm.write); in CI (the CI variable set) or when the stream is not a terminal, a plain
+line is printed at most every `interval_s` seconds (and at the end), so logs stay short and
+readable (tqdm's own non-terminal output is a carriage-return stream, unreadable in a CI log).
 
 Example:
     >>> import io
@@ -31,45 +32,49 @@ class Progress:
             live = bool(getattr(self.stream, "isatty", lambda: False)()) and not os.environ.get("CI")
         self.live = live
         self._last = -float("inf")
-        self._width = 0
         self._line = ""
         self._printed = ""
+        self._bar = None
 
     def line(self, done: int, best: str | None, failures: dict) -> str:
+        return f"{self.label}: {done}/{self.total} trials | {self._status(best, failures)}"
+
+    @staticmethod
+    def _status(best: str | None, failures: dict) -> str:
         fails = ", ".join(f"{k} {v}" for k, v in sorted(failures.items()) if v)
-        return (f"{self.label}: {done}/{self.total} trials | best {best or '-'}"
-                + (f" | failed: {fails}" if fails else ""))
+        return f"best {best or '-'}" + (f" | failed: {fails}" if fails else "")
 
     def update(self, done: int, best: str | None = None, failures: dict | None = None, force: bool = False) -> None:
         self._line = self.line(done, best, failures or {})
         if self.live:
-            self._draw()
+            bar = self._live_bar()
+            bar.set_postfix_str(self._status(best, failures or {}), refresh=False)
+            bar.update(done - bar.n)
         elif self._line != self._printed and (force or done >= self.total
                                               or time.monotonic() - self._last >= self.interval_s):
             self.stream.write(self._line + "\n")
             self.stream.flush()
             self._last, self._printed = time.monotonic(), self._line
 
-    def _draw(self) -> None:
-        self.stream.write("\r" + self._line.ljust(self._width))
-        self.stream.flush()
-        self._width = len(self._line)
+    def _live_bar(self):
+        if self._bar is None:
+            from tqdm import tqdm   # optuna's dependency; imported only for a terminal
+            self._bar = tqdm(total=self.total, desc=self.label, unit="trial", file=self.stream,
+                             dynamic_ncols=True, leave=True)
+        return self._bar
 
     def message(self, text: str) -> None:
-        """A line of its own, above the live status line."""
-        if self.live and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self._width = 0
+        """A line of its own, above the live bar."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+            return
         self.stream.write(text + "\n")
-        if self.live and self._line:
-            self._draw()
         self.stream.flush()
 
     def close(self) -> None:
-        if self.live and self._width:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._width = 0
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 class ProgressHandler(logging.Handler):

@@ -230,7 +230,11 @@ def test_progress_is_one_live_line_on_a_terminal(monkeypatch):
     p.update(2, "0.9 ms", {"crash": 1})
     p.close()
     text = p.stream.getvalue()
-    assert text.count("\n") == 2 and "\r" in text and "a note\n" in text and "2/5 trials" in text
+    # a tqdm bar redrawn in place (carriage returns), the note on a line of its own above it, the
+    # last state (2 of 5, best, failures) drawn, one newline for the note and one at close
+    assert text.count("\n") == 2 and "\r" in text and "\ra note\n" in text
+    last = text.rstrip("\n").split("\r")[-1]
+    assert "2/5" in last and "best 0.9 ms" in last and "failed: crash 1" in last
 
 
 def test_progress_is_quiet_plain_lines_in_ci(monkeypatch):

@@ -298,6 +298,9 @@ def test_fa3_launch_packs_the_kernels_arguments(monkeypatch):
     real = drv.Driver.__new__(drv.Driver)      # the real tensor_map / check, on the recording lib
     real.lib = lib
     monkeypatch.setattr(fa3_fast, "driver", lambda: real)
+    # an empty descriptor cache: an earlier test's tensors may have had these addresses and shapes
+    # (a cache hit there made this count 3 in a shuffled order)
+    monkeypatch.setattr(fa3_fast, "_MAPS", type(fa3_fast._MAPS)())
     monkeypatch.setattr(fa3_fast, "sm_count", lambda index: 132)
     monkeypatch.setattr(fa3_fast, "current_stream", lambda index: 7)
     cfg = Fa3Config(head_dim=128, block_m=128, block_n=128, stages=2, persistent=True)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
+from expkit import grad_sanity  # noqa: E402
 from cubridge.runtime.autograd import attention  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench_round_robin, compiled_flex_attention  # noqa: E402
 
@@ -37,7 +38,6 @@ BWD_FLOP_FACTOR = 2.5       # backward = 2.5 x forward FLOPs (5 GEMMs of the for
 SYSTEMS = ["cubridge", "cubridge_det", "sdpa_flash", "sdpa_cudnn", "flex", "flex_flash", "fa4"]
 # Row names as in the forward benchmarks (cubridge/<kernel>) plus the peers' names.
 ROW_NAME = {"cubridge": "cubridge/fa2_bwd_sm80", "cubridge_det": "cubridge/fa2_bwd_sm80 deterministic"}
-SANITY_REL = 0.05           # max |ours - sdpa_flash| / max |sdpa_flash| per gradient: go / no-go only
 
 
 def versions() -> dict:
@@ -113,15 +113,6 @@ def backward_fn(fwd, q, k, v, dout):
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
-def sanity(grads, ref) -> str:
-    """'' if every gradient is within SANITY_REL of the reference system's, else what is off."""
-    bad = []
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
-        rel = float((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6))
-        if not rel <= SANITY_REL:
-            bad.append(f"{name} rel err {rel:.3g}")
-    return "WRONG: " + ", ".join(bad) if bad else ""
-
 
 def config_fn(config: str, causal: bool, q, k, v, dout):
     """fa2_bwd_sm80 with a given tile config, called directly (no autograd) after one forward."""
@@ -159,7 +150,7 @@ def bench_shape(n: int, causal: bool, reps: int, systems: list[str], configs: li
     ref = notes.get("sdpa_flash")
     rows = []
     for (name, _), t in zip(runnable, timings):
-        check = sanity(notes[name], ref) if ref is not None and name != "sdpa_flash" else ""
+        check = grad_sanity(notes[name], ref) if ref is not None and name != "sdpa_flash" else ""
         rows.append(dict(direction="backward", system=ROW_NAME.get(name, name), variant="causal" if causal else "full",
                          model="llama2-7b", N=n, B=b, Hq=HQ, Hkv=HKV, D=D, dtype="bf16",
                          ms=round(t.median_ms, 4), tflops=round(flops / (t.median_ms * 1e-3) / 1e12, 1),

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import expkit  # noqa: F401 - cubridge importable from a bare checkout
+from expkit import grad_sanity
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -31,7 +32,6 @@ from cubridge.runtime.timing import attention_flops, bench_round_robin
 
 TOKENS, H, D = 16384, 32, 128
 BWD_FLOP_FACTOR = 2.5
-SANITY_REL = 0.05          # max |ours - cuDNN| / max |cuDNN|, per gradient: a go / no-go only
 OURS = "cubridge/fa3_bwd_sm90"
 
 
@@ -107,14 +107,6 @@ def preflight(options: list[str], timeout_s: float = 120.0) -> list[str]:
     return good
 
 
-def sanity(grads, ref) -> str:
-    bad = []
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
-        rel = float((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6))
-        if not rel <= SANITY_REL:   # NaN fails too
-            bad.append(f"{name} rel err {rel:.3g}")
-    return "WRONG: " + ", ".join(bad) if bad else ""
-
 
 def bench_shape(n: int, causal: bool, reps: int, table: dict) -> list[dict]:
     b = max(1, TOKENS // n)
@@ -133,7 +125,7 @@ def bench_shape(n: int, causal: bool, reps: int, table: dict) -> list[dict]:
     flops = BWD_FLOP_FACTOR * attention_flops(b, H, D, n, n, causal)
     ref, rows = grads.get("sdpa_cudnn"), []
     for (name, _), t in zip(runnable, timings):
-        note = sanity(grads[name], ref) if ref is not None and name != "sdpa_cudnn" else ""
+        note = grad_sanity(grads[name], ref) if ref is not None and name != "sdpa_cudnn" else ""
         rows.append(dict(direction="backward", system=name, variant="causal" if causal else "full",
                          model="llama2-7b", N=n, B=b, Hq=H, Hkv=H, D=D, dtype="bf16",
                          ms=round(t.median_ms, 4), ms_p20=round(t.p20_ms, 4), ms_p80=round(t.p80_ms, 4),

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import expkit
+from expkit import grad_rel_errors
 import torch
 
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops  # noqa: E402
@@ -110,10 +111,6 @@ def eager(name, q, k, v, dout):
     return _autograd_system(lambda: spec.run_reference(*leaves), leaves, dout)
 
 
-def max_rel(grads, base) -> float:
-    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-               for a, b in zip(grads, base))
-
 
 def time_systems(systems: dict, reps: int) -> dict:
     """{system: {fwd_ms, bwd_ms, fwd_bwd_ms}}, each phase one round-robin over all systems."""
@@ -153,7 +150,7 @@ def bench_shape(name: str, n: int, b: int, peers: list[str], reps: int, fwd_ours
         row.update(bwd_tflops=round(tflops(BWD_FLOP_FACTOR * flops, t["bwd_ms"]) or 0, 1),
                    fwd_tflops=round(tflops(flops, t["fwd_ms"]) or 0, 1))
         if s != OURS:
-            rel = max_rel(systems[s]["grads"], mine)
+            rel = max(grad_rel_errors(systems[s]["grads"], mine).values())
             row.update(max_rel_vs_ours=round(rel, 5), agrees=rel <= AGREE_REL,
                        bwd_speedup_of_ours=round(t["bwd_ms"] / times[OURS]["bwd_ms"], 3),
                        fwd_bwd_speedup_of_ours=round(t["fwd_bwd_ms"] / times[OURS]["fwd_bwd_ms"], 3))

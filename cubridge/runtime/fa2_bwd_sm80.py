@@ -186,15 +186,11 @@ class Fa2BwdSm80:
         if problems:
             raise LaunchError(f"config {config} cannot run on {torch.cuda.get_device_name(device)}: "
                               + "; ".join(problems), where="Fa2BwdSm80.config")
-        dq = torch.empty_like(q) if dq is None else dq
-        dk = torch.empty_like(k) if dk is None else dk
-        dv = torch.empty_like(v) if dv is None else dv
+        dq, dk, dv, done = gradient_buffers(shape, q, k, v, dq, dk, dv)
+        if done:
+            return dq, dk, dv
         b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                                  shape.head_dim)
-        if nq == 0 or hq == 0 or b == 0:   # no query: the gradients are zero
-            return dq, dk.zero_(), dv.zero_()
-        if nk == 0:                        # no key: out = 0, nothing flows back to q
-            return dq.zero_(), dk, dv
         kern = self.kernels(d, shape.dtype, causal, deterministic, device,
                             variant.source if variant is not None else None)
         stream = torch.cuda.current_stream(device).cuda_stream
@@ -268,3 +264,17 @@ def check_backward_args(dout, q, k, v, out, lse, dq=None, dk=None, dv=None, sm_s
     if not math.isfinite(scale):
         raise LaunchError(f"sm_scale: expected a finite float, got {sm_scale!r}", where="backward inputs")
     return shape, scale
+
+
+def gradient_buffers(shape, q, k, v, dq=None, dk=None, dv=None):
+    """(dq, dk, dv, done) for a checked backward call (both backward kernels): the caller's buffers
+    or fresh ones; done when the shape leaves nothing to launch, the gradients then already set
+    (no query: dk = dv = 0; no key: out was 0, so dq = 0)."""
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    if shape.len_q == 0 or shape.heads_q == 0 or shape.batch == 0:
+        return dq, dk.zero_(), dv.zero_(), True
+    if shape.len_k == 0:
+        return dq.zero_(), dk, dv, True
+    return dq, dk, dv, False

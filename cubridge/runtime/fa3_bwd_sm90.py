@@ -150,7 +150,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
     option: one of OPTIONS (the kernel's compile-time performance options)."""
-    from cubridge.runtime.fa2_bwd_sm80 import check_backward_args
+    from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     dq_mode, _, lse_smem, tile_order = _modes(option)
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
@@ -158,15 +158,11 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     if capability(device.index) != (9, 0):
         raise LaunchError(f"{torch.cuda.get_device_name(device)} is not sm_90", where="fa3_backward",
                           hint="this kernel needs a Hopper GPU (H100/H200); use Fa2BwdSm80 elsewhere")
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
+    dq, dk, dv, done = gradient_buffers(shape, q, k, v, dq, dk, dv)
+    if done:
+        return dq, dk, dv
     b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                              shape.head_dim)
-    if nq == 0 or hq == 0 or b == 0:   # no query: the gradients are zero
-        return dq, dk.zero_(), dv.zero_()
-    if nk == 0:                        # no key: out = 0, nothing flows back to q
-        return dq.zero_(), dk, dv
     bf16 = q.dtype == torch.bfloat16
     func, convert = _functions(d, bool(causal), bf16, option, device, compiler)
     helpers = _helpers().kernels(d, q.dtype, False, False, device)

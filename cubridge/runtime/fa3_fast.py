@@ -4,15 +4,15 @@ fa3_forward re-derives everything on every call (config checks, the capability q
 the tile order, the packed argument list). An op called thousands of times at one shape needs none
 of that again: `Fa3Launch` is built once per (kernel, shape) and keeps the loaded function, the
 grid, the tile order (computed on the GPU once, at build time, never inside a CUDA-graph capture)
-and the packed scalar tail of the argument list. A call then only encodes (or finds in a cache) the
-four TMA descriptors, fetches the stream's tile counter and calls cuLaunchKernel: no host sync, no
+and the packed scalar tail of the argument list. A call then only encodes (or finds in the cache
+fa3_sm90.tensor_map keeps for both paths) the four TMA descriptors, fetches the stream's tile counter and calls cuLaunchKernel: no host sync, no
 allocation, no host-to-device copy, so it can be captured in a CUDA graph.
 
 Strided inputs: the kernel's TMA maps are 4-D, (D, N, H, B) with a box of one head, so a
 [B, H, N, D] view is read (and O written) in place when its last dim is contiguous and its other
 strides are 16-byte multiples: contiguous [B, H, N, D], and [B, N, H, D] memory seen as
-[B, H, N, D] (transformers' transposed projections) at any B. `tma_strides` says whether a view
-qualifies.
+[B, H, N, D] (transformers' transposed projections) at any B. `fa3_sm90.map_refusal` says why a
+view does not qualify.
 
 Example (on an sm_90 GPU):
     >>> fn, counts = load_cubin(cubin, config, q.device)                     # doctest: +SKIP
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections import OrderedDict
 
 import torch
 
@@ -31,57 +30,8 @@ from cubridge.errors import LaunchError
 from cubridge.runtime import fa3_sm90 as fa3
 from cubridge.runtime.driver import driver, sm_count
 
-_MAPS: OrderedDict = OrderedDict()
-MAP_CACHE = 512
 _LOADED: dict = {}
 ARGV_CACHE = 64          # packed argument arrays per launch, by (addresses, strides, stream)
-
-
-def tma_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(row, head, batch) strides in elements of a [B, H, N, D] view that the kernel's 4-D TMA maps
-    (D, N, H, B) address in place, or None when they cannot (fa3_sm90.map_refusal: D not
-    contiguous, a stride not a positive 16-byte multiple below 2^40; or the address not 16-byte
-    aligned).
-
-    >>> tma_strides(torch.empty(2, 4, 8, 64))
-    (64, 512, 2048)
-    >>> tma_strides(torch.empty(2, 8, 4, 64).transpose(1, 2))     # [B, N, H, D] seen as [B, H, N, D]
-    (256, 64, 2048)
-    >>> tma_strides(torch.empty(2, 8, 4, 64).transpose(1, 3)) is None
-    True
-    """
-    strides = layout_strides(tuple(t.shape), tuple(t.stride()), t.element_size())
-    return strides if strides is not None and t.data_ptr() % 16 == 0 else None
-
-
-def layout_strides(shape: tuple, stride: tuple, elem: int) -> tuple[int, int, int] | None:
-    """tma_strides from the shape and strides alone (what a traced, fake tensor has)."""
-    return fa3.map_strides(shape, stride, elem)
-
-
-def tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
-    """The TMA descriptor of a [B, H, N, D] view (tma_strides must accept it), cached by address,
-    shape, strides and dtype: a reused buffer (the caching allocator hands the same block to the
-    next output of the same size) costs a dictionary lookup."""
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, rows_per_box)
-    view = _MAPS.get(key)
-    if view is not None:
-        return view
-    view = _encode(t, rows_per_box)
-    _MAPS[key] = view
-    if len(_MAPS) > MAP_CACHE:
-        _MAPS.popitem(last=False)
-    return view
-
-
-def _encode(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
-    strides = tma_strides(t)
-    if strides is None:
-        why = fa3.map_refusal(tuple(t.shape), tuple(t.stride()), t.element_size()) or "address not 16-byte aligned"
-        raise LaunchError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not addressable by "
-                          f"the kernel's 4-D TMA maps: {why}",
-                          hint="pass a fresh copy (.clone(memory_format=torch.contiguous_format))")
-    return driver().tensor_map_4d(t, rows_per_box, strides, fa3.PANEL_COLS)
 
 
 def load_cubin(cubin: bytes, config: fa3.Fa3Config, device: torch.device):
@@ -137,8 +87,8 @@ class Fa3Launch:
         a repeated call finds its array here and packs nothing."""
         c = self.config
         counter = fa3.tile_counter(self.device, stream)
-        head = [tensor_map(q, c.block_m), tensor_map(k, c.block_n), tensor_map(v, c.block_n),
-                tensor_map(out, fa3.WG_ROWS), ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr())]
+        head = [fa3.tensor_map(q, c.block_m), fa3.tensor_map(k, c.block_n), fa3.tensor_map(v, c.block_n),
+                fa3.tensor_map(out, fa3.WG_ROWS), ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr())]
         argv = (self._argv(*[ctypes.addressof(x) for x in head], *self._tail_ptrs), head)
         if len(self._argvs) >= ARGV_CACHE:
             self._argvs.pop(next(iter(self._argvs)))

@@ -178,7 +178,7 @@ def _digest(source: str) -> str:
 # Host-path caches: a launch of a short sequence takes a few hundred microseconds on the GPU, so
 # the per-call Python work (tensor-map encoding, a zeroed counter) showed in 1k timings.
 _TENSOR_MAPS: OrderedDict = OrderedDict()
-TENSOR_MAP_CACHE = 256
+TENSOR_MAP_CACHE = 512
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -228,19 +228,26 @@ def map_refusal(shape: tuple, stride: tuple, elem: int) -> str | None:
     return None
 
 
-def _tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
-    """The TMA descriptor of t (a view check_inputs accepted), cached: it depends only on the
-    address, shape, strides and dtype, so a reused buffer, or the same tensor again, gets the
-    same bytes."""
+def tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
+    """The TMA descriptor of a [B, H, N, D] view, cached (the one cache of both launch paths,
+    fa3_forward and fa3_fast): it depends only on the address, shape, strides and dtype, so a
+    reused buffer, or the same tensor again, gets the same bytes. A view the maps cannot address
+    is a LaunchError naming why."""
     key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, rows_per_box, t.device.index)
     view = _TENSOR_MAPS.get(key)
-    if view is None:
-        view = driver().tensor_map_4d(t, rows_per_box, _strides(tuple(t.shape), t.stride()), PANEL_COLS)
-        _TENSOR_MAPS[key] = view
-        if len(_TENSOR_MAPS) > TENSOR_MAP_CACHE:
-            _TENSOR_MAPS.popitem(last=False)
-    else:
+    if view is not None:
         _TENSOR_MAPS.move_to_end(key)
+        return view
+    why = map_refusal(tuple(t.shape), t.stride(), t.element_size()) or (
+        "address not 16-byte aligned" if t.data_ptr() % 16 else None)
+    if why:
+        raise LaunchError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not addressable by "
+                          f"the kernel's 4-D TMA maps: {why}",
+                          hint="pass a fresh copy (.clone(memory_format=torch.contiguous_format))")
+    view = driver().tensor_map_4d(t, rows_per_box, _strides(tuple(t.shape), t.stride()), PANEL_COLS)
+    _TENSOR_MAPS[key] = view
+    if len(_TENSOR_MAPS) > TENSOR_MAP_CACHE:
+        _TENSOR_MAPS.popitem(last=False)
     return view
 
 
@@ -378,8 +385,8 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     # concurrent CTAs: the grid, or (one tile per CTA) as many as fit, one per SM
     order = (tile_order(counts_func, config, variant, q.device, b, hq, hkv, nq, nk, min(grid[0], sms))
              if variant is not None else None)
-    maps = [_tensor_map(q, config.block_m), _tensor_map(k, config.block_n),
-            _tensor_map(v, config.block_n), _tensor_map(out, WG_ROWS)]
+    maps = [tensor_map(q, config.block_m), tensor_map(k, config.block_n),
+            tensor_map(v, config.block_n), tensor_map(out, WG_ROWS)]
     stream = torch.cuda.current_stream(q.device).cuda_stream
     counter = tile_counter(q.device, stream)
     scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),

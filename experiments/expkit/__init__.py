@@ -9,7 +9,7 @@ an edited source), replaced (a source edit), the verification rule at the GPU te
 (check, check_all), the causal softmax baseline. Provenance: versions(). Kernel patches
 (experiments/patches/: the peer A/B's changes, and under knobs/ the experiment knobs that left the
 product kernel: kv_ascending, serial_tiles, timeline): patched_source, patched_files,
-inline_headers. SASS: disassembler(). Old kernel versions by commit: source_at("COMMIT:PATH").
+inline_headers. SASS: disassembler(). Gradients of two systems: grad_sanity, grad_rel_errors. Old kernel versions by commit: source_at("COMMIT:PATH").
 """
 from __future__ import annotations
 
@@ -66,6 +66,21 @@ def bwd_reference():
     spec.loader.exec_module(module)
     return module
 
+
+GRAD_SANITY_REL = 0.05   # max |ours - peer| / max |peer| per gradient: a go / no-go for a timing row
+
+
+def grad_rel_errors(grads, ref) -> dict[str, float]:
+    """{dq, dk, dv: max |g - r| / max |r|} of two systems' gradients (NaN stays NaN)."""
+    return {name: float((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6))
+            for name, g, r in zip(("dq", "dk", "dv"), grads, ref)}
+
+
+def grad_sanity(grads, ref, rel: float = GRAD_SANITY_REL) -> str:
+    """'' if every gradient is within `rel` of the reference system's, else 'WRONG: ...' naming
+    what is off (the verification rule itself is in the GPU tests; this only flags a timing row)."""
+    bad = [f"{name} rel err {e:.3g}" for name, e in grad_rel_errors(grads, ref).items() if not e <= rel]
+    return "WRONG: " + ", ".join(bad) if bad else ""
 
 def time_ms_interleaved(fns) -> list[float]:
     """Median ms of each callable, timed round-robin with L2 flushed before each call

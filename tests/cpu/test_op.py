@@ -16,7 +16,7 @@ import cubridge
 from cubridge.config import load_config
 from cubridge.errors import LaunchError
 from cubridge.op.kernels import Prepared
-from cubridge.runtime.fa3_fast import layout_strides
+from cubridge.runtime.fa3_sm90 import map_strides as layout_strides
 from cubridge.search.runners import make_runner
 from cubridge.search.testing_jobs import synthetic_recording
 from cubridge.search.tuner import tune
@@ -298,9 +298,10 @@ def test_fa3_launch_packs_the_kernels_arguments(monkeypatch):
     real = drv.Driver.__new__(drv.Driver)      # the real tensor_map / check, on the recording lib
     real.lib = lib
     monkeypatch.setattr(fa3_fast, "driver", lambda: real)
+    monkeypatch.setattr(fa3_fast.fa3, "driver", lambda: real)      # the descriptor cache's encoder
     # an empty descriptor cache: an earlier test's tensors may have had these addresses and shapes
     # (a cache hit there made this count 3 in a shuffled order)
-    monkeypatch.setattr(fa3_fast, "_MAPS", type(fa3_fast._MAPS)())
+    monkeypatch.setattr(fa3_fast.fa3, "_TENSOR_MAPS", type(fa3_fast.fa3._TENSOR_MAPS)())
     monkeypatch.setattr(fa3_fast, "sm_count", lambda index: 132)
     monkeypatch.setattr(fa3_fast, "current_stream", lambda index: 7)
     cfg = Fa3Config(head_dim=128, block_m=128, block_n=128, stages=2, persistent=True)
@@ -330,20 +331,21 @@ def test_tma_maps_express_both_layouts(monkeypatch):
     lib = _FakeLib()
     real = drv.Driver.__new__(drv.Driver)
     real.lib = lib
-    monkeypatch.setattr(fa3_fast, "driver", lambda: real)
+    monkeypatch.setattr(fa3_fast.fa3, "driver", lambda: real)
+    monkeypatch.setattr(fa3_fast.fa3, "_TENSOR_MAPS", type(fa3_fast.fa3._TENSOR_MAPS)())
     b, h, n, d = 2, 8, 1000, 128
     bhnd = torch.empty(b, h, n, d, dtype=BF)
     bnhd = torch.empty(b, n, h, d, dtype=BF).transpose(1, 2)
-    fa3_fast._encode(bhnd, 128)
-    fa3_fast._encode(bnhd, 64)
+    fa3_fast.fa3.tensor_map(bhnd, 128)
+    fa3_fast.fa3.tensor_map(bnhd, 64)
     first, second = lib.maps
     assert first == dict(rank=4, ptr=bhnd.data_ptr(), dims=[d, n, h, b], strides=[2 * d, 2 * n * d, 2 * h * n * d],
                          box=[64, 128, 1, 1], elem_strides=[1, 1, 1, 1])
     assert second == dict(rank=4, ptr=bnhd.data_ptr(), dims=[d, n, h, b], strides=[2 * h * d, 2 * d, 2 * n * h * d],
                           box=[64, 64, 1, 1], elem_strides=[1, 1, 1, 1])
     with pytest.raises(LaunchError, match=r"not addressable by the kernel's 4-D TMA maps: the N stride 130"):
-        fa3_fast._encode(torch.empty(1, 2, 8, 130, dtype=BF)[..., :128], 64)
-    assert ctypes.sizeof(fa3_fast.tensor_map(bhnd, 128)) == 128
+        fa3_fast.fa3.tensor_map(torch.empty(1, 2, 8, 130, dtype=BF)[..., :128], 64)
+    assert ctypes.sizeof(fa3_fast.fa3.tensor_map(bhnd, 128)) == 128
 
 
 def test_a_cubin_for_3d_maps_is_refused():

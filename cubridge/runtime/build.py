@@ -11,6 +11,8 @@ Example (needs nvcc on PATH; no GPU):
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -126,13 +128,37 @@ def compile_cubin(source: str, *, arch: str, options: Sequence[str] = (), compil
     options = tuple(options)
     key = cache_key(source + _included_headers(options), options, arch, compiler, compiler_version(compiler))
     path = resolve_cache_dir(cache_dir) / f"{key}.cubin"
-    if use_cache and path.is_file():
-        return CompileResult(path.read_bytes(), key, "", True)
     build = _compile_nvcc if compiler == "nvcc" else _compile_nvrtc
+    if not use_cache:
+        return _fresh(build, source, options, arch, name, key)
+    if path.is_file():
+        return CompileResult(path.read_bytes(), key, "", True)
+    with _key_lock(path):
+        if path.is_file():      # another process built it while this one waited for the lock
+            return CompileResult(path.read_bytes(), key, "", True)
+        result = _fresh(build, source, options, arch, name, key)
+        _write_atomic(path, result.cubin)
+    return result
+
+
+def _fresh(build, source: str, options: tuple[str, ...], arch: str, name: str, key: str) -> CompileResult:
     cubin, log = build(source, options, arch, name)
-    if use_cache:
-        _write_atomic(path, cubin)
     return CompileResult(cubin, key, log, False)
+
+
+@contextlib.contextmanager
+def _key_lock(path: Path):
+    """An exclusive lock on `path`.lock while one process compiles that key: the GPU test suite's
+    xdist workers and the tuner's local workers ask for the same cubins at once, and without it
+    each compiled its own copy (session 8: 12 workers, every job out of time compiling). The lock
+    file stays (an empty file per key); the kernel drops the lock if the holder dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -229,3 +229,32 @@ def test_cache_key_covers_included_headers(tmp_path):
     before = _included_headers([f"-I{tmp_path}", "-DY=2"])
     (tmp_path / "helpers.cuh").write_text("#define X 2\n")
     assert _included_headers([f"-I{tmp_path}"]) != before and "#define X 2" in _included_headers([f"-I{tmp_path}"])
+
+
+def test_concurrent_requests_for_one_key_compile_once(tmp_path, monkeypatch):
+    """Processes asking for the same cubin at once (xdist workers, local tuner workers) wait on one
+    per-key lock: the first compiles, the rest read its file. Threads stand in for processes here
+    (flock locks are per open file, so two threads of one process exclude each other too)."""
+    import threading
+    import time
+    from cubridge.runtime import build as build_mod
+
+    calls = []
+
+    def slow_build(source, options, arch, name):
+        calls.append(name)
+        time.sleep(0.2)          # long enough that the other thread asks while this one builds
+        return b"CUBIN" + source.encode(), "log"
+
+    monkeypatch.setattr(build_mod, "_compile_nvcc", slow_build)
+    monkeypatch.setattr(build_mod, "compiler_version", lambda c: "nvcc test")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        compile_cubin("src", arch="sm_90", compiler="nvcc", cache_dir=tmp_path))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1, calls
+    assert sorted(r.cached for r in results) == [False, True, True]
+    assert {r.cubin for r in results} == {b"CUBINsrc"}

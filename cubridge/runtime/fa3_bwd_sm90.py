@@ -47,6 +47,9 @@ ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
 OPTIONS = {"base": (0, 0, 0, 0), "bulk": (1, 0, 0, 0), "bulk_overlap": (1, 1, 0, 0),
            "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1)}
 DEFAULT_OPTION = "base"
+# A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on this option only (params.cuh
+# static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes).
+VARIANT_OPTION = "bulk_overlap_lse"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
 BLOCK_N = 128            # keys per CTA
@@ -94,12 +97,17 @@ def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTIO
 
 
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
-                compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None):
-    """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache."""
+                compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
+                source: str | None = None):
+    """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
+    `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one."""
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
-    return compile_cubin(KERNEL_SOURCE.read_text(), arch="sm_90a",
+    if source is not None and option != VARIANT_OPTION:
+        raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
+                          hint=f"a lowered variant builds with option={VARIANT_OPTION!r}")
+    return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
                          options=[*options(head_dim, causal, bf16, option), *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
 
@@ -113,11 +121,12 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
 
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
-               compiler: str | None):
-    """(the backward kernel, the tiled dQ convert kernel) of one specialisation."""
-    key = (head_dim, causal, bf16, option, device.index, compiler)
+               compiler: str | None, source: str | None = None):
+    """(the backward kernel, the tiled dQ convert kernel) of one specialisation (of `source`, a
+    lowered variant, when given)."""
+    key = (head_dim, causal, bf16, option, device.index, compiler, source)
     if key not in _FUNCTIONS:
-        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler).cubin
+        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source).cubin
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()   # makes the primary context current
             _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, CONVERT_ENTRY)
@@ -145,14 +154,20 @@ def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
 
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION):
+                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
+                 variant=None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
-    option: one of OPTIONS (the kernel's compile-time performance options)."""
+    option: one of OPTIONS (the kernel's compile-time performance options). variant: a
+    cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
+    causal=False; option VARIANT_OPTION); its VariantArgs must stay alive until the kernel ran."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     dq_mode, _, lse_smem, tile_order = _modes(option)
+    if variant is not None and (causal or option != VARIANT_OPTION):
+        raise LaunchError(f"a variant with causal={causal}, option={option!r}", where="fa3_backward",
+                          hint=f"a lowered variant carries its own mask: pass causal=False, option={VARIANT_OPTION!r}")
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     device = q.device
     if capability(device.index) != (9, 0):
@@ -164,7 +179,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                              shape.head_dim)
     bf16 = q.dtype == torch.bfloat16
-    func, convert = _functions(d, bool(causal), bf16, option, device, compiler)
+    func, convert = _functions(d, bool(causal), bf16, option, device, compiler,
+                               variant.source if variant is not None else None)
     helpers = _helpers().kernels(d, q.dtype, False, False, device)
     stream = torch.cuda.current_stream(device).cuda_stream
     rows = b * hq * nq
@@ -183,6 +199,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
+    scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
     tiles = math.ceil(nk / BLOCK_N)
     grid = (hkv, b, tiles) if tile_order == 1 else (tiles, hkv, b)
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))

@@ -112,7 +112,7 @@ __device__ __forceinline__ void probs_and_ds(const VariantArgs& va, bool partial
                                                   kv_row + pb.q_shift()));
         s[i] = kScoreModIdentity ? score(va, s[i], scale_log2, 0, 0, 0, 0)
                : score(va, s[i], scale_log2, pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(), kv_row + pb.q_shift());
-        softmax_bwd(s[i], dp[i], rt.lse2, rt.dvec, keep);
+        softmax_bwd(va, s[i], dp[i], rt.lse2, rt.dvec, keep);
       }
     }
 }

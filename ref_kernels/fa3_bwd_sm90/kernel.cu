@@ -134,8 +134,8 @@ __device__ __forceinline__ float score_grad(const VariantArgs& va, float x, floa
 
 // @cuir-region softmax_bwd
 // P = exp(score - LSE) (log2 units), dS = P (dP - Dvec); masked pairs get P = 0, so dS = 0.
-__device__ __forceinline__ void softmax_bwd(float& p, float& ds, float lse_log2, float dvec,
-                                            bool keep) {
+__device__ __forceinline__ void softmax_bwd(const VariantArgs& va, float& p, float& ds, float lse_log2,
+                                            float dvec, bool keep) {
   p = keep ? fast_exp2(p - lse_log2) : 0.f;
   ds = p * (ds - dvec);
 }

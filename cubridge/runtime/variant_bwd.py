@@ -112,7 +112,7 @@ class VariantBackward:
             from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, fa3_backward
             va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device, hopper=True)
             return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
-                                compiler=getattr(self.kernel, "compiler", None), option=VARIANT_OPTION, variant=va)
+                                option=VARIANT_OPTION, variant=va)   # default_compiler(), as the dense path
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

@@ -4,9 +4,9 @@ The same VariantIR as cubridge.lower.fa2_bwd_sm80 (extract of the forward transf
 lowered into the Hopper kernel's regions, element-wise on the wgmma accumulator fragments (S^T and
 dP^T: keys are rows, queries columns):
 - q_range: the forward's iteration space transposed, as fa2_bwd_sm80's (its tile predicates or
-  block table over 64-query tiles of the CTA's 128-key tile), scanned once per CTA by thread 0
+  block table over 64-query tiles of the CTA's 128-key tile), scanned once per CTA by warp 0
   into shared-memory runs (kRangeRuns: the producer and both consumers read the tile of step i
-  back from there). q_step_partial decides the mask per consumer (its 64 keys) and query tile.
+  back from there), by the 32 lanes of warp 0 (one tile predicate each per ballot). q_step_partial decides the mask per consumer (its 64 keys) and query tile.
 - score: score_mod of the natural score s = x * scale in the kernel's log2 units, and its symbolic
   derivative (cubridge.lower.derive). kScoreGradOne (ALiBi-like biases, no score_mod) keeps the
   SCHED 1 order (P^T under the dP GEMM, dS^T from the 16-bit P^T); otherwise P^T and dS^T come
@@ -26,7 +26,6 @@ from cubridge.lower.fa2_bwd_sm80 import q_predicates
 from cubridge.lower.variant import VariantIR
 
 MAX_RUNS = itspace.MAX_RUNS
-SCAN_CHUNK = itspace.SCAN_CHUNK
 # The tile sizes a block table is built at (ref_kernels/fa3_bwd_sm90/params.cuh kBlockM, kBlockN).
 BLOCK_M, BLOCK_N = 64, 128
 
@@ -42,7 +41,7 @@ def q_range(ir: VariantIR) -> str:
 // forward's interval predicates or block table), lowest first; the first {R - 1} runs are exact, the
 // last absorbs any further ones (its empty tiles then run fully masked). Query tile m holds rows
 // [64 m, 64 m + 64); the predicates see positions q_lo..q_hi = row + q_shift (queries end-aligned,
-// q_shift = Nk - Nq) and NQ = Nk; a block table is indexed [m, n0 / kBlockN]. Thread 0 scans
+// q_shift = Nk - Nq) and NQ = Nk; a block table is indexed [m, n0 / kBlockN]. Warp 0 scans
 // (q_scan) into shared memory before the CTA's first barrier; every step reads its tile back.
 struct QRange {{ int m_begin; int m_end; }};   // the dense interface: unused with kRangeRuns
 __device__ __forceinline__ QRange q_range(int n0, int seqlen_q, int q_shift) {{ return QRange{{0, 0}}; }}
@@ -59,26 +58,49 @@ __device__ __forceinline__ bool q_tile_may(const VariantArgs& va, const QScan& r
 __device__ __forceinline__ bool q_tile_must(const VariantArgs& va, const QScan& r, int m, int q_lo, int q_hi) {{
   return {must};
 }}
-constexpr int kQScanChunk = {SCAN_CHUNK};
+constexpr int kQScanChunk = 32;   // one ballot: a warp's lanes
 __device__ __forceinline__ bool q_chunk_may(const VariantArgs& va, const QScan& r, int q_lo, int q_hi) {{
   return {chunk};
 }}
-// runs = [count, lo_0, len_0, ..., lo_{R - 1}, len_{R - 1}] (shared memory)
+// Tile m may hold an attended pair (its chunk first: a chunk the interval rules out reads no table).
+__device__ __forceinline__ bool q_tile_visit(const VariantArgs& va, const QScan& r, int m) {{
+  const int q_lo = m * kBlockM + r.q_shift, q_hi = min(m * kBlockM + kBlockM, r.len_q) - 1 + r.q_shift;
+  return q_tile_may(va, r, m, q_lo, q_hi, q_tile_class(va, r, m));
+}}
+// Bit l: tile base + l is visited. One predicate per lane of warp 0 (the table reads of a block
+// table overlap instead of queueing behind one thread); the host test's harness (no warps) sets
+// FA3B_HOST_SCAN and loops over the lanes.
+#ifdef FA3B_HOST_SCAN
+inline unsigned q_scan_ballot(const VariantArgs& va, const QScan& r, int base, int n_tiles) {{
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= (base + l < n_tiles && q_tile_visit(va, r, base + l)) ? 1u << l : 0u;
+  return bits;
+}}
+inline bool q_scan_writer() {{ return true; }}
+#else
+__device__ __forceinline__ unsigned q_scan_ballot(const VariantArgs& va, const QScan& r, int base, int n_tiles) {{
+  const int m = base + int(threadIdx.x % 32);
+  return __ballot_sync(0xffffffffu, m < n_tiles && q_tile_visit(va, r, m));
+}}
+__device__ __forceinline__ bool q_scan_writer() {{ return threadIdx.x % 32 == 0; }}
+#endif
+// runs = [count, lo_0, len_0, ..., lo_{R - 1}, len_{R - 1}] (shared memory). Called by the 32 lanes
+// of warp 0 together; every lane builds the same runs from the ballots, lane 0 stores them.
 __device__ __forceinline__ void q_scan(const VariantArgs& va, int b, int n0, int len_q, int len_k, int* runs_out) {{
   const QScan r{{b, n0 / kBlockN, n0, min(n0 + kBlockN, len_k) - 1, len_q, len_k, len_k - len_q}};
   int lo[{R}] = {{}}, len[{R}] = {{}};
   int runs = 0;
   bool open = false;
   const int n_tiles = (len_q + kBlockM - 1) / kBlockM;
-  for (int c = 0; c * kQScanChunk < n_tiles; ++c) {{
-    const int m0 = c * kQScanChunk, m1 = min(m0 + kQScanChunk, n_tiles);
-    if (!q_chunk_may(va, r, m0 * kBlockM + r.q_shift, min(m1 * kBlockM, len_q) - 1 + r.q_shift)) {{
+  for (int base = 0; base < n_tiles; base += kQScanChunk) {{
+    if (!q_chunk_may(va, r, base * kBlockM + r.q_shift, min((base + kQScanChunk) * kBlockM, len_q) - 1 + r.q_shift)) {{
       open = false;
       continue;
     }}
-    for (int m = m0; m < m1; ++m) {{
-      const int q_lo = m * kBlockM + r.q_shift, q_hi = min(m * kBlockM + kBlockM, len_q) - 1 + r.q_shift;
-      if (!q_tile_may(va, r, m, q_lo, q_hi, q_tile_class(va, r, m))) {{ open = false; continue; }}
+    const unsigned bits = q_scan_ballot(va, r, base, n_tiles);
+    for (int l = 0; l < kQScanChunk && base + l < n_tiles; ++l) {{
+      const int m = base + l;
+      if (!((bits >> l) & 1u)) {{ open = false; continue; }}
       if (!open && runs < {R}) ++runs;
       open = true;
 {extend}
@@ -86,12 +108,15 @@ __device__ __forceinline__ void q_scan(const VariantArgs& va, int b, int n0, int
   }}
   int count = 0;
 #pragma unroll
-  for (int k = 0; k < {R}; ++k) {{
-    runs_out[1 + 2 * k] = lo[k];
-    runs_out[2 + 2 * k] = len[k];
-    count += len[k];
+  for (int k = 0; k < {R}; ++k) count += len[k];
+  if (q_scan_writer()) {{
+#pragma unroll
+    for (int k = 0; k < {R}; ++k) {{
+      runs_out[1 + 2 * k] = lo[k];
+      runs_out[2 + 2 * k] = len[k];
+    }}
+    runs_out[0] = count;
   }}
-  runs_out[0] = count;
 }}
 // The mask is needed unless the consumer's keys [kv_lo, kv_lo + 64) all lie below Nk and the
 // tile predicate says every (query, key) pair of tile m is attended. Rows past Nq need none:

@@ -98,7 +98,7 @@ __device__ __forceinline__ QRange q_range(int n0, int seqlen_q, int q_shift) {
 __device__ __forceinline__ bool step_partial(int m0, int kv_row0, int seqlen_q) {
   return (kCausal && m0 < kv_row0 + kWgRows - 1) || kv_row0 + kWgRows > seqlen_q;
 }
-// Variants: the query tiles as runs that thread 0 scans into shared memory (q_scan), and a
+// Variants: the query tiles as runs that warp 0 scans into shared memory (q_scan), and a
 // per-step mask test (q_step_partial); unused here.
 constexpr bool kRangeRuns = false;
 constexpr int kQRuns = 1;
@@ -156,7 +156,7 @@ static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs
 // the step loop, it made ptxas spill 8 bytes at D = 128 causal.
 __shared__ int g_q_shift;
 __device__ __forceinline__ int step_q_shift() { return *static_cast<volatile int*>(&g_q_shift); }
-// kRangeRuns (variants): thread 0's q_scan writes [count, lo_0, len_0, lo_1, len_1, ...]: the
+// kRangeRuns (variants): warp 0's q_scan writes [count, lo_0, len_0, lo_1, len_1, ...]: the
 // CTA's query tiles are runs [lo_k, lo_k + len_k), read back at every step (volatile: a few
 // shared loads per step instead of 2 kQRuns + 1 registers held through the loops).
 __shared__ int g_qruns[1 + 2 * kQRuns];
@@ -289,8 +289,9 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
       mbar_init(sm.q_empty() + 8 * s, kEmptyArrivals);
     }
     fa3::fence_barrier_init();
-    if constexpr (kRangeRuns) q_scan(va, pb.b, pb.n0, seqlen_q, seqlen_k, g_qruns);
   }
+  if constexpr (kRangeRuns)   // all 32 lanes: one tile predicate each per ballot
+    if (threadIdx.x < kWarpSize) q_scan(va, pb.b, pb.n0, seqlen_q, seqlen_k, g_qruns);
   __syncthreads();
   if constexpr (kRangeRuns) has_work = q_runs_count() > 0;
 

@@ -22,13 +22,15 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not fou
 
 BUILTINS = ["causal", "prefixlm", "causal_blockwise", "global_sliding_window", "share_question", "relative_pos",
             "sigmoid", "relu", "composite", "document"]
-# (B, Hq, Hkv, Nq, Nk): ragged, GQA, fewer queries than keys (end-aligned), one short tile.
-SHAPES = [(2, 4, 2, 700, 1300), (1, 2, 1, 1000, 1000), (1, 2, 2, 77, 300), (1, 1, 1, 1, 129)]
+# (B, Hq, Hkv, Nq, Nk): ragged, GQA, fewer queries than keys (end-aligned), one short tile, more
+# query tiles than one 32-lane ballot scans.
+SHAPES = [(2, 4, 2, 700, 1300), (1, 2, 1, 1000, 1000), (1, 2, 2, 77, 300), (1, 1, 1, 1, 129), (1, 2, 1, 2200, 4200)]
 
 HARNESS = r"""
 #include <cmath>
 #include <cstdio>
 #include <vector>
+#define FA3B_HOST_SCAN
 #define __device__
 #define __forceinline__ inline
 inline int min(int a, int b) { return a < b ? a : b; }

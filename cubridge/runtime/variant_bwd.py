@@ -95,7 +95,8 @@ class VariantBackward:
         else:
             cfg = self.config or default_config(head_dim)
             tiles, lowered = (cfg.block_m, cfg.block_n), self.lowered
-        inputs = self.candidate.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params={"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]})
+        inputs = self.candidate.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
+                                     params={"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]})
         return lowered.args(inputs, device)
 
     def __call__(self, dout, q, k, v, out, lse, sm_scale: float | None = None, deterministic: bool = False,

@@ -230,8 +230,8 @@ __device__ __forceinline__ float unpack_hi(uint32_t w) {
 
 // SCHED 1: dS^T = P^T (dP^T - Dvec) with P^T read back from its 16-bit pack.
 __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer& cs, const uint32_t (&p16)[kPRegs],
-                                          float (&dp)[kSRegs], const float* __restrict__ dvec, const Problem& pb, int g, int m0,
-                                          uint32_t dvec_tile) {
+                                          float (&dp)[kSRegs], const float* __restrict__ dvec, const Problem& pb,
+                                          int g, int m0, uint32_t dvec_tile) {
   // m0 made opaque: otherwise the 16 row offsets and "q < Nq" predicates of the P pass are kept
   // for this one (CSE), 16+ registers across the peak: 60-68 bytes of spill at D = 128.
   asm volatile("" : "+r"(m0));
@@ -289,8 +289,9 @@ __device__ __forceinline__ bool step_needs_mask(const VariantArgs& va, const Con
 // part written out while dK runs (FlashAttention-3/4's order, own code). With the f32 P^T kept
 // through the dS pass instead (dV issued after it), D = 128 spilled 8-64 bytes in every variant
 // of the ordering tried (NOTES.md).
-__device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consumer& cs, const Smem& sm, const Problem& pb, int st, int it,
-                                             int g, int m0, uint32_t kr, uint32_t vr, uint32_t kt,
+__device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consumer& cs, const Smem& sm,
+                                             const Problem& pb, int st, int it, int g, int m0, uint32_t kr,
+                                             uint32_t vr, uint32_t kt,
                                              float (&dk_acc)[kAccRegs], float (&dv_acc)[kAccRegs],
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float* __restrict__ dq_accum, float scale_log2) {
@@ -346,8 +347,8 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);   // Q, dO of this stage are read
 }
 
-__device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& cs, const Smem& sm, const Problem& pb, QRange qr,
-                                         bool has_work, const float* __restrict__ lse,
+__device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& cs, const Smem& sm,
+                                         const Problem& pb, QRange qr, bool has_work, const float* __restrict__ lse,
                                          const float* __restrict__ dvec, float* __restrict__ dq_accum,
                                          uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
                                          float softmax_scale) {

@@ -259,8 +259,9 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 // ------------------------------------------------------------------ entry point
 // Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 1: (Hkv, B, ceil(Nk / 128))); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
 // log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
-// group = heads_q / heads_kv; va the variant's arguments (extra_io). LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
+// group = heads_q / heads_kv. LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
 // copies instead, lse in log2 units with +inf where P must be 0 (padding, rows that see no key).
+// va: the variant's arguments (region extra_io; the dense kernel's is an unused int).
 extern "C" __global__ void __launch_bounds__(fa3b::kThreads, 1)
 fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,

@@ -105,7 +105,8 @@ def hopper_backwards():
     return out
 
 
-@pytest.mark.parametrize("shape", _hopper_shapes(), ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}".format(*s[:6], str(s[6])[6:]))
+@pytest.mark.parametrize("shape", _hopper_shapes(),
+                         ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}".format(*s[:6], str(s[6])[6:]))
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
 def test_variant_backward_rule_hopper(hopper_backwards, variant, shape, monkeypatch):
     """As test_variant_backward_rule, on fa3_bwd_sm90 (opt-in env set here, restored by monkeypatch);

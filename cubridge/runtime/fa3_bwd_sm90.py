@@ -126,8 +126,7 @@ def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: tor
     key = (head_dim, causal, bf16, option, device.index, compiler)
     if key not in _FUNCTIONS:
         cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler).cubin
-        with torch.cuda.device(device):
-            torch.cuda.current_stream().synchronize()   # makes the primary context current
+        with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, CONVERT_ENTRY)
     return _FUNCTIONS[key]
 

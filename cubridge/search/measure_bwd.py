@@ -34,6 +34,7 @@ def measure_backward(p: dict):
     spec, sp = _spec(job), dict(job.spec_params)
     dtype = DTYPES[job.dtype]
     backwards = {label: _variant_backward(spec, label, sp) for label in p["bwd_configs"]}
+    _prebuild(backwards.values(), job.head_dim, dtype)
     checks = {label: _check(bwd, spec, sp, job.head_dim, dtype) for label, bwd in backwards.items()}
     passed = {label: backwards[label] for label, verdict in checks.items() if verdict == "pass"}
     shapes = {}
@@ -78,6 +79,23 @@ def _variant_backward(spec, label: str, sp: dict):
     from cubridge.runtime.variant_bwd import VariantBackward
     config = Config.parse(label)
     return VariantBackward(spec, config=config, kernel=Fa2BwdSm80(config, compiler=default_compiler()), **sp)
+
+
+def _prebuild(backwards, head_dim: int, dtype) -> None:
+    """Compile every config's kernel up front, in parallel (the compiler runs outside the GIL):
+    one at a time, eight configs took minutes of the job. A config that fails to build fails
+    again, with its message, in its check."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cubridge.runtime.launch import device_arch
+
+    def build(bwd):
+        try:
+            bwd.kernel.build(head_dim, dtype, False, False, device_arch(torch.device("cuda")), source=bwd.source)
+        except Exception:   # noqa: BLE001 - reported by _check
+            pass
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(build, backwards))
 
 
 def _grads(spec, sp, q, k, v, dout):

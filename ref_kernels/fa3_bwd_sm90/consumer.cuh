@@ -296,6 +296,9 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float* __restrict__ dq_accum, float scale_log2) {
   float s[kSRegs], dp[kSRegs];
+  // A variant's mask test may read a block table: issued before the GEMMs, its load latency hides
+  // under them (false and unused in the dense kernel).
+  const bool variant_partial = kRangeRuns && step_needs_mask(va, cs, pb, m0);
   wgmma_fence();
   gemm_xt(s, kr, sm.q_tile(st));
   wgmma_commit();
@@ -306,11 +309,11 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   else wgmma_wait<0>();
   reg_fence(s);
   if constexpr (kScoreGradOne) {
-    probs_only(va, step_needs_mask(va, cs, pb, m0), cs, s, lse, scale_log2, pb, g, m0, sm.lse_tile(st));
+    probs_only(va, kRangeRuns ? variant_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse, scale_log2, pb, g,
+               m0, sm.lse_tile(st));
   } else {
     reg_fence(dp);
-    probs_and_ds_smem(va, step_needs_mask(va, cs, pb, m0), cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st),
-                      sm.dvec_tile(st));
+    probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));
   }
   uint32_t p16[kPRegs], ds16[kPRegs];
   pack_frag(p16, s);

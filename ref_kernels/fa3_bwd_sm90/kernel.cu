@@ -150,6 +150,7 @@ __device__ __forceinline__ float softmax_ds(const VariantArgs& va, float p, floa
 // A lowered variant runs on the bulk_overlap_lse path only (LSE / Dvec in shared memory, SCHED 1):
 // the one the GPU measured fastest, and the only one whose per-step passes take the variant hooks.
 static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs DQ_MODE=1 SCHED=1 LSE_SMEM=1");
+static_assert(kScoreGradOne || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
 
 // ------------------------------------------------------------------ shared memory
 // Nk - Nq for the consumers, re-read from shared memory at every step: held in a register across

@@ -251,6 +251,13 @@ def tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
     return view
 
 
+def current_stream(index: int) -> int:
+    """The raw handle of the current CUDA stream of device `index` (torch's own accessor: a
+    torch.cuda.Stream object per call costs ~1-2 us of the op's host budget)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     """The scheduler's counter pair for launches on `stream`: zeroed once; every launch leaves it
     zero again (the kernel's last producer resets it), and launches on one stream run in order.
@@ -427,7 +434,9 @@ def lpt_order(counts: torch.Tensor, ctas: int) -> torch.Tensor:
 
 def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, nk, ctas) -> torch.Tensor:
     """The longest-first tile order of a lowered variant at one shape: its kv_range counted on the
-    GPU by the kernel's own fa3_sm90_tile_counts, ordered by lpt_order; cached on the variant."""
+    GPU by the kernel's own fa3_sm90_tile_counts, ordered by lpt_order; cached on the variant. A
+    per-call variant (runtime inputs) orders on the GPU (runtime.lpt: the same order, ~10x fewer
+    host calls), since it pays this on every call."""
     key = (config.block_m, config.block_n, b, hq, hkv, nq, nk, device.index, ctas)
     cache = variant.tile_orders
     if key not in cache:
@@ -436,8 +445,12 @@ def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, 
         params = [ctypes.c_uint64(counts.data_ptr()), ctypes.c_int32(nq), ctypes.c_int32(nk), ctypes.c_int32(hq),
                   ctypes.c_int32(hkv), ctypes.c_int32(b), variant.args]
         threads = 128
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = current_stream(device.index)
         driver().launch(counts_func, (math.ceil(counts.numel() / threads), 1, 1), (threads, 1, 1), 0,
                         stream, pack_params(params))
-        cache[key] = lpt_order(counts.view(b * hq, num_m), ctas)
+        if variant.per_call:
+            from cubridge.runtime.lpt import gpu_lpt_order
+            cache[key] = gpu_lpt_order(counts, num_m, ctas, stream)
+        else:
+            cache[key] = lpt_order(counts.view(b * hq, num_m), ctas)
     return cache[key]

@@ -117,9 +117,15 @@ class Candidate:
 
     @property
     def binding(self) -> Binding:
-        return Binding(tuple(tuple(s) for s in self.slots), self.table, self.per_bh, self.skeleton,
-                       tuple(sorted(self.program.params().items())), _mask_text(self.program),
-                       tuple(self.runtime.items()), tuple(self.derived), self.table_reads_runtime)
+        # Kept per program object: printing the mask region walks the whole program, ~25 us of
+        # every bind() (a spec with runtime inputs binds on every call).
+        fields = (tuple(tuple(s) for s in self.slots), self.table, self.per_bh, self.skeleton,
+                  tuple(self.runtime.items()), tuple(self.derived), self.table_reads_runtime)
+        cached = self.__dict__.get("_binding")
+        if cached is None or cached[0] is not self.program or cached[1] != fields:
+            program = (tuple(sorted(self.program.params().items())), _mask_text(self.program))
+            cached = self.__dict__["_binding"] = (self.program, fields, Binding(*fields[:4], *program, *fields[4:]))
+        return cached[2]
 
     def bind(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
              device="cpu", runtime: dict | None = None) -> dict:

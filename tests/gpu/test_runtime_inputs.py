@@ -194,3 +194,20 @@ def test_prefix_lengths_and_bias_table_change_between_calls(ref):
     bias = lambda B, Nk, call: {"bias": (3 * torch.randn(4, 32, generator=g)).cuda()}  # noqa: E731
     _verify(ref, str(SUPPORT / "prefix_lengths.py"), (3, 4, 2, 900, 1500, 128), prefix, calls=2)
     _verify(ref, str(SUPPORT / "bias_table.py"), (2, 4, 4, 1000, 1000, 128), bias, calls=2)
+
+
+@pytest.mark.parametrize("bh,num_m,ctas", [(4, 8, 132), (32, 64, 132), (256, 8, 132), (3, 1500, 7), (1, 1, 1)])
+def test_gpu_tile_order_equals_lpt_order(bh, num_m, ctas):
+    """runtime.lpt (a per-call variant's tile order: one key kernel + argsort) gives exactly
+    fa3_sm90.lpt_order's permutation: counts with outliers, ties, negatives and values past 2^16
+    (clamped), over one CTA's 1024 threads and sort sizes past 4096."""
+    from cubridge.runtime.fa3_sm90 import current_stream, lpt_order
+    from cubridge.runtime.lpt import gpu_lpt_order
+    g = torch.Generator().manual_seed(bh * num_m + ctas)
+    counts = torch.randint(0, 20, (bh * num_m,), generator=g, dtype=torch.int32)
+    spots = torch.randperm(bh * num_m, generator=g)[:3]
+    counts[spots] = torch.tensor([500, 70000, -4], dtype=torch.int32)[:len(spots)]
+    want = lpt_order(counts.view(bh, num_m), ctas)
+    got = gpu_lpt_order(counts.cuda(), num_m, ctas, current_stream(torch.cuda.current_device()))
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.to(torch.int32))
+    assert torch.equal(got.sort().values.cpu(), torch.arange(bh * num_m, dtype=torch.int32))

@@ -42,7 +42,7 @@ class Bucket:
     def __init__(self, directory: Path, dispatch: dict, entry: dict):
         self.directory, self.dispatch, self.entry = directory, dispatch, entry
         self.reference = entry["reference"]
-        self._lowered = self._bind = None
+        self._lowered = self._cand = None
         self._loaded: set = set()       # device indices whose launch was built
 
     # -------------------------------------------------------------- loading
@@ -62,9 +62,14 @@ class Bucket:
     def binder(self):
         """bind(Nq=, Nk=, Hq=, Hkv=, B=, params=, device=) -> extra inputs, or None for none. Rules
         candidates are re-derived from the run's spec copy and must give the run's exact CuIR."""
-        if self._bind is None:
-            self._bind = _rules_binder(self.directory, self.dispatch, self.entry)
-        return self._bind or None
+        cand = self.candidate()
+        return cand.bind if cand is not None else None
+
+    def candidate(self):
+        """The rules candidate (transfer.rules.Candidate) whose bind gives the extra inputs, or None."""
+        if self._cand is None:
+            self._cand = _rules_candidate(self.directory, self.dispatch, self.entry)
+        return self._cand or None
 
     def cuir_params(self) -> dict:
         return self.kernel.space.to_cuir(self.entry["config"])
@@ -124,15 +129,15 @@ class RuntimePrepared:
         b, hq, hkv, nq, nk = dims
         self.bucket, self.device, self.dims, self.scale, self.names = bucket, device, dims, scale, names
         self.lse_scratch = torch.empty((b, hq, nq), device=device, dtype=torch.float32)
-        bind = bucket.binder()
-        self._bind = (functools.partial(bind, Nq=nq, Nk=nk, Hq=hq, Hkv=hkv, B=b, params=bucket.cuir_params(),
-                                        device=device) if bind is not None else lambda runtime: {})
+        cand = bucket.candidate()
+        self._bind = (cand.binder_at(Nq=nq, Nk=nk, Hq=hq, Hkv=hkv, B=b, params=bucket.cuir_params(), device=device)
+                      if cand is not None else lambda runtime: {})
         self._lowered, self._cubin, self._launch = bucket.lowered(), None, None
 
     def launch(self, q, k, v, out, lse, rt: list):
         """Launch on this call's runtime inputs `rt` (in declared order); returns what the launch
         reads (the packed variant), which a CUDA graph capture must keep alive."""
-        variant = self._lowered.args(self._bind(runtime=dict(zip(self.names, rt))), self.device, per_call=True)
+        variant = self._lowered.args(self._bind(dict(zip(self.names, rt))), self.device, per_call=True)
         rebind = getattr(self._launch, "rebind", None)
         if rebind is not None:
             rebind(variant)
@@ -146,8 +151,8 @@ class RuntimePrepared:
         return variant
 
 
-def _rules_binder(directory: Path, dispatch: dict, entry: dict):
-    """The rules candidate's bind, or False when the candidate needs none (other origins)."""
+def _rules_candidate(directory: Path, dispatch: dict, entry: dict):
+    """The rules candidate, or False when the candidate needs no binding (other origins)."""
     if entry.get("origin") != "rules":
         return False
     from cubridge.cuir.parser import parse_file
@@ -163,4 +168,4 @@ def _rules_binder(directory: Path, dispatch: dict, entry: dict):
         raise LaunchError("the rules transfer of this checkout gives another kernel than the run's "
                           f"{entry['cuir']}", where=str(directory / "dispatch.json"),
                           hint="load the run with the cubridge version that tuned it, or tune again")
-    return cand.bind
+    return cand

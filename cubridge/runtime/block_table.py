@@ -122,21 +122,35 @@ def _kernel(source: str, device: torch.device):
     return _KERNELS[key]
 
 
+class TableBuilder:
+    """The table kernel of one mask at one shape, loaded once: builder(inputs) -> the table of
+    these inputs (Candidate.bind's, but the table), one allocation and one launch in the current
+    stream. The op with runtime inputs calls it every call (call_binding.ShapeBinder keeps it)."""
+
+    def __init__(self, mask: str, inputs: dict, scalars: list, *, B: int, Hq: int, Nq: int, Nk: int,
+                 block_m: int, block_n: int, per_bh: bool, device):
+        from cubridge.runtime.launch import arg_i32
+        self.device, self.per_bh = torch.device(device), per_bh
+        self.lowered, reads_h = table_source(mask, inputs, scalars)
+        nqt, nkt = -(-Nq // block_m), -(-Nk // block_n)
+        bs, hs = (B, Hq) if per_bh else (1, 1)
+        heads_eval = hs if reads_h else 1
+        self.shape, self.grid = (bs, hs, nqt, nkt), (nkt, nqt, bs * heads_eval)
+        self.kernel = _kernel(self.lowered.source, self.device)
+        self.tail = (arg_i32(Nq), arg_i32(Nk), arg_i32(block_m), arg_i32(block_n), arg_i32(heads_eval), arg_i32(hs))
+
+    def __call__(self, inputs: dict) -> torch.Tensor:
+        from cubridge.runtime.launch import arg_ptr
+        out = torch.empty(self.shape, dtype=torch.int32, device=self.device)
+        packed = self.lowered.args(inputs, self.device)      # reads the tables and scalars, not BLOCK_CLASS
+        self.kernel.launch(self.grid, (THREADS, 1, 1), 0, (packed.args, arg_ptr(out), *self.tail))
+        return out if self.per_bh else out[0, 0]
+
+
 def gpu_block_classes(mask: str, inputs: dict, scalars: list, *, B: int, Hq: int, Nq: int, Nk: int,
                       block_m: int, block_n: int, per_bh: bool, device) -> torch.Tensor:
     """The block table of the mask predicate `mask` (CuIR text, as in the variant's mask region) on
     `device`: int32 [B, Hq, NQT, NKT] (per_bh) or [NQT, NKT], from the variant inputs `inputs`
     (device tensors and scalars, as Candidate.bind gives them) and the scalar slots `scalars`."""
-    from cubridge.runtime.launch import arg_i32, arg_ptr
-    device = torch.device(device)
-    lowered, reads_h = table_source(mask, inputs, scalars)
-    nqt, nkt = -(-Nq // block_m), -(-Nk // block_n)
-    bs, hs = (B, Hq) if per_bh else (1, 1)
-    out = torch.empty((bs, hs, nqt, nkt), dtype=torch.int32, device=device)
-    heads_eval = hs if reads_h else 1
-    packed = lowered.args({**inputs, "BLOCK_CLASS": out}, device)
-    kernel = _kernel(lowered.source, device)
-    args = (packed.args, arg_ptr(out), arg_i32(Nq), arg_i32(Nk), arg_i32(block_m), arg_i32(block_n),
-            arg_i32(heads_eval), arg_i32(hs))
-    kernel.launch((nkt, nqt, bs * heads_eval), (THREADS, 1, 1), 0, args)
-    return out if per_bh else out[0, 0]
+    return TableBuilder(mask, inputs, scalars, B=B, Hq=Hq, Nq=Nq, Nk=Nk, block_m=block_m, block_n=block_n,
+                        per_bh=per_bh, device=device)(inputs)

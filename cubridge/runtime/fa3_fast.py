@@ -28,8 +28,7 @@ import torch
 
 from cubridge.errors import LaunchError
 from cubridge.runtime import fa3_sm90 as fa3
-from cubridge.runtime.driver import driver, sm_count
-from cubridge.runtime.fa3_sm90 import current_stream  # noqa: F401 - the launch's stream (tests patch it here)
+from cubridge.runtime.driver import current_stream, driver, sm_count
 
 _LOADED: dict = {}
 ARGV_CACHE = 64          # packed argument arrays per launch, by (addresses, strides, stream)

@@ -31,7 +31,7 @@ import torch
 from cubridge.errors import LaunchError
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.build import compile_cubin, default_compiler
-from cubridge.runtime.driver import capability, driver, pack_params, sm_count
+from cubridge.runtime.driver import capability, current_stream, driver, pack_params, sm_count
 
 KERNEL_DIR = REF_KERNELS_DIR / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
@@ -249,13 +249,6 @@ def tensor_map(t: torch.Tensor, rows_per_box: int) -> ctypes.Array:
     if len(_TENSOR_MAPS) > TENSOR_MAP_CACHE:
         _TENSOR_MAPS.popitem(last=False)
     return view
-
-
-def current_stream(index: int) -> int:
-    """The raw handle of the current CUDA stream of device `index` (torch's own accessor: a
-    torch.cuda.Stream object per call costs ~1-2 us of the op's host budget)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def tile_counter(device: torch.device, stream: int) -> torch.Tensor:

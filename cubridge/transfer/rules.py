@@ -37,7 +37,7 @@ from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
 from cubridge.transfer.record import add_record
-from cubridge.transfer.call_binding import bind_inputs
+from cubridge.transfer.call_binding import bind_inputs, shape_binder
 from cubridge.transfer.forms import (EMPTY, FULL, PARTIAL, PROBE_B, block_classes, consts,  # noqa: F401
                                      fingerprint, map_consts, skeleton, trace_form)
 from cubridge.transfer.intervals import classify
@@ -133,6 +133,12 @@ class Candidate:
         block table. `runtime`: the call's runtime inputs, or None for representative values."""
         return bind_inputs(self.binding, self.spec, self.spec_params, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
                            params=params, device=device, runtime=runtime)
+
+    def binder_at(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
+                  device="cpu"):
+        """bind(runtime) at one shape (call_binding.ShapeBinder), for a caller that binds every call."""
+        return shape_binder(self.binding, self.spec, self.spec_params, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
+                            params=params, device=device)
 
 
 def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, device="cpu") -> Candidate:

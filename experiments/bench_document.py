@@ -10,6 +10,7 @@ the tuner samples them, a new layout per call):
   op_ms_busy: what the call adds to the GPU's time (GPU held busy first, bench_op.gpu_ms);
   host_us_per_call / host_us_mean: median / mean host time per call, the GPU kept busy, GC off
   (bench_op.host_us_per_call). Issue 15: host <= ~50 us (session 9: 683 us at 8k, 1200 at 1k).
+  sort_in_kernel: the same with runtime.lpt.SORT_IN_KERNEL (off by default until proven).
 - bind path: Candidate.bind + LoweredKernel.args + fa3_forward per call (session 9's "ours_call").
 - kernel_ms: the kernel alone (inputs bound once); table_ms: the GPU table build (Candidate.bind);
   host_table_ms: the same table on the host path (for scale).
@@ -60,6 +61,20 @@ def cycle(items):
     return nxt
 
 
+def in_kernel_sort(call_fixed, expected, op_call) -> dict:
+    """The op with runtime.lpt.SORT_IN_KERNEL (the tile order sorted by one kernel, no argsort; off
+    by default until checked here and in tests/gpu): same output bitwise, its host and GPU time."""
+    from cubridge.runtime import lpt
+    lpt.SORT_IN_KERNEL = True
+    try:
+        same = torch.equal(call_fixed(), expected)
+        busy = gpu_ms([op_call])[0]
+        host, mean = host_us_per_call(op_call)
+        return {"op_equals_default": same, "op_ms_busy": busy, "host_us_per_call": host, "host_us_mean": mean}
+    finally:
+        lpt.SORT_IN_KERNEL = False
+
+
 def measure(N, spec, cand, kern, attn, flex):
     compiled, create_block_mask = flex
     B = TOKENS // N
@@ -107,6 +122,7 @@ def measure(N, spec, cand, kern, attn, flex):
     op_busy, kernel_busy = gpu_ms([op_call, lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out,
                                                                variant=launch)])
     host_us, host_mean = host_us_per_call(op_call)
+    sort_kernel = in_kernel_sort(lambda: attn(q, k, v, doc_ids=ids_list[1]), mine, op_call)
     bind_ms = bench(bind_call).median_ms
     bind_host_us = host_us_per_call(bind_call)[0]
 
@@ -123,13 +139,13 @@ def measure(N, spec, cand, kern, attn, flex):
             "op_ms_busy": op_busy, "kernel_ms": kernel_ms, "kernel_ms_busy": kernel_busy, "table_ms": table_ms,
             "host_table_ms": host_table_ms, "host_us_per_call": host_us, "host_us_mean": host_mean,
             "bind_path_ms": bind_ms, "bind_path_host_us": bind_host_us, "table_equal": table_ok,
-            "op_equals_kernel": same, "rule": verdict}
+            "op_equals_kernel": same, "rule": verdict, "sort_in_kernel": sort_kernel}
     flex_row = {"system": "flex_attention", "variant": "document", "N": N, "B": B, "op_ms": flex_call_ms,
                 "kernel_ms": flex_kernel_ms}
     print(f"N={N}: op {op_ms:.3f} ms (busy {op_busy:.3f}, host {host_us:.0f} us median / {host_mean:.0f} mean), "
           f"kernel {kernel_ms:.3f} (busy {kernel_busy:.3f}), table {table_ms:.3f}, bind path {bind_ms:.3f} ms "
           f"({bind_host_us:.0f} us host); flex {flex_call_ms:.3f} (kernel {flex_kernel_ms:.3f}); table equal "
-          f"{table_ok}; op == kernel {same}; rule: {verdict}", flush=True)
+          f"{table_ok}; op == kernel {same}; rule: {verdict}; sort in kernel: {sort_kernel}", flush=True)
     return [ours, flex_row]
 
 

@@ -198,11 +198,14 @@ def _check_documents(spec, out, q, k, v, ids):
     assert verdict.passed, f"document: {verdict}"
 
 
+@pytest.mark.parametrize("sort_in_kernel", [False, True])
 @pytest.mark.parametrize("shape", [(2, 1000), (1, 2500), (3, 77)])
-def test_document_op_follows_each_calls_ids(document_run, shape):
+def test_document_op_follows_each_calls_ids(document_run, shape, sort_in_kernel, monkeypatch):
     """Three calls in a row with three layouts (the launch is built once and re-pointed per call:
-    kernels.RuntimePrepared, Fa3Launch.rebind; the tile order sorted on the GPU, runtime.lpt), an
-    int64 layout among them; each under the rule, the inputs unchanged, bitwise on a rerun."""
+    kernels.RuntimePrepared, Fa3Launch.rebind; the tile order sorted on the GPU, runtime.lpt, both
+    ways), an int64 layout among them; each under the rule, the inputs unchanged, bitwise on a rerun."""
+    from cubridge.runtime import lpt
+    monkeypatch.setattr(lpt, "SORT_IN_KERNEL", sort_in_kernel)
     attn, spec = cubridge.load(document_run), load_spec("document")
     q, k, v = _inputs("document", *shape)
     before = [t.clone() for t in (q, k, v)]

@@ -196,13 +196,18 @@ def test_prefix_lengths_and_bias_table_change_between_calls(ref):
     _verify(ref, str(SUPPORT / "bias_table.py"), (2, 4, 4, 1000, 1000, 128), bias, calls=2)
 
 
-@pytest.mark.parametrize("bh,num_m,ctas", [(4, 8, 132), (32, 64, 132), (256, 8, 132), (3, 1500, 7), (1, 1, 1)])
-def test_gpu_tile_order_equals_lpt_order(bh, num_m, ctas):
-    """runtime.lpt (a per-call variant's tile order: one key kernel + argsort) gives exactly
-    fa3_sm90.lpt_order's permutation: counts with outliers, ties, negatives and values past 2^16
-    (clamped), over one CTA's 1024 threads and sort sizes past 4096."""
+@pytest.mark.parametrize("sort_in_kernel", [False, True])
+@pytest.mark.parametrize("bh,num_m,ctas", [(4, 8, 132), (32, 64, 132), (256, 8, 132), (3, 1500, 7), (1, 1, 1),
+                                           (5, 13, 2), (64, 64, 132)])
+def test_gpu_tile_order_equals_lpt_order(bh, num_m, ctas, sort_in_kernel, monkeypatch):
+    """runtime.lpt (a per-call variant's tile order: one key kernel + argsort, or with
+    SORT_IN_KERNEL one bitonic-sort kernel up to 4096 tiles) gives exactly fa3_sm90.lpt_order's
+    permutation: counts with outliers, ties, negatives and values past 2^16 (clamped), odd tile
+    counts, 4096 tiles exactly, and past it (the argsort path either way)."""
+    from cubridge.runtime import lpt
     from cubridge.runtime.fa3_sm90 import current_stream, lpt_order
     from cubridge.runtime.lpt import gpu_lpt_order
+    monkeypatch.setattr(lpt, "SORT_IN_KERNEL", sort_in_kernel)
     g = torch.Generator().manual_seed(bh * num_m + ctas)
     counts = torch.randint(0, 20, (bh * num_m,), generator=g, dtype=torch.int32)
     spots = torch.randperm(bh * num_m, generator=g)[:3]

@@ -79,8 +79,9 @@ def document_op(tmp_path, monkeypatch):
     monkeypatch.setattr(fa3_fast.fa3, "current_stream", lambda index: 7)
     monkeypatch.setattr(kfa3, "load_cubin", lambda cubin, config, device: (ctypes.c_void_p(1), ctypes.c_void_p(2)))
     monkeypatch.setattr(block_table, "_kernel", lambda source, device: _Kernel("block_table", lib))
-    monkeypatch.setattr(lpt, "_kernel", lambda device: _Kernel("tile_keys", lib))
+    monkeypatch.setattr(lpt, "_kernel", lambda device, entry=lpt.ENTRY: _Kernel(entry.removeprefix("cubridge_"), lib))
     monkeypatch.setattr(call_binding, "builds_on_device", lambda device: True)
+    monkeypatch.setattr(call_binding, "_CACHE", type(call_binding._CACHE)())   # its binders hold the stubs
     monkeypatch.setattr(tuned, "device_checked", lambda arch, index: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # (both raise in a CPU build)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -109,7 +110,7 @@ def test_a_repeated_runtime_call_makes_a_few_torch_calls_and_four_launches(docum
         attn(q, k, v, doc_ids=ids)
     # out, the block table, the tile counts, the tile keys, their argsort and its int32 copy
     assert sorted(seen.ops) == sorted(["new_empty", "empty", "empty", "empty", "sort", "_to_copy"]), seen.ops
-    assert [name for name, _ in lib.launches] == ["block_table", "tile_counts", "tile_keys", "attention"]
+    assert [name for name, _ in lib.launches] == ["block_table", "tile_counts", "lpt_keys", "attention"]
     # the launch reads this call's ids and the table built for it (VariantArgs, argument 13)
     table_args, (_, argv) = lib.launches[0][1], lib.launches[-1]
     prep = next(iter(attn._prepared.values()))
@@ -128,3 +129,24 @@ def test_int64_ids_cost_one_conversion(document_op):
     with _Ops() as seen:
         attn(q, k, v, doc_ids=ids)
     assert seen.ops.count("_to_copy") == 2 and len(seen.ops) == 7, seen.ops
+
+
+def test_the_in_kernel_tile_sort_drops_the_argsort(document_op, monkeypatch):
+    """runtime.lpt.SORT_IN_KERNEL (off by default): the order comes from one kernel, so a call
+    makes 4 torch calls (out, table, counts, order); past SORT_MAX tiles it falls back to argsort."""
+    from cubridge.runtime import lpt
+    monkeypatch.setattr(lpt, "SORT_IN_KERNEL", True)
+    attn, lib = document_op
+    q = torch.randn(B, HQ, N, D).to(torch.bfloat16)
+    k = v = torch.randn(B, HKV, N, D).to(torch.bfloat16)
+    attn(q, k, v, doc_ids=_ids(1))
+    ids = _ids(2)
+    lib.launches.clear()
+    with _Ops() as seen:
+        attn(q, k, v, doc_ids=ids)
+    assert sorted(seen.ops) == sorted(["new_empty", "empty", "empty", "empty"]), seen.ops
+    assert [name for name, _ in lib.launches] == ["block_table", "tile_counts", "lpt_order", "attention"]
+    monkeypatch.setattr(lpt, "SORT_MAX", 4)            # 2 x 4 x 8 tiles here: more than the kernel holds
+    with _Ops() as seen:
+        attn(q, k, v, doc_ids=ids)
+    assert "sort" in seen.ops and lib.launches[-2][0] == "lpt_keys"

@@ -13,7 +13,8 @@ the tuner samples them, a new layout per call):
   sort_in_kernel: the same with runtime.lpt.SORT_IN_KERNEL (off by default until proven).
 - bind path: Candidate.bind + LoweredKernel.args + fa3_forward per call (session 9's "ours_call").
 - kernel_ms: the kernel alone (inputs bound once); table_ms: the GPU table build (Candidate.bind);
-  host_table_ms: the same table on the host path (for scale).
+  host_table_ms: the same table on the host path (for scale); table_kernel_ms(_pairs8): the table
+  kernel alone at block_table.PAIRS_PER_SYNC 1 (default) and 8 (off until timed here).
 - flex: create_block_mask for the batch (its build included, as the bar asks) + compiled
   FlexAttention; flex_kernel: FlexAttention with the block mask built once.
 Checks first: the GPU table equals the host table; the op equals the bare kernel bitwise on the
@@ -75,6 +76,26 @@ def in_kernel_sort(call_fixed, expected, op_call) -> dict:
         lpt.SORT_IN_KERNEL = False
 
 
+def table_builds(cand, extra, host, B, N, cfg) -> dict:
+    """The table kernel alone (GPU held busy, bench_op.gpu_ms) at block_table.PAIRS_PER_SYNC 1 (the
+    default) and 8 (off until timed here), both checked equal to the host table."""
+    from cubridge.runtime import block_table
+    scalars = [(n, "int" if dt == "i32" else "float") for n, _, dt in cand.binding.slots]
+    builders = {}
+    for per in (1, 8):
+        block_table.PAIRS_PER_SYNC = per
+        try:
+            builders[per] = block_table.TableBuilder(cand.binding.mask, extra, scalars, B=B, Hq=HQ, Nq=N, Nk=N,
+                                                     block_m=cfg.block_m, block_n=cfg.block_n, per_bh=cand.per_bh,
+                                                     device="cuda")
+        finally:
+            block_table.PAIRS_PER_SYNC = 1
+    equal = {per: torch.equal(b(extra).cpu(), host.cpu()) for per, b in builders.items()}
+    ms = gpu_ms([lambda: builders[1](extra), lambda: builders[8](extra)])
+    return {"table_kernel_ms": ms[0], "table_kernel_ms_pairs8": ms[1], "table_equal_pairs8": equal[8],
+            "table_equal_builder": equal[1]}
+
+
 def measure(N, spec, cand, kern, attn, flex):
     compiled, create_block_mask = flex
     B = TOKENS // N
@@ -106,7 +127,8 @@ def measure(N, spec, cand, kern, attn, flex):
     t0 = time.perf_counter()
     host = block_classes(hooks, B, HQ, N, N, cfg.block_m, cfg.block_n, cand.per_bh, "cuda")
     host_table_ms = (time.perf_counter() - t0) * 1e3
-    table_ok = torch.equal(extra["BLOCK_CLASS"].cpu(), host.to(torch.int32))
+    table_ok = torch.equal(extra["BLOCK_CLASS"].cpu(), host.to(torch.int32).cpu())
+    tables = table_builds(cand, extra, host.to(torch.int32), B, N, cfg)
     mine = attn(q, k, v, doc_ids=ids_list[1])
     same = torch.equal(mine, kernel_on(ids_list[1]))
     verdict = "skipped (N > 2048: float64 golden too large)"
@@ -139,13 +161,14 @@ def measure(N, spec, cand, kern, attn, flex):
             "op_ms_busy": op_busy, "kernel_ms": kernel_ms, "kernel_ms_busy": kernel_busy, "table_ms": table_ms,
             "host_table_ms": host_table_ms, "host_us_per_call": host_us, "host_us_mean": host_mean,
             "bind_path_ms": bind_ms, "bind_path_host_us": bind_host_us, "table_equal": table_ok,
-            "op_equals_kernel": same, "rule": verdict, "sort_in_kernel": sort_kernel}
+            "op_equals_kernel": same, "rule": verdict, "sort_in_kernel": sort_kernel, **tables}
     flex_row = {"system": "flex_attention", "variant": "document", "N": N, "B": B, "op_ms": flex_call_ms,
                 "kernel_ms": flex_kernel_ms}
     print(f"N={N}: op {op_ms:.3f} ms (busy {op_busy:.3f}, host {host_us:.0f} us median / {host_mean:.0f} mean), "
           f"kernel {kernel_ms:.3f} (busy {kernel_busy:.3f}), table {table_ms:.3f}, bind path {bind_ms:.3f} ms "
           f"({bind_host_us:.0f} us host); flex {flex_call_ms:.3f} (kernel {flex_kernel_ms:.3f}); table equal "
-          f"{table_ok}; op == kernel {same}; rule: {verdict}; sort in kernel: {sort_kernel}", flush=True)
+          f"{table_ok}; op == kernel {same}; rule: {verdict}; sort in kernel: {sort_kernel}; tables: {tables}",
+          flush=True)
     return [ours, flex_row]
 
 

@@ -15,6 +15,9 @@ Per shape (device, B, Hq, Hkv, N, scale) the first call binds the spec's extra i
 counts the tile order on the GPU and builds the launch (`Prepared`); every later call allocates
 the output and launches: no host sync, no host-to-device copy, so the call can be captured in a
 CUDA graph once the shape has been seen (a first call inside a capture is refused, saying so).
+With runtime inputs (`attn(q, k, v, doc_ids=ids)`: kernels.RuntimePrepared) every call also binds
+them: the block table and the tile order are rebuilt on the GPU in the current stream (three small
+launches, a few scratch allocations) and the shape's launch is re-pointed at them (op/NOTES.md 6).
 """
 from __future__ import annotations
 

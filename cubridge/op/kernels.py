@@ -17,6 +17,7 @@ import torch
 
 from cubridge.archs import check_arch
 from cubridge.errors import LaunchError
+from cubridge.runtime.driver import current_stream
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,16 +132,25 @@ class RuntimePrepared:
         self.lse_scratch = torch.empty((b, hq, nq), device=device, dtype=torch.float32)
         cand = bucket.candidate()
         self._bind = (cand.binder_at(Nq=nq, Nk=nk, Hq=hq, Hkv=hkv, B=b, params=bucket.cuir_params(), device=device)
-                      if cand is not None else lambda runtime: {})
+                      if cand is not None else lambda runtime, scratch: {})
         self._lowered, self._cubin, self._launch = bucket.lowered(), None, None
+        self._scratch: dict = {}           # raw stream -> the per-call tables' buffers (driver.scratch_tensor)
 
     def launch(self, q, k, v, out, lse, rt: list):
         """Launch on this call's runtime inputs `rt` (in declared order); returns what the launch
-        reads (the packed variant), which a CUDA graph capture must keep alive."""
-        variant = self._lowered.args(self._bind(dict(zip(self.names, rt))), self.device, per_call=True)
+        reads (the packed variant), which a CUDA graph capture must keep alive. The block table,
+        tile counts and order live in this shape's buffers for the current stream (the stream runs
+        one call's kernels before the next call's writes); a capture gets fresh ones (the graph's)."""
+        scratch = None
+        if not torch.cuda.is_current_stream_capturing():
+            stream = current_stream(self.device.index)
+            scratch = self._scratch.get(stream)
+            if scratch is None:
+                scratch = self._scratch[stream] = {}
+        variant = self._lowered.args(self._bind(dict(zip(self.names, rt)), scratch), self.device, per_call=True)
         rebind = getattr(self._launch, "rebind", None)
         if rebind is not None:
-            rebind(variant)
+            rebind(variant, scratch)
         else:
             b, d = self.bucket, self.bucket.dispatch
             self._cubin = self._cubin or b.cubin()

@@ -149,9 +149,11 @@ class TableBuilder:
         self.kernel = _kernel(self.lowered.source, self.device)
         self.tail = (arg_i32(Nq), arg_i32(Nk), arg_i32(block_m), arg_i32(block_n), arg_i32(heads_eval), arg_i32(hs))
 
-    def __call__(self, inputs: dict) -> torch.Tensor:
+    def __call__(self, inputs: dict, scratch: dict | None = None) -> torch.Tensor:
+        """The table (in `scratch`'s buffer when given: driver.scratch_tensor)."""
+        from cubridge.runtime.driver import scratch_tensor
         from cubridge.runtime.launch import arg_ptr
-        out = torch.empty(self.shape, dtype=torch.int32, device=self.device)
+        out = scratch_tensor(scratch, "block_table", self.shape, torch.int32, self.device)
         packed = self.lowered.args(inputs, self.device)      # reads the tables and scalars, not BLOCK_CLASS
         self.kernel.launch(self.grid, (THREADS, 1, 1), 0, (packed.args, arg_ptr(out), *self.tail))
         return out if self.per_bh else out[0, 0]

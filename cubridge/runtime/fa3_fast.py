@@ -82,7 +82,7 @@ class Fa3Launch:
         if result:
             driver().check(result, "cuLaunchKernel")
 
-    def rebind(self, variant) -> None:
+    def rebind(self, variant, scratch: dict | None = None) -> None:
         """Point the next launches at `variant` (a call's runtime inputs: new tables, same layout)
         and at its tile order, counted and ordered on the GPU (tile_order): the argument arrays
         keep their addresses, only the values they point to change (cuLaunchKernel copies them at
@@ -91,7 +91,7 @@ class Fa3Launch:
             raise LaunchError("rebind: the variant's VariantArgs layout differs from the one this launch was built "
                               "with", hint="build a new Fa3Launch for another lowered kernel")
         self.variant = variant
-        self.order = fa3.tile_order(self._counts, self.config, variant, self.device, *self._shape)
+        self.order = fa3.tile_order(self._counts, self.config, variant, self.device, *self._shape, scratch=scratch)
         self._tail[0].value = self.order.data_ptr()
         ctypes.memmove(ctypes.addressof(self._tail[-1]), ctypes.addressof(variant.args), ctypes.sizeof(variant.args))
 

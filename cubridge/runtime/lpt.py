@@ -96,18 +96,20 @@ def _kernel(device: torch.device, entry: str = ENTRY):
     return kernel
 
 
-def gpu_lpt_order(counts: torch.Tensor, num_m: int, ctas: int, stream: int) -> torch.Tensor:
+def gpu_lpt_order(counts: torch.Tensor, num_m: int, ctas: int, stream: int, scratch: dict | None = None) -> torch.Tensor:
     """lpt_order(counts.view(-1, num_m), ctas) for int32 `counts` on a CUDA device, computed in
     `stream` (a raw CUstream handle, the current stream of counts' device): the key kernel and
-    torch.argsort, or with SORT_IN_KERNEL (up to SORT_MAX tiles) one kernel and one allocation."""
+    torch.argsort, or with SORT_IN_KERNEL (up to SORT_MAX tiles) one kernel; the keys or the order
+    in `scratch`'s buffers when given (driver.scratch_tensor)."""
+    from cubridge.runtime.driver import scratch_tensor
     from cubridge.runtime.launch import arg_i32, arg_i64, arg_ptr
     n = counts.numel()
     tail = (arg_i32(n), arg_i32(num_m), arg_i64(max(1, ctas)))
     if SORT_IN_KERNEL and n <= SORT_MAX:
-        order = torch.empty(n, dtype=torch.int32, device=counts.device)
+        order = scratch_tensor(scratch, "tile_order", (n,), torch.int32, counts.device)
         _kernel(counts.device, SORT_ENTRY).launch((1, 1, 1), (THREADS, 1, 1), 0,
                                                   (arg_ptr(counts), arg_ptr(order), *tail), stream)
         return order
-    keys = torch.empty(n, dtype=torch.int64, device=counts.device)
+    keys = scratch_tensor(scratch, "tile_keys", (n,), torch.int64, counts.device)
     _kernel(counts.device).launch((1, 1, 1), (THREADS, 1, 1), 0, (arg_ptr(counts), arg_ptr(keys), *tail), stream)
     return torch.argsort(keys, stable=True).to(torch.int32)

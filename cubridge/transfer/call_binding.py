@@ -85,7 +85,9 @@ class ShapeBinder:
         self.static: _Static | None = None
         self.table_builder = None           # runtime.block_table.TableBuilder of a GPU-built table
 
-    def __call__(self, runtime: dict | None = None) -> dict:
+    def __call__(self, runtime: dict | None = None, scratch: dict | None = None) -> dict:
+        """The inputs of a call on `runtime`; a GPU-built table goes to `scratch` when given
+        (driver.scratch_tensor: the caller launches in one stream and keeps the buffers)."""
         binding, spec, spec_params, device = self.binding, self.spec, self.spec_params, self.device
         Nq, Nk, Hq, Hkv, B = self.dims
         values = spec.runtime_for(Nq, Nk, Hq, Hkv, B, device, runtime, self.resolved)
@@ -99,10 +101,11 @@ class ShapeBinder:
         for cap, name in binding.runtime:
             inputs[cap] = kernel_tensor(values[name])
         if binding.table:
-            inputs["BLOCK_CLASS"] = static.table if static.table is not None else self._runtime_table(values, inputs)
+            inputs["BLOCK_CLASS"] = (static.table if static.table is not None
+                                     else self._runtime_table(values, inputs, scratch))
         return inputs
 
-    def _runtime_table(self, values: dict, inputs: dict) -> torch.Tensor:
+    def _runtime_table(self, values: dict, inputs: dict, scratch: dict | None) -> torch.Tensor:
         binding, spec, device = self.binding, self.spec, self.device
         Nq, Nk, Hq, Hkv, B = self.dims
         if builds_on_device(device) and not binding.derived and binding.mask:
@@ -112,7 +115,7 @@ class ShapeBinder:
                 self.table_builder = TableBuilder(binding.mask, inputs, scalars, B=B, Hq=Hq, Nq=Nq, Nk=Nk,
                                                   block_m=self.cfg["BLOCK_M"], block_n=self.cfg["BLOCK_N"],
                                                   per_bh=binding.per_bh, device=device)
-            return self.table_builder(inputs)
+            return self.table_builder(inputs, scratch)
         if device.type == "cuda":
             _refuse_in_capture(spec, "its block table is built on the host")
         hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=values, **self.spec_params)

@@ -17,7 +17,8 @@ the output and launches: no host sync, no host-to-device copy, so the call can b
 CUDA graph once the shape has been seen (a first call inside a capture is refused, saying so).
 With runtime inputs (`attn(q, k, v, doc_ids=ids)`: kernels.RuntimePrepared) every call also binds
 them: the block table and the tile order are rebuilt on the GPU in the current stream (three small
-launches, a few scratch allocations) and the shape's launch is re-pointed at them (op/NOTES.md 6).
+launches into the shape's buffers for that stream) and the shape's launch is re-pointed at them
+(op/NOTES.md 6).
 """
 from __future__ import annotations
 

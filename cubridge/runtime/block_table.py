@@ -134,8 +134,9 @@ def _kernel(source: str, device: torch.device):
 
 class TableBuilder:
     """The table kernel of one mask at one shape, loaded once: builder(inputs) -> the table of
-    these inputs (Candidate.bind's, but the table), one allocation and one launch in the current
-    stream. The op with runtime inputs calls it every call (call_binding.ShapeBinder keeps it)."""
+    these inputs (Candidate.bind's, but the table), one launch in the current stream (and one
+    allocation, none with a scratch). The op with runtime inputs calls it every call
+    (call_binding.ShapeBinder keeps it)."""
 
     def __init__(self, mask: str, inputs: dict, scalars: list, *, B: int, Hq: int, Nq: int, Nk: int,
                  block_m: int, block_n: int, per_bh: bool, device):

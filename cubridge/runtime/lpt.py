@@ -1,14 +1,15 @@
-"""The fa3 tile order of a per-call variant (runtime inputs) on the GPU with three torch calls.
+"""The fa3 tile order of a per-call variant (runtime inputs) on the GPU with a few torch calls.
 
 `fa3_sm90.lpt_order` is the definition: longest-first keys from the per-tile KV counts, then a
 stable argsort. As torch ops it is ~30 small calls (clamp, sum, shifts, ors, where, ...), each a
 launch: fine once per shape, but a spec with runtime inputs orders its tiles on every call, and on
 the H100 host those calls were most of the document op's 0.7-1.2 ms host time per call (session 9,
 experiments/results/session9_h100/document.json). Here one small kernel computes the same int64
-keys (one CTA: the sum over all tiles, then the key of each), and torch sorts them: keys, argsort,
-int32 = three torch calls and one launch, in the current stream, no host sync (capturable in a CUDA
-graph once the kernel is loaded). Any keys give a permutation, so the kernel's result is a valid
-tile order whatever it computes; tests/gpu/test_runtime_inputs.py checks it equals lpt_order.
+keys (one CTA: the sum over all tiles, then the key of each), and torch sorts them: argsort and
+int32 (plus the keys' allocation without a scratch buffer) and one launch, in the current stream, no
+host sync (capturable in a CUDA graph once the kernel is loaded). Any keys give a permutation,
+so the kernel's result is a valid tile order whatever it computes; tests/gpu/test_runtime_inputs.py
+checks it equals lpt_order.
 
 The kernel is compiled once (the build cache of cubridge.runtime.build) and loaded once per device.
 """
@@ -96,7 +97,8 @@ def _kernel(device: torch.device, entry: str = ENTRY):
     return kernel
 
 
-def gpu_lpt_order(counts: torch.Tensor, num_m: int, ctas: int, stream: int, scratch: dict | None = None) -> torch.Tensor:
+def gpu_lpt_order(counts: torch.Tensor, num_m: int, ctas: int, stream: int,
+                  scratch: dict | None = None) -> torch.Tensor:
     """lpt_order(counts.view(-1, num_m), ctas) for int32 `counts` on a CUDA device, computed in
     `stream` (a raw CUstream handle, the current stream of counts' device): the key kernel and
     torch.argsort, or with SORT_IN_KERNEL (up to SORT_MAX tiles) one kernel; the keys or the order

@@ -1,0 +1,186 @@
+"""The Llama client's model, masks, train step, loss curves and their noise bound
+(experiments/llama_client.py). Device-agnostic where it can be: the CPU tests run the loop and the
+bound on a tiny model with SDPA.
+
+Training is as a user would run it: bf16 weights, AdamW, `model(ids, labels=ids).loss` (transformers
+upcasts the logits to float32 for the cross-entropy), eager. Not bf16 autocast over float32
+weights: under autocast Llama's rotary embedding hands q and k to the attention function in
+float32 (cos / sin follow the float32 hidden states; transformers 5.17, seen on CPU), which SDPA
+casts back itself and a bf16 kernel refuses by dtype.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import torch
+
+B, HQ, HKV, D, LAYERS, VOCAB, FFN = 2, 16, 4, 128, 4, 32000, 5632
+NOISE_ATOL = 1e-5          # the verification rule's additive term, on the loss
+ENVS = ("CUBRIDGE_HOPPER_VARIANT_BWD", "CUBRIDGE_HOPPER_BWD")   # the backward kernels' opt-ins
+
+
+def make_model(device="cuda", *, hq=HQ, hkv=HKV, d=D, layers=LAYERS, vocab=VOCAB, ffn=FFN, train=False):
+    """A random-init Llama (seed 0: every call gives the same weights) in bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hq * d, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, max_position_embeddings=16384,
+                      attention_dropout=0.0)
+    model = LlamaForCausalLM(cfg).to(device, torch.bfloat16)
+    return model.train() if train else model.eval()
+
+
+def prefix_mask(n: int, b: int = B, device="cuda") -> torch.Tensor:
+    """The prefix-LM mask as SDPA's boolean [B, 1, N, N] (True = attend): prefix N // 2."""
+    i = torch.arange(n, device=device)
+    return ((i[None, :] <= i[:, None]) | (i[None, :] < n // 2))[None, None].expand(b, 1, n, n)
+
+
+def flex_block_mask(variant: str, n: int, device="cuda"):
+    """transformers' flex_attention BlockMask of `variant` (causal / prefixlm), built once per shape."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def prefixlm(b, h, q, kv):
+        return (kv <= q) | (kv < n // 2)
+
+    def causal(b, h, q, kv):
+        return kv <= q
+    return create_block_mask({"prefixlm": prefixlm, "causal": causal}[variant], None, None, n, n, device=device)
+
+
+def call_kwargs(system: str, variant: str, n: int, masks: dict, device="cuda") -> dict:
+    """The model-call keywords of a system: cubridge (the kernel's own mask), sdpa (causal:
+    transformers' default), sdpa_bool_mask (prefixlm), flex_flash / flex_triton (a BlockMask).
+    `masks` caches the masks per (kind, variant, n)."""
+    if system.startswith("cubridge") or system == "sdpa":
+        return {}
+    if system == "sdpa_bool_mask":
+        key = ("bool", variant, n)
+        if key not in masks:
+            masks[key] = prefix_mask(n, device=device)
+        return {"attention_mask": masks[key]}
+    if system in ("flex_flash", "flex_triton"):
+        key = ("block", variant, n)
+        if key not in masks:
+            masks[key] = flex_block_mask(variant, n, device)
+        kw = {"attention_mask": masks[key]}
+        if system == "flex_flash":
+            kw["kernel_options"] = {"BACKEND": "FLASH"}
+        return kw
+    raise ValueError(f"unknown system {system!r}")
+
+
+def implementation(system: str, registered: dict, variant: str) -> str:
+    """The attn_implementation name of a system."""
+    if system.startswith("cubridge"):
+        return registered[variant]
+    return "flex_attention" if system.startswith("flex") else "sdpa"
+
+
+def train_step(model, opt, ids, **kw):
+    """One training step (zero_grad, forward with labels, backward, AdamW step) as a callable
+    returning the loss tensor (no host sync inside)."""
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, use_cache=False, **kw).loss
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def optimizer(model, lr: float):
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+
+def loss_curve(model, batches, steps: int, lr: float, grads_at=None, **kw) -> tuple[list[float], dict]:
+    """Losses of `steps` training steps, step t on batches[t % len(batches)], and the step-0
+    gradients of the parameters named in `grads_at` (float32 copies)."""
+    opt = optimizer(model, lr)
+    losses, grads = [], {}
+    named = dict(model.named_parameters())
+    for t in range(steps):
+        ids = batches[t % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, use_cache=False, **kw).loss
+        loss.backward()
+        if t == 0:
+            grads = {name: named[name].grad.float().clone() for name in grads_at or ()}
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, grads
+
+
+def curve_verdict(ours: list[float], ref: list[float], others: dict[str, list[float]]) -> dict:
+    """Are ours's losses within bf16 noise of ref's? noise = the largest per-step gap between ref
+    and any other system (an independent kernel of the same math, e.g. SDPA + a boolean mask
+    against Flex), bound = 2 * noise + NOISE_ATOL (the verification rule's form, on the loss);
+    passed iff max_t |ours_t - ref_t| <= bound and no curve has a NaN / Inf. Same-length curves."""
+    if not others:
+        raise ValueError("curve_verdict needs at least one other system to measure the noise")
+    curves = {"ours": ours, "ref": ref, **others}
+    lengths = {name: len(c) for name, c in curves.items()}
+    if len(set(lengths.values())) != 1 or not ours:
+        raise ValueError(f"loss curves of different lengths: {lengths}")
+    bad = [name for name, c in curves.items() if not all(math.isfinite(x) for x in c)]
+    gaps = {name: max(abs(a - b) for a, b in zip(c, ref)) for name, c in others.items()}
+    diff = [abs(a - b) for a, b in zip(ours, ref)]
+    noise = max(gaps.values())
+    bound = 2 * noise + NOISE_ATOL
+    worst = max(range(len(diff)), key=diff.__getitem__)
+    verdict = {"max_diff": max(diff), "worst_step": worst, "noise": noise, "noise_by_system": gaps,
+               "bound": bound, "passed": not bad and max(diff) <= bound}
+    if bad:
+        verdict["reason"] = f"NaN / Inf in the loss curve of {', '.join(bad)}"
+    elif not verdict["passed"]:
+        verdict["reason"] = f"max |ours - ref| {max(diff):.4g} at step {worst} > bound {bound:.4g}"
+    return verdict
+
+
+def grad_verdict(ours: dict, ref: dict, other: dict) -> dict:
+    """Step-0 gradients: max |ours - ref| / max |ref| per parameter against the same of `other`
+    (the noise); passed iff ours <= 2 * noise + NOISE_ATOL for every parameter."""
+    out, passed = {}, True
+    for name, r in ref.items():
+        scale = float(r.abs().max().clamp_min(1e-30))
+        e_ours = float((ours[name] - r).abs().max()) / scale
+        e_other = float((other[name] - r).abs().max()) / scale
+        ok = math.isfinite(e_ours) and e_ours <= 2 * e_other + NOISE_ATOL
+        passed &= ok
+        out[name] = {"ours_rel": e_ours, "noise_rel": e_other, "passed": ok}
+    return {"passed": passed, "params": out}
+
+
+_BWD = re.compile(r"bwd|backward", re.I)
+
+
+def backward_kernels(names) -> dict:
+    """From the CUDA kernel names of one profiled train step: the attention-backward kernels
+    (names with bwd / backward) and which cubridge backward ran (fa3_bwd_sm90: the Hopper kernel,
+    fa2_bwd_sm80: the portable one, None: neither)."""
+    found = sorted({n for n in names if _BWD.search(n)})
+    cub = ("fa3_bwd_sm90" if any("fa3_bwd" in n for n in found)
+           else "fa2_bwd_sm80" if any("fa2_bwd" in n for n in found) else None)
+    return {"cubridge_backward": cub, "kernels": found[:20]}
+
+
+def profiled_kernels(fn) -> list[str]:
+    """CUDA kernel names one call of fn launches (torch.profiler: kernels launched through the
+    driver API, as ours are, are recorded too)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            names.append(e.name)
+        names += [k.name for k in getattr(e, "kernels", None) or ()]    # older torch: kernels under CPU ops
+    return names
+
+
+def env_opt_ins() -> dict:
+    return {name: os.environ.get(name) for name in ENVS}

@@ -12,7 +12,7 @@ TFLOPS = 4 * D * (attended pairs, counted from the spec's mask) / time; 16k toke
     python experiments/bench_peers.py --quick --out $OUT/peers.json    # dense D128 + 3 variants, 1k / 8k
     python experiments/bench_peers.py --plan                           # list the shapes, no GPU
     python experiments/bench_peers.py --n 8192 --dense-d --variants prefixlm \
-        --variant-heads gqa16/4 --layout bnhd --out $OUT/model.json     # the Llama client's attention
+        --variant-heads gqa16/4 --layout bhnd bnhd --out $OUT/model.json  # the Llama client's attention
 
 --layout bnhd gives every system [B, N, H, D] memory seen as [B, H, N, D] (what transformers'
 projections hand the attention function; every system reads it in place: FA4's BSHD is this
@@ -47,8 +47,12 @@ PEERS = ("fa4", "flex_flash", "sdpa_cudnn", "flex")
 OURS = "cubridge/fa3_sm90"
 
 
-def plan(args) -> list[tuple[str, int, int, int, int]]:
-    """(variant, D, Hq, Hkv, N) in the order timed: the most wanted shapes first."""
+def plan(args) -> list[tuple[str, int, int, int, int, str]]:
+    """(variant, D, Hq, Hkv, N, layout) in the order timed: the most wanted shapes first."""
+    return [(*shape, layout) for shape in _shapes(args) for layout in args.layout]
+
+
+def _shapes(args) -> list[tuple[str, int, int, int, int]]:
     shapes = []
     for n in args.n:
         for d in args.dense_d:
@@ -80,7 +84,7 @@ def prebuild(shapes, ours_variants) -> None:
     from concurrent.futures import ThreadPoolExecutor
     from cubridge.runtime.fa3_sm90 import build_cubin, default_config
     jobs = set()
-    for name, d, _, _, n in shapes:
+    for name, d, _, _, n, _ in shapes:
         if name in ("causal", "full"):
             jobs.add((default_config(d, name == "causal", seqlen=n), None))
         else:
@@ -96,15 +100,15 @@ def inputs(b, h, n, d, layout, g):
     return torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
 
 
-def run_shape(name, d, hq, hkv, n, args, ours_variants, result):
+def run_shape(name, d, hq, hkv, n, layout, args, ours_variants, result):
     b = max(1, TOKENS // n)
     spec = load_spec(name)
     hooks = spec.hooks_for(n, n, hq, hkv, "cuda")
     flops = 4.0 * d * count_attended(hooks, b, hq, n, n, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(1000 * n + d + hq)
-    q, k, v = (inputs(b, h, n, d, args.layout, g) for h in (hq, hkv, hkv))
+    q, k, v = (inputs(b, h, n, d, layout, g) for h in (hq, hkv, hkv))
     check = SampledCheck(q, k, v, hooks)
-    base = {"variant": name, "N": n, "B": b, "D": d, "Hq": hq, "Hkv": hkv, "dtype": "bf16", "layout": args.layout}
+    base = {"variant": name, "N": n, "B": b, "D": d, "Hq": hq, "Hkv": hkv, "dtype": "bf16", "layout": layout}
     ran, ours_out = [], None
     for system, make in makers(name, hooks, q, k, v, ours_variants).items():
         if system not in args.systems and system != OURS:
@@ -140,7 +144,7 @@ def run_shape(name, d, hq, hkv, n, args, ours_variants, result):
                "p80_ms": round(t.p80_ms, 4), "tflops": round(tflops(flops, t.median_ms), 1), **info}
         result["rows"].append(row)
         flag = "" if info["check"] == "pass" else "  << " + info["check"][:70]
-        print(f"{name:<22} D{d:<4} {hq:>3}/{hkv:<3} N={n:<6} B={b} {args.layout} {system:<18} {row['ms']:9.3f} ms "
+        print(f"{name:<22} D{d:<4} {hq:>3}/{hkv:<3} N={n:<6} B={b} {layout} {system:<18} {row['ms']:9.3f} ms "
               f"{row['tflops']:7.1f} TFLOPS  diff {info['max_diff_vs_ours']:.2e}{flag}", flush=True)
 
 
@@ -196,7 +200,7 @@ def parse(argv=None):
                     default=[s for s in builtin_specs() if s not in ("full", "causal")])
     ap.add_argument("--variant-heads", nargs="+", default=["mha"], choices=list(HEADS),
                     help="head counts of the variant shapes (gqa16/4: experiments/llama_client.py's model)")
-    ap.add_argument("--layout", default="bhnd", choices=LAYOUTS,
+    ap.add_argument("--layout", nargs="+", default=["bhnd"], choices=LAYOUTS,
                     help="input memory: [B, H, N, D] or [B, N, H, D] seen as [B, H, N, D] (transformers)")
     ap.add_argument("--systems", nargs="+", default=list(PEERS), help="peers to run (ours always runs)")
     ap.add_argument("--warmup", type=int, default=5)

@@ -34,17 +34,20 @@ import math
 import sys
 import tempfile
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from expkit.llama import (B, D, HKV, HQ, LAYERS, VOCAB, backward_kernels, call_kwargs, curve_verdict,
-                          env_opt_ins, grad_verdict, implementation, loss_curve, make_model, optimizer,
-                          profiled_kernels, train_step)
+from expkit.llama import (B, D, HKV, HQ, LAYERS, VOCAB, attention_call, backward_kernels, call_kwargs,
+                          capture_attention, curve_verdict, env_opt_ins, grad_verdict, implementation, loss_curve,
+                          make_model, optimizer, profiled_kernels, train_step)
 
 from cubridge import rule
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
 
+DEVICE = "cuda"          # the CPU tests dry-run the flow with "cpu", a tiny model and a stubbed op
+CAUSAL_N, PREFIX_N = (2048, 8192), 8192      # forward lengths
 FLEX = {"auto": ("flex_flash", "flex_triton"), "flash": ("flex_flash",), "triton": ("flex_triton",)}
 GRAD_PARAMS = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
 BARS = {("forward", "causal", "sdpa"): 1.0, ("forward", "prefixlm", "sdpa_bool_mask"): 2.0,
@@ -117,13 +120,13 @@ class Forward:
 
     def model(self, impl):
         if impl not in self.models:
-            self.models[impl] = make_model()
+            self.models[impl] = make_model(DEVICE)
             self.models[impl].set_attn_implementation(impl)
         return self.models[impl]
 
     def fn(self, system, variant, ids):
         model = self.model(implementation(system, self.registered, variant))
-        kw = call_kwargs(system, variant, ids.shape[1], self.masks)
+        kw = call_kwargs(system, variant, ids.shape[1], self.masks, DEVICE)
 
         def run():
             with torch.no_grad():
@@ -133,7 +136,7 @@ class Forward:
     def checks(self, variant, ids, systems, ref_system) -> dict:
         """The verification rule on each system's logits: golden = the float64 model with SDPA
         (math path), ref = `ref_system`'s bf16 logits."""
-        kw = call_kwargs(ref_system, variant, ids.shape[1], self.masks)
+        kw = call_kwargs(ref_system, variant, ids.shape[1], self.masks, DEVICE)
         try:
             m64 = copy.deepcopy(self.model("sdpa")).double()
             with torch.no_grad():
@@ -151,12 +154,21 @@ class Forward:
             torch.cuda.empty_cache()
 
 
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, n), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def first_flex(candidates, try_fn, errors: dict):
     """The first Flex system whose try_fn() runs; each failure recorded in `errors`."""
     for system in candidates:
         try:
             try_fn(system)
-            torch.cuda.synchronize()
+            sync()
             return system
         except Exception as e:   # noqa: BLE001 - a backend this machine lacks is recorded
             errors[system] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -166,13 +178,13 @@ def first_flex(candidates, try_fn, errors: dict):
 
 def run_forward(args, registered, result) -> None:
     fwd = Forward(registered)
-    for n in (2048, 8192):
-        ids = torch.randint(0, VOCAB, (B, n), device="cuda", generator=torch.Generator("cuda").manual_seed(n))
+    for n in CAUSAL_N:
+        ids = random_ids(n, n)
         result["checks"].append({"direction": "forward", "variant": "causal", "N": n,
                                  **fwd.checks("causal", ids, ["cubridge"], "sdpa")})
         timed(result, "forward", "causal", n, {s: fwd.fn(s, "causal", ids) for s in ("sdpa", "cubridge")}, args.reps)
-    n = 8192
-    ids = torch.randint(0, VOCAB, (B, n), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    n = PREFIX_N
+    ids = random_ids(n, 7)
     flex = first_flex(FLEX[args.flex_backend], lambda s: fwd.fn(s, "prefixlm", ids)(),
                       result["flex_errors"].setdefault("forward", {}))
     systems = ["sdpa_bool_mask", "cubridge"] + ([flex] if flex else [])
@@ -180,6 +192,30 @@ def run_forward(args, registered, result) -> None:
                              **fwd.checks("prefixlm", ids, [s for s in systems if s != "sdpa_bool_mask"],
                                           "sdpa_bool_mask")})
     timed(result, "forward", "prefixlm", n, {s: fwd.fn(s, "prefixlm", ids) for s in systems}, args.reps)
+    layer_attention(args, fwd, ids, flex, result)
+
+
+def layer_attention(args, fwd, ids, flex, result) -> None:
+    """The forward gap, isolated: layer 0's attention call alone, as the model makes it (its own
+    q, k, v: [B, N, H, D] memory), per system, and again on contiguous [B, H, N, D] copies (the
+    layout's share); outputs compared with SDPA + mask's."""
+    n, name = ids.shape[1], fwd.registered["prefixlm"]
+    module, q, k, v, extra = capture_attention(fwd.model("sdpa"), ids)
+    result["model_layout"] = {t: {"shape": list(x.shape), "stride": list(x.stride())} for t, x in zip("qkv", (q, k, v))}
+    qc, kc, vc = (t.contiguous() for t in (q, k, v))
+    mask = call_kwargs("sdpa_bool_mask", "prefixlm", n, fwd.masks, DEVICE)["attention_mask"]
+    fns = {"sdpa_bool_mask": attention_call("sdpa", module, q, k, v, mask, extra),
+           "cubridge": attention_call(name, module, q, k, v, None, extra),
+           "cubridge_bhnd": attention_call(name, module, qc, kc, vc, None, extra)}
+    if flex:
+        kw = call_kwargs(flex, "prefixlm", n, fwd.masks, DEVICE)
+        block = kw.pop("attention_mask")
+        fns[flex] = attention_call("flex_attention", module, q, k, v, block, extra, **kw)
+        fns[f"{flex}_bhnd"] = attention_call("flex_attention", module, qc, kc, vc, block, extra, **kw)
+    ref = fns["sdpa_bool_mask"]().float()
+    diffs = {s: float((fn().float() - ref).abs().max()) for s, fn in fns.items() if s != "sdpa_bool_mask"}
+    timed(result, "layer_attention", "prefixlm", n, fns, args.reps,
+          {s: {"max_diff_vs_sdpa_mask": d} for s, d in diffs.items()})
 
 
 def timed(result, direction, variant, n, fns: dict, reps: int, extra: dict | None = None) -> None:
@@ -188,18 +224,18 @@ def timed(result, direction, variant, n, fns: dict, reps: int, extra: dict | Non
         row = {"system": system, "variant": variant, "N": n, "direction": direction, "ms": round(t.median_ms, 4),
                "p20_ms": round(t.p20_ms, 4), "p80_ms": round(t.p80_ms, 4), **(extra or {}).get(system, {})}
         result["rows"].append(row)
-        print(f"{direction:<10} {variant:<9} N={n:<6} {system:<15} {row['ms']:9.3f} ms", flush=True)
+        print(f"{direction:<15} {variant:<9} N={n:<6} {system:<15} {row['ms']:9.3f} ms", flush=True)
 
 
 # ------------------------------------------------------------------ training
 def run_train(args, registered, result) -> None:
     n, masks = args.train_n, {}
-    ids = torch.randint(0, VOCAB, (B, n), device="cuda", generator=torch.Generator("cuda").manual_seed(11))
+    ids = random_ids(n, 11)
 
     def step_of(system, variant):
-        model = make_model(train=True)
+        model = make_model(DEVICE, train=True)
         model.set_attn_implementation(implementation(system, registered, variant))
-        return train_step(model, optimizer(model, args.lr), ids, **call_kwargs(system, variant, n, masks))
+        return train_step(model, optimizer(model, args.lr), ids, **call_kwargs(system, variant, n, masks, DEVICE))
 
     for variant in args.train_variants:
         fns = {"cubridge": step_of("cubridge", variant)}
@@ -231,8 +267,7 @@ def run_train(args, registered, result) -> None:
 def curves(args, registered, masks) -> dict:
     """The prefixlm loss curves (same init, same data) and their verdicts."""
     n = args.train_n
-    gen = torch.Generator("cuda").manual_seed(23)
-    batches = [torch.randint(0, VOCAB, (B, n), device="cuda", generator=gen) for _ in range(4)]
+    batches = [random_ids(n, 23 + i) for i in range(4)]
     flex = None
     out = {"N": n, "steps": args.steps, "lr": args.lr, "batches": len(batches), "curves": {}}
     grads = {}
@@ -242,10 +277,10 @@ def curves(args, registered, masks) -> dict:
             continue
         t0 = time.time()
         try:
-            model = make_model(train=True)
+            model = make_model(DEVICE, train=True)
             model.set_attn_implementation(implementation(system, registered, "prefixlm"))
             losses, grads[system] = loss_curve(model, batches, args.steps, args.lr, GRAD_PARAMS,
-                                               **call_kwargs(system, "prefixlm", n, masks))
+                                               **call_kwargs(system, "prefixlm", n, masks, DEVICE))
             out["curves"][system] = losses
             flex = flex or (system if system.startswith("flex") else None)
             print(f"loss curve {system:<15} {losses[0]:.4f} -> {losses[-1]:.4f} ({time.time() - t0:.0f} s)", flush=True)
@@ -266,11 +301,12 @@ def curves(args, registered, masks) -> dict:
 
 # ------------------------------------------------------------------ main
 def print_table(result) -> None:
-    print(f"\n{'direction':<10} {'variant':<9} {'N':>5} {'baseline':<15} {'speedup':>8} {'bar':>5}")
+    print(f"\n{'direction':<15} {'variant':<9} {'N':>5} {'baseline':<15} {'speedup':>8} {'bar':>5}")
     for s in result["speedups"]:
         bar = f"{s['bar']:.1f}" if s["bar"] else "-"
         flag = "" if s["meets_bar"] is not False else "  < bar"
-        print(f"{s['direction']:<10} {s['variant']:<9} {s['N']:>5} {s['baseline']:<15} {s['speedup']:7.2f}x {bar:>5}{flag}")
+        print(f"{s['direction']:<15} {s['variant']:<9} {s['N']:>5} {s['baseline']:<15} {s['speedup']:7.2f}x "
+              f"{bar:>5}{flag}")
     for c in result["checks"]:
         print(f"check {c['direction']} {c['variant']} N={c['N']}: " +
               ", ".join(f"{k} {v.get('passed')}" for k, v in c.items() if isinstance(v, dict)))
@@ -304,15 +340,32 @@ def main(argv=None) -> int:
                         "dtype": "bf16"},
               "protocol": f"bench_round_robin, 2 warm-ups, median of {args.reps}, L2 flushed",
               "rows": [], "checks": [], "flex_errors": {}}
-    if not args.no_forward:
-        run_forward(args, registered, result)
-    if args.train:
-        run_train(args, registered, result)
-    result["speedups"] = speedups(result["rows"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str))
+    return run_parts(args, registered, result)
+
+
+def run_parts(args, registered: dict, result: dict) -> int:
+    """The forward and / or train parts, the JSON rewritten after each (a failing part is recorded
+    and the rest still runs); 1 if a part failed."""
+    parts = ([] if args.no_forward else [("forward", run_forward)]) + ([("train", run_train)] if args.train else [])
+    failed = False
+    for part, run in parts:
+        try:
+            run(args, registered, result)
+        except Exception as e:   # noqa: BLE001 - recorded; what ran before still gets written
+            failed = True
+            result.setdefault("errors", {})[part] = traceback.format_exc(limit=6)[-3000:]
+            print(f"error: {part}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            torch.cuda.empty_cache()
+            write(args.out, result)
     print_table(result)
-    return 0
+    return 1 if failed else 0
+
+
+def write(path: Path, result: dict) -> None:
+    result["speedups"] = speedups(result["rows"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ def make_model(device="cuda", *, hq=HQ, hkv=HKV, d=D, layers=LAYERS, vocab=VOCAB
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hq * d, intermediate_size=ffn, num_hidden_layers=layers,
                       num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, max_position_embeddings=16384,
                       attention_dropout=0.0)
-    model = LlamaForCausalLM(cfg).to(device, torch.bfloat16)
+    with torch.device(device):      # random init on the GPU: seconds per model on the host otherwise
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     return model.train() if train else model.eval()
 
 
@@ -180,6 +181,46 @@ def profiled_kernels(fn) -> list[str]:
             names.append(e.name)
         names += [k.name for k in getattr(e, "kernels", None) or ()]    # older torch: kernels under CPU ops
     return names
+
+
+def capture_attention(model, ids, **kw):
+    """(module, q, k, v, kwargs) of the first attention call of one forward of `model` (eval,
+    no_grad): the model's own tensors, in the memory order its projections and rotary embedding
+    give them. The probe runs SDPA meanwhile and is unregistered after."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    seen, name, impl = [], "expkit_capture_probe", model.config._attn_implementation
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def probe(module, q, k, v, mask, **kwargs):
+        if not seen:
+            seen.append((module, q, k, v, {k_: v_ for k_, v_ in kwargs.items() if k_ not in ("dropout", "scaling")}))
+        return sdpa(module, q, k, v, mask, **kwargs)
+    AttentionInterface.register(name, probe)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    try:
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            model(ids, use_cache=False, **kw)
+    finally:
+        model.set_attn_implementation(impl)
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
+    return seen[0]
+
+
+def attention_call(impl: str, module, q, k, v, mask, extra: dict, **kw):
+    """A zero-argument call of transformers' attention function `impl` as the model makes it
+    (eval: dropout 0; the module's scaling)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    fn = ALL_ATTENTION_FUNCTIONS[impl]
+    args = {**extra, **kw}
+
+    def call():
+        with torch.no_grad():
+            return fn(module, q, k, v, mask, dropout=0.0, scaling=module.scaling, **args)[0]
+    return call
 
 
 def env_opt_ins() -> dict:

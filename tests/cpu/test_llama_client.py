@@ -108,9 +108,10 @@ def test_call_kwargs(mods):
 def test_bench_peers_model_shape_plan(mods):
     bp = mods[2]
     args = bp.parse(["--n", "8192", "--dense-d", "--variants", "prefixlm", "--variant-heads", "gqa16/4", "mha",
-                     "--layout", "bnhd"])
-    assert bp.plan(args) == [("prefixlm", 128, 16, 4, 8192), ("prefixlm", 128, 32, 32, 8192)]
-    assert args.layout == "bnhd" and bp.parse([]).layout == "bhnd"
+                     "--layout", "bhnd", "bnhd"])
+    assert bp.plan(args) == [("prefixlm", 128, 16, 4, 8192, "bhnd"), ("prefixlm", 128, 16, 4, 8192, "bnhd"),
+                             ("prefixlm", 128, 32, 32, 8192, "bhnd"), ("prefixlm", 128, 32, 32, 8192, "bnhd")]
+    assert bp.parse([]).layout == ["bhnd"] and bp.plan(bp.parse(["--quick"]))[0] == ("causal", 128, 32, 32, 1024, "bhnd")
 
 
 # ------------------------------------------------------------------ a tiny model trains through the op
@@ -195,8 +196,17 @@ def test_hand_backward_matches_autograd():
 
 def test_tiny_llama_trains_through_the_op_like_sdpa_with_the_mask(mods, prefix_op):
     from cubridge.integrations.transformers import register
-    llama = mods[1]
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
     name = register(prefix_op, "cubridge_llama_client_test")
+    try:
+        _train_tiny(mods[1], name, prefix_op)
+    finally:      # no registration left behind for later tests
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+def _train_tiny(llama, name, prefix_op):
     shape = {"hq": HQ, "hkv": HKV, "d": D, "layers": 2, "vocab": 96, "ffn": 256}
     gen = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 96, (2, 48), generator=gen) for _ in range(2)]
@@ -215,3 +225,74 @@ def test_tiny_llama_trains_through_the_op_like_sdpa_with_the_mask(mods, prefix_o
     for p, g in grads["cubridge"].items():
         r = grads["sdpa_bool_mask"][p]
         assert float((g - r).abs().max()) <= 0.1 * float(r.abs().max()), p
+
+
+def test_capture_gives_the_models_attention_inputs(mods):
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    llama = mods[1]
+    model = llama.make_model("cpu", hq=4, hkv=2, d=32, layers=1, vocab=64, ffn=64)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    module, q, k, v, extra = llama.capture_attention(model, ids)
+    assert model.config._attn_implementation == "sdpa"
+    assert "expkit_capture_probe" not in ALL_ATTENTION_FUNCTIONS._global_mapping
+    assert "expkit_capture_probe" not in AttentionMaskInterface._global_mapping
+    # transformers' projections: [B, N, H, D] memory seen as [B, H, N, D]
+    assert q.shape == (2, 4, 24, 32) and q.stride() == (24 * 4 * 32, 32, 4 * 32, 1)
+    assert k.shape == (2, 2, 24, 32) and k.stride() == (24 * 2 * 32, 32, 2 * 32, 1) and v.stride() == k.stride()
+    out = llama.attention_call("sdpa", module, q, k, v, None, extra, is_causal=True)()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           is_causal=True, scale=module.scaling)
+    assert out.shape == (2, 24, 4, 32) and torch.allclose(out.float(), ref.transpose(1, 2).float(), atol=1e-2)
+
+
+def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path):
+    """llama_client's forward, layer-attention and train parts end to end on CPU: a tiny model,
+    the stubbed prefixlm op for both runs, no Flex (its backends are GPU compiles), a timer that
+    calls each system once. Checks the plumbing and the JSON, not speed."""
+    from cubridge.runtime.timing import Timing
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from cubridge.integrations.transformers import register
+    client, llama = mods[0], mods[1]
+    shape = {"hq": HQ, "hkv": HKV, "d": D, "layers": 2, "vocab": 96, "ffn": 256}
+
+    def bench(fns, warmup=2, reps=5):
+        for fn in fns:
+            fn()
+        return [Timing(1.0 + i, 1.0 + i, 1.0 + i, reps) for i in range(len(fns))]
+    monkeypatch.setattr(client, "DEVICE", "cpu")
+    monkeypatch.setattr(client, "CAUSAL_N", (128,))
+    monkeypatch.setattr(client, "PREFIX_N", 128)
+    monkeypatch.setattr(client, "VOCAB", 96)
+    monkeypatch.setattr(client, "FLEX", {"auto": ()})
+    monkeypatch.setattr(client, "bench_round_robin", bench)
+    monkeypatch.setattr(client, "make_model", lambda device, train=False: llama.make_model(device, train=train, **shape))
+    prefix_op.calls.update(forward=0, backward=0)
+    name = register(prefix_op, "cubridge_llama_client_dry")
+    try:
+        args = client.parse(["--out", str(tmp_path / "r.json"), "--train", "--train-n", "128", "--steps", "3",
+                             "--train-variants", "prefixlm", "--reps", "2"])
+        result = {"rows": [], "checks": [], "flex_errors": {}, "env": llama.env_opt_ins()}
+        rc = client.run_parts(args, {"causal": name, "prefixlm": name}, result)
+    finally:
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and "errors" not in saved, saved.get("errors")
+    got = {(r["direction"], r["variant"], r["system"]) for r in saved["rows"]}
+    assert got == {("forward", "causal", "sdpa"), ("forward", "causal", "cubridge"),
+                   ("forward", "prefixlm", "sdpa_bool_mask"), ("forward", "prefixlm", "cubridge"),
+                   ("layer_attention", "prefixlm", "sdpa_bool_mask"), ("layer_attention", "prefixlm", "cubridge"),
+                   ("layer_attention", "prefixlm", "cubridge_bhnd"),
+                   ("train_step", "prefixlm", "cubridge"), ("train_step", "prefixlm", "sdpa_bool_mask")}
+    prefix = [c for c in saved["checks"] if c["variant"] == "prefixlm"][0]
+    assert prefix["cubridge"]["passed"] is True                 # the float64 stub against the float64 golden
+    layer = {r["system"]: r for r in saved["rows"] if r["direction"] == "layer_attention"}
+    assert layer["cubridge"]["max_diff_vs_sdpa_mask"] < 0.05 and layer["cubridge_bhnd"]["max_diff_vs_sdpa_mask"] < 0.05
+    assert saved["model_layout"]["q"]["stride"] == [128 * HQ * D, D, HQ * D, 1]
+    curves = saved["loss_curves"]
+    assert set(curves["curves"]) == {"cubridge", "sdpa_bool_mask"} and len(curves["curves"]["cubridge"]) == 3
+    assert curves["verdict"]["passed"] is None and "Flex" in curves["verdict"]["reason"]
+    assert prefix_op.calls["backward"] > 0 and any(s["baseline"] == "sdpa_bool_mask" for s in saved["speedups"])

@@ -60,6 +60,8 @@ def parse(argv=None):
     ap.add_argument("--reps", type=int, default=10, help="timed calls per system (round-robin)")
     ap.add_argument("--train", action="store_true", help="also time the training step and run the loss curves")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward comparison")
+    ap.add_argument("--fwd-variants", nargs="+", default=["causal", "prefixlm"], choices=["causal", "prefixlm"],
+                    help="forward comparisons to run (prefixlm includes layer 0's attention alone)")
     ap.add_argument("--train-n", type=int, default=8192, help="sequence length of the training step")
     ap.add_argument("--train-variants", nargs="+", default=["prefixlm", "causal"], choices=["prefixlm", "causal"])
     ap.add_argument("--steps", type=int, default=50, help="loss-curve steps (prefixlm)")
@@ -178,11 +180,13 @@ def first_flex(candidates, try_fn, errors: dict):
 
 def run_forward(args, registered, result) -> None:
     fwd = Forward(registered)
-    for n in CAUSAL_N:
+    for n in CAUSAL_N if "causal" in args.fwd_variants else ():
         ids = random_ids(n, n)
         result["checks"].append({"direction": "forward", "variant": "causal", "N": n,
                                  **fwd.checks("causal", ids, ["cubridge"], "sdpa")})
         timed(result, "forward", "causal", n, {s: fwd.fn(s, "causal", ids) for s in ("sdpa", "cubridge")}, args.reps)
+    if "prefixlm" not in args.fwd_variants:
+        return
     n = PREFIX_N
     ids = random_ids(n, 7)
     flex = first_flex(FLEX[args.flex_backend], lambda s: fwd.fn(s, "prefixlm", ids)(),

@@ -115,7 +115,7 @@ def test_bench_peers_model_shape_plan(mods):
 
 
 # ------------------------------------------------------------------ a tiny model trains through the op
-HQ, HKV, D = 8, 2, 128
+HQ, HKV, D = 4, 2, 64
 
 
 def _probs(q, k, scale):

@@ -16,6 +16,11 @@ model with SDPA and FlexAttention. H100. The bars:
                         1e-5 (two independent kernels of the same math set the bf16 noise), with
                         the step-0 gradients of layer 0's attention projections judged the same way.
 
+  layer attention       the forward gap isolated: layer 0's attention call alone, as the model makes
+                        it (its own q, k, v: [B, N, H, D] memory from the projections), per system,
+                        again on contiguous [B, H, N, D] copies (the layout's share), and for ours at
+                        the tile configs of --alt-configs (the default is 128x128s2p).
+
 Run directories come from cubridge.op.build (default tile configs, no Optuna). Times:
 cubridge.runtime.timing.bench_round_robin over the systems (L2 flushed, median). The backward
 kernels that ran are read from one profiled step (torch.profiler's CUDA kernel names), with the
@@ -23,6 +28,7 @@ backward opt-in environment (CUBRIDGE_HOPPER_VARIANT_BWD, CUBRIDGE_HOPPER_BWD) r
 
     python3 experiments/llama_client.py --out llama.json                      # forward (issue 15)
     python3 experiments/llama_client.py --out llama.json --train --reps 5     # forward + train step
+    python3 experiments/llama_client.py --out l.json --fwd-variants prefixlm --alt-configs 128x176s2p
     CUBRIDGE_HOPPER_VARIANT_BWD=1 python3 experiments/llama_client.py --out t.json --train --no-forward
 """
 from __future__ import annotations
@@ -41,7 +47,7 @@ from pathlib import Path
 import torch
 from expkit.llama import (B, D, HKV, HQ, LAYERS, VOCAB, attention_call, backward_kernels, call_kwargs,
                           capture_attention, curve_verdict, env_opt_ins, grad_verdict, implementation, loss_curve,
-                          make_model, optimizer, profiled_kernels, train_step)
+                          make_model, optimizer, parse_config, profiled_kernels, speedups, train_step, versions)
 
 from cubridge import rule
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
@@ -50,8 +56,7 @@ DEVICE = "cuda"          # the CPU tests dry-run the flow with "cpu", a tiny mod
 CAUSAL_N, PREFIX_N = (2048, 8192), 8192      # forward lengths
 FLEX = {"auto": ("flex_flash", "flex_triton"), "flash": ("flex_flash",), "triton": ("flex_triton",)}
 GRAD_PARAMS = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
-BARS = {("forward", "causal", "sdpa"): 1.0, ("forward", "prefixlm", "sdpa_bool_mask"): 2.0,
-        ("forward", "prefixlm", "flex"): 1.0, ("train_step", "prefixlm", "flex"): 1.3}
+
 
 
 def parse(argv=None):
@@ -66,6 +71,8 @@ def parse(argv=None):
     ap.add_argument("--train-variants", nargs="+", default=["prefixlm", "causal"], choices=["prefixlm", "causal"])
     ap.add_argument("--steps", type=int, default=50, help="loss-curve steps (prefixlm)")
     ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the loss curves")
+    ap.add_argument("--alt-configs", nargs="*", default=[], metavar="BMxBNsSp",
+                    help="prefixlm tile configs timed beside the default in the layer-attention comparison")
     ap.add_argument("--flex-backend", default="auto", choices=list(FLEX),
                     help="auto: FLASH where it runs (its backward too, for training), else Triton")
     args = ap.parse_args(argv)
@@ -77,40 +84,14 @@ def parse(argv=None):
         ap.error(f"--lr {args.lr}: a positive finite learning rate")
     if not 128 <= args.train_n <= 16384 or args.train_n % 128:
         ap.error(f"--train-n {args.train_n}: a multiple of 128 in [128, 16384] (the model's max positions)")
+    for label in args.alt_configs:
+        try:
+            parse_config(label)
+        except ValueError as e:
+            ap.error(f"--alt-configs: {e}")
     if args.no_forward and not args.train:
         ap.error("--no-forward without --train: nothing to run")
     return args
-
-
-def versions() -> dict:
-    from importlib import metadata
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    for dist in ("transformers", "triton", "flash-attn-4", "nvidia-cutlass-dsl"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
-def speedups(rows: list[dict]) -> list[dict]:
-    """Per (direction, variant, N): cubridge's time against each other system's, with the bar
-    where one is set (BARS; "flex" is whichever Flex backend ran)."""
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault((r["direction"], r["variant"], r["N"]), {})[r["system"]] = r["ms"]
-    out = []
-    for (direction, variant, n), ms in groups.items():
-        if "cubridge" not in ms:
-            continue
-        for system, t in ms.items():
-            if system == "cubridge":
-                continue
-            bar = BARS.get((direction, variant, "flex" if system.startswith("flex") else system))
-            x = t / ms["cubridge"]
-            out.append({"direction": direction, "variant": variant, "N": n, "baseline": system, "speedup": x,
-                        "bar": bar, "meets_bar": None if bar is None else x >= bar})
-    return out
 
 
 # ------------------------------------------------------------------ forward
@@ -211,6 +192,8 @@ def layer_attention(args, fwd, ids, flex, result) -> None:
     fns = {"sdpa_bool_mask": attention_call("sdpa", module, q, k, v, mask, extra),
            "cubridge": attention_call(name, module, q, k, v, None, extra),
            "cubridge_bhnd": attention_call(name, module, qc, kc, vc, None, extra)}
+    for label in args.alt_configs:    # the same kernel at other tiles (default: 128x128s2p)
+        fns[f"cubridge_{label}"] = attention_call(fwd.registered[f"prefixlm@{label}"], module, q, k, v, None, extra)
     if flex:
         kw = call_kwargs(flex, "prefixlm", n, fwd.masks, DEVICE)
         block = kw.pop("attention_mask")
@@ -331,12 +314,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: llama_client.py: no CUDA device (the client times kernels on an H100)", file=sys.stderr)
         return 2
-    from cubridge.integrations.transformers import register
-    from cubridge.op import build
     compiled_flex_attention()     # raises dynamo's recompile limits (past them Flex silently runs unfused)
     root = Path(tempfile.mkdtemp(prefix="llama_client_"))
     t0 = time.time()
-    registered = {s: register(build(s, root / s, heads_q=HQ, heads_kv=HKV, head_dim=D)) for s in ("causal", "prefixlm")}
+    registered = build_runs(args, root)
     print(f"built and registered {sorted(registered.values())} in {time.time() - t0:.0f} s", flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
               "versions": versions(), "env": env_opt_ins(),
@@ -345,6 +326,23 @@ def main(argv=None) -> int:
               "protocol": f"bench_round_robin, 2 warm-ups, median of {args.reps}, L2 flushed",
               "rows": [], "checks": [], "flex_errors": {}}
     return run_parts(args, registered, result)
+
+
+def build_runs(args, root: Path) -> dict:
+    """{causal, prefixlm, prefixlm@LABEL per --alt-configs: registered attention name}; run
+    directories built in parallel (nvcc runs outside the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cubridge.integrations.transformers import register
+    from cubridge.op import build
+    jobs = {s: (s, {}) for s in ("causal", "prefixlm")}
+    for label in args.alt_configs:
+        point = parse_config(label)
+        jobs[f"prefixlm@{label}"] = ("prefixlm", {"configs": {1024: point, 8192: point}})
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        dirs = dict(zip(jobs, pool.map(lambda kv: build(kv[1][0], root / kv[0].replace("@", "_"), heads_q=HQ,
+                                                        heads_kv=HKV, head_dim=D, **kv[1][1]), jobs.items())))
+    return {key: register(d, name=f"cubridge_{key.replace('@', '_')}") for key, d in dirs.items()}
 
 
 def run_parts(args, registered: dict, result: dict) -> int:

@@ -19,6 +19,9 @@ import torch
 B, HQ, HKV, D, LAYERS, VOCAB, FFN = 2, 16, 4, 128, 4, 32000, 5632
 NOISE_ATOL = 1e-5          # the verification rule's additive term, on the loss
 ENVS = ("CUBRIDGE_HOPPER_VARIANT_BWD", "CUBRIDGE_HOPPER_BWD")   # the backward kernels' opt-ins
+# issue 15 / 17 bars: (direction, variant, baseline) -> speedup; "flex" is whichever backend ran
+BARS = {("forward", "causal", "sdpa"): 1.0, ("forward", "prefixlm", "sdpa_bool_mask"): 2.0,
+        ("forward", "prefixlm", "flex"): 1.0, ("train_step", "prefixlm", "flex"): 1.3}
 
 
 def make_model(device="cuda", *, hq=HQ, hkv=HKV, d=D, layers=LAYERS, vocab=VOCAB, ffn=FFN, train=False):
@@ -223,5 +226,53 @@ def attention_call(impl: str, module, q, k, v, mask, extra: dict, **kw):
     return call
 
 
+_CONFIG = re.compile(r"^(\d+)x(\d+)s(\d+)(p?)$")
+
+
+def parse_config(label: str, head_dim: int = D) -> dict:
+    """A fa3_sm90 tile config point from its label (BMxBNsS, p = persistent), checked against the
+    kernel's space (shared memory, registers); ValueError saying why not."""
+    from cubridge.runtime.kernels import reference_kernel
+    m = _CONFIG.match(label)
+    if not m:
+        raise ValueError(f"config {label!r}: write BMxBNsS, p for the persistent grid (e.g. 128x176s2p)")
+    point = {"block_m": int(m[1]), "block_n": int(m[2]), "stages": int(m[3]), "persistent": bool(m[4])}
+    problems = reference_kernel("fa3_sm90").space.problems(point, head_dim, "sm_90a")
+    if problems:
+        raise ValueError(f"config {label!r}: " + "; ".join(problems))
+    return point
+
+
 def env_opt_ins() -> dict:
     return {name: os.environ.get(name) for name in ENVS}
+
+
+def versions() -> dict:
+    from importlib import metadata
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for dist in ("transformers", "triton", "flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """Per (direction, variant, N): cubridge's time against each other system's, with the bar
+    where one is set (BARS; "flex" is whichever Flex backend ran)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["direction"], r["variant"], r["N"]), {})[r["system"]] = r["ms"]
+    out = []
+    for (direction, variant, n), ms in groups.items():
+        if "cubridge" not in ms:
+            continue
+        for system, t in ms.items():
+            if system == "cubridge":
+                continue
+            bar = BARS.get((direction, variant, "flex" if system.startswith("flex") else system))
+            x = t / ms["cubridge"]
+            out.append({"direction": direction, "variant": variant, "N": n, "baseline": system, "speedup": x,
+                        "bar": bar, "meets_bar": None if bar is None else x >= bar})
+    return out

@@ -38,7 +38,8 @@ def mods():
 @pytest.mark.parametrize("argv,message", [
     (["--reps", "0"], "--reps 0"), (["--train", "--steps", "1"], "--steps 1"),
     (["--train", "--lr", "nan"], "--lr nan"), (["--train", "--train-n", "100"], "--train-n 100"),
-    (["--train", "--train-n", "32768"], "--train-n 32768"), (["--no-forward"], "nothing to run")])
+    (["--train", "--train-n", "32768"], "--train-n 32768"), (["--no-forward"], "nothing to run"),
+    (["--alt-configs", "128x176"], "write BMxBNsS"), (["--alt-configs", "128x256s2p"], "registers")])
 def test_bad_arguments_are_refused(mods, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         mods[0].parse(["--out", "x.json", *argv])
@@ -48,6 +49,23 @@ def test_bad_arguments_are_refused(mods, capsys, argv, message):
 def test_defaults(mods):
     a = mods[0].parse(["--out", "x.json", "--train"])
     assert (a.steps, a.train_n, a.train_variants, a.flex_backend) == (50, 8192, ["prefixlm", "causal"], "auto")
+
+
+def test_alt_configs_build_one_run_each(mods, monkeypatch, tmp_path):
+    import cubridge.integrations.transformers as tf
+    import cubridge.op
+    built = []
+    monkeypatch.setattr(cubridge.op, "build", lambda spec, out, **kw: built.append((spec, out.name, kw)) or out)
+    monkeypatch.setattr(tf, "register", lambda run, name=None: name)
+    args = mods[0].parse(["--out", "x.json", "--alt-configs", "128x176s2p", "128x160s2p"])
+    names = mods[0].build_runs(args, tmp_path)
+    assert names == {"causal": "cubridge_causal", "prefixlm": "cubridge_prefixlm",
+                     "prefixlm@128x176s2p": "cubridge_prefixlm_128x176s2p",
+                     "prefixlm@128x160s2p": "cubridge_prefixlm_128x160s2p"}
+    point = {"block_m": 128, "block_n": 176, "stages": 2, "persistent": True}
+    assert ("prefixlm", "prefixlm_128x176s2p", {"heads_q": 16, "heads_kv": 4, "head_dim": 128,
+                                                "configs": {1024: point, 8192: point}}) in built
+    assert ("causal", "causal", {"heads_q": 16, "heads_kv": 4, "head_dim": 128}) in built
 
 
 def test_curve_verdict_passes_within_noise_and_fails_outside(mods):
@@ -90,7 +108,7 @@ def test_speedups_and_bars(mods):
                              ("cubridge", "forward", 4.0), ("sdpa_bool_mask", "forward", 9.0),
                              ("flex_flash", "forward", 3.9)]]
     got = {(s["direction"], s["baseline"]): (round(s["speedup"], 3), s["bar"], s["meets_bar"])
-           for s in mods[0].speedups(rows)}
+           for s in mods[1].speedups(rows)}
     assert got == {("train_step", "flex_triton"): (1.2, 1.3, False), ("forward", "sdpa_bool_mask"): (2.25, 2.0, True),
                    ("forward", "flex_flash"): (0.975, 1.0, False)}
 

@@ -73,6 +73,8 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the loss curves")
     ap.add_argument("--alt-configs", nargs="*", default=[], metavar="BMxBNsSp",
                     help="prefixlm tile configs timed beside the default in the layer-attention comparison")
+    ap.add_argument("--prefixlm-run", type=Path, metavar="DIR",
+                    help="a tuned prefixlm run directory (heads 16 / 4, D 128, bf16) instead of the default-config build")
     ap.add_argument("--flex-backend", default="auto", choices=list(FLEX),
                     help="auto: FLASH where it runs (its backward too, for training), else Triton")
     args = ap.parse_args(argv)
@@ -89,6 +91,8 @@ def parse(argv=None):
             parse_config(label)
         except ValueError as e:
             ap.error(f"--alt-configs: {e}")
+    if args.prefixlm_run is not None and not (args.prefixlm_run / "dispatch.json").is_file():
+        ap.error(f"--prefixlm-run {args.prefixlm_run}: no dispatch.json there (a run directory of cubridge tune)")
     if args.no_forward and not args.train:
         ap.error("--no-forward without --train: nothing to run")
     return args
@@ -317,32 +321,59 @@ def main(argv=None) -> int:
     compiled_flex_attention()     # raises dynamo's recompile limits (past them Flex silently runs unfused)
     root = Path(tempfile.mkdtemp(prefix="llama_client_"))
     t0 = time.time()
-    registered = build_runs(args, root)
+    registered, runs = build_runs(args, root)
     print(f"built and registered {sorted(registered.values())} in {time.time() - t0:.0f} s", flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
               "versions": versions(), "env": env_opt_ins(),
               "model": {"layers": LAYERS, "heads_q": HQ, "heads_kv": HKV, "head_dim": D, "batch": B, "vocab": VOCAB,
                         "dtype": "bf16"},
               "protocol": f"bench_round_robin, 2 warm-ups, median of {args.reps}, L2 flushed",
-              "rows": [], "checks": [], "flex_errors": {}}
+              "runs": runs, "rows": [], "checks": [], "flex_errors": {}}
     return run_parts(args, registered, result)
 
 
-def build_runs(args, root: Path) -> dict:
-    """{causal, prefixlm, prefixlm@LABEL per --alt-configs: registered attention name}; run
-    directories built in parallel (nvcc runs outside the GIL)."""
+def build_runs(args, root: Path) -> tuple[dict, dict]:
+    """({causal, prefixlm, prefixlm@LABEL per --alt-configs: registered attention name}, their
+    run_info); run directories built in parallel (nvcc runs outside the GIL), prefixlm's taken
+    from --prefixlm-run where given."""
     from concurrent.futures import ThreadPoolExecutor
 
     from cubridge.integrations.transformers import register
     from cubridge.op import build
-    jobs = {s: (s, {}) for s in ("causal", "prefixlm")}
+    jobs = {s: (s, {}) for s in ("causal", "prefixlm") if s != "prefixlm" or args.prefixlm_run is None}
     for label in args.alt_configs:
         point = parse_config(label)
         jobs[f"prefixlm@{label}"] = ("prefixlm", {"configs": {1024: point, 8192: point}})
     with ThreadPoolExecutor(max_workers=4) as pool:
         dirs = dict(zip(jobs, pool.map(lambda kv: build(kv[1][0], root / kv[0].replace("@", "_"), heads_q=HQ,
                                                         heads_kv=HKV, head_dim=D, **kv[1][1]), jobs.items())))
-    return {key: register(d, name=f"cubridge_{key.replace('@', '_')}") for key, d in dirs.items()}
+    if args.prefixlm_run is not None:
+        dirs["prefixlm"] = tuned_run(args.prefixlm_run)
+    runs = {key: register(d, name=f"cubridge_{key.replace('@', '_')}") for key, d in dirs.items()}
+    return runs, {key: run_info(d) for key, d in dirs.items()}
+
+
+def run_info(run) -> dict:
+    """Where a run came from and its buckets' forward / backward configs (for the JSON)."""
+    dispatch = run.dispatch if hasattr(run, "dispatch") else json.loads((Path(run) / "dispatch.json").read_text())
+    return {"dir": str(getattr(run, "directory", run)),
+            "buckets": [{"min_seqlen": b["min_seqlen"], "max_seqlen": b["max_seqlen"], "forward": b["label"],
+                         "backward": (b.get("backward") or {}).get("config")} for b in dispatch["buckets"]]}
+
+
+def tuned_run(directory: Path):
+    """The tuned prefixlm run, loaded and checked against the client's model (its head counts)."""
+    import cubridge
+    from cubridge.errors import CubridgeError
+    op = cubridge.load(directory)
+    d = op.dispatch
+    if d["spec_name"] != "prefixlm" or op.heads != (HQ, HKV) or op.head_dim != D or d["dtype"] != "bf16":
+        raise CubridgeError(f"a {d['spec_name']} run for Hq={op.heads[0]}, Hkv={op.heads[1]}, D={op.head_dim}, "
+                            f"{d['dtype']}; the client's model needs prefixlm, {HQ} / {HKV} heads, D={D}, bf16",
+                            where=f"{directory}/dispatch.json",
+                            hint=f"tune with shapes: {{heads_q: {HQ}, heads_kv: {HKV}, head_dim: {D}}} "
+                                 "(configs/h100_prefixlm_llama.yaml)")
+    return op
 
 
 def run_parts(args, registered: dict, result: dict) -> int:

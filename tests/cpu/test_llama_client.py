@@ -57,8 +57,10 @@ def test_alt_configs_build_one_run_each(mods, monkeypatch, tmp_path):
     built = []
     monkeypatch.setattr(cubridge.op, "build", lambda spec, out, **kw: built.append((spec, out.name, kw)) or out)
     monkeypatch.setattr(tf, "register", lambda run, name=None: name)
+    monkeypatch.setattr(mods[0], "run_info", lambda run: str(run))
     args = mods[0].parse(["--out", "x.json", "--alt-configs", "128x176s2p", "128x160s2p"])
-    names = mods[0].build_runs(args, tmp_path)
+    names, info = mods[0].build_runs(args, tmp_path)
+    assert info["prefixlm@128x176s2p"] == str(tmp_path / "prefixlm_128x176s2p")
     assert names == {"causal": "cubridge_causal", "prefixlm": "cubridge_prefixlm",
                      "prefixlm@128x176s2p": "cubridge_prefixlm_128x176s2p",
                      "prefixlm@128x160s2p": "cubridge_prefixlm_128x160s2p"}
@@ -66,6 +68,18 @@ def test_alt_configs_build_one_run_each(mods, monkeypatch, tmp_path):
     assert ("prefixlm", "prefixlm_128x176s2p", {"heads_q": 16, "heads_kv": 4, "head_dim": 128,
                                                 "configs": {1024: point, 8192: point}}) in built
     assert ("causal", "causal", {"heads_q": 16, "heads_kv": 4, "head_dim": 128}) in built
+
+
+def test_prefixlm_run_must_fit_the_model(mods, prefix_op, tmp_path, capsys):
+    from cubridge.errors import CubridgeError
+    with pytest.raises(SystemExit):
+        mods[0].parse(["--out", "x.json", "--prefixlm-run", str(tmp_path)])
+    assert "no dispatch.json" in capsys.readouterr().err
+    with pytest.raises(CubridgeError, match="Hq=4, Hkv=2, D=64") as e:      # the tiny test run: 4 / 2 heads
+        mods[0].tuned_run(prefix_op.directory)
+    assert "heads_q: 16" in e.value.hint
+    info = mods[0].run_info(prefix_op)
+    assert info["dir"] == str(prefix_op.directory) and info["buckets"][0]["backward"] is None
 
 
 def test_curve_verdict_passes_within_noise_and_fails_outside(mods):

@@ -328,3 +328,12 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
     assert set(curves["curves"]) == {"cubridge", "sdpa_bool_mask"} and len(curves["curves"]["cubridge"]) == 3
     assert curves["verdict"]["passed"] is None and "Flex" in curves["verdict"]["reason"]
     assert prefix_op.calls["backward"] > 0 and any(s["baseline"] == "sdpa_bool_mask" for s in saved["speedups"])
+
+
+def test_the_llama_tuning_config_fits_the_clients_model(mods):
+    from cubridge.config import load_config
+    cfg = load_config(EXPERIMENTS.parent / "configs" / "h100_prefixlm_llama.yaml")
+    llama = mods[1]
+    assert (cfg.spec, cfg.shapes.heads_q, cfg.shapes.heads_kv, cfg.shapes.head_dim) == ("prefixlm", llama.HQ,
+                                                                                          llama.HKV, llama.D)
+    assert [(t.batch, t.seqlen) for t in cfg.shapes.targets] == [(llama.B, 8192)] and cfg.backward

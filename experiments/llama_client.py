@@ -58,7 +58,6 @@ FLEX = {"auto": ("flex_flash", "flex_triton"), "flash": ("flex_flash",), "triton
 GRAD_PARAMS = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
 
 
-
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)

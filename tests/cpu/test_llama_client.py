@@ -337,3 +337,30 @@ def test_the_llama_tuning_config_fits_the_clients_model(mods):
     assert (cfg.spec, cfg.shapes.heads_q, cfg.shapes.heads_kv, cfg.shapes.head_dim) == ("prefixlm", llama.HQ,
                                                                                           llama.HKV, llama.D)
     assert [(t.batch, t.seqlen) for t in cfg.shapes.targets] == [(llama.B, 8192)] and cfg.backward
+
+
+def test_autocast_training_through_the_op(mods, prefix_op):
+    """float32 weights under bf16 autocast, as users train: the rotary embedding hands q / k over in
+    float32, the integration casts them to the kernel's bf16 (a bf16 op would refuse float32), and
+    gradients reach the float32 weights."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from cubridge.integrations.transformers import register
+    llama = mods[1]
+    name = register(prefix_op, "cubridge_llama_client_autocast")
+    try:
+        model = llama.make_model("cpu", train=True, hq=HQ, hkv=HKV, d=D, layers=1, vocab=96, ffn=64).float()
+        model.set_attn_implementation(name)
+        ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(2))
+        before = prefix_op.calls["backward"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grad = model.model.layers[0].self_attn.q_proj.weight.grad
+        assert prefix_op.calls["backward"] == before + 1 and grad.dtype == torch.float32 and grad.abs().max() > 0
+        with pytest.raises(Exception, match="float32"):       # outside autocast the dtype check still speaks
+            model(ids, use_cache=False)
+    finally:
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)

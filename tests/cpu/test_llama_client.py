@@ -306,7 +306,7 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
     try:
         args = client.parse(["--out", str(tmp_path / "r.json"), "--train", "--train-n", "128", "--steps", "3",
                              "--train-variants", "prefixlm", "--reps", "2"])
-        result = {"rows": [], "checks": [], "flex_errors": {}, "env": llama.env_opt_ins()}
+        result = {"rows": [], "checks": [], "system_errors": {}, "env": llama.env_opt_ins()}
         rc = client.run_parts(args, {"causal": name, "prefixlm": name}, result)
     finally:
         AttentionInterface._global_mapping.pop(name, None)

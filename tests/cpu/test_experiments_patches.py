@@ -49,8 +49,8 @@ def test_the_product_kernel_has_no_experiment_knobs():
 
 # Session 9's A/B patches for full attention (fa3_sm90 NOTES, "Session 9: against FA4 on full
 # attention"): each compiles for sm_90a spill-free at the full-attention tiles they are timed at.
-FULL_PATCHES = ["kv_rotate", "l2_evict"]
-FULL_TILES = [(176, False), (160, False), (128, False), (176, True)]   # (BLOCK_N, causal) at D 128
+FULL_PATCHES = ["kv_rotate", "l2_evict", "uniform_desc"]
+FULL_TILES = [(176, False), (176, True), (160, False)]   # (BLOCK_N, causal) at D 128: the A/B's
 
 
 @pytest.fixture(scope="module")

@@ -211,7 +211,7 @@ def cmd_transfer(a) -> int:
     from cubridge.verify import default_cases, verify_transfer
     out = gate.check_out_path(a.out)
     ref = parse_file(reference_kernel(a.ref).cuir_path())
-    _head_dims(a.ref, {a.head_dim, _shape(a.shape, "--shape")[4]}, "--head-dim / --shape", program=ref, note=False)
+    _transfer_head_dims(a, ref)
     spec = load_spec(a.spec)
     spec.resolved_params(**_spec_params(a.spec_param))
     cand = transfer(ref, spec, spec_params=_spec_params(a.spec_param))
@@ -245,6 +245,23 @@ def cmd_transfer(a) -> int:
     if not (out and not report.passed):
         print(report.table())
     return 0 if report.passed else 1
+
+
+def _transfer_head_dims(a, ref) -> None:
+    """A head dim the reference kernel is not built for is refused (exit 2, naming the built ones):
+    the transfer would verify in the interpreter, which runs CuIR at any D, and then nothing could
+    lower or tune it. --force goes on with a note (to study the CuIR at that D)."""
+    from cubridge.runtime.kernels import check_head_dim
+    dims = {a.head_dim, _shape(a.shape, "--shape")[4]}
+    if a.force:
+        _head_dims(a.ref, dims, "--head-dim / --shape", program=ref, note=True)
+        return
+    for D in sorted(dims):
+        try:
+            check_head_dim(a.ref, D, where="--head-dim / --shape")
+        except CubridgeError as e:
+            raise CubridgeError(e.message, where=e.where, hint=f"{e.hint}; --force transfers and verifies the "
+                                                               "CuIR at this head dim anyway") from None
 
 
 def _trace_notes(spec, a) -> list[str]:
@@ -403,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quick", action="store_true")
     t.add_argument("--no-verify", action="store_true")
     t.add_argument("--out", help="write the target CuIR here (only once verified) instead of printing it")
-    t.add_argument("--force", action="store_true", help="write --out even if it fails, under a warning header")
+    t.add_argument("--force", action="store_true", help="write --out even if it fails, under a warning header; "
+                                                        "transfer at a head dim the kernel is not built for")
     t.set_defaults(fn=cmd_transfer)
     lo = sub.add_parser("lower", help="write the CUDA of a target CuIR program (or of a spec's rules transfer)")
     lo.add_argument("target", help="a target .cuir file (e.g. from `cubridge transfer --out`), or a spec")

@@ -3,8 +3,8 @@
 Forward: fa3_sm90 on an sm_90 GPU (H100 / H200), else the portable fa2_sm80; both return the
 natural-log LSE, which the forward saves. Backward: fa2_bwd_sm80 (sm_80+), with dQ by fp32 atomics,
 or a separate dQ pass when `deterministic=True` (bitwise repeatable). On sm_90 the Hopper backward
-fa3_bwd_sm90 replaces it (atomic dQ mode only) when `hopper_backward_used` says so: opt-in with
-CUBRIDGE_HOPPER_BWD=1 until tests/gpu/test_bwd_sm90.py has passed on an H100.
+fa3_bwd_sm90 replaces it (atomic dQ mode only; about 2x faster on an H100, session 9) unless
+CUBRIDGE_HOPPER_BWD=0 (`hopper_backward_used`).
 
 `forward_with_lse` and `backward` are the two halves, for a torch.library op's
 `register_autograd` (setup_context saves q, k, v, out, lse).
@@ -77,7 +77,7 @@ def forward_with_lse(q, k, v, causal: bool = False, scale: float | None = None):
 
 
 def hopper_backward_used(q, deterministic: bool) -> bool:
-    """Whether `backward` runs fa3_bwd_sm90: enabled (fa3_bwd_sm90.enabled()), an sm_90 device,
+    """Whether `backward` runs fa3_bwd_sm90: not switched off (fa3_bwd_sm90.enabled()), an sm_90 device,
     a built head dim, and not deterministic mode (its dQ is accumulated with atomics)."""
     from cubridge.runtime import fa3_bwd_sm90
     return (fa3_bwd_sm90.enabled() and not deterministic and q.is_cuda and q.shape[-1] in fa3_bwd_sm90.HEAD_DIMS

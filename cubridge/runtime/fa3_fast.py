@@ -39,8 +39,7 @@ def load_cubin(cubin: bytes, config: fa3.Fa3Config, device: torch.device):
     key = (hash(cubin), len(cubin), config.smem_bytes, device.index)
     if key not in _LOADED:
         fa3.check_cubin(cubin)
-        with torch.cuda.device(device):
-            torch.cuda.current_stream().synchronize()   # makes the primary context current
+        with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _LOADED[key] = driver().load_function(cubin, config.smem_bytes, fa3.ENTRY, fa3.COUNTS_ENTRY)
     return _LOADED[key]
 

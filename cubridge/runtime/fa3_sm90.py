@@ -274,8 +274,7 @@ def _function(config: Fa3Config, device: torch.device, source: str | None = None
         if cubin is None:
             cubin = build_cubin(config, source=source, compiler=compiler)
         check_cubin(cubin)
-        with torch.cuda.device(device):
-            torch.cuda.current_stream().synchronize()   # makes the primary context current
+        with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _FUNCTIONS[key] = driver().load_function(cubin, config.smem_bytes, ENTRY, COUNTS_ENTRY)
     return _FUNCTIONS[key]
 

@@ -54,11 +54,11 @@ def lying(tmp_path):
 
 def test_transfer_out_refuses_a_failing_program_and_force_marks_it(capsys, tmp_path, lying):
     out = tmp_path / "t.cuir"
-    code, stdout, err = run(capsys, "transfer", lying, "--ref", "fa2_sm80", "--quick", "--head-dim", 32, "--out", out)
+    code, stdout, err = run(capsys, "transfer", lying, "--ref", "fa2_sm80", "--quick", "--head-dim", 64, "--out", out)
     assert code == 2 and not out.exists(), stdout + err
     assert err.startswith("error: refusing to write") and "verification failed" in err and "--force" in err
     assert "FAIL" in stdout        # the table says which cases failed
-    code, stdout, err = run(capsys, "transfer", lying, "--ref", "fa2_sm80", "--quick", "--head-dim", 32,
+    code, stdout, err = run(capsys, "transfer", lying, "--ref", "fa2_sm80", "--quick", "--head-dim", 64,
                             "--out", out, "--force")
     assert code == 1, stdout + err          # written on request, still reported as failing
     text = out.read_text()
@@ -192,3 +192,12 @@ def test_the_interpreter_reports_each_block_it_runs():
     analyze(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), Case(2, 2, 1, 200, 200, 16),
             progress=lambda done, total: seen.append((done, total)))
     assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == list(range(1, len(seen) + 1))
+
+
+def test_transfer_refuses_a_head_dim_the_kernel_is_not_built_for(capsys):
+    """The interpreter verifies CuIR at any D, so without this a transfer at D = 100 "passed" and
+    nothing downstream could lower or tune it; --force studies the CuIR there anyway, with a note."""
+    code, stdout, err = run(capsys, "transfer", "causal", "--ref", "fa2_sm80", "--quick", "--head-dim", 32)
+    assert code == 2 and "head dim 32 is not built for fa2_sm80" in err and "--force" in err, stdout + err
+    code, stdout, err = run(capsys, "transfer", "causal", "--ref", "fa2_sm80", "--quick", "--head-dim", 32, "--force")
+    assert code == 0 and "note: head dim 32 is not built" in err and "cases passed" in stdout, stdout + err

@@ -2,7 +2,7 @@
 specialisations (both dQ splits, both dtypes, causal and full) compile for sm_90a with the host's
 shared-memory size (static_assert HOST_SMEM_BYTES) and no spills, no ignored setmaxnreg and no
 serialized wgmma; the launcher refuses bad input with a clear error; autograd keeps the portable
-backward unless the Hopper one is enabled."""
+backward when the Hopper one is switched off."""
 from __future__ import annotations
 
 import math
@@ -87,13 +87,13 @@ def test_option_table_matches_the_kernel_macros():
 
 def test_shared_memory_mirrors_params():
     """K + V + 2 x (Q, dO) + 2 dS^T slots + 5 barriers + alignment slack; under 227 KB at D = 128."""
-    assert hb.smem_bytes(128) == 2 * 32768 + 4 * 16384 + 2 * 16384 + 40 + 1024
-    assert hb.smem_bytes(64) == 2 * 16384 + 4 * 8192 + 2 * 16384 + 40 + 1024
-    assert hb.smem_bytes(128) <= 227 * 1024
-    assert f"-DHOST_SMEM_BYTES={hb.smem_bytes(64)}" in hb.options(64, False, True)
+    assert hb.smem_bytes(128, "base") == 2 * 32768 + 4 * 16384 + 2 * 16384 + 40 + 1024
+    assert hb.smem_bytes(64, "base") == 2 * 16384 + 4 * 8192 + 2 * 16384 + 40 + 1024
+    assert hb.smem_bytes(128, "base") <= 227 * 1024
+    assert f"-DHOST_SMEM_BYTES={hb.smem_bytes(64, 'base')}" in hb.options(64, False, True, "base")
     # DQ_MODE 1: two slots x two consumers x one 64 x 64 f32 part
     for option in ("bulk", "bulk_overlap"):
-        assert hb.smem_bytes(128, option) == hb.smem_bytes(128) + 2 * 2 * 16384 <= 227 * 1024
+        assert hb.smem_bytes(128, option) == hb.smem_bytes(128, "base") + 2 * 2 * 16384 <= 227 * 1024
     # LSE_SMEM 1: + 2 stages x (LSE, Dvec) x 64 floats
     assert hb.smem_bytes(128, "bulk_overlap_lse") == hb.smem_bytes(128, "bulk") + 2 * 2 * 256 <= 227 * 1024
     for option in hb.OPTIONS:
@@ -122,11 +122,15 @@ def test_bad_input_is_a_clear_error():
         hb.build_cubin(96, False, True)
 
 
-def test_autograd_keeps_the_portable_backward_unless_enabled(monkeypatch):
+def test_autograd_takes_the_hopper_backward_unless_switched_off(monkeypatch):
+    from cubridge.errors import LaunchError
     from cubridge.runtime import autograd
     q = torch.randn(1, 2, 8, 64)
     monkeypatch.delenv(hb.ENABLE_ENV, raising=False)
-    assert not hb.enabled() and not autograd.hopper_backward_used(q, deterministic=False)
-    monkeypatch.setenv(hb.ENABLE_ENV, "1")
-    assert hb.enabled()
+    assert hb.enabled()                                                 # the default since session 9
     assert not autograd.hopper_backward_used(q, deterministic=False)   # a CPU tensor: never
+    monkeypatch.setenv(hb.ENABLE_ENV, "0")
+    assert not hb.enabled()
+    monkeypatch.setenv(hb.ENABLE_ENV, "yes")
+    with pytest.raises(LaunchError, match="CUBRIDGE_HOPPER_BWD='yes' is neither 0 nor 1"):
+        hb.enabled()

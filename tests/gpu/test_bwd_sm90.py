@@ -119,13 +119,17 @@ def test_scale_parameter_and_large_scores(bwd, causal):
     run_case(bwd, 1, 4, 1, 700, 900, 128, BF16, causal, seed=4, amplitude=4.0)
 
 
-def test_autograd_routes_here_when_enabled(monkeypatch):
-    """With CUBRIDGE_HOPPER_BWD=1, autograd.attention's backward is this kernel's with the default
+@pytest.mark.parametrize("env", [None, "1"], ids=["default", "env1"])
+def test_autograd_routes_here_by_default(monkeypatch, env):
+    """Unless CUBRIDGE_HOPPER_BWD=0, autograd.attention's backward is this kernel's with the default
     option (bitwise dK/dV)."""
     from cubridge.runtime import autograd
     from cubridge.runtime.fa3_bwd_sm90 import DEFAULT_OPTION, fa3_backward
     bwd = functools.partial(fa3_backward, option=DEFAULT_OPTION)
-    monkeypatch.setenv("CUBRIDGE_HOPPER_BWD", "1")
+    if env is None:
+        monkeypatch.delenv("CUBRIDGE_HOPPER_BWD", raising=False)
+    else:
+        monkeypatch.setenv("CUBRIDGE_HOPPER_BWD", env)
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(s, device="cuda", generator=gen).to(BF16).requires_grad_()
                for s in ((1, 4, 300, 128), (1, 2, 300, 128), (1, 2, 300, 128)))

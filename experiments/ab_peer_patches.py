@@ -15,7 +15,8 @@ bf16 ref), inputs unchanged, a bitwise rerun, and the patched output against the
     python experiments/ab_peer_patches.py --out $OUT/ab.json [--quick] [--patches NAME ...]
     python experiments/ab_peer_patches.py --long --tiles 128x160 --no-grid --patches kv_rotate l2_evict
         (session 9: full and causal D128, MHA 32/32 and GQA 64/8, 8k and 16k, where FA4 leads full;
-        --tiles adds product-path rows at other BLOCK_M x BLOCK_N; NAME+NAME applies both patches)
+        --tiles adds product-path rows at other BLOCK_M x BLOCK_N; NAME+NAME applies both patches,
+        NAME@128x160 runs a patch at that tile instead of the default one, at D 128)
     python experiments/ab_peer_patches.py --build-only      # apply + compile every patch (CPU)
 """
 from __future__ import annotations
@@ -46,6 +47,19 @@ def parse_tile(text: str) -> tuple[int, int]:
     if not (m.isdigit() and n.isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r}: a tile is BLOCK_MxBLOCK_N, e.g. 128x160")
     return int(m), int(n)
+
+
+def split_patch(spec: str) -> tuple[list[str], tuple[int, int] | None]:
+    """'a+b@128x160' -> (['a', 'b'], (128, 160)); no '@': the shape's default tile (None)."""
+    names, _, tile = spec.partition("@")
+    return names.split("+"), parse_tile(tile) if tile else None
+
+
+def patch_config(spec: str, shape):
+    """The config a patch spec runs at on `shape`: the default, or its @tile at D 128."""
+    base = configs_for(shape)["default"]
+    tile = split_patch(spec)[1]
+    return base if tile is None or shape[1] != 128 else replace(base, block_m=tile[0], block_n=tile[1])
 
 
 def patch_names() -> list[str]:
@@ -79,8 +93,8 @@ def build_all(patches, shapes, tiles=(), grid=True):
     """Compile every (source, config) the run needs, in parallel (nvcc runs outside the GIL)."""
     from cubridge.runtime.fa3_sm90 import build_cubin
     jobs = {(None, c) for s in shapes for c in configs_for(s, tiles, grid).values()}
-    jobs |= {(p, configs_for(s)["default"]) for s in shapes for p in patches}
-    sources = {p: patched_source(*p.split("+")) for p in patches}
+    jobs |= {(p, patch_config(p, s)) for s in shapes for p in patches}
+    sources = {p: patched_source(*split_patch(p)[0]) for p in patches}
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda j: build_cubin(j[1], source=sources[j[0]] if j[0] else None), jobs))
     return sources
@@ -112,7 +126,7 @@ def run_shape(shape, sources, args, result):
         systems["dense" if label == "default" else label] = (cfg, None)
     systems["unpatched"] = (cfgs["default"], Launchable((ROOT / KERNEL_REL / "kernel.cu").read_text(), _NoArgs(0), []))
     for p, text in sources.items():
-        systems[p] = (cfgs["default"], Launchable(text, _NoArgs(0), []))
+        systems[p] = (patch_config(p, shape), Launchable(text, _NoArgs(0), []))
     fns, infos, base_out = [], [], None
     for label, (cfg, variant) in systems.items():
         out = torch.full_like(q, float("nan"))
@@ -130,7 +144,8 @@ def run_shape(shape, sources, args, result):
             status = "FAIL: rerun not bitwise equal"
         if label == "unpatched":
             base_out = first
-        same = None if base_out is None or label in cfgs or label == "dense" else bool(torch.equal(first, base_out))
+        other_tile = label in cfgs or label == "dense" or "@" in label
+        same = None if base_out is None or other_tile else bool(torch.equal(first, base_out))
         fns.append(fn)
         infos.append({"system": label, "config": f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}",
                       "check": status, "max_err": verdict.max_err, "bitwise_equal_unpatched": same})
@@ -232,14 +247,17 @@ def main(argv=None) -> int:
                     help="the dense shapes (--no-dense: variants only)")
     args = ap.parse_args(argv)
     patches = patch_names() if args.patches is None else args.patches
-    missing = [q for p in patches for q in p.split("+") if not (PATCHES / f"{q}.patch").exists()]
+    try:
+        missing = [q for p in patches for q in split_patch(p)[0] if not (PATCHES / f"{q}.patch").exists()]
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--patches: {e}")
     if missing:
         ap.error(f"--patches: no experiments/patches/{missing[0]}.patch (have: {', '.join(patch_names())})")
     shapes = (LONG_SHAPES if args.long else QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
     sources = build_all(patches, shapes, args.tiles, args.grid) if shapes else {}
     runners = None
     if args.variants:
-        headers = {p: header_only(*p.split("+")) for p in patches}
+        headers = {p: header_only(*split_patch(p)[0]) for p in patches}
         runners = variant_runners({p: c for p, c in headers.items() if c is not None})
         build_variants(runners, args.variants, args.variant_n)
     print(f"built {len(patches)} patch(es) x their configs: {', '.join(patches)}"

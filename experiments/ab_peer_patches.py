@@ -149,13 +149,18 @@ def run_shape(shape, sources, args, result):
         fns.append(fn)
         infos.append({"system": label, "config": f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}",
                       "check": status, "max_err": verdict.max_err, "bitwise_equal_unpatched": same})
-    try:
-        fa4_fn, _ = make_fa4(name, q, k, v)
-        fa4_status = "pass" if check.verdict(fa4_fn()).passed else "FAIL (rule at sampled rows)"
-        fns.append(fa4_fn)
-        infos.append({"system": "fa4", "config": "flash_attn_func", "check": fa4_status, "bitwise_equal_unpatched": None})
-    except Unsupported as e:
-        result["skipped"].append({"shape": list(shape), "system": "fa4", "reason": str(e)})
+    # FA4 as a user calls it; with GQA also without its packed Q tiles (pack_gqa defaults on there)
+    fa4_rows = [("fa4", {})] + ([("fa4_nopack", {"pack_gqa": False})] if hq != hkv else [])
+    for label, options in fa4_rows:
+        try:
+            fa4_fn, _ = make_fa4(name, q, k, v, **options)
+            fa4_status = "pass" if check.verdict(fa4_fn()).passed else "FAIL (rule at sampled rows)"
+            fns.append(fa4_fn)
+            infos.append({"system": label, "config": f"flash_attn_func{options or ''}", "check": fa4_status,
+                          "bitwise_equal_unpatched": None})
+        except Exception as e:  # noqa: BLE001 (a peer that breaks is recorded, not fatal)
+            reason = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {str(e)[:300]}"
+            result["skipped"].append({"shape": list(shape), "system": label, "reason": reason})
     times = bench_round_robin(fns, warmup=5, reps=args.reps)
     base_ms = times[[i["system"] for i in infos].index("unpatched")].median_ms
     for info, t in zip(infos, times):

@@ -1,7 +1,8 @@
-"""Issue 18, item 3: where ours and FlashAttention-4 spend their cycles, under ncu, at causal D128
-(Llama2-7B heads, 16k tokens) N = 8k and 1k. One JSON with a small set of metrics per kernel.
+"""Issue 18, item 3: where ours and FlashAttention-4 spend their cycles, under ncu, at causal (or,
+with --variant full, full) D128 (Llama2-7B heads, 16k tokens) N = 8k and 1k. One JSON with a small
+set of metrics per kernel.
 
-    python experiments/ncu_compare.py --out $OUT/ncu.json [--n 8192 1024] [--systems ours fa4]
+    python experiments/ncu_compare.py --out $OUT/ncu.json [--n 8192 1024] [--systems ours fa4] [--variant full]
 
 Each (system, N) runs in its own process under `ncu --profile-from-start off`: the worker warms up
 (FA4's JIT compile, our cubin load) outside the profiled window and opens it (cudaProfilerStart)
@@ -36,14 +37,14 @@ KEEP = [r"^gpu__time_duration\.sum$", r"^sm__throughput\.avg\.pct_of_peak_sustai
 TOKENS, HEADS, D = 16384, 32, 128
 
 
-def worker(system: str, n: int) -> None:
+def worker(system: str, n: int, variant: str = "causal") -> None:
     """Run inside ncu: warm up, then one profiled call."""
     import torch
     import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
     from expkit.peers import make_fa4, make_ours
     b = TOKENS // n
     q, k, v = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    fn, _ = make_ours("causal", q, k, v, None) if system == "ours" else make_fa4("causal", q, k, v)
+    fn, _ = make_ours(variant, q, k, v, None) if system == "ours" else make_fa4(variant, q, k, v)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -54,13 +55,13 @@ def worker(system: str, n: int) -> None:
     print(f"worker {system} N={n}: profiled one call", flush=True)
 
 
-def profile(system: str, n: int, ncu: str, timeout: int) -> dict:
+def profile(system: str, n: int, ncu: str, timeout: int, variant: str = "causal") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         rep = Path(tmp) / "rep"
         cmd = [ncu, "--profile-from-start", "off", "--target-processes", "all", "-f", "-o", str(rep)]
         for s in SECTIONS:
             cmd += ["--section", s]
-        cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", system, str(n)]
+        cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", system, str(n), "--variant", variant]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if not (rep.with_suffix(".ncu-rep")).exists():
             return {"error": f"ncu rc={run.returncode}: {(run.stdout + run.stderr)[-600:]}"}
@@ -101,16 +102,17 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", nargs="+", default=["ours", "fa4"], choices=["ours", "fa4"])
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per profiled process")
+    ap.add_argument("--variant", choices=["causal", "full"], default="causal")
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]))
+        worker(args.worker[0], int(args.worker[1]), args.variant)
         return 0
-    result = {"date": datetime.now(timezone.utc).isoformat(), "shape": "causal D128 32/32 heads, 16k tokens",
+    result = {"date": datetime.now(timezone.utc).isoformat(), "shape": f"{args.variant} D128 32/32 heads, 16k tokens",
               "sections": SECTIONS, "runs": []}
     for n in args.n:
         for system in args.systems:
             try:
-                got = profile(system, n, args.ncu, args.timeout)
+                got = profile(system, n, args.ncu, args.timeout, args.variant)
             except subprocess.TimeoutExpired:
                 got = {"error": f"ncu timed out after {args.timeout} s"}
             result["runs"].append({"system": system, "N": n, **got})

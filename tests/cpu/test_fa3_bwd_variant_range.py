@@ -56,7 +56,10 @@ int main() {
         for (int k = 0; k < kQRuns; ++k)
           for (int i = 0; i < runs[2 + 2 * k]; ++i, ++count) {
             const int m = runs[1 + 2 * k] + i;
-            if (m < 0 || m >= num_m || seen[m]++) { printf("bad tile %%d b%%d hkv%%d n0 %%d\n", m, b, hk, n0); ++errors; }
+            if (m < 0 || m >= num_m || seen[m]++) {
+              printf("bad tile %%d b%%d hkv%%d n0 %%d\n", m, b, hk, n0);
+              ++errors;
+            }
           }
         if (count != runs[0]) { printf("count %%d != %%d\n", runs[0], count); ++errors; }
         for (int m = 0; m < num_m; ++m)

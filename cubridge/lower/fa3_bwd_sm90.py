@@ -6,7 +6,8 @@ dP^T: keys are rows, queries columns):
 - q_range: the forward's iteration space transposed, as fa2_bwd_sm80's (its tile predicates or
   block table over 64-query tiles of the CTA's 128-key tile), scanned once per CTA by warp 0
   into shared-memory runs (kRangeRuns: the producer and both consumers read the tile of step i
-  back from there), by the 32 lanes of warp 0 (one tile predicate each per ballot).
+  back from there), by the 32 lanes of warp 0 (one tile predicate each per ballot). A block table
+  indexed by head (document) is read for every head of the CTA's GQA group (their union).
   q_step_partial decides the mask per consumer (its 64 keys) and query tile.
 - score: score_mod of the natural score s = x * scale in the kernel's log2 units, and its symbolic
   derivative (cubridge.lower.derive). kScoreGradOne (ALiBi-like biases, no score_mod) keeps the
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from cubridge.lower import hooks, itspace, regions
 from cubridge.lower.cexpr import LowerError, to_c
-from cubridge.lower.derive import ONE, derivative
+from cubridge.lower.derive import ONE, derivative, mentions
 from cubridge.lower.fa2_bwd_sm80 import q_predicates
 from cubridge.lower.variant import VariantIR
 
@@ -31,8 +32,40 @@ MAX_RUNS = itspace.MAX_RUNS
 BLOCK_M, BLOCK_N = 64, 128
 
 
+def _group_table(ir: VariantIR) -> bool:
+    """A block table indexed by head whose interval part reads no head: the CTA (one kv head) takes
+    the union of its GQA group's classes (visit where any head may attend, unmasked where all do)."""
+    return ir.table_bh and not (ir.may is not None and mentions(ir.may, "h"))
+
+
+def predicates(ir: VariantIR) -> tuple[str, str, str, str, str]:
+    """C++ of (group class helper, tile class, tile may given `cls`, tile must, chunk may) over the
+    query tiles of the CTA's key tile; as fa2_bwd_sm80's, except a per-head block table."""
+    if not _group_table(ir):
+        return ("", *q_predicates(ir))
+    names = {n: (f"va.{n}", typ) for n, typ in ir.scalars}
+    names.update({"q_lo": ("q_lo", "int"), "q_hi": ("q_hi", "int"), "k_lo": ("r.k_lo", "int"),
+                  "k_hi": ("r.k_hi", "int"), "b": ("r.b", "int"), "NQ": ("r.len_k", "int"), "NK": ("r.len_k", "int")})
+    interval = to_c(ir.may, names, hooks.c_tables(ir)) if ir.may is not None else "true"
+    helper = """\
+// A per-head block table ([B, Hq, query tiles, key tiles]): 2 if every head of the CTA's GQA group
+// attends all of tile m, 1 if some head attends a pair of it, 0 if none does.
+__device__ __forceinline__ int q_group_class(const VariantArgs& va, const QScan& r, int m) {
+  bool any = false, all = true;
+  for (int g = 0; g < r.group; ++g) {
+    const int c = va.BLOCK_CLASS[((r.b * va.BLOCK_CLASS_n1 + r.h_kv * r.group + g) * va.BLOCK_CLASS_n2 + m) *
+                                 va.BLOCK_CLASS_n3 + r.kv_tile];
+    any |= c != 0;
+    all &= c == 2;
+  }
+  return all ? 2 : any ? 1 : 0;
+}
+"""
+    return helper, "q_group_class(va, r, m)", f"{interval} & (cls != 0)", "q_group_class(va, r, m) == 2", interval
+
+
 def q_range(ir: VariantIR) -> str:
-    cls, may, must, chunk = q_predicates(ir)
+    helper, cls, may, must, chunk = predicates(ir)
     R = MAX_RUNS
     extend = "\n".join(f"      {'if' if k == 0 else 'else if'} (runs == {k + 1}) {{ if (len[{k}] == 0) lo[{k}] = m; "
                        f"len[{k}] = m + 1 - lo[{k}]; }}" for k in range(R))
@@ -42,15 +75,15 @@ def q_range(ir: VariantIR) -> str:
 // forward's interval predicates or block table), lowest first; the first {R - 1} runs are exact, the
 // last absorbs any further ones (its empty tiles then run fully masked). Query tile m holds rows
 // [64 m, 64 m + 64); the predicates see positions q_lo..q_hi = row + q_shift (queries end-aligned,
-// q_shift = Nk - Nq) and NQ = Nk; a block table is indexed [m, n0 / kBlockN]. Warp 0 scans
+// q_shift = Nk - Nq) and NQ = Nk; a block table is indexed [(b, h,) m, n0 / kBlockN]. Warp 0 scans
 // (q_scan) into shared memory before the CTA's first barrier; every step reads its tile back.
 struct QRange {{ int m_begin; int m_end; }};   // the dense interface: unused with kRangeRuns
 __device__ __forceinline__ QRange q_range(int n0, int seqlen_q, int q_shift) {{ return QRange{{0, 0}}; }}
 __device__ __forceinline__ bool step_partial(int m0, int kv_row0, int seqlen_q) {{ return true; }}
 constexpr bool kRangeRuns = true;
 constexpr int kQRuns = {R};
-struct QScan {{ int b, kv_tile, k_lo, k_hi, len_q, len_k, q_shift; }};
-__device__ __forceinline__ int q_tile_class(const VariantArgs& va, const QScan& r, int m) {{
+struct QScan {{ int b, h_kv, group, kv_tile, k_lo, k_hi, len_q, len_k, q_shift; }};
+{helper}__device__ __forceinline__ int q_tile_class(const VariantArgs& va, const QScan& r, int m) {{
   return {cls};
 }}
 __device__ __forceinline__ bool q_tile_may(const VariantArgs& va, const QScan& r, int m, int q_lo, int q_hi, int cls) {{
@@ -87,8 +120,9 @@ __device__ __forceinline__ bool q_scan_writer() {{ return threadIdx.x % 32 == 0;
 #endif
 // runs = [count, lo_0, len_0, ..., lo_{R - 1}, len_{R - 1}] (shared memory). Called by the 32 lanes
 // of warp 0 together; every lane builds the same runs from the ballots, lane 0 stores them.
-__device__ __forceinline__ void q_scan(const VariantArgs& va, int b, int n0, int len_q, int len_k, int* runs_out) {{
-  const QScan r{{b, n0 / kBlockN, n0, min(n0 + kBlockN, len_k) - 1, len_q, len_k, len_k - len_q}};
+__device__ __forceinline__ void q_scan(const VariantArgs& va, int b, int h_kv, int group, int n0, int len_q, int len_k,
+                                       int* runs_out) {{
+  const QScan r{{b, h_kv, group, n0 / kBlockN, n0, min(n0 + kBlockN, len_k) - 1, len_q, len_k, len_k - len_q}};
   int lo[{R}] = {{}}, len[{R}] = {{}};
   int runs = 0;
   bool open = false;
@@ -122,9 +156,9 @@ __device__ __forceinline__ void q_scan(const VariantArgs& va, int b, int n0, int
 // The mask is needed unless the consumer's keys [kv_lo, kv_lo + 64) all lie below Nk and the
 // tile predicate says every (query, key) pair of tile m is attended. Rows past Nq need none:
 // their Q and dO rows are TMA zero fill and their LSE +inf, so they add nothing.
-__device__ __forceinline__ bool q_step_partial(const VariantArgs& va, int b, int n0, int kv_lo, int m, int len_q,
-                                               int len_k) {{
-  const QScan r{{b, n0 / kBlockN, kv_lo, min(kv_lo + kWgRows, len_k) - 1, len_q, len_k, len_k - len_q}};
+__device__ __forceinline__ bool q_step_partial(const VariantArgs& va, int b, int h_kv, int group, int n0, int kv_lo,
+                                               int m, int len_q, int len_k) {{
+  const QScan r{{b, h_kv, group, n0 / kBlockN, kv_lo, min(kv_lo + kWgRows, len_k) - 1, len_q, len_k, len_k - len_q}};
   const int q_lo = m * kBlockM + r.q_shift, q_hi = min(m * kBlockM + kBlockM, len_q) - 1 + r.q_shift;
   return kv_lo + kWgRows > len_k || !q_tile_must(va, r, m, q_lo, q_hi);
 }}

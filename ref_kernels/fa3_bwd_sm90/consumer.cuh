@@ -280,7 +280,8 @@ __device__ __forceinline__ void store_rows(const Consumer& cs, uint16_t* __restr
 // Does this consumer's step (query tile m0 / kBlockM, its 64 keys) need the element mask?
 __device__ __forceinline__ bool step_needs_mask(const VariantArgs& va, const Consumer& cs, const Problem& pb, int m0) {
   if constexpr (kRangeRuns)
-    return q_step_partial(va, pb.b, pb.n0, pb.n0 + cs.c * kWgRows, m0 / kBlockM, pb.seqlen_q, pb.seqlen_k);
+    return q_step_partial(va, pb.b, pb.h_kv, pb.group, pb.n0, pb.n0 + cs.c * kWgRows, m0 / kBlockM, pb.seqlen_q,
+                          pb.seqlen_k);
   return step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q);
 }
 

@@ -102,9 +102,10 @@ __device__ __forceinline__ bool step_partial(int m0, int kv_row0, int seqlen_q) 
 // per-step mask test (q_step_partial); unused here.
 constexpr bool kRangeRuns = false;
 constexpr int kQRuns = 1;
-__device__ __forceinline__ void q_scan(const VariantArgs& va, int b, int n0, int len_q, int len_k, int* runs) {}
-__device__ __forceinline__ bool q_step_partial(const VariantArgs& va, int b, int n0, int kv_lo, int m, int len_q,
-                                               int len_k) {
+__device__ __forceinline__ void q_scan(const VariantArgs& va, int b, int h_kv, int group, int n0, int len_q, int len_k,
+                                       int* runs) {}
+__device__ __forceinline__ bool q_step_partial(const VariantArgs& va, int b, int h_kv, int group, int n0, int kv_lo,
+                                               int m, int len_q, int len_k) {
   return true;
 }
 // @cuir-end q_range
@@ -293,7 +294,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     fa3::fence_barrier_init();
   }
   if constexpr (kRangeRuns)   // all 32 lanes: one tile predicate each per ballot
-    if (threadIdx.x < kWarpSize) q_scan(va, pb.b, pb.n0, seqlen_q, seqlen_k, g_qruns);
+    if (threadIdx.x < kWarpSize) q_scan(va, pb.b, pb.h_kv, group, pb.n0, seqlen_q, seqlen_k, g_qruns);
   __syncthreads();
   if constexpr (kRangeRuns) has_work = q_runs_count() > 0;
 

@@ -1,10 +1,11 @@
 """The Hopper backward's generated iteration space (cubridge.lower.fa3_bwd_sm90 q_range), run on
 the host: the regions extra_io, q_range and mask_pred of each built-in variant's lowered kernel.cu
-are compiled with g++ into a harness that, for every (batch, query head, 128-key tile), runs
-q_scan, expands its runs and checks against mask_pred pair by pair that
+are compiled with g++ into a harness that, for every CTA (batch, kv head, 128-key tile), runs
+q_scan, expands its runs and checks against mask_pred pair by pair, over every query head of the
+kv head's GQA group, that
 - every query tile holding an attended pair (row < Nq, key < Nk) of the tile is visited, once;
-- a (consumer, query tile) step that q_step_partial calls unmasked has every pair attended and
-  every key below Nk (what lets the kernel skip the mask there).
+- a (consumer, query tile) step that q_step_partial calls unmasked has every pair of every head
+  attended and every key below Nk (what lets the kernel skip the mask there).
 The VariantArgs (scalars, tables, block table at 64 x 128) come from VariantBackward.launchable,
 as a launch would pass them. No GPU."""
 from __future__ import annotations
@@ -46,32 +47,35 @@ int main() {
   const int shift = Nk - Nq, num_m = (Nq + kBlockM - 1) / kBlockM, G = Hq / Hkv;
   long errors = 0;
   for (int b = 0; b < B; ++b)
-    for (int hq = 0; hq < Hq; ++hq)
+    for (int hk = 0; hk < Hkv; ++hk)
       for (int n0 = 0; n0 < Nk; n0 += kBlockN) {
-        (void)G;
         int runs[1 + 2 * kQRuns] = {};
-        q_scan(va, b, n0, Nq, Nk, runs);
+        q_scan(va, b, hk, G, n0, Nq, Nk, runs);
         std::vector<int> seen(num_m, 0);
         int count = 0;
         for (int k = 0; k < kQRuns; ++k)
           for (int i = 0; i < runs[2 + 2 * k]; ++i, ++count) {
             const int m = runs[1 + 2 * k] + i;
-            if (m < 0 || m >= num_m || seen[m]++) { printf("bad tile %%d b%%d h%%d n0 %%d\n", m, b, hq, n0); ++errors; }
+            if (m < 0 || m >= num_m || seen[m]++) {
+              printf("bad tile %%d b%%d hkv%%d n0 %%d\n", m, b, hk, n0);
+              ++errors;
+            }
           }
         if (count != runs[0]) { printf("count %%d != %%d\n", runs[0], count); ++errors; }
         for (int m = 0; m < num_m; ++m)
           for (int c = 0; c < kBlockN / kWgRows; ++c) {
             const int kv_lo = n0 + c * kWgRows;
             bool any = false, all = true;
-            for (int r = m * kBlockM; r < m * kBlockM + kBlockM && r < Nq; ++r)
-              for (int j = kv_lo; j < kv_lo + kWgRows; ++j) {
-                const bool att = j < Nk && mask_pred(va, b, hq, r + shift, j);
-                any |= att;
-                all &= att;
-              }
-            if (any && !seen[m]) { printf("missed tile m %%d b%%d h%%d n0 %%d\n", m, b, hq, n0); ++errors; }
-            if (seen[m] && !all && !q_step_partial(va, b, n0, kv_lo, m, Nq, Nk)) {
-              printf("unmasked step with a masked pair: m %%d c %%d b%%d h%%d n0 %%d\n", m, c, b, hq, n0); ++errors;
+            for (int hq = hk * G; hq < hk * G + G; ++hq)
+              for (int r = m * kBlockM; r < m * kBlockM + kBlockM && r < Nq; ++r)
+                for (int j = kv_lo; j < kv_lo + kWgRows; ++j) {
+                  const bool att = j < Nk && mask_pred(va, b, hq, r + shift, j);
+                  any |= att;
+                  all &= att;
+                }
+            if (any && !seen[m]) { printf("missed tile m %%d b%%d hkv%%d n0 %%d\n", m, b, hk, n0); ++errors; }
+            if (seen[m] && !all && !q_step_partial(va, b, hk, G, n0, kv_lo, m, Nq, Nk)) {
+              printf("unmasked step with a masked pair: m %%d c %%d b%%d hkv%%d n0 %%d\n", m, c, b, hk, n0); ++errors;
             }
           }
         if (errors > 20) return 1;

@@ -7,9 +7,9 @@ the tuner samples them, a new layout per call):
   cubridge.runtime.block_table), tile order counted and sorted on the GPU (cubridge.runtime.lpt),
   the shape's launch re-pointed and launched (cubridge.op.kernels.RuntimePrepared).
   op_ms: timed as before (runtime.timing.bench, GPU idle at the start event: host time shows);
-  op_ms_busy: what the call adds to the GPU's time (GPU held busy first, bench_op.gpu_ms);
+  op_ms_busy: what the call adds to the GPU's time (GPU held busy first, expkit.gpu_ms);
   host_us_per_call / host_us_mean: median / mean host time per call, the GPU kept busy, GC off
-  (bench_op.host_us_per_call). Issue 15: host <= ~50 us (session 9: 683 us at 8k, 1200 at 1k).
+  (expkit.host_us_per_call). Issue 15: host <= ~50 us (session 9: 683 us at 8k, 1200 at 1k).
   sort_in_kernel: the same with runtime.lpt.SORT_IN_KERNEL (off by default until proven).
 - bind path: Candidate.bind + LoweredKernel.args + fa3_forward per call (session 9's "ours_call").
 - kernel_ms: the kernel alone (inputs bound once); table_ms: the GPU table build (Candidate.bind);
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-from bench_op import gpu_ms, host_us_per_call     # experiments/ is on sys.path when run as a script
 
 import cubridge
 from cubridge import inputs as rt
@@ -44,6 +43,7 @@ from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
 from cubridge.runtime.timing import bench, compiled_flex_attention
 from cubridge.spec import load_spec
 from cubridge.transfer.rules import block_classes, transfer
+from expkit import gpu_ms, host_us_per_call
 
 HQ, HKV, D, TOKENS = 16, 4, 128, 16384
 
@@ -77,7 +77,7 @@ def in_kernel_sort(call_fixed, expected, op_call) -> dict:
 
 
 def table_builds(cand, extra, host, B, N, cfg) -> dict:
-    """The table kernel alone (GPU held busy, bench_op.gpu_ms) at block_table.PAIRS_PER_SYNC 1 (the
+    """The table kernel alone (GPU held busy, expkit.gpu_ms) at block_table.PAIRS_PER_SYNC 1 (the
     default) and 8 (off until timed here), both checked equal to the host table."""
     from cubridge.runtime import block_table
     scalars = [(n, "int" if dt == "i32" else "float") for n, _, dt in cand.binding.slots]

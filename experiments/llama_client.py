@@ -254,6 +254,7 @@ def run_train(args, registered, result) -> None:
         timed(result, "train_step", variant, n, fns, args.reps, extra)
         fns.clear()
         torch.cuda.empty_cache()
+        write(args.out, result)        # kept if a later step runs past the job's time limit
     if "prefixlm" in args.train_variants:
         result["loss_curves"] = curves(args, registered, masks)
 

@@ -8,20 +8,20 @@ model with SDPA and FlexAttention. H100. The bars:
                         >= 1x FlexAttention (FLASH backend where it runs, else Triton; block mask
                         built once per shape). Flex's logits are checked against the golden too.
   --train (issue 17)    one training step (zero_grad, forward + loss, backward, AdamW step; bf16
-                        weights, eager, expkit/llama.py says why not autocast) with prefixlm: >= 1.3x
+                        weights, eager; expkit/llama.py on autocast) with prefixlm: >= 1.3x
                         the same step with FlexAttention (FLASH where its backward runs, else
                         Triton); causal against SDPA. And 50-step loss curves from one init on
                         one data stream (random tokens, 4 batches cycled) for cubridge, Flex and
                         SDPA + mask: passed iff max |cubridge - Flex| <= 2 * max |SDPA - Flex| +
                         1e-5 (two independent kernels of the same math set the bf16 noise), with
                         the step-0 gradients of layer 0's attention projections judged the same way.
-
   layer attention       the forward gap isolated: layer 0's attention call alone, as the model makes
                         it (its own q, k, v: [B, N, H, D] memory from the projections), per system,
                         again on contiguous [B, H, N, D] copies (the layout's share), and for ours at
                         the tile configs of --alt-configs (the default is 128x128s2p).
 
-Run directories come from cubridge.op.build (default tile configs, no Optuna). Times:
+Run directories come from cubridge.op.build (default tile configs, no Optuna), prefixlm's from
+--prefixlm-run DIR where given (a tuned run: configs/h100_prefixlm_llama.yaml). Times:
 cubridge.runtime.timing.bench_round_robin over the systems (L2 flushed, median). The backward
 kernels that ran are read from one profiled step (torch.profiler's CUDA kernel names), with the
 backward opt-in environment (CUBRIDGE_HOPPER_VARIANT_BWD, CUBRIDGE_HOPPER_BWD) recorded.
@@ -254,6 +254,7 @@ def run_train(args, registered, result) -> None:
         timed(result, "train_step", variant, n, fns, args.reps, extra)
         fns.clear()
         torch.cuda.empty_cache()
+        write(args.out, result)        # kept if a later step runs past the job's time limit
     if "prefixlm" in args.train_variants:
         result["loss_curves"] = curves(args, registered, masks)
 

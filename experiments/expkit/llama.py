@@ -3,10 +3,11 @@
 bound on a tiny model with SDPA.
 
 Training is as a user would run it: bf16 weights, AdamW, `model(ids, labels=ids).loss` (transformers
-upcasts the logits to float32 for the cross-entropy), eager. Not bf16 autocast over float32
-weights: under autocast Llama's rotary embedding hands q and k to the attention function in
-float32 (cos / sin follow the float32 hidden states; transformers 5.17, seen on CPU), which SDPA
-casts back itself and a bf16 kernel refuses by dtype.
+upcasts the logits to float32 for the cross-entropy), eager. bf16 weights rather than float32
+weights under bf16 autocast, so that every system sees the same dtypes: under autocast Llama's
+rotary embedding hands q and k to the attention function in float32 (cos / sin follow the float32
+hidden states; transformers 5.17), which SDPA casts itself and cubridge's integration casts too
+(cubridge.integrations.transformers.autocast_inputs); tests/gpu/test_llama_train.py trains both ways.
 """
 from __future__ import annotations
 

@@ -176,9 +176,9 @@ __device__ __forceinline__ void probs_only(const VariantArgs& va, bool partial, 
   else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile);
 }
 
-// kScoreGradOne false (a variant whose score_mod has a derivative other than 1, e.g. a softcap):
-// P^T and dS^T = dscore(P, dP) * score_mod' in one pass after both GEMMs, from the f32 scores (the
-// derivative needs the score, which SCHED 1's 16-bit P^T no longer has). LSE_SMEM only.
+// kSplitPasses false (a variant whose score_mod has a derivative other than 1, e.g. a softcap, or
+// whose dS needs the unrounded P, relu): P^T and dS^T = dscore(P, dP) * score_mod' in one pass after
+// both GEMMs, from the f32 scores (which SCHED 1's 16-bit P^T no longer has). LSE_SMEM only.
 template <bool kPartial>
 __device__ __forceinline__ void probs_ds_body(const VariantArgs& va, const Consumer& cs, float (&s)[kSRegs],
                                               float (&dp)[kSRegs], float scale_log2, const Problem& pb, int g,
@@ -305,11 +305,11 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_commit();
   gemm_xt(dp, vr, sm.do_tile(st));
   wgmma_commit();
-  // kScoreGradOne false: score_mod' needs the f32 score, so P^T and dS^T in one pass after both GEMMs
-  if constexpr (kScoreGradOne) wgmma_wait<1>();  // S^T landed, dP^T in flight
+  // kSplitPasses false: score_mod' or dscore needs the f32 score, so P^T and dS^T in one pass after both
+  if constexpr (kSplitPasses) wgmma_wait<1>();  // S^T landed, dP^T in flight
   else wgmma_wait<0>();
   reg_fence(s);
-  if constexpr (kScoreGradOne) {
+  if constexpr (kSplitPasses) {
     probs_only(va, kRangeRuns ? variant_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse, scale_log2, pb, g,
                m0, sm.lse_tile(st));
   } else {
@@ -321,7 +321,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_fence();
   gemm_rs(dv_acc, p16, sm.do_tile(st));          // dV += P^T dO runs under the dS pass
   wgmma_commit();
-  if constexpr (kScoreGradOne) {
+  if constexpr (kSplitPasses) {
     wgmma_wait<1>();                             // dP^T landed
     reg_fence(dp);
     ds_only16(va, cs, p16, dp, dvec, pb, g, m0, sm.dvec_tile(st));

@@ -135,6 +135,8 @@ __device__ __forceinline__ float score_grad(const VariantArgs& va, float x, floa
 
 // @cuir-region softmax_bwd
 // P = exp(score - LSE) (log2 units), dS = P (dP - Dvec); masked pairs get P = 0, so dS = 0.
+// kDsFromP16: dS may be computed from P rounded to 16 bits (SCHED 1's dS pass reads it back).
+constexpr bool kDsFromP16 = true;
 __device__ __forceinline__ void softmax_bwd(const VariantArgs& va, float& p, float& ds, float lse_log2,
                                             float dvec, bool keep) {
   p = keep ? fast_exp2(p - lse_log2) : 0.f;
@@ -151,7 +153,10 @@ __device__ __forceinline__ float softmax_ds(const VariantArgs& va, float p, floa
 // A lowered variant runs on the bulk_overlap_lse path only (LSE / Dvec in shared memory, SCHED 1):
 // the one the GPU measured fastest, and the only one whose per-step passes take the variant hooks.
 static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs DQ_MODE=1 SCHED=1 LSE_SMEM=1");
-static_assert(kScoreGradOne || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
+// SCHED 1's split passes (P^T under the dP GEMM, dS^T from the 16-bit P^T), or one pass after both
+// GEMMs from the f32 scores: a score_mod' != 1 needs the score, relu's [s > 0] the unrounded P.
+constexpr bool kSplitPasses = kScoreGradOne && kDsFromP16;
+static_assert(kSplitPasses || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
 
 // ------------------------------------------------------------------ shared memory
 // Nk - Nq for the consumers, re-read from shared memory at every step: held in a register across

@@ -79,8 +79,11 @@ class VariantBackward:
                 raise LaunchError(f"use_hopper=True on {device}, not an sm_90 GPU", where="VariantBackward",
                                   hint="use_hopper=None picks the kernel the device has")
             return True
-        return (not deterministic and os.environ.get(HOPPER_ENV, "0") == "1" and device.type == "cuda"
-                and capability(device.index) == (9, 0))
+        value = os.environ.get(HOPPER_ENV, "0")
+        if value not in ("0", "1"):
+            raise LaunchError(f"{HOPPER_ENV}={value!r} is neither 0 nor 1", where="environment",
+                              hint=f"set {HOPPER_ENV}=1 for the Hopper variant backward on sm_90, or unset it")
+        return not deterministic and value == "1" and device.type == "cuda" and capability(device.index) == (9, 0)
 
     @property
     def norm(self) -> str:

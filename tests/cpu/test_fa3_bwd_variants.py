@@ -108,6 +108,9 @@ def test_variant_backward_picks_hopper_only_when_asked(backwards, monkeypatch):
         forced_on.uses_hopper(cpu)
     monkeypatch.setattr(driver, "capability", lambda index: (8, 0))
     assert not bwd.uses_hopper(gpu)
+    monkeypatch.setenv(HOPPER_ENV, "yes")
+    with pytest.raises(LaunchError, match="neither 0 nor 1"):
+        bwd.uses_hopper(gpu)
 
 
 def test_block_table_is_bound_at_the_hopper_tile(backwards):

@@ -12,7 +12,8 @@ through shared memory and one bulk reduce-add per consumer and step, into a tile
 fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
 order), "bulk_overlap_lse" (also LSE / Dvec staged in shared memory by the producer, from padded
 copies made here), "bulk_overlap_lse_lpt" (also the KV tile in blockIdx.z: causal's longest tiles
-dispatched first). DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
+dispatched first; it thrashed L2 and lost 35-50%), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2: causal's
+longest tiles first inside sections of heads sized to L2, `tile_sections`). DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
 experiments/results/session9_h100/bwd_options.json, bf16 D = 128, 16k tokens) it ran 450 / 514
 TFLOPS causal 8k / 16k and 510 / 548 full, against base 231 / 237 / 296 / 279, the portable
 fa2_bwd_sm80 229 / 236 / 241 / 239, cuDNN 477 / 535 / 543 / 569 and FA4 539 / 607 / 608 / 639.
@@ -48,7 +49,8 @@ ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
 # option name -> (DQ_MODE, SCHED, LSE_SMEM, TILE_ORDER); SCHED 1 requires DQ_MODE 1, LSE_SMEM 1
 # requires SCHED 1 (params.cuh static_asserts).
 OPTIONS = {"base": (0, 0, 0, 0), "bulk": (1, 0, 0, 0), "bulk_overlap": (1, 1, 0, 0),
-           "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1)}
+           "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1),
+           "bulk_overlap_lse_l2lpt": (1, 1, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse"   # fastest of OPTIONS on an H100 (docstring)
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
@@ -151,12 +153,40 @@ def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
     return lse2, dvec_pad
 
 
+def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: bool, l2_bytes: int) -> int:
+    """TILE_ORDER 2's section width: how many (batch, kv head) pairs run tile-major together. Each
+    pair streams its group's Q, dO (16-bit), LSE, Dvec and reduces into its fp32 dQ accumulator:
+    the largest power of two of pairs whose bytes fit in l2_bytes (FA4's SingleTileLPTBwdScheduler
+    sizes its sections the same way), at least 1. Full attention gets 1 (= TILE_ORDER 0's order):
+    its tiles are all equally long, so longest-first has nothing to gain and more heads in flight
+    would only share L2 more.
+
+    >>> tile_sections(64, 1, 8192, 128, True, 50 << 20), tile_sections(64, 1, 8192, 128, False, 50 << 20)
+    (4, 1)
+    """
+    if not causal:
+        return 1
+    per_pair = group * len_q * (2 * head_dim * ELEM_BYTES + head_dim * 4 + 2 * 4)
+    fit = max(1, l2_bytes // max(1, per_pair))
+    return max(1, min(pairs, 1 << (fit.bit_length() - 1)))
+
+
+def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
+    tile_order = _modes(option)[3]
+    if tile_order == 2:
+        return (tiles * heads_kv * batch, 1, 1)
+    return (heads_kv, batch, tiles) if tile_order == 1 else (tiles, heads_kv, batch)
+
+
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION):
+                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
+                 l2_bytes: int | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
-    option: one of OPTIONS (the kernel's compile-time performance options)."""
+    option: one of OPTIONS (the kernel's compile-time performance options). l2_bytes: the L2 budget
+    TILE_ORDER 2 sizes its head sections by (default the device's L2; tests pass small ones to
+    exercise several sections)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     dq_mode, _, lse_smem, tile_order = _modes(option)
@@ -189,9 +219,14 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]
-    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
     tiles = math.ceil(nk / BLOCK_N)
-    grid = (hkv, b, tiles) if tile_order == 1 else (tiles, hkv, b)
+    section = 1
+    if tile_order == 2:
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
+        section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal), l2)
+    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
+    scalars += [ctypes.c_int32(section)]
+    grid = _grid(option, tiles, hkv, b)
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if dq_mode == 1:
         chunks = accum_elems // 4

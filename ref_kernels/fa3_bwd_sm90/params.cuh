@@ -30,6 +30,13 @@ constexpr bool kLseSmem = LSE_SMEM == 1;
 //              n is attended by the rows at or after n0), so the longest run first and the short
 //              ones fill the last wave; 0 (blockIdx.x) ends with each last head's full range.
 constexpr bool kTileMajor = TILE_ORDER == 1;
+//   TILE_ORDER 2: one linear grid, (b, kv head) pairs in sections of `l2_section` (a kernel
+//              parameter the launcher sizes so a section's Q, dO, LSE, Dvec and fp32 dQ fit in L2),
+//              tile-major inside a section: causal's longest tiles first within each section (FA4's
+//              SingleTileLPTBwdScheduler sections, longest-first). TILE_ORDER 1 made every head
+//              stream at once (bf16 8k: 64 heads x 8 MB of Q, dO, dQ against 50 MB of L2): causal
+//              8k fell 450 -> 295 TFLOPS and full 510 -> 264 (session 9, H100).
+constexpr bool kTileL2Sections = TILE_ORDER == 2;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -117,7 +124,7 @@ static_assert(SCHED == 0 || SCHED == 1, "SCHED must be 0 (serial) or 1 (overlap)
 // order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
 static_assert(!(SCHED == 1 && DQ_MODE == 0), "SCHED=1 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED == 1), "LSE_SMEM=1 needs SCHED=1");
-static_assert(TILE_ORDER == 0 || TILE_ORDER == 1, "TILE_ORDER must be 0 or 1");
+static_assert(TILE_ORDER >= 0 && TILE_ORDER <= 2, "TILE_ORDER must be 0, 1 or 2");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

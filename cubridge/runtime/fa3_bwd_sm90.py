@@ -143,17 +143,29 @@ def _helpers():
     return Fa2BwdSm80()
 
 
-def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
-    """LSE_SMEM 1's inputs: [B * Hq, num_m * 64] copies the producer bulk-loads one 256-byte tile at
-    a time (16-byte aligned, never past the end): LSE in log2 units with +inf where P must be 0
-    (padding rows, rows that saw no key: natural-log -inf), Dvec with zero padding. Queued after
-    the preprocess kernel that writes Dvec (same stream)."""
+def _padded_lse(lse, bh: int, nq: int, num_m: int):
+    """LSE_SMEM 1's LSE: a [B * Hq, num_m * 64] copy the producer bulk-loads one 256-byte tile at a
+    time (16-byte aligned, never past the end), in log2 units with +inf where P must be 0 (padding
+    rows, rows that saw no key: natural-log -inf). Needs only the forward's LSE, so it is queued
+    before the preprocess kernel: less host work between that and the main launch."""
     lse2 = torch.full((bh, num_m * BLOCK_M), math.inf, device=lse.device, dtype=torch.float32)
     rows = lse.reshape(bh, nq)
     lse2[:, :nq] = torch.where(rows == -math.inf, math.inf, rows * LOG2E)
+    return lse2
+
+
+def _padded_dvec(dvec, bh: int, nq: int, num_m: int):
+    """Dvec zero-padded to [B * Hq, num_m * 64], queued after the preprocess kernel that writes it.
+    With Nq a multiple of 64, Dvec [B, Hq, Nq] already has this layout and fa3_backward passes it as
+    it is (no zeroing or copy between the preprocess and the main launch)."""
     dvec_pad = torch.zeros((bh, num_m * BLOCK_M), device=dvec.device, dtype=torch.float32)
     dvec_pad[:, :nq] = dvec.reshape(bh, nq)
-    return lse2, dvec_pad
+    return dvec_pad
+
+
+def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
+    """LSE_SMEM 1's inputs: (_padded_lse, _padded_dvec)."""
+    return _padded_lse(lse, bh, nq, num_m), _padded_dvec(dvec, bh, nq, num_m)
 
 
 def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: bool, l2_bytes: int) -> int:
@@ -209,6 +221,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     stream = torch.cuda.current_stream(device).cuda_stream
     rows = b * hq * nq
     num_m = math.ceil(nq / BLOCK_M)
+    lse2 = _padded_lse(lse, b * hq, nq, num_m) if lse_smem == 1 else None
     dvec = torch.empty(b, hq, nq, device=device, dtype=torch.float32)
     # DQ_MODE 1: tiled [B * Hq, num_m, D / 64, 64 * 64] (fragment order, rows past Nq padding)
     accum_elems = b * hq * num_m * BLOCK_M * d if dq_mode == 1 else rows * d
@@ -218,7 +231,9 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
         (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), arg_i64(rows)), stream)
     if accum_elems > rows * d:
         accum[rows * d:].zero_()
-    row_terms = _padded_row_terms(lse, dvec, b * hq, nq, num_m) if lse_smem == 1 else (lse, dvec)
+    row_terms = (lse, dvec)
+    if lse_smem == 1:
+        row_terms = (lse2, dvec if nq % BLOCK_M == 0 else _padded_dvec(dvec, b * hq, nq, num_m))
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]

@@ -156,6 +156,14 @@ def test_padded_row_terms_for_lse_smem():
     assert torch.equal(dvec_pad[:, :3], dvec.reshape(2, 3))
 
 
+def test_aligned_dvec_is_already_padded():
+    """With Nq a multiple of 64 fa3_backward hands the kernel Dvec [B, Hq, Nq] itself: its memory is
+    exactly the padded [B * Hq, num_m * 64] copy's."""
+    dvec = torch.randn(2, 3, 128)
+    padded = hb._padded_dvec(dvec, 6, 128, 2)
+    assert padded.shape == (6, 128) and torch.equal(padded.flatten(), dvec.flatten())
+
+
 def test_bad_input_is_a_clear_error():
     q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)

@@ -118,6 +118,7 @@ class TuneConfig:
     objectives: str
     output: Path
     storage: str | None = None
+    backward: bool = False            # also tune the backward kernel's configs (cubridge/search/backward.py)
 
     @property
     def storage_url(self) -> str:
@@ -145,7 +146,8 @@ class TuneConfig:
                 "runner": {"kind": self.runner.kind, "address": self.runner.address,
                            "timeout_s": self.runner.timeout_s},
                 "budget": {"trials": self.budget.trials, "minutes": self.budget.minutes},
-                "objectives": self.objectives, "output": str(self.output), "storage": self.storage}
+                "objectives": self.objectives, "output": str(self.output), "storage": self.storage,
+                "backward": self.backward}
 
 
 # ------------------------------------------------------------------ the schema, as data
@@ -155,7 +157,8 @@ TOP_KEYS = {"name": "run name (default: the file stem)", "spec": "built-in spec 
             "shapes": "target shapes (model preset or heads)", "proposer": "kind / population / options",
             "runner": "kind / address / replay / timeout_s", "budget": "trials / minutes",
             "objectives": f"one of {', '.join(OBJECTIVES)}", "output": "output directory",
-            "storage": "Optuna storage URL (default sqlite in the output directory)"}
+            "storage": "Optuna storage URL (default sqlite in the output directory)",
+            "backward": "true: also check and time the backward kernel's configs (training; default false)"}
 SHAPE_KEYS = {"model": f"one of {', '.join(MODELS)}", "heads_q": "query heads", "heads_kv": "key/value heads",
               "head_dim": "head dimension", "lengths": "list of sequence lengths",
               "batch": "fixed batch size", "tokens": f"B * N per shape (default {DEFAULT_TOKENS})",
@@ -225,6 +228,11 @@ class _Reader:
             close = difflib.get_close_matches(str(value), list(choices), n=1)
             maybe = f" (did you mean {close[0]!r}?)" if close else ""
             raise self.error(fld, f"expected one of {', '.join(choices)}, got {value!r}{maybe}")
+        return value
+
+    def boolean(self, value, fld: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.error(fld, f"expected true or false, got {_kind(value)} {value!r}")
         return value
 
     def int_list(self, value, fld: str) -> tuple[int, ...]:
@@ -377,8 +385,20 @@ def _build(data, r: _Reader, path: Path) -> TuneConfig:
         raise r.error("storage", f"{storage!r} is not a database URL",
                       hint="e.g. sqlite:///out/study.db or postgresql://user@host/db; leave it out for "
                            "SQLite in the output directory")
+    backward = r.boolean(d.get("backward", False), "backward")
+    if backward:
+        _check_trainable(shapes, r)
     return TuneConfig(path, name, spec, spec_params, refs, arch, dtype, shapes, proposer, runner, budget,
-                      objectives, output, storage)
+                      objectives, output, storage, backward)
+
+
+def _check_trainable(shapes: Shapes, r: _Reader) -> None:
+    """`backward: true` only where the backward kernel is built (fa2_bwd_sm80: D 64 / 128)."""
+    from cubridge.runtime.fa2_bwd_sm80 import HEAD_DIMS
+    if shapes.head_dim not in HEAD_DIMS:
+        raise r.error("backward", f"the backward kernel is built for head dims {', '.join(map(str, HEAD_DIMS))}, "
+                                  f"not {shapes.head_dim}",
+                      hint="set backward: false (forward only), or tune a head dim the backward supports")
 
 
 def _resolve_spec(text: str, r: _Reader, path: Path) -> str:

@@ -31,20 +31,31 @@ def check_trainable(op, rt: list) -> None:
                           hint="tune a run with D = 64 or 128, or call the op under torch.no_grad()")
 
 
-def variant_backward(op):
-    """The VariantBackward of a TunedOp's spec, built once per op (pure Python; compiles at first use)."""
-    vb = getattr(op, "_variant_backward", None)
+def variant_backward(op, config: str | None = None):
+    """The VariantBackward of a TunedOp's spec at a backward config label (None: the kernel's
+    default), built once per op and config (pure Python; compiles at first use)."""
+    cache = op.__dict__.setdefault("_variant_backwards", {})
+    vb = cache.get(config)
     if vb is None:
         from cubridge.runtime.build import default_compiler
-        from cubridge.runtime.fa2_bwd_sm80 import Fa2BwdSm80
+        from cubridge.runtime.fa2_bwd_sm80 import Config, Fa2BwdSm80
         from cubridge.runtime.variant_bwd import VariantBackward
         from cubridge.spec import load_spec
         from dataclasses import replace
         # the run's spec copy under the name it was tuned as (as cubridge/op/kernels.py binds it)
         spec = replace(load_spec(str(op.directory / op.dispatch["spec"])), name=op.dispatch.get("spec_name") or "spec")
         params = dict(op.dispatch.get("spec_params") or {})
-        vb = op._variant_backward = VariantBackward(spec, kernel=Fa2BwdSm80(compiler=default_compiler()), **params)
+        cfg = Config.parse(config) if config else None
+        vb = cache[config] = VariantBackward(spec, config=cfg, kernel=Fa2BwdSm80(cfg, compiler=default_compiler()),
+                                             **params)
     return vb
+
+
+def tuned_config(op, nq: int) -> str | None:
+    """The backward config the run chose for the bucket of `nq` queries (dispatch.json's
+    "backward", written when the run tuned its backward), else None (the kernel's default)."""
+    chosen = op.select(nq).get("backward")
+    return chosen["config"] if chosen else None
 
 
 def run_backward(op, dout, q, k, v, out, lse, scale: float, rt: list):
@@ -55,7 +66,7 @@ def run_backward(op, dout, q, k, v, out, lse, scale: float, rt: list):
         return impl(dout, q, k, v, out, lse, scale, rt)
     check_trainable(op, rt)
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    return variant_backward(op)(dout, q, k, v, out, lse.contiguous(), sm_scale=scale)
+    return variant_backward(op, tuned_config(op, q.shape[2]))(dout, q, k, v, out, lse.contiguous(), sm_scale=scale)
 
 
 def backward_fake(dout, q, k, v):

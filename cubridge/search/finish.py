@@ -94,6 +94,7 @@ class RunSummary:
     race: dict = field(default_factory=dict)
     dispatch: list = field(default_factory=list)
     bench: dict = field(default_factory=dict)
+    backward: dict = field(default_factory=dict)    # backward tuning (search/backward.py), when asked for
     rows: list = field(default_factory=list)        # report rows: ours beside the baselines per shape
     device: dict | None = None
     files: dict = field(default_factory=dict)       # (candidate, label) -> written kernel files
@@ -115,6 +116,7 @@ def finish_run(run: RunSummary, *, runner, say=None):
     manifest = _manifest(run)
     manifest["trials"]["log"] = "trials.jsonl" if (out / "trials.jsonl").is_file() else None
     manifest["race"] = run.race or None
+    manifest["backward"] = run.backward or None
     manifest["proposer_notes"] = list(run.notes)
     artifacts.write_json(out / "manifest.json", manifest)
     plot_note = artifacts.plot_tflops(run.rows, out / "tflops.png", f"{cfg.name} ({cfg.dtype}, D={cfg.shapes.head_dim})")
@@ -137,6 +139,11 @@ def _choose(run: RunSummary, runner, say) -> None:
         return
     if run.dispatch:
         run.bench = _bench(cfg, run.pop, run.dispatch, runner, say)
+        if cfg.backward:
+            from cubridge.search import backward
+            cand = next(c for c in run.pop if c.id == run.dispatch[0]["candidate"])
+            run.backward = backward.tune(cfg, cand, runner, say)
+            backward.choose(run.backward, run.dispatch)
         measured = sum(r.state != TrialState.CONFIG_INVALID for r in records)
         run.status, run.message = "tuned", (f"tuned: {measured} trials measured ({len(records) - measured} invalid "
                                             f"configs skipped unbuilt), {len(run.front)} on the Pareto front")
@@ -304,6 +311,9 @@ def _report(run: RunSummary, plot_note: str) -> str:
         sections.append(("Final race", _race_section(race, records, dispatch)))
     if dispatch:
         sections.append(("Dispatch table (dispatch.json)", "\n".join(table)))
+    if run.backward:
+        from cubridge.search import backward
+        sections.append(("Backward", backward.report_section(run.backward, dispatch)))
     # Only a tuned run has a kernel to load; after a dry run, without a GPU or after failures the
     # report must not promise one.
     load = ("`cubridge.load(\"" + str(out) + "\")` runs the tuned kernel." if status == "tuned" and dispatch

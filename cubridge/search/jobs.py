@@ -9,7 +9,8 @@ Built-in kinds (payloads are built by cubridge.search.tuner):
 - compile (CPU): lower one candidate at one tile config and compile it (nvcc, else NVRTC; cached);
 - measure (GPU): compile + GPU check (the verification rule) + time at every target shape;
 - race    (GPU): each shape's finalist configs timed again round-robin (the tuner's last choice);
-- bench   (GPU): the chosen kernels timed beside the baselines (FlexAttention, SDPA, eager).
+- bench   (GPU): the chosen kernels timed beside the baselines (FlexAttention, SDPA, eager);
+- backward (GPU): the backward's configs checked and timed beside FlexAttention's backward.
 
 What they build and launch comes from the candidate's reference kernel
 (cubridge.runtime.kernels.ReferenceKernel: compile options, launcher); see building.py.
@@ -136,6 +137,16 @@ def bench_job(p: dict):
     if not measure.gpu_available():
         return Outcome(TrialState.VERIFIED, "timing needs a GPU (none visible to this worker)"), {}
     return measure.bench_side_by_side(p)
+
+
+@register("backward")
+def backward_job(p: dict):
+    """The run's backward configs checked and timed (cubridge/search/backward.py, measure_bwd.py)."""
+    from cubridge.search import measure
+    if not measure.gpu_available():
+        return Outcome(TrialState.VERIFIED, "backward tuning needs a GPU (none visible to this worker)"), {}
+    from cubridge.search.measure_bwd import measure_backward
+    return measure_backward(p)
 
 
 @register("race")

@@ -106,7 +106,7 @@ def check_and_time(job: KernelJob, lowered, cubin: bytes, bind):
             return Outcome(TrialState.WRONG_ANSWER, failed), {"check": checks}
         times = {}
         for t in job.shapes:
-            q, k, v = _inputs(t.batch, hq, hkv, t.seqlen, d, dtype, seed=7, Nq=t.nq)
+            q, k, v = random_inputs(t.batch, hq, hkv, t.seqlen, d, dtype, seed=7, Nq=t.nq)
             call = prepare(_extras(bind, cuir, t.batch, hq, hkv, t.seqlen, Nq=t.nq), "cuda")
             times[t.key] = time_ms(call, (q, k, v, torch.empty_like(q)))
     except Exception as e:   # noqa: BLE001 - a launch fault is this trial's outcome
@@ -127,7 +127,7 @@ def run_checks(call_at, spec, spec_params: dict, cases, d: int, dtype, checks: l
     return None
 
 
-def _inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda", Nq=None):
+def random_inputs(B, Hq, Hkv, N, D, dtype, seed, device="cuda", Nq=None):
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(B, Hq, N if Nq is None else Nq, D, device=device, dtype=dtype, generator=g)
     k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g)
@@ -142,7 +142,7 @@ def gpu_check(call, spec, spec_params: dict, shape, dtype, device="cuda") -> str
     -inf for a row with no key; poisoned first, bitwise on rerun); else the reason."""
     from cubridge.verify import lse_of
     B, Hq, Hkv, N, D, seed, *nq = shape
-    q, k, v = _inputs(B, Hq, Hkv, N, D, dtype, seed, device, Nq=nq[0] if nq else None)
+    q, k, v = random_inputs(B, Hq, Hkv, N, D, dtype, seed, device, Nq=nq[0] if nq else None)
     golden = spec.run_reference(q.double(), k.double(), v.double(), **spec_params)
     ref = spec.run_reference(q, k, v, **spec_params)
     lses: list = []
@@ -210,8 +210,8 @@ def bench_side_by_side(p: dict):
     for e in p["entries"]:
         entry, t = KernelJob.from_json(e, ("shape",)), TargetShape(**e["shape"])
         n, b = t.seqlen, t.batch
-        row = {"flops": _flops(spec, sp, b, hq, hkv, n, d, t.nq), "baselines_ms": {}, "baseline_errors": {}}
-        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=11, Nq=t.nq)
+        row = {"flops": attended_flops(spec, sp, b, hq, hkv, n, d, t.nq), "baselines_ms": {}, "baseline_errors": {}}
+        q, k, v = random_inputs(b, hq, hkv, n, d, dtype, seed=11, Nq=t.nq)
         try:
             call = _shape_call(_built(entry), entry, b, hq, hkv, n, t.nq)
             row["ours_ms"] = time_ms(call, (q, k, v, torch.empty_like(q)))
@@ -220,7 +220,7 @@ def bench_side_by_side(p: dict):
         for name, make in BASELINES.items():
             try:
                 row["baselines_ms"][name] = time_ms(make(spec, sp, q, k, v))
-            except _Skip as e:
+            except BaselineSkipped as e:
                 row["baseline_errors"][name] = f"skipped: {e}"
             except Exception as e:   # noqa: BLE001
                 row["baseline_errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -244,7 +244,7 @@ def race(p: dict):
         if len(trials) < 2:
             continue
         n, b = t.seqlen, t.batch
-        q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=13, Nq=t.nq)
+        q, k, v = random_inputs(b, hq, hkv, n, d, dtype, seed=13, Nq=t.nq)
         out = torch.empty_like(q)
         calls = {}
         for num in trials:
@@ -263,7 +263,7 @@ def race(p: dict):
             {"shapes": shapes, "errors": errors, "device": device_info()})
 
 
-def _flops(spec, sp, B, Hq, Hkv, N, D, Nq=None) -> float:
+def attended_flops(spec, sp, B, Hq, Hkv, N, D, Nq=None) -> float:
     from cubridge.transfer.pairs import count_attended
     Nq = N if Nq is None else Nq
     if not spec.has_hooks:
@@ -272,22 +272,22 @@ def _flops(spec, sp, B, Hq, Hkv, N, D, Nq=None) -> float:
     return 4.0 * D * count_attended(hooks, B, Hq, Nq, N, device="cuda")
 
 
-class _Skip(Exception):
-    pass
+class BaselineSkipped(Exception):
+    """A baseline that does not apply to the spec (no softmax form, a score_mod SDPA cannot take)."""
 
 
-def _softmax_hooks(spec, sp, q, k):
+def softmax_hooks(spec, sp, q, k):
     if not spec.has_hooks:
-        raise _Skip("the spec has no hooks")
+        raise BaselineSkipped("the spec has no hooks")
     hooks = spec.hooks_for(q.shape[2], k.shape[2], q.shape[1], k.shape[1], "cuda", B=q.shape[0], **sp)
     if not hooks.flex_expressible:
-        raise _Skip(f"normalisation {hooks.normalization.kind} has no softmax form")
+        raise BaselineSkipped(f"normalisation {hooks.normalization.kind} has no softmax form")
     return hooks
 
 
 def _flex(spec, sp, q, k, v):
     from cubridge.runtime.timing import compiled_flex_attention
-    hooks = _softmax_hooks(spec, sp, q, k)
+    hooks = softmax_hooks(spec, sp, q, k)
     compiled, create_block_mask = compiled_flex_attention()
     hooks = hooks.for_flex(q.shape[2], k.shape[2])       # FlexAttention's q_idx is the row, ours the position
     block_mask = None
@@ -303,9 +303,9 @@ def _sdpa(spec, sp, q, k, v):
     if spec.name in ("causal", "full") and q.shape[2] == k.shape[2]:   # SDPA's is_causal is top-left aligned
         causal = spec.name == "causal"
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-    hooks = _softmax_hooks(spec, sp, q, k)
+    hooks = softmax_hooks(spec, sp, q, k)
     if hooks.score_mod is not None:
-        raise _Skip("SDPA cannot apply a score_mod")
+        raise BaselineSkipped("SDPA cannot apply a score_mod")
     if hooks.mask_mod is None:
         return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     from cubridge.spec import index_grids
@@ -319,7 +319,7 @@ def _score_memory_guard(q, k):
     need = 3 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4   # scores, probabilities, mask (fp32)
     free, _ = torch.cuda.mem_get_info()
     if need > SCORE_MEMORY_SHARE * free:
-        raise _Skip(f"would materialise {need / 2**30:.1f} GiB of scores ({free / 2**30:.1f} GiB free)")
+        raise BaselineSkipped(f"would materialise {need / 2**30:.1f} GiB of scores ({free / 2**30:.1f} GiB free)")
 
 
 def _eager(spec, sp, q, k, v):
@@ -330,7 +330,7 @@ def _eager(spec, sp, q, k, v):
 def _compiled(spec, sp, q, k, v):
     _score_memory_guard(q, k)
     if q.shape[2] != k.shape[2]:
-        raise _Skip("the compiled reference runs at Nq == Nk only (run_reference pads the queries)")
+        raise BaselineSkipped("the compiled reference runs at Nq == Nk only (run_reference pads the queries)")
     ref = torch.compile(spec.reference)
     params = spec.resolved_params(**sp)
     params.update(spec.runtime_for(q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.shape[0], q.device, None, params))

@@ -75,8 +75,8 @@ def shape_row(option: str, n: int, causal: bool, reps: int) -> dict:
     row = dict(option=option, N=n, causal=causal, flops=flops, wall_ms=round(wall, 4),
                kernel_sum_ms=round(total, 4), main_ms=round(main, 4), idle_ms=round(wall - total, 4),
                kernels={k: round(v, 4) for k, v in kernels.items()})
-    print(f"{'causal' if causal else 'full':6s} N={n:5d} wall {wall:7.3f} ms  kernels {total:7.3f}  main {main:7.3f}"
-          f"  others {total - main:6.3f}  idle {wall - total:6.3f}", flush=True)
+    print(f"{'causal' if causal else 'full':6s} N={n:5d} wall {wall:7.3f} ms  kernels {total:7.3f}"
+          f"  main {main:7.3f}  others {total - main:6.3f}  idle {wall - total:6.3f}", flush=True)
     return row
 
 

@@ -12,10 +12,11 @@ through shared memory and one bulk reduce-add per consumer and step, into a tile
 fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
 order), "bulk_overlap_lse" (also LSE / Dvec staged in shared memory by the producer, from padded
 copies made here), "bulk_overlap_lse_lpt" (also the KV tile in blockIdx.z: causal's longest tiles
-dispatched first; it thrashed L2 and lost 35-50%), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2: causal's
-longest tiles first inside sections of heads sized to L2, `tile_sections`), "bulk_dqfirst_lse" (SCHED 2:
-bulk_overlap_lse with FA4's issue order after the dS barrier, dQ queued behind dV before waiting on
-it) and "bulk_dqfirst_lse_l2lpt" (both; session 9's branch fa4bwd, not yet run on a GPU). DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
+dispatched first; it thrashed L2 and lost 35-50%), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2:
+causal's longest tiles first inside sections of heads sized to L2, `tile_sections`),
+"bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both; session 9's branch
+fa4bwd, not yet run on a GPU). DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
 experiments/results/session9_h100/bwd_options.json, bf16 D = 128, 16k tokens) it ran 450 / 514
 TFLOPS causal 8k / 16k and 510 / 548 full, against base 231 / 237 / 296 / 279, the portable
 fa2_bwd_sm80 229 / 236 / 241 / 239, cuDNN 477 / 535 / 543 / 569 and FA4 539 / 607 / 608 / 639.

@@ -2,6 +2,11 @@
 (Llama2-7B heads, 16k tokens) N = 8k and 1k. One JSON with a small set of metrics per kernel.
 
     python experiments/ncu_compare.py --out $OUT/ncu.json [--n 8192 1024] [--systems ours fa4]
+    python experiments/ncu_compare.py --direction backward [--option bulk_overlap_lse] --n 8192 ...
+
+--direction backward profiles the backward instead (issue 17): ours = fa3_bwd_sm90's fa3_backward
+with `--option`, FA4 = torch.autograd.grad through flash_attn_func, as experiments/
+bench_bwd_options.py calls them; the longest kernel of the call is each one's main kernel.
 
 Each (system, N) runs in its own process under `ncu --profile-from-start off`: the worker warms up
 (FA4's JIT compile, our cubin load) outside the profiled window and opens it (cudaProfilerStart)
@@ -36,14 +41,26 @@ KEEP = [r"^gpu__time_duration\.sum$", r"^sm__throughput\.avg\.pct_of_peak_sustai
 TOKENS, HEADS, D = 16384, 32, 128
 
 
-def worker(system: str, n: int) -> None:
+def backward_call(system: str, n: int, option: str):
+    """One causal backward of ours (fa3_backward, `option`) or FA4, as bench_bwd_options times them."""
+    import torch
+    import bench_bwd_options as bb   # experiments/ is on sys.path: this script's folder
+    b = TOKENS // n
+    q, k, v, dout = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    return bb.ours(option, True, q, k, v, dout) if system == "ours" else bb.fa4(True, q, k, v, dout)
+
+
+def worker(system: str, n: int, direction: str = "forward", option: str = "") -> None:
     """Run inside ncu: warm up, then one profiled call."""
     import torch
     import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
     from expkit.peers import make_fa4, make_ours
     b = TOKENS // n
-    q, k, v = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    fn, _ = make_ours("causal", q, k, v, None) if system == "ours" else make_fa4("causal", q, k, v)
+    if direction == "backward":
+        fn = backward_call(system, n, option)
+    else:
+        q, k, v = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        fn, _ = make_ours("causal", q, k, v, None) if system == "ours" else make_fa4("causal", q, k, v)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -51,16 +68,17 @@ def worker(system: str, n: int) -> None:
     fn()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"worker {system} N={n}: profiled one call", flush=True)
+    print(f"worker {system} N={n} {direction}: profiled one call", flush=True)
 
 
-def profile(system: str, n: int, ncu: str, timeout: int) -> dict:
+def profile(system: str, n: int, ncu: str, timeout: int, direction: str = "forward", option: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         rep = Path(tmp) / "rep"
         cmd = [ncu, "--profile-from-start", "off", "--target-processes", "all", "-f", "-o", str(rep)]
         for s in SECTIONS:
             cmd += ["--section", s]
-        cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", system, str(n)]
+        cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", system, str(n), direction,
+                option or "-"]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if not (rep.with_suffix(".ncu-rep")).exists():
             return {"error": f"ncu rc={run.returncode}: {(run.stdout + run.stderr)[-600:]}"}
@@ -95,7 +113,9 @@ def pick(csv_text: str) -> dict | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", nargs=2, metavar=("SYSTEM", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=4, metavar=("SYSTEM", "N", "DIRECTION", "OPTION"), help=argparse.SUPPRESS)
+    ap.add_argument("--direction", choices=["forward", "backward"], default="forward")
+    ap.add_argument("--option", default="bulk_overlap_lse", help="ours' backward option (--direction backward)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--n", type=int, nargs="+", default=[8192, 1024])
     ap.add_argument("--systems", nargs="+", default=["ours", "fa4"], choices=["ours", "fa4"])
@@ -103,14 +123,17 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per profiled process")
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]))
+        system, n, direction, option = args.worker
+        worker(system, int(n), direction, "" if option == "-" else option)
         return 0
-    result = {"date": datetime.now(timezone.utc).isoformat(), "shape": "causal D128 32/32 heads, 16k tokens",
-              "sections": SECTIONS, "runs": []}
+    shape = "causal D128 32/32 heads, 16k tokens" + (f", backward (ours: {args.option})"
+                                                     if args.direction == "backward" else "")
+    result = {"date": datetime.now(timezone.utc).isoformat(), "shape": shape, "sections": SECTIONS, "runs": []}
     for n in args.n:
         for system in args.systems:
             try:
-                got = profile(system, n, args.ncu, args.timeout)
+                got = profile(system, n, args.ncu, args.timeout, args.direction,
+                              args.option if args.direction == "backward" else "")
             except subprocess.TimeoutExpired:
                 got = {"error": f"ncu timed out after {args.timeout} s"}
             result["runs"].append({"system": system, "N": n, **got})

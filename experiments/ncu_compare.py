@@ -42,12 +42,23 @@ TOKENS, HEADS, D = 16384, 32, 128
 
 
 def backward_call(system: str, n: int, option: str):
-    """One causal backward of ours (fa3_backward, `option`) or FA4, as bench_bwd_options times them."""
+    """One causal backward of ours (fa3_backward, `option`, after our forward) or FA4
+    (torch.autograd.grad through flash_attn_func, BSHD leaves), as bench_bwd_options.py times them."""
+    import functools
     import torch
-    import bench_bwd_options as bb   # experiments/ is on sys.path: this script's folder
     b = TOKENS // n
     q, k, v, dout = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    return bb.ours(option, True, q, k, v, dout) if system == "ours" else bb.fa4(True, q, k, v, dout)
+    if system == "ours":
+        from cubridge.runtime.autograd import forward_with_lse
+        from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
+        out, lse = forward_with_lse(q, k, v, True)
+        return functools.partial(fa3_backward, dout, q, k, v, out, lse, causal=True, option=option)
+    from flash_attn.cute import flash_attn_func
+    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, causal=True)
+    out = out[0] if isinstance(out, tuple) else out
+    do = dout.transpose(1, 2).contiguous()
+    return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
 
 
 def worker(system: str, n: int, direction: str = "forward", option: str = "") -> None:

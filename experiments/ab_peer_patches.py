@@ -13,6 +13,10 @@ Every system is checked first: output NaN-poisoned, then the rule at sampled row
 bf16 ref), inputs unchanged, a bitwise rerun, and the patched output against the unpatched one.
 
     python experiments/ab_peer_patches.py --out $OUT/ab.json [--quick] [--patches NAME ...]
+    python experiments/ab_peer_patches.py --long --tiles 128x160 --no-grid --patches kv_rotate l2_evict
+        (session 9: full and causal D128, MHA 32/32 and GQA 64/8, 8k and 16k, where FA4 leads full;
+        --tiles adds product-path rows at other BLOCK_M x BLOCK_N; NAME+NAME applies both patches,
+        NAME@128x160 runs a patch at that tile instead of the default one, at D 128)
     python experiments/ab_peer_patches.py --build-only      # apply + compile every patch (CPU)
 """
 from __future__ import annotations
@@ -32,6 +36,30 @@ from expkit import KERNEL_REL, PATCHES, ROOT, header_only, inline_headers, patch
 SHAPES = [("causal", 128, 32, 32, 8192), ("full", 128, 32, 32, 8192), ("causal", 128, 32, 32, 1024),
           ("full", 128, 32, 32, 1024), ("causal", 64, 32, 32, 1024), ("causal", 128, 64, 8, 8192)]
 QUICK_SHAPES = SHAPES[:3]
+# Session 9 (peers_dense.json): FA4 leads full attention at D 128 by 5-11% from 4k on, causal is at par
+LONG_SHAPES = [(v, 128, hq, hkv, n) for n in (8192, 16384) for hq, hkv in ((32, 32), (64, 8))
+               for v in ("full", "causal")]
+
+
+def parse_tile(text: str) -> tuple[int, int]:
+    """'128x160' -> (128, 160)."""
+    m, _, n = text.partition("x")
+    if not (m.isdigit() and n.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: a tile is BLOCK_MxBLOCK_N, e.g. 128x160")
+    return int(m), int(n)
+
+
+def split_patch(spec: str) -> tuple[list[str], tuple[int, int] | None]:
+    """'a+b@128x160' -> (['a', 'b'], (128, 160)); no '@': the shape's default tile (None)."""
+    names, _, tile = spec.partition("@")
+    return names.split("+"), parse_tile(tile) if tile else None
+
+
+def patch_config(spec: str, shape):
+    """The config a patch spec runs at on `shape`: the default, or its @tile at D 128."""
+    base = configs_for(shape)["default"]
+    tile = split_patch(spec)[1]
+    return base if tile is None or shape[1] != 128 else replace(base, block_m=tile[0], block_n=tile[1])
 
 
 def patch_names() -> list[str]:
@@ -39,8 +67,10 @@ def patch_names() -> list[str]:
     return sorted(p.stem for p in PATCHES.glob("*.patch"))
 
 
-def configs_for(shape):
-    """name -> Fa3Config: the default, and FA4's choices where they differ from ours."""
+def configs_for(shape, tiles=(), grid=True):
+    """name -> Fa3Config: the default, FA4's choices where they differ from ours (its tile; its
+    one-tile-per-CTA grid unless grid=False), and `tiles` (BLOCK_M, BLOCK_N) at D 128 as
+    `tileMxN` where they differ from both."""
     from cubridge.runtime.fa3_sm90 import Fa3Config, default_config
     name, d, _, _, n = shape
     causal = name == "causal"
@@ -49,16 +79,22 @@ def configs_for(shape):
     out = {"default": base}
     if (fa4_tile.block_m, fa4_tile.block_n, fa4_tile.stages) != (base.block_m, base.block_n, base.stages):
         out["fa4_tile"] = fa4_tile
-    out["fa4_grid"] = replace(base, persistent=False)   # one tile per CTA, as FA4's SM90 forward
+    if grid:
+        out["fa4_grid"] = replace(base, persistent=False)   # one tile per CTA, as FA4's SM90 forward
+    seen = {(c.block_m, c.block_n, c.stages) for c in out.values()}
+    for bm, bn in tiles if d == 128 else ():
+        cfg = replace(base, block_m=bm, block_n=bn)
+        if (bm, bn, cfg.stages) not in seen:
+            out[f"tile{bm}x{bn}"] = cfg
     return out
 
 
-def build_all(patches, shapes):
+def build_all(patches, shapes, tiles=(), grid=True):
     """Compile every (source, config) the run needs, in parallel (nvcc runs outside the GIL)."""
     from cubridge.runtime.fa3_sm90 import build_cubin
-    jobs = {(None, c) for s in shapes for c in configs_for(s).values()}
-    jobs |= {(p, configs_for(s)["default"]) for s in shapes for p in patches}
-    sources = {p: patched_source(p) for p in patches}
+    jobs = {(None, c) for s in shapes for c in configs_for(s, tiles, grid).values()}
+    jobs |= {(p, patch_config(p, s)) for s in shapes for p in patches}
+    sources = {p: patched_source(*split_patch(p)[0]) for p in patches}
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda j: build_cubin(j[1], source=sources[j[0]] if j[0] else None), jobs))
     return sources
@@ -84,13 +120,13 @@ def run_shape(shape, sources, args, result):
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
     saved = [t.clone() for t in (q, k, v)]
     check = SampledCheck(q, k, v, hooks)
-    causal, cfgs = name == "causal", configs_for(shape)
+    causal, cfgs = name == "causal", configs_for(shape, args.tiles, args.grid)
     systems = {}
     for label, cfg in cfgs.items():
         systems["dense" if label == "default" else label] = (cfg, None)
     systems["unpatched"] = (cfgs["default"], Launchable((ROOT / KERNEL_REL / "kernel.cu").read_text(), _NoArgs(0), []))
     for p, text in sources.items():
-        systems[p] = (cfgs["default"], Launchable(text, _NoArgs(0), []))
+        systems[p] = (patch_config(p, shape), Launchable(text, _NoArgs(0), []))
     fns, infos, base_out = [], [], None
     for label, (cfg, variant) in systems.items():
         out = torch.full_like(q, float("nan"))
@@ -108,17 +144,23 @@ def run_shape(shape, sources, args, result):
             status = "FAIL: rerun not bitwise equal"
         if label == "unpatched":
             base_out = first
-        same = None if base_out is None or label in ("dense", "fa4_tile", "fa4_grid") else bool(torch.equal(first, base_out))
+        other_tile = label in cfgs or label == "dense" or "@" in label
+        same = None if base_out is None or other_tile else bool(torch.equal(first, base_out))
         fns.append(fn)
         infos.append({"system": label, "config": f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}",
                       "check": status, "max_err": verdict.max_err, "bitwise_equal_unpatched": same})
-    try:
-        fa4_fn, _ = make_fa4(name, q, k, v)
-        fa4_status = "pass" if check.verdict(fa4_fn()).passed else "FAIL (rule at sampled rows)"
-        fns.append(fa4_fn)
-        infos.append({"system": "fa4", "config": "flash_attn_func", "check": fa4_status, "bitwise_equal_unpatched": None})
-    except Unsupported as e:
-        result["skipped"].append({"shape": list(shape), "system": "fa4", "reason": str(e)})
+    # FA4 as a user calls it; with GQA also without its packed Q tiles (pack_gqa defaults on there)
+    fa4_rows = [("fa4", {})] + ([("fa4_nopack", {"pack_gqa": False})] if hq != hkv else [])
+    for label, options in fa4_rows:
+        try:
+            fa4_fn, _ = make_fa4(name, q, k, v, **options)
+            fa4_status = "pass" if check.verdict(fa4_fn()).passed else "FAIL (rule at sampled rows)"
+            fns.append(fa4_fn)
+            infos.append({"system": label, "config": f"flash_attn_func{options or ''}", "check": fa4_status,
+                          "bitwise_equal_unpatched": None})
+        except Exception as e:  # noqa: BLE001 (a peer that breaks is recorded, not fatal)
+            reason = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {str(e)[:300]}"
+            result["skipped"].append({"shape": list(shape), "system": label, "reason": reason})
     times = bench_round_robin(fns, warmup=5, reps=args.reps)
     base_ms = times[[i["system"] for i in infos].index("unpatched")].median_ms
     for info, t in zip(infos, times):
@@ -195,6 +237,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--patches", nargs="*", default=None, help=f"default: all ({', '.join(patch_names())})")
     ap.add_argument("--quick", action="store_true", help="causal / full D128 8k and causal 1k only")
+    ap.add_argument("--long", action="store_true",
+                    help="full and causal D128, MHA 32/32 and GQA 64/8, 8k and 16k (session 9's gap to FA4)")
+    ap.add_argument("--tiles", nargs="*", type=parse_tile, default=[],
+                    help="also time the product kernel at these BLOCK_MxBLOCK_N tiles (D 128 shapes)")
+    ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
+                    help="the fa4_grid row (one tile per CTA); --no-grid leaves it out")
     ap.add_argument("--build-only", action="store_true", help="apply and compile every patch, no GPU")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--variants", nargs="*", default=[],
@@ -204,14 +252,17 @@ def main(argv=None) -> int:
                     help="the dense shapes (--no-dense: variants only)")
     args = ap.parse_args(argv)
     patches = patch_names() if args.patches is None else args.patches
-    missing = [p for p in patches if not (PATCHES / f"{p}.patch").exists()]
+    try:
+        missing = [q for p in patches for q in split_patch(p)[0] if not (PATCHES / f"{q}.patch").exists()]
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--patches: {e}")
     if missing:
         ap.error(f"--patches: no experiments/patches/{missing[0]}.patch (have: {', '.join(patch_names())})")
-    shapes = (QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
-    sources = build_all(patches, shapes) if shapes else {}
+    shapes = (LONG_SHAPES if args.long else QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
+    sources = build_all(patches, shapes, args.tiles, args.grid) if shapes else {}
     runners = None
     if args.variants:
-        headers = {p: header_only(p) for p in patches}
+        headers = {p: header_only(*split_patch(p)[0]) for p in patches}
         runners = variant_runners({p: c for p, c in headers.items() if c is not None})
         build_variants(runners, args.variants, args.variant_n)
     print(f"built {len(patches)} patch(es) x their configs: {', '.join(patches)}"

@@ -14,7 +14,10 @@ by tests/gpu/test_bwd_variants.py. A peer that refuses (FLASH backend unavailabl
 Flex cannot express) is recorded with its reason, never a crash. Rows are written after every
 (variant, N), so a run cut short keeps what it measured.
 
-    python experiments/bench_bwd_variants.py --out $OUT/x.json [--n 1024 8192] [--reps 10]
+    python experiments/bench_bwd_variants.py --out $OUT/x.json [--n 1024 8192] [--reps 10] [--bwd-kernel hopper]
+
+--bwd-kernel hopper: our backward is the variant lowered onto the Hopper fa3_bwd_sm90
+(cubridge.lower.fa3_bwd_sm90, VariantBackward(use_hopper=True), sm_90 only) instead of fa2_bwd_sm80.
     python experiments/bench_bwd_variants.py --table $OUT/x.json
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ BWD_FLOP_FACTOR = 2.5
 AGREE_REL = 0.05
 OURS = "cubridge"
 BARS = {"flex": 1.3, "flex_flash": 1.1, "eager_autograd": 10.0}
+BWD_KERNEL = {"kernel": "fa2"}   # --bwd-kernel: "fa2" (fa2_bwd_sm80) or "hopper" (fa3_bwd_sm90)
 
 
 class Refused(Exception):
@@ -61,7 +65,7 @@ def _inputs(n: int, b: int):
 def variant_backward(name: str):
     """One VariantBackward per variant (the rules transfer runs once; its kernel keeps its builds)."""
     from cubridge.runtime.variant_bwd import VariantBackward
-    return VariantBackward(name)
+    return VariantBackward(name, use_hopper=BWD_KERNEL["kernel"] == "hopper")
 
 
 def ours(name, q, k, v, dout, fwd_ours):
@@ -131,7 +135,8 @@ def bench_shape(name: str, n: int, b: int, peers: list[str], reps: int, fwd_ours
     hooks = spec.hooks_for(n, n, H, H, "cuda")
     flops = 4.0 * D * count_attended(hooks, b, H, n, n, device="cuda")
     q, k, v, dout = _inputs(n, b)
-    base = dict(direction="backward", variant=name, N=n, B=b, Hq=H, Hkv=H, D=D, dtype="bf16", gpu=gpu)
+    base = dict(direction="backward", variant=name, N=n, B=b, Hq=H, Hkv=H, D=D, dtype="bf16", gpu=gpu,
+                bwd_kernel=BWD_KERNEL["kernel"])
     systems, rows = {OURS: ours(name, q, k, v, dout, fwd_ours)}, []
     makers = {"flex": lambda: flex(name, hooks, q, k, v, dout, "triton"),
               "flex_flash": lambda: flex(name, hooks, q, k, v, dout, "flash"),
@@ -174,7 +179,12 @@ def prebuild(variants, ns) -> None:
     bwds = [variant_backward(v) for v in variants]
     with ThreadPoolExecutor(16) as pool:
         futs = [pool.submit(build_cubin, cfg, source=src) for src, cfg in set(jobs)]
-        futs += [pool.submit(b.kernel.build, D, torch.bfloat16, False, False, arch, source=b.source) for b in bwds]
+        if BWD_KERNEL["kernel"] == "hopper":
+            from cubridge.runtime import fa3_bwd_sm90 as hb
+            futs += [pool.submit(hb.build_cubin, D, False, True, option=hb.VARIANT_OPTION, source=b.hopper.source)
+                     for b in bwds]
+        else:
+            futs += [pool.submit(b.kernel.build, D, torch.bfloat16, False, False, arch, source=b.source) for b in bwds]
         for f in futs:
             f.result()
 
@@ -200,12 +210,15 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=VARIANTS)
     ap.add_argument("--peers", nargs="+", default=["flex", "flex_flash"])
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
+    ap.add_argument("--bwd-kernel", choices=["fa2", "hopper"], default="fa2",
+                    help="our backward kernel: fa2_bwd_sm80 or the Hopper fa3_bwd_sm90 (sm_90)")
     args = ap.parse_args(argv)
+    BWD_KERNEL["kernel"] = args.bwd_kernel
     if args.table:
         print_table(json.loads(args.table.read_text())["rows"])
         return 0
     gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "versions": expkit.versions(), "protocol": "round-robin, L2 flushed, 2 warm-ups, "
+    result = {"gpu": gpu, "bwd_kernel": args.bwd_kernel, "versions": expkit.versions(), "protocol": "round-robin, L2 flushed, 2 warm-ups, "
               f"{args.reps} reps, median (cubridge.runtime.timing.bench_round_robin)", "rows": [], "failed": []}
     try:
         prebuild(args.variants, args.n)

@@ -24,10 +24,8 @@ prints a table. Usage: python3 experiments/bench_op.py --out results.json [--var
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
-import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,56 +37,10 @@ import cubridge
 from cubridge.op import build
 from cubridge.runtime.timing import bench_round_robin
 from cubridge.spec import builtin_specs
+from expkit import CALLS, gpu_ms, host_us_per_call
 
 HQ, HKV, D = 16, 4, 128
 TOKENS = 16384                      # B * N: B = 16 at 1k, 2 at 8k
-CALLS = 200
-SLEEP_CYCLES = 400_000_000          # ~0.2 s of GPU time at 1.98 GHz: longer than CALLS enqueues
-HOLD_CYCLES = 1_000_000             # ~0.5 ms at 1.98 GHz: longer than either call's host path
-
-
-def host_us_per_call(fn) -> tuple[float, float]:
-    """(median, mean) host microseconds per call, the GPU busy throughout."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    gc.collect()
-    gc.disable()
-    try:
-        torch.cuda._sleep(SLEEP_CYCLES)
-        times = []
-        for _ in range(CALLS):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    finally:
-        gc.enable()
-    torch.cuda.synchronize()
-    return statistics.median(times), statistics.fmean(times)
-
-
-def gpu_ms(fns, reps: int = 50) -> list[float]:
-    """Median GPU milliseconds of each callable between two events, round-robin, L2 flushed, the
-    GPU held busy before the start event so no call's host path shows up as GPU idle time."""
-    from cubridge.runtime.timing import _flush_buffer
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    flush = _flush_buffer(torch.device("cuda", torch.cuda.current_device()))
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(reps):
-        for i, fn in enumerate(fns):
-            flush.fill_(r & 0xFF)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(HOLD_CYCLES)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[i].append(start.elapsed_time(end))
-    return [statistics.median(t) for t in times]
-
-
 def measure(attn, n: int, gpu: str) -> dict:
     b = TOKENS // n
     g = torch.Generator(device="cuda").manual_seed(n)

@@ -11,6 +11,12 @@ TFLOPS = 4 * D * (attended pairs, counted from the spec's mask) / time; 16k toke
     python experiments/bench_peers.py --out $OUT/peers.json            # everything (long)
     python experiments/bench_peers.py --quick --out $OUT/peers.json    # dense D128 + 3 variants, 1k / 8k
     python experiments/bench_peers.py --plan                           # list the shapes, no GPU
+    python experiments/bench_peers.py --n 8192 --dense-d --variants prefixlm \
+        --variant-heads gqa16/4 --layout bhnd bnhd --out $OUT/model.json  # the Llama client's attention
+
+--layout bnhd gives every system [B, N, H, D] memory seen as [B, H, N, D] (what transformers'
+projections hand the attention function; every system reads it in place: FA4's BSHD is this
+memory); --variant-heads picks the variants' head counts (gqa16/4: the Llama client).
 """
 from __future__ import annotations
 
@@ -33,22 +39,29 @@ from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 TOKENS = 16384
 LENGTHS = [1024, 4096, 8192, 16384]
-HEADS = {"mha": (32, 32), "gqa": (64, 8)}        # Llama2-7B; GQA 64/8 (Qwen2.5-72B)
+HEADS = {"mha": (32, 32), "gqa": (64, 8),        # Llama2-7B; GQA 64/8 (Qwen2.5-72B)
+         "gqa16/4": (16, 4)}                       # experiments/llama_client.py's model
+LAYOUTS = ("bhnd", "bnhd")
 QUICK_VARIANTS = ["prefixlm", "global_sliding_window", "relative_pos"]
 PEERS = ("fa4", "flex_flash", "sdpa_cudnn", "flex")
 OURS = "cubridge/fa3_sm90"
 
 
-def plan(args) -> list[tuple[str, int, int, int, int]]:
-    """(variant, D, Hq, Hkv, N) in the order timed: the most wanted shapes first."""
+def plan(args) -> list[tuple[str, int, int, int, int, str]]:
+    """(variant, D, Hq, Hkv, N, layout) in the order timed: the most wanted shapes first."""
+    return [(*shape, layout) for shape in _shapes(args) for layout in args.layout]
+
+
+def _shapes(args) -> list[tuple[str, int, int, int, int]]:
     shapes = []
     for n in args.n:
         for d in args.dense_d:
             for heads in args.dense_heads:
                 for name in ("causal", "full"):
                     shapes.append((name, d, *HEADS[heads], n))
-        for name in args.variants:
-            shapes.append((name, 128, *HEADS["mha"], n))
+        for heads in args.variant_heads:
+            for name in args.variants:
+                shapes.append((name, 128, *HEADS[heads], n))
     return shapes
 
 
@@ -71,7 +84,7 @@ def prebuild(shapes, ours_variants) -> None:
     from concurrent.futures import ThreadPoolExecutor
     from cubridge.runtime.fa3_sm90 import build_cubin, default_config
     jobs = set()
-    for name, d, _, _, n in shapes:
+    for name, d, _, _, n, _ in shapes:
         if name in ("causal", "full"):
             jobs.add((default_config(d, name == "causal", seqlen=n), None))
         else:
@@ -80,17 +93,22 @@ def prebuild(shapes, ours_variants) -> None:
         list(pool.map(lambda job: build_cubin(job[0], source=job[1]), jobs))
 
 
-def run_shape(name, d, hq, hkv, n, args, ours_variants, result):
+def inputs(b, h, n, d, layout, g):
+    """A [B, H, N, D] bf16 view: contiguous (bhnd) or over [B, N, H, D] memory (bnhd)."""
+    if layout == "bnhd":
+        return torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    return torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def run_shape(name, d, hq, hkv, n, layout, args, ours_variants, result):
     b = max(1, TOKENS // n)
     spec = load_spec(name)
     hooks = spec.hooks_for(n, n, hq, hkv, "cuda")
     flops = 4.0 * d * count_attended(hooks, b, hq, n, n, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(1000 * n + d + hq)
-    q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (inputs(b, h, n, d, layout, g) for h in (hq, hkv, hkv))
     check = SampledCheck(q, k, v, hooks)
-    base = {"variant": name, "N": n, "B": b, "D": d, "Hq": hq, "Hkv": hkv, "dtype": "bf16"}
+    base = {"variant": name, "N": n, "B": b, "D": d, "Hq": hq, "Hkv": hkv, "dtype": "bf16", "layout": layout}
     ran, ours_out = [], None
     for system, make in makers(name, hooks, q, k, v, ours_variants).items():
         if system not in args.systems and system != OURS:
@@ -126,7 +144,7 @@ def run_shape(name, d, hq, hkv, n, args, ours_variants, result):
                "p80_ms": round(t.p80_ms, 4), "tflops": round(tflops(flops, t.median_ms), 1), **info}
         result["rows"].append(row)
         flag = "" if info["check"] == "pass" else "  << " + info["check"][:70]
-        print(f"{name:<22} D{d:<4} {hq:>3}/{hkv:<3} N={n:<6} {system:<18} {row['ms']:9.3f} ms "
+        print(f"{name:<22} D{d:<4} {hq:>3}/{hkv:<3} N={n:<6} B={b} {layout} {system:<18} {row['ms']:9.3f} ms "
               f"{row['tflops']:7.1f} TFLOPS  diff {info['max_diff_vs_ours']:.2e}{flag}", flush=True)
 
 
@@ -134,7 +152,7 @@ def summary(result) -> list[dict]:
     """Per shape: ours, each peer, the best peer that passed its check, and ours / best."""
     table = {}
     for r in result["rows"]:
-        key = (r["variant"], r["D"], r["Hq"], r["Hkv"], r["N"])
+        key = (r["variant"], r["D"], r["Hq"], r["Hkv"], r["N"], r.get("layout", "bhnd"))
         table.setdefault(key, {})[r["system"]] = r
     lines = []
     for key, by in table.items():
@@ -142,7 +160,7 @@ def summary(result) -> list[dict]:
         peers = {s: by[s] for s in PEERS if s in by}
         good = {s: r["tflops"] for s, r in peers.items() if r["check"] == "pass"}
         best = max(good, key=good.get) if good else None
-        lines.append({"variant": key[0], "D": key[1], "Hq": key[2], "Hkv": key[3], "N": key[4],
+        lines.append({"variant": key[0], "D": key[1], "Hq": key[2], "Hkv": key[3], "N": key[4], "layout": key[5],
                       "ours": ours["tflops"] if ours else None,
                       "ours_check": ours["check"] if ours else None,
                       **{s: (r["tflops"], r["check"] == "pass") for s, r in peers.items()},
@@ -164,7 +182,8 @@ def print_table(lines) -> None:
                 cells.append(f"{'-':>11}")
         ratio = f"{ln['ratio']:9.3f}" if ln["ratio"] is not None else f"{'-':>9}"
         ours = f"{ln['ours']:7.1f}" if ln["ours"] is not None else f"{'-':>7}"
-        print(f"{ln['variant']:<22} {ln['D']:>3} {ln['Hq']:>3}/{ln['Hkv']:<2} {ln['N']:>6} {ours} " +
+        label = ln["variant"] + ("" if ln.get("layout", "bhnd") == "bhnd" else f" ({ln['layout']})")
+        print(f"{label:<22} {ln['D']:>3} {ln['Hq']:>3}/{ln['Hkv']:<2} {ln['N']:>6} {ours} " +
               " ".join(cells) + f" {ln['best_peer'] or '-':>11} {ratio}")
     print("('!' = failed the check: timed, never the best peer)")
 
@@ -179,6 +198,10 @@ def parse(argv=None):
     ap.add_argument("--dense-heads", nargs="*", default=["mha", "gqa"], choices=list(HEADS))
     ap.add_argument("--variants", nargs="*",
                     default=[s for s in builtin_specs() if s not in ("full", "causal")])
+    ap.add_argument("--variant-heads", nargs="+", default=["mha"], choices=list(HEADS),
+                    help="head counts of the variant shapes (gqa16/4: experiments/llama_client.py's model)")
+    ap.add_argument("--layout", nargs="+", default=["bhnd"], choices=LAYOUTS,
+                    help="input memory: [B, H, N, D] or [B, N, H, D] seen as [B, H, N, D] (transformers)")
     ap.add_argument("--systems", nargs="+", default=list(PEERS), help="peers to run (ours always runs)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)

@@ -1,155 +1,409 @@
 """A user's model with the tuned kernel: a random-init transformers Llama (4 layers, 16 q / 4 kv
-heads, D = 128, hidden 2048, batch 2) whose attention is a cubridge run, against the same model
-with SDPA (and FlexAttention for prefixlm). H100; issue 15's bars:
+heads, D = 128, hidden 2048, batch 2, bf16) whose attention is a cubridge run, against the same
+model with SDPA and FlexAttention. H100. The bars:
 
-    causal   at 2k and 8k: forward at least as fast as SDPA; logits within the verification rule
-             (golden = the model in float64 with SDPA's math path, ref = the bf16 model with SDPA)
-    prefixlm at 8k:        >= 2x the model with SDPA + a boolean prefix-LM mask, and at least as fast
-                           as FlexAttention (FLASH backend where it runs, else Triton; block mask
-                           built once per shape)
+  forward (issue 15)    causal 2k / 8k: at least as fast as SDPA, logits within the verification
+                        rule (golden = the model in float64 with SDPA's math path, ref = the bf16
+                        model with SDPA); prefixlm 8k: >= 2x SDPA + a boolean prefix-LM mask and
+                        >= 1x FlexAttention (FLASH backend where it runs, else Triton; block mask
+                        built once per shape). Flex's logits are checked against the golden too.
+  --train (issue 17)    one training step (zero_grad, forward + loss, backward, AdamW step; bf16
+                        weights, eager; expkit/llama.py on autocast) with prefixlm: >= 1.3x
+                        the same step with FlexAttention (FLASH where its backward runs, else
+                        Triton); causal against SDPA. And 50-step loss curves from one init on
+                        one data stream (random tokens, 4 batches cycled) for cubridge, Flex and
+                        SDPA + mask: passed iff max |cubridge - Flex| <= 2 * max |SDPA - Flex| +
+                        1e-5 (two independent kernels of the same math set the bf16 noise), with
+                        the step-0 gradients of layer 0's attention projections judged the same way.
+  layer attention       the forward gap isolated: layer 0's attention call alone, as the model makes
+                        it (its own q, k, v: [B, N, H, D] memory from the projections), per system,
+                        again on contiguous [B, H, N, D] copies (the layout's share), and for ours at
+                        the tile configs of --alt-configs (the default is 128x128s2p).
 
-Run directories come from cubridge.op.build (default tile configs, no Optuna). Forward times:
-runtime.timing.bench_round_robin over the systems (eval, no_grad, use_cache=False), median.
-Usage: python3 experiments/llama_client.py --out llama.json
+Run directories come from cubridge.op.build (default tile configs, no Optuna), prefixlm's from
+--prefixlm-run DIR where given (a tuned run: configs/h100_prefixlm_llama.yaml). Times:
+cubridge.runtime.timing.bench_round_robin over the systems (L2 flushed, median). The backward
+kernels that ran are read from one profiled step (torch.profiler's CUDA kernel names), with the
+backward opt-in environment (CUBRIDGE_HOPPER_VARIANT_BWD, CUBRIDGE_HOPPER_BWD) recorded.
+
+    python3 experiments/llama_client.py --out llama.json                      # forward (issue 15)
+    python3 experiments/llama_client.py --out llama.json --train --reps 5     # forward + train step
+    python3 experiments/llama_client.py --out l.json --fwd-variants prefixlm --alt-configs 128x176s2p
+    CUBRIDGE_HOPPER_VARIANT_BWD=1 python3 experiments/llama_client.py --out t.json --train --no-forward
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import math
+import sys
 import tempfile
 import time
+import traceback
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from expkit.llama import (B, D, HKV, HQ, LAYERS, VOCAB, attention_call, backward_kernels, call_kwargs,
+                          capture_attention, curve_verdict, env_opt_ins, grad_verdict, implementation, loss_curve,
+                          make_model, optimizer, parse_config, profiled_kernels, speedups, train_step, versions)
 
 from cubridge import rule
-from cubridge.integrations.transformers import register
-from cubridge.op import build
-from cubridge.runtime.timing import bench_round_robin
+from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
 
-B, HQ, HKV, D, LAYERS, VOCAB = 2, 16, 4, 128, 4, 32000
-
-
-def make_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HQ * D, intermediate_size=5632, num_hidden_layers=LAYERS,
-                      num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=16384)
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+DEVICE = "cuda"          # the CPU tests dry-run the flow with "cpu", a tiny model and a stubbed op
+CAUSAL_N, PREFIX_N = (2048, 8192), 8192      # forward lengths
+FLEX = {"auto": ("flex_flash", "flex_triton"), "flash": ("flex_flash",), "triton": ("flex_triton",)}
+GRAD_PARAMS = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
 
 
-_MODELS: dict = {}
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per system (round-robin)")
+    ap.add_argument("--train", action="store_true", help="also time the training step and run the loss curves")
+    ap.add_argument("--no-forward", action="store_true", help="skip the forward comparison")
+    ap.add_argument("--fwd-variants", nargs="+", default=["causal", "prefixlm"], choices=["causal", "prefixlm"],
+                    help="forward comparisons to run (prefixlm includes layer 0's attention alone)")
+    ap.add_argument("--train-n", type=int, default=8192, help="sequence length of the training step")
+    ap.add_argument("--train-variants", nargs="+", default=["prefixlm", "causal"], choices=["prefixlm", "causal"])
+    ap.add_argument("--steps", type=int, default=50, help="loss-curve steps (prefixlm)")
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the loss curves")
+    ap.add_argument("--alt-configs", nargs="*", default=[], metavar="BMxBNsSp",
+                    help="prefixlm tile configs timed beside the default in the layer-attention comparison")
+    ap.add_argument("--prefixlm-run", type=Path, metavar="DIR",
+                    help="a tuned prefixlm run directory (heads 16 / 4, D 128, bf16) instead of the default-config build")
+    ap.add_argument("--flex-backend", default="auto", choices=list(FLEX),
+                    help="auto: FLASH where it runs (its backward too, for training), else Triton")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: time at least one call per system")
+    if args.steps < 2:
+        ap.error(f"--steps {args.steps}: a loss curve needs at least 2 steps")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        ap.error(f"--lr {args.lr}: a positive finite learning rate")
+    if not 128 <= args.train_n <= 16384 or args.train_n % 128:
+        ap.error(f"--train-n {args.train_n}: a multiple of 128 in [128, 16384] (the model's max positions)")
+    for label in args.alt_configs:
+        try:
+            parse_config(label)
+        except ValueError as e:
+            ap.error(f"--alt-configs: {e}")
+    if args.prefixlm_run is not None and not (args.prefixlm_run / "dispatch.json").is_file():
+        ap.error(f"--prefixlm-run {args.prefixlm_run}: no dispatch.json there (a run directory of cubridge tune)")
+    if args.no_forward and not args.train:
+        ap.error("--no-forward without --train: nothing to run")
+    return args
 
 
-def model_for(impl: str):
-    """One model per attention implementation, all with the same weights (same seed), so timing
-    never switches an implementation between calls."""
-    if impl not in _MODELS:
-        _MODELS[impl] = make_model()
-        _MODELS[impl].set_attn_implementation(impl)
-    return _MODELS[impl]
+# ------------------------------------------------------------------ forward
+class Forward:
+    """One eval model per attention implementation (same weights), so timing never switches one."""
+
+    def __init__(self, registered):
+        self.registered, self.models, self.masks = registered, {}, {}
+
+    def model(self, impl):
+        if impl not in self.models:
+            self.models[impl] = make_model(DEVICE)
+            self.models[impl].set_attn_implementation(impl)
+        return self.models[impl]
+
+    def fn(self, system, variant, ids):
+        model = self.model(implementation(system, self.registered, variant))
+        kw = call_kwargs(system, variant, ids.shape[1], self.masks, DEVICE)
+
+        def run():
+            with torch.no_grad():
+                return model(ids, use_cache=False, **kw).logits
+        return run
+
+    def checks(self, variant, ids, systems, ref_system) -> dict:
+        """The verification rule on each system's logits: golden = the float64 model with SDPA
+        (math path), ref = `ref_system`'s bf16 logits."""
+        kw = call_kwargs(ref_system, variant, ids.shape[1], self.masks, DEVICE)
+        try:
+            m64 = copy.deepcopy(self.model("sdpa")).double()
+            with torch.no_grad():
+                golden = m64(ids, use_cache=False, **kw).logits
+            del m64
+            ref = self.fn(ref_system, variant, ids)()
+            out = {}
+            for system in systems:
+                v = rule.compare(self.fn(system, variant, ids)(), golden, ref)
+                out[system] = {"passed": v.passed, "max_err": v.max_err, "bound": v.bound, "reason": v.reason}
+            return out
+        except torch.cuda.OutOfMemoryError as e:
+            return {s: {"passed": None, "reason": f"golden out of memory: {str(e)[:120]}"} for s in systems}
+        finally:
+            torch.cuda.empty_cache()
 
 
-def logits(impl, ids, **kw):
-    with torch.no_grad():
-        return model_for(impl)(ids, use_cache=False, **kw).logits
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, n), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
 
 
-def forward_fn(impl, ids, **kw):
-    model = model_for(impl)
-
-    def run():
-        with torch.no_grad():
-            return model(ids, use_cache=False, **kw).logits
-    return run
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
-def prefix_mask(n: int) -> torch.Tensor:
-    i = torch.arange(n, device="cuda")
-    return ((i[None, :] <= i[:, None]) | (i[None, :] < n // 2))[None, None].expand(B, 1, n, n)
+def first_flex(candidates, try_fn, errors: dict):
+    """The first Flex system whose try_fn() runs; each failure recorded in `errors`."""
+    for system in candidates:
+        try:
+            try_fn(system)
+            sync()
+            return system
+        except Exception as e:   # noqa: BLE001 - a backend this machine lacks is recorded
+            errors[system] = f"{type(e).__name__}: {str(e)[:300]}"
+            torch.cuda.empty_cache()
+    return None
 
 
-def golden_check(ids, ours_logits, ref_logits, **kw) -> dict:
-    """The verification rule on the logits: golden = the float64 model (SDPA math path)."""
-    try:
-        m64 = copy.deepcopy(model_for("sdpa")).double()
-        with torch.no_grad():
-            golden = m64(ids, use_cache=False, **kw).logits
-        del m64
-        verdict = rule.compare(ours_logits, golden, ref_logits)
-        return {"passed": verdict.passed, "max_err": verdict.max_err, "bound": verdict.bound, "reason": verdict.reason}
-    except torch.cuda.OutOfMemoryError as e:
-        return {"passed": None, "reason": f"golden out of memory: {str(e)[:120]}"}
-    finally:
+def run_forward(args, registered, result) -> None:
+    fwd = Forward(registered)
+    for n in CAUSAL_N if "causal" in args.fwd_variants else ():
+        ids = random_ids(n, n)
+        result["checks"].append({"direction": "forward", "variant": "causal", "N": n,
+                                 **fwd.checks("causal", ids, ["cubridge"], "sdpa")})
+        timed(result, "forward", "causal", n, {s: fwd.fn(s, "causal", ids) for s in ("sdpa", "cubridge")}, args.reps)
+    if "prefixlm" not in args.fwd_variants:
+        return
+    n = PREFIX_N
+    ids = random_ids(n, 7)
+    flex = first_flex(FLEX[args.flex_backend], lambda s: fwd.fn(s, "prefixlm", ids)(),
+                      result["system_errors"].setdefault("forward", {}))
+    systems = ["sdpa_bool_mask", "cubridge"] + ([flex] if flex else [])
+    result["checks"].append({"direction": "forward", "variant": "prefixlm", "N": n,
+                             **fwd.checks("prefixlm", ids, [s for s in systems if s != "sdpa_bool_mask"],
+                                          "sdpa_bool_mask")})
+    timed(result, "forward", "prefixlm", n, {s: fwd.fn(s, "prefixlm", ids) for s in systems}, args.reps)
+    layer_attention(args, fwd, ids, flex, result)
+
+
+def layer_attention(args, fwd, ids, flex, result) -> None:
+    """The forward gap, isolated: layer 0's attention call alone, as the model makes it (its own
+    q, k, v: [B, N, H, D] memory), per system, and again on contiguous [B, H, N, D] copies (the
+    layout's share); outputs compared with SDPA + mask's."""
+    n, name = ids.shape[1], fwd.registered["prefixlm"]
+    module, q, k, v, extra = capture_attention(fwd.model("sdpa"), ids)
+    result["model_layout"] = {t: {"shape": list(x.shape), "stride": list(x.stride())} for t, x in zip("qkv", (q, k, v))}
+    qc, kc, vc = (t.contiguous() for t in (q, k, v))
+    mask = call_kwargs("sdpa_bool_mask", "prefixlm", n, fwd.masks, DEVICE)["attention_mask"]
+    fns = {"sdpa_bool_mask": attention_call("sdpa", module, q, k, v, mask, extra),
+           "cubridge": attention_call(name, module, q, k, v, None, extra),
+           "cubridge_bhnd": attention_call(name, module, qc, kc, vc, None, extra)}
+    for label in args.alt_configs:    # the same kernel at other tiles (default: 128x128s2p)
+        fns[f"cubridge_{label}"] = attention_call(fwd.registered[f"prefixlm@{label}"], module, q, k, v, None, extra)
+    if flex:
+        kw = call_kwargs(flex, "prefixlm", n, fwd.masks, DEVICE)
+        block = kw.pop("attention_mask")
+        fns[flex] = attention_call("flex_attention", module, q, k, v, block, extra, **kw)
+        fns[f"{flex}_bhnd"] = attention_call("flex_attention", module, qc, kc, vc, block, extra, **kw)
+    ref, extra_rows = fns["sdpa_bool_mask"]().float(), {}
+    for system, fn in list(fns.items())[1:]:
+        try:
+            extra_rows[system] = {"max_diff_vs_sdpa_mask": float((fn().float() - ref).abs().max())}
+        except Exception as e:   # noqa: BLE001 - one system that cannot run is recorded, the rest timed
+            result["system_errors"].setdefault("layer_attention", {})[system] = f"{type(e).__name__}: {str(e)[:300]}"
+            del fns[system]
+    timed(result, "layer_attention", "prefixlm", n, fns, args.reps, extra_rows)
+
+
+def timed(result, direction, variant, n, fns: dict, reps: int, extra: dict | None = None) -> None:
+    times = bench_round_robin(list(fns.values()), warmup=2, reps=reps)
+    for system, t in zip(fns, times):
+        row = {"system": system, "variant": variant, "N": n, "direction": direction, "ms": round(t.median_ms, 4),
+               "p20_ms": round(t.p20_ms, 4), "p80_ms": round(t.p80_ms, 4), **(extra or {}).get(system, {})}
+        result["rows"].append(row)
+        print(f"{direction:<15} {variant:<9} N={n:<6} {system:<15} {row['ms']:9.3f} ms", flush=True)
+
+
+# ------------------------------------------------------------------ training
+def run_train(args, registered, result) -> None:
+    n, masks = args.train_n, {}
+    ids = random_ids(n, 11)
+
+    def step_of(system, variant):
+        model = make_model(DEVICE, train=True)
+        model.set_attn_implementation(implementation(system, registered, variant))
+        return train_step(model, optimizer(model, args.lr), ids, **call_kwargs(system, variant, n, masks, DEVICE))
+
+    for variant in args.train_variants:
+        fns = {"cubridge": step_of("cubridge", variant)}
+        if variant == "prefixlm":
+            fns["sdpa_bool_mask"] = step_of("sdpa_bool_mask", variant)
+            made = {}
+            flex = first_flex(FLEX[args.flex_backend], lambda s: made.setdefault(s, step_of(s, variant))(),
+                              result["system_errors"].setdefault(f"train_{variant}", {}))
+            if flex:
+                fns[flex] = made[flex]
+            made.clear()
+        else:
+            fns["sdpa"] = step_of("sdpa", variant)
+        extra = {}
+        for system, fn in fns.items():
+            try:
+                extra[system] = backward_kernels(profiled_kernels(fn))
+                if system != "cubridge":
+                    extra[system].pop("cubridge_backward")
+            except Exception as e:   # noqa: BLE001 - the profiler is a record, not the measurement
+                extra[system] = {"profile_error": f"{type(e).__name__}: {str(e)[:200]}"}
+        timed(result, "train_step", variant, n, fns, args.reps, extra)
+        fns.clear()
         torch.cuda.empty_cache()
+        write(args.out, result)        # kept if a later step runs past the job's time limit
+    if "prefixlm" in args.train_variants:
+        result["loss_curves"] = curves(args, registered, masks)
 
 
-def flex_block_mask(n: int):
-    """The prefix-LM block mask for transformers' flex_attention, built once for this shape."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def curves(args, registered, masks) -> dict:
+    """The prefixlm loss curves (same init, same data) and their verdicts."""
+    n = args.train_n
+    batches = [random_ids(n, 23 + i) for i in range(4)]
+    flex = None
+    out = {"N": n, "steps": args.steps, "lr": args.lr, "batches": len(batches), "curves": {}}
+    grads = {}
+    errors = out.setdefault("errors", {})
+    for system in ["cubridge", "sdpa_bool_mask", *FLEX[args.flex_backend]]:
+        if system.startswith("flex") and flex:
+            continue
+        t0 = time.time()
+        try:
+            model = make_model(DEVICE, train=True)
+            model.set_attn_implementation(implementation(system, registered, "prefixlm"))
+            losses, grads[system] = loss_curve(model, batches, args.steps, args.lr, GRAD_PARAMS,
+                                               **call_kwargs(system, "prefixlm", n, masks, DEVICE))
+            out["curves"][system] = losses
+            flex = flex or (system if system.startswith("flex") else None)
+            print(f"loss curve {system:<15} {losses[0]:.4f} -> {losses[-1]:.4f} ({time.time() - t0:.0f} s)", flush=True)
+        except Exception as e:   # noqa: BLE001 - a Flex backend that cannot train is recorded
+            errors[system] = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            model = None
+            torch.cuda.empty_cache()
+    c = out["curves"]
+    if flex and "cubridge" in c and "sdpa_bool_mask" in c:
+        out["ref"] = flex
+        out["verdict"] = curve_verdict(c["cubridge"], c[flex], {"sdpa_bool_mask": c["sdpa_bool_mask"]})
+        out["grad_step0"] = grad_verdict(grads["cubridge"], grads[flex], grads["sdpa_bool_mask"])
+    else:
+        out["verdict"] = {"passed": None, "reason": "cubridge, a Flex backend and SDPA + mask must all train"}
+    return out
 
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) | (kv < n // 2)
-    block = create_block_mask(mask_mod, None, None, n, n, device="cuda")
-    return block
+
+# ------------------------------------------------------------------ main
+def print_table(result) -> None:
+    print(f"\n{'direction':<15} {'variant':<9} {'N':>5} {'baseline':<15} {'speedup':>8} {'bar':>5}")
+    for s in result["speedups"]:
+        bar = f"{s['bar']:.1f}" if s["bar"] else "-"
+        flag = "" if s["meets_bar"] is not False else "  < bar"
+        print(f"{s['direction']:<15} {s['variant']:<9} {s['N']:>5} {s['baseline']:<15} {s['speedup']:7.2f}x "
+              f"{bar:>5}{flag}")
+    for c in result["checks"]:
+        print(f"check {c['direction']} {c['variant']} N={c['N']}: " +
+              ", ".join(f"{k} {v.get('passed')}" for k, v in c.items() if isinstance(v, dict)))
+    lc = result.get("loss_curves")
+    if lc:
+        v = lc["verdict"]
+        print(f"loss curves ({lc['steps']} steps, ref {lc.get('ref')}): passed {v.get('passed')} "
+              f"max diff {v.get('max_diff', float('nan')):.4g} bound {v.get('bound', float('nan')):.4g} "
+              f"{v.get('reason', '')}; step-0 grads passed {lc.get('grad_step0', {}).get('passed')}")
+    for r in result["rows"]:
+        if r["system"] == "cubridge" and r["direction"] == "train_step":
+            print(f"backward of cubridge {r['variant']}: {r.get('cubridge_backward')} "
+                  f"({', '.join(r.get('kernels', [])) or r.get('profile_error', '')}); env {result['env']}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--reps", type=int, default=10)
-    args = ap.parse_args()
+def main(argv=None) -> int:
+    args = parse(argv)
+    if not torch.cuda.is_available():
+        print("error: llama_client.py: no CUDA device (the client times kernels on an H100)", file=sys.stderr)
+        return 2
+    compiled_flex_attention()     # raises dynamo's recompile limits (past them Flex silently runs unfused)
     root = Path(tempfile.mkdtemp(prefix="llama_client_"))
     t0 = time.time()
-    names = {s: register(build(s, root / s, heads_q=HQ, heads_kv=HKV, head_dim=D)) for s in ("causal", "prefixlm")}
-    print(f"built and registered {sorted(names.values())} in {time.time() - t0:.0f} s", flush=True)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": {
-        "layers": LAYERS, "heads_q": HQ, "heads_kv": HKV, "head_dim": D, "batch": B, "vocab": VOCAB}, "rows": []}
-    for n in (2048, 8192):
-        ids = torch.randint(0, VOCAB, (B, n), device="cuda", generator=torch.Generator("cuda").manual_seed(n))
-        ours, ref = logits(names["causal"], ids), logits("sdpa", ids)
-        check = golden_check(ids, ours, ref)
-        t_sdpa, t_ours = bench_round_robin([forward_fn("sdpa", ids), forward_fn(names["causal"], ids)],
-                                           reps=args.reps)
-        result["rows"].append({"variant": "causal", "N": n, "sdpa_ms": t_sdpa.median_ms, "cubridge_ms": t_ours.median_ms,
-                               "speedup_vs_sdpa": t_sdpa.median_ms / t_ours.median_ms, "logits_rule": check})
-        print(result["rows"][-1], flush=True)
-        del ours, ref
-        torch.cuda.empty_cache()
-    n = 8192
-    ids = torch.randint(0, VOCAB, (B, n), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
-    mask = prefix_mask(n)
-    ours, ref = logits(names["prefixlm"], ids), logits("sdpa", ids, attention_mask=mask)
-    check = golden_check(ids, ours, ref, attention_mask=mask)
-    del ours, ref
-    torch.cuda.empty_cache()
-    systems = {"sdpa_bool_mask": forward_fn("sdpa", ids, attention_mask=mask),
-               "cubridge": forward_fn(names["prefixlm"], ids)}
-    block, flex_backend = flex_block_mask(n), None
-    for backend, kw in (("FLASH", {"kernel_options": {"BACKEND": "FLASH"}}), ("TRITON", {})):
+    registered, runs = build_runs(args, root)
+    print(f"built and registered {sorted(registered.values())} in {time.time() - t0:.0f} s", flush=True)
+    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
+              "versions": versions(), "env": env_opt_ins(),
+              "model": {"layers": LAYERS, "heads_q": HQ, "heads_kv": HKV, "head_dim": D, "batch": B, "vocab": VOCAB,
+                        "dtype": "bf16"},
+              "protocol": f"bench_round_robin, 2 warm-ups, median of {args.reps}, L2 flushed",
+              "runs": runs, "rows": [], "checks": [], "system_errors": {}}
+    return run_parts(args, registered, result)
+
+
+def build_runs(args, root: Path) -> tuple[dict, dict]:
+    """({causal, prefixlm, prefixlm@LABEL per --alt-configs: registered attention name}, their
+    run_info); run directories built in parallel (nvcc runs outside the GIL), prefixlm's taken
+    from --prefixlm-run where given."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cubridge.integrations.transformers import register
+    from cubridge.op import build
+    jobs = {s: (s, {}) for s in ("causal", "prefixlm") if s != "prefixlm" or args.prefixlm_run is None}
+    for label in args.alt_configs:
+        point = parse_config(label)
+        jobs[f"prefixlm@{label}"] = ("prefixlm", {"configs": {1024: point, 8192: point}})
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        dirs = dict(zip(jobs, pool.map(lambda kv: build(kv[1][0], root / kv[0].replace("@", "_"), heads_q=HQ,
+                                                        heads_kv=HKV, head_dim=D, **kv[1][1]), jobs.items())))
+    if args.prefixlm_run is not None:
+        dirs["prefixlm"] = tuned_run(args.prefixlm_run)
+    runs = {key: register(d, name=f"cubridge_{key.replace('@', '_')}") for key, d in dirs.items()}
+    return runs, {key: run_info(d) for key, d in dirs.items()}
+
+
+def run_info(run) -> dict:
+    """Where a run came from and its buckets' forward / backward configs (for the JSON)."""
+    dispatch = run.dispatch if hasattr(run, "dispatch") else json.loads((Path(run) / "dispatch.json").read_text())
+    return {"dir": str(getattr(run, "directory", run)),
+            "buckets": [{"min_seqlen": b["min_seqlen"], "max_seqlen": b["max_seqlen"], "forward": b["label"],
+                         "backward": (b.get("backward") or {}).get("config")} for b in dispatch["buckets"]]}
+
+
+def tuned_run(directory: Path):
+    """The tuned prefixlm run, loaded and checked against the client's model (its head counts)."""
+    import cubridge
+    from cubridge.errors import CubridgeError
+    op = cubridge.load(directory)
+    d = op.dispatch
+    if d["spec_name"] != "prefixlm" or op.heads != (HQ, HKV) or op.head_dim != D or d["dtype"] != "bf16":
+        raise CubridgeError(f"a {d['spec_name']} run for Hq={op.heads[0]}, Hkv={op.heads[1]}, D={op.head_dim}, "
+                            f"{d['dtype']}; the client's model needs prefixlm, {HQ} / {HKV} heads, D={D}, bf16",
+                            where=f"{directory}/dispatch.json",
+                            hint=f"tune with shapes: {{heads_q: {HQ}, heads_kv: {HKV}, head_dim: {D}}} "
+                                 "(configs/h100_prefixlm_llama.yaml)")
+    return op
+
+
+def run_parts(args, registered: dict, result: dict) -> int:
+    """The forward and / or train parts, the JSON rewritten after each (a failing part is recorded
+    and the rest still runs); 1 if a part failed."""
+    parts = ([] if args.no_forward else [("forward", run_forward)]) + ([("train", run_train)] if args.train else [])
+    failed = False
+    for part, run in parts:
         try:
-            fn = forward_fn("flex_attention", ids, attention_mask=block, **kw)
-            fn()
-            systems[f"flex_{backend.lower()}"], flex_backend = fn, backend
-            break
-        except Exception as e:   # noqa: BLE001 - a backend this machine lacks is recorded
-            result.setdefault("flex_errors", {})[backend] = f"{type(e).__name__}: {str(e)[:300]}"
-    times = dict(zip(systems, bench_round_robin(list(systems.values()), reps=args.reps)))
-    row = {"variant": "prefixlm", "N": n, **{f"{k}_ms": t.median_ms for k, t in times.items()},
-           "flex_backend": flex_backend, "logits_rule": check}
-    row["speedup_vs_sdpa_mask"] = times["sdpa_bool_mask"].median_ms / times["cubridge"].median_ms
-    if flex_backend:
-        row["speedup_vs_flex"] = times[f"flex_{flex_backend.lower()}"].median_ms / times["cubridge"].median_ms
-    result["rows"].append(row)
-    print(row, flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-    print(f"{'variant':<9} {'N':>5} {'ours ms':>9} {'baseline':<16} {'base ms':>9} {'speedup':>8} rule")
-    for r in result["rows"]:
-        for base in [k[:-3] for k in r if k.endswith("_ms") and not k.startswith("cubridge")]:
-            print(f"{r['variant']:<9} {r['N']:>5} {r['cubridge_ms']:9.3f} {base:<16} {r[base + '_ms']:9.3f} "
-                  f"{r[base + '_ms'] / r['cubridge_ms']:7.2f}x {r['logits_rule'].get('passed')}")
+            run(args, registered, result)
+        except Exception as e:   # noqa: BLE001 - recorded; what ran before still gets written
+            failed = True
+            result.setdefault("errors", {})[part] = traceback.format_exc(limit=6)[-3000:]
+            print(f"error: {part}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            torch.cuda.empty_cache()
+            write(args.out, result)
+    print_table(result)
+    return 1 if failed else 0
+
+
+def write(path: Path, result: dict) -> None:
+    result["speedups"] = speedups(result["rows"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,6 +10,7 @@ only the backward kernels run under the tool. Shapes are tiny: racecheck slows k
 
     compute-sanitizer --tool racecheck --error-exitcode 9 python3 experiments/sanitize_bwd.py
     python3 experiments/sanitize_bwd.py --only fa3_bwd_sm90 [--fa3-option bulk_overlap]
+    python3 experiments/sanitize_bwd.py --only hopper_variants   # variants lowered onto fa3_bwd_sm90
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ DENSE = [
 ]
 # (spec, deterministic, B, Hq, Hkv, Nq, Nk, D): lowered variant backwards with fewer queries than keys
 VARIANTS = [("prefixlm", False, 1, 4, 2, 100, 260, 128), ("share_question", True, 1, 2, 1, 90, 300, 64)]
+# the same on the Hopper backward (cubridge.lower.fa3_bwd_sm90, sm_90): a block table, the one-pass
+# P / dS path (composite's softcap), an elementwise normalisation; atomic only (no deterministic mode)
+HOPPER_VARIANTS = [("prefixlm", False, 1, 4, 2, 100, 260, 128), ("share_question", False, 1, 2, 1, 90, 300, 64),
+                   ("composite", False, 1, 2, 2, 150, 150, 128), ("sigmoid", False, 1, 2, 1, 70, 200, 64)]
 
 
 def _inputs(b, hq, hkv, nq, nk, d, dtype, seed):
@@ -75,9 +80,9 @@ def dense_case(kernel, det, b, hq, hkv, nq, nk, d, dtype, causal, fa3_option=Non
     return _verdicts(label, poisoned, golden, ref)
 
 
-def variant_case(spec, det, b, hq, hkv, nq, nk, d) -> bool:
+def variant_case(spec, det, b, hq, hkv, nq, nk, d, hopper: bool = False) -> bool:
     from cubridge.runtime.variant_bwd import VariantBackward, reference_forward
-    bwd = VariantBackward(spec)
+    bwd = VariantBackward(spec, use_hopper=hopper)
     q, k, v, dout = _inputs(b, hq, hkv, nq, nk, d, BF16, nq * 11 + nk)
     out, lse = reference_forward(bwd.spec, q.double(), k.double(), v.double())
 
@@ -89,13 +94,14 @@ def variant_case(spec, det, b, hq, hkv, nq, nk, d) -> bool:
     bwd(dout, q, k, v, out.to(BF16), lse.float(), sm_scale=d ** -0.5, deterministic=det,
         dq=poisoned[0], dk=poisoned[1], dv=poisoned[2])
     torch.cuda.synchronize()
-    return _verdicts(f"variant {spec} {'det' if det else 'atomic'} q{nq} k{nk} D{d}", poisoned,
+    return _verdicts(f"variant {spec} {'fa3_bwd_sm90' if hopper else 'fa2_bwd_sm80'} {'det' if det else 'atomic'} "
+                     f"q{nq} k{nk} D{d}", poisoned,
                      grads(torch.float64), grads(BF16))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["fa2_bwd_sm80", "fa3_bwd_sm90", "variants"])
+    ap.add_argument("--only", choices=["fa2_bwd_sm80", "fa3_bwd_sm90", "variants", "hopper_variants"])
     ap.add_argument("--fa3-option", help="fa3_bwd_sm90's performance option (its OPTIONS; default: DEFAULT_OPTION)")
     args = ap.parse_args(argv)
     sm90 = torch.cuda.get_device_capability() == (9, 0)
@@ -106,6 +112,9 @@ def main(argv=None) -> int:
     if args.only in (None, "variants"):
         for case in VARIANTS:
             ok &= variant_case(*case)
+    if args.only in (None, "hopper_variants") and sm90:
+        for case in HOPPER_VARIANTS:
+            ok &= variant_case(*case, hopper=True)
     print("sanitize_bwd:", "all cases pass the rule" if ok else "SOME CASE FAILED THE RULE")
     return 0 if ok else 1
 

@@ -11,7 +11,8 @@ transformers calls attention with q [B, Hq, N, D] and k, v [B, Hkv, N, D] (views
 projections, GQA unrepeated) and expects [B, N, Hq, D] back; the head counts must be the ones the
 run was tuned for. What the kernel cannot honour is refused, never run on misread data: a padding
 mask (attention_mask with zeros), a custom 4-D mask, packed sequences, a decode step with a KV
-cache (fewer queries than keys), dropout in training, output_attentions.
+cache (fewer queries than keys), dropout in training, output_attentions. Under autocast to the
+kernel's dtype (float32 weights), q, k and v are cast to it as SDPA would (autocast_inputs).
 """
 from __future__ import annotations
 
@@ -57,9 +58,20 @@ def attention_forward(attn):
             raise LaunchError(f"a bidirectional attention layer ({type(module).__name__}) and a "
                               f"{attn.dispatch['spec_name']!r} kernel", where=WHERE,
                               hint="register a run of the 'full' spec for bidirectional layers")
-        out = attn(query, key, value, scale=scaling)
+        out = attn(*autocast_inputs(attn, query, key, value), scale=scaling)
         return out.transpose(1, 2), None
     return forward
+
+
+def autocast_inputs(attn, *tensors):
+    """q, k, v as the kernel's dtype under autocast to it (float32 weights, bf16 compute): Llama's
+    rotary embedding hands q and k over in float32 there (cos / sin follow the float32 hidden
+    states; transformers 5.17), and SDPA casts them itself. Outside autocast, or under autocast
+    to another dtype, they pass unchanged and the op's dtype check names the mismatch."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != attn.dtype:
+        return tensors
+    return tuple(t.to(attn.dtype) if t.is_floating_point() else t for t in tensors)
 
 
 def no_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,

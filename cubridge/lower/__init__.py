@@ -35,8 +35,9 @@ class LoweredKernel:
     fields: list = field(default_factory=list)
     ir: VariantIR | None = None
 
-    def args(self, inputs: dict, device) -> "Launchable":
-        """Pack the variant's extra inputs (from Candidate.bind) for a launch on `device`."""
+    def args(self, inputs: dict, device, per_call: bool = False) -> "Launchable":
+        """Pack the variant's extra inputs (from Candidate.bind) for a launch on `device`;
+        per_call: the inputs follow the call's runtime inputs (see Launchable.per_call)."""
         keep, values = [], {}
         for name, t, nd in (self.ir.tables if self.ir else []):
             x = inputs[name]
@@ -50,7 +51,7 @@ class LoweredKernel:
         struct = _struct_type(tuple(self.fields))()
         for name, _ in self.fields:
             setattr(struct, name, values.get(name, 0))
-        return Launchable(self.source, struct, keep)
+        return Launchable(self.source, struct, keep, per_call=per_call)
 
 
 @dataclass
@@ -61,6 +62,9 @@ class Launchable:
     args: ctypes.Structure
     keep_alive: list
     tile_orders: dict = field(default_factory=dict)   # fa3: longest-first tile order per shape
+    # packed for one call only (a spec's runtime inputs): fa3 orders its tiles on the GPU in a few
+    # launches (runtime.lpt) instead of lpt_order's ~30 torch calls, which a per-shape launch pays once
+    per_call: bool = False
 
 
 _CTYPES = {"ptr": ctypes.c_void_p, "int": ctypes.c_int32, "float": ctypes.c_float}

@@ -2,7 +2,9 @@
 its setup_context saves q, k, v, out, lse, and the backward is the custom op
 `cubridge::attention_backward`, which runs the run's spec through the lowered fa2_bwd_sm80
 backward (cubridge.runtime.variant_bwd: the forward's mask and iteration space transposed, the
-score_mod's derivative, the normalisation's backward). Its fake implementation gives the gradient
+score_mod's derivative, the normalisation's backward), or on sm_90 with
+CUBRIDGE_HOPPER_VARIANT_BWD=1 through the same lowered into the Hopper fa3_bwd_sm90 (the tuned
+fa2 config then unused). Its fake implementation gives the gradient
 shapes, so torch.compile traces forward and backward.
 
 A call that needs gradients goes through attention_lse (the backward needs the forward's LSE for

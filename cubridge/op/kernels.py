@@ -17,6 +17,7 @@ import torch
 
 from cubridge.archs import check_arch
 from cubridge.errors import LaunchError
+from cubridge.runtime.driver import current_stream
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,7 +43,7 @@ class Bucket:
     def __init__(self, directory: Path, dispatch: dict, entry: dict):
         self.directory, self.dispatch, self.entry = directory, dispatch, entry
         self.reference = entry["reference"]
-        self._lowered = self._bind = None
+        self._lowered = self._cand = None
         self._loaded: set = set()       # device indices whose launch was built
 
     # -------------------------------------------------------------- loading
@@ -62,9 +63,14 @@ class Bucket:
     def binder(self):
         """bind(Nq=, Nk=, Hq=, Hkv=, B=, params=, device=) -> extra inputs, or None for none. Rules
         candidates are re-derived from the run's spec copy and must give the run's exact CuIR."""
-        if self._bind is None:
-            self._bind = _rules_binder(self.directory, self.dispatch, self.entry)
-        return self._bind or None
+        cand = self.candidate()
+        return cand.bind if cand is not None else None
+
+    def candidate(self):
+        """The rules candidate (transfer.rules.Candidate) whose bind gives the extra inputs, or None."""
+        if self._cand is None:
+            self._cand = _rules_candidate(self.directory, self.dispatch, self.entry)
+        return self._cand or None
 
     def cuir_params(self) -> dict:
         return self.kernel.space.to_cuir(self.entry["config"])
@@ -110,8 +116,53 @@ class Bucket:
         return Prepared(launch, lse, launchable)
 
 
-def _rules_binder(directory: Path, dispatch: dict, entry: dict):
-    """The rules candidate's bind, or False when the candidate needs none (other origins)."""
+class RuntimePrepared:
+    """The launch at one shape of a spec with runtime inputs (document ids, say), built on the first
+    call and kept: each call binds its inputs (the block table built on the GPU by
+    runtime.block_table, the static part of the binding cached per shape by call_binding), re-points
+    the launch at them (fa3: `Fa3Launch.rebind`, the tile order counted and sorted on the GPU) and
+    launches, all in the current stream: no host sync, no re-tracing, no cubin read. Building a new
+    launch per call (re-reading the cubin, lpt_order's ~30 torch calls) was 0.7-1.2 ms of host time
+    per call on the H100 host (session 9). A kernel whose launch cannot rebind (fa2_sm80's closure)
+    gets a new one per call, which costs it nothing much."""
+
+    def __init__(self, bucket: Bucket, device: torch.device, dims: tuple, scale: float, names: tuple):
+        b, hq, hkv, nq, nk = dims
+        self.bucket, self.device, self.dims, self.scale, self.names = bucket, device, dims, scale, names
+        self.lse_scratch = torch.empty((b, hq, nq), device=device, dtype=torch.float32)
+        cand = bucket.candidate()
+        self._bind = (cand.binder_at(Nq=nq, Nk=nk, Hq=hq, Hkv=hkv, B=b, params=bucket.cuir_params(), device=device)
+                      if cand is not None else lambda runtime, scratch: {})
+        self._lowered, self._cubin, self._launch = bucket.lowered(), None, None
+        self._scratch: dict = {}           # raw stream -> the per-call tables' buffers (driver.scratch_tensor)
+
+    def launch(self, q, k, v, out, lse, rt: list):
+        """Launch on this call's runtime inputs `rt` (in declared order); returns what the launch
+        reads (the packed variant), which a CUDA graph capture must keep alive. The block table,
+        tile counts and order live in this shape's buffers for the current stream (the stream runs
+        one call's kernels before the next call's writes); a capture gets fresh ones (the graph's)."""
+        scratch = None
+        if not torch.cuda.is_current_stream_capturing():
+            stream = current_stream(self.device.index)
+            scratch = self._scratch.get(stream)
+            if scratch is None:
+                scratch = self._scratch[stream] = {}
+        variant = self._lowered.args(self._bind(dict(zip(self.names, rt)), scratch), self.device, per_call=True)
+        rebind = getattr(self._launch, "rebind", None)
+        if rebind is not None:
+            rebind(variant, scratch)
+        else:
+            b, d = self.bucket, self.bucket.dispatch
+            self._cubin = self._cubin or b.cubin()
+            self._launch = b.kernel.shape_launch(self._cubin, b.entry["config"], int(d["head_dim"]), d["dtype"],
+                                                 variant, self.device, self.dims, self.scale)
+            b._loaded.add(self.device.index)
+        self._launch(q, k, v, out, lse)
+        return variant
+
+
+def _rules_candidate(directory: Path, dispatch: dict, entry: dict):
+    """The rules candidate, or False when the candidate needs no binding (other origins)."""
     if entry.get("origin") != "rules":
         return False
     from cubridge.cuir.parser import parse_file
@@ -127,4 +178,4 @@ def _rules_binder(directory: Path, dispatch: dict, entry: dict):
         raise LaunchError("the rules transfer of this checkout gives another kernel than the run's "
                           f"{entry['cuir']}", where=str(directory / "dispatch.json"),
                           hint="load the run with the cubridge version that tuned it, or tune again")
-    return cand.bind
+    return cand

@@ -15,6 +15,10 @@ Per shape (device, B, Hq, Hkv, N, scale) the first call binds the spec's extra i
 counts the tile order on the GPU and builds the launch (`Prepared`); every later call allocates
 the output and launches: no host sync, no host-to-device copy, so the call can be captured in a
 CUDA graph once the shape has been seen (a first call inside a capture is refused, saying so).
+With runtime inputs (`attn(q, k, v, doc_ids=ids)`: kernels.RuntimePrepared) every call also binds
+them: the block table and the tile order are rebuilt on the GPU in the current stream (three small
+launches into the shape's buffers for that stream) and the shape's launch is re-pointed at them
+(op/NOTES.md 6).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from cubridge.errors import LaunchError
 from cubridge.op import handles, library  # noqa: F401 - library registers the custom ops torch.compile sees
 from cubridge.op.checks import apply_plan, bnhd_order, check_plan, out_like
 from cubridge.op.autograd import check_trainable
-from cubridge.op.kernels import DTYPES, Bucket, device_checked
+from cubridge.op.kernels import DTYPES, Bucket, RuntimePrepared, device_checked
 
 WHERE = "cubridge op"
 PLAN_CACHE = 256         # checked call signatures remembered (host data only)
@@ -175,32 +179,38 @@ class TunedOp:
         if b * hq * n == 0:
             lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
             return out, (lse if want_lse else None)
-        prep = self._prepared.get((q.shape, k.shape, q.device, scale)) if not rt else None
+        prep = self._prepared.get((q.shape, k.shape, q.device, scale))
         if prep is None:
             prep = self._prepare(q, k, scale, rt)
         lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device) if want_lse else prep.lse_scratch
-        prep.launch(q, k, v, out, lse)
+        if rt:    # kernels.RuntimePrepared: binds this call's inputs, on the GPU
+            keep = prep.launch(q, k, v, out, lse, rt)
+            if torch.cuda.is_current_stream_capturing():   # the graph replays with this call's tables
+                self._captured.append(keep)
+        else:
+            prep.launch(q, k, v, out, lse)
         return out, (lse if want_lse else None)
 
     def _prepare(self, q, k, scale: float, rt: list):
-        """The launch at this shape: built once and cached; with runtime inputs (their block tables
-        and tile order follow the data) built per call, on the GPU, so it can be captured too once
-        the shape's kernel is loaded."""
+        """The launch at this shape, built once and cached; with runtime inputs a
+        kernels.RuntimePrepared, which binds each call's inputs (block tables and tile order follow
+        the data) on the GPU, so it can be captured too once the shape's kernel is loaded."""
         device = q.device
         b, hq, n, _ = q.shape
         bucket = self._buckets[self._bucket_index(n)]
         capturing = torch.cuda.is_current_stream_capturing()
-        if capturing and (not rt or not bucket.loaded(device)):
+        if capturing:      # also with runtime inputs: the shape's scratch must not come from the graph's pool
             raise LaunchError(f"first call at shape q {tuple(q.shape)} inside a CUDA graph capture: binding the "
                               "spec's inputs, loading the kernel and counting the tile order copy to the GPU, which "
                               "a capture forbids", where=WHERE,
                               hint="call the op once at this shape before capturing (a warm-up run)")
         device_checked(self.dispatch["arch"], device.index if device.index is not None else torch.cuda.current_device())
-        prep = bucket.prepare(device, b, hq, k.shape[1], n, k.shape[2], scale, dict(zip(self.runtime_inputs, rt)))
-        if not rt:   # never evicted: a CUDA graph captured at this shape points into prep's buffers
-            self._prepared[(q.shape, k.shape, q.device, scale)] = prep
-        elif capturing:   # the graph replays with this call's tables and tile order: keep them alive
-            self._captured.append(prep)
+        if rt:
+            prep = RuntimePrepared(bucket, device, (b, hq, k.shape[1], n, k.shape[2]), scale, self.runtime_inputs)
+        else:
+            prep = bucket.prepare(device, b, hq, k.shape[1], n, k.shape[2], scale, {})
+        # never evicted: a CUDA graph captured at this shape points into prep's buffers
+        self._prepared[(q.shape, k.shape, q.device, scale)] = prep
         return prep
 
     def warmup(self, q, k, v, **kw) -> None:

@@ -150,6 +150,26 @@ class Driver:
                                            params, None), "cuLaunchKernel")
 
 
+def current_stream(index: int) -> int:
+    """The raw handle of the current CUDA stream of device `index` (torch's own accessor: a
+    torch.cuda.Stream object per call costs ~1-2 us of the op's host budget)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def scratch_tensor(scratch: dict | None, name: str, shape: tuple, dtype, device) -> torch.Tensor:
+    """torch.empty(shape), or the buffer `scratch` keeps under `name` (made on first use). The op
+    with runtime inputs keeps one scratch per (shape, stream) for its per-call tables: one stream
+    runs each call's kernels before the next call's, so reusing them is safe there and saves an
+    allocation per table per call (never inside a CUDA graph capture: the graph keeps its own)."""
+    if scratch is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    t = scratch.get(name)
+    if t is None or t.shape != shape:
+        t = scratch[name] = torch.empty(shape, dtype=dtype, device=device)
+    return t
+
+
 def pack_params(args) -> ctypes.Array:
     """The kernelParams array for cuLaunchKernel: the address of each ctypes object in `args`
     (which must stay alive until the launch call returns)."""

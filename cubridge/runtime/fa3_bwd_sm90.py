@@ -56,6 +56,9 @@ OPTIONS = {"base": (0, 0, 0, 0), "bulk": (1, 0, 0, 0), "bulk_overlap": (1, 1, 0,
            "bulk_overlap_lse_l2lpt": (1, 1, 1, 2), "bulk_dqfirst_lse": (1, 2, 1, 0),
            "bulk_dqfirst_lse_l2lpt": (1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse"   # fastest of OPTIONS on an H100 (docstring)
+# A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on this option only (params.cuh
+# static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes).
+VARIANT_OPTION = "bulk_overlap_lse"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
 BLOCK_N = 128            # keys per CTA
@@ -103,12 +106,17 @@ def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTIO
 
 
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
-                compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None):
-    """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache."""
+                compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
+                source: str | None = None):
+    """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
+    `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one."""
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
-    return compile_cubin(KERNEL_SOURCE.read_text(), arch="sm_90a",
+    if source is not None and option != VARIANT_OPTION:
+        raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
+                          hint=f"a lowered variant builds with option={VARIANT_OPTION!r}")
+    return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
                          options=[*options(head_dim, causal, bf16, option), *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
 
@@ -127,11 +135,12 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
 
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
-               compiler: str | None):
-    """(the backward kernel, the tiled dQ convert kernel) of one specialisation."""
-    key = (head_dim, causal, bf16, option, device.index, compiler)
+               compiler: str | None, source: str | None = None):
+    """(the backward kernel, the tiled dQ convert kernel) of one specialisation (of `source`, a
+    lowered variant, when given)."""
+    key = (head_dim, causal, bf16, option, device.index, compiler, source)
     if key not in _FUNCTIONS:
-        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler).cubin
+        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source).cubin
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, CONVERT_ENTRY)
     return _FUNCTIONS[key]
@@ -196,16 +205,21 @@ def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int,
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                  dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
-                 l2_bytes: int | None = None):
+                 variant=None, l2_bytes: int | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
-    option: one of OPTIONS (the kernel's compile-time performance options). l2_bytes: the L2 budget
-    TILE_ORDER 2 sizes its head sections by (default the device's L2; tests pass small ones to
-    exercise several sections)."""
+    option: one of OPTIONS (the kernel's compile-time performance options). variant: a
+    cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
+    causal=False; option VARIANT_OPTION); its VariantArgs must stay alive until the kernel ran.
+    l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
+    tests pass small ones to exercise several sections)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     dq_mode, _, lse_smem, tile_order = _modes(option)
+    if variant is not None and (causal or option != VARIANT_OPTION):
+        raise LaunchError(f"a variant with causal={causal}, option={option!r}", where="fa3_backward",
+                          hint=f"a lowered variant carries its own mask: pass causal=False, option={VARIANT_OPTION!r}")
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     device = q.device
     if capability(device.index) != (9, 0):
@@ -217,7 +231,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                              shape.head_dim)
     bf16 = q.dtype == torch.bfloat16
-    func, convert = _functions(d, bool(causal), bf16, option, device, compiler)
+    func, convert = _functions(d, bool(causal), bf16, option, device, compiler,
+                               variant.source if variant is not None else None)
     helpers = _helpers().kernels(d, q.dtype, False, False, device)
     stream = torch.cuda.current_stream(device).cuda_stream
     rows = b * hq * nq
@@ -244,7 +259,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
         section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal), l2)
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
-    scalars += [ctypes.c_int32(section)]
+    scalars += [ctypes.c_int32(section)]   # l2_section
+    scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
     grid = _grid(option, tiles, hkv, b)
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if dq_mode == 1:

@@ -28,7 +28,7 @@ import torch
 
 from cubridge.errors import LaunchError
 from cubridge.runtime import fa3_sm90 as fa3
-from cubridge.runtime.driver import driver, sm_count
+from cubridge.runtime.driver import current_stream, driver, sm_count
 
 _LOADED: dict = {}
 ARGV_CACHE = 64          # packed argument arrays per launch, by (addresses, strides, stream)
@@ -56,12 +56,14 @@ class Fa3Launch:
         sms = sm_count(device.index)
         tiles = math.ceil(nq / config.block_m) * hq * b
         self.grid = min(tiles, sms) if config.persistent else tiles
-        self.order = (fa3.tile_order(counts_func, config, variant, device, b, hq, hkv, nq, nk, min(self.grid, sms))
+        self._counts, self._shape = counts_func, (b, hq, hkv, nq, nk, min(self.grid, sms))
+        self.order = (fa3.tile_order(counts_func, config, variant, device, *self._shape)
                       if variant is not None else None)
+        # the launch's own copy of VariantArgs: rebind() rewrites it in place, where argv points
+        args = type(variant.args).from_buffer_copy(variant.args) if variant is not None else ctypes.c_int32(0)
         self._tail = [ctypes.c_uint64(self.order.data_ptr() if self.order is not None else 0),
                       ctypes.c_int32(nq), ctypes.c_int32(nk), ctypes.c_int32(hq), ctypes.c_int32(hkv),
-                      ctypes.c_int32(b), ctypes.c_float(scale),
-                      variant.args if variant is not None else ctypes.c_int32(0)]
+                      ctypes.c_int32(b), ctypes.c_float(scale), args]
         self._tail_ptrs = [ctypes.addressof(x) for x in self._tail]
         self._argv = ctypes.c_void_p * (6 + len(self._tail))
         self._lib = driver().lib
@@ -80,6 +82,19 @@ class Fa3Launch:
         if result:
             driver().check(result, "cuLaunchKernel")
 
+    def rebind(self, variant, scratch: dict | None = None) -> None:
+        """Point the next launches at `variant` (a call's runtime inputs: new tables, same layout)
+        and at its tile order, counted and ordered on the GPU (tile_order): the argument arrays
+        keep their addresses, only the values they point to change (cuLaunchKernel copies them at
+        the launch, so an earlier launch, or one a CUDA graph captured, is not affected)."""
+        if type(variant.args) is not type(self._tail[-1]):
+            raise LaunchError("rebind: the variant's VariantArgs layout differs from the one this launch was built "
+                              "with", hint="build a new Fa3Launch for another lowered kernel")
+        self.variant = variant
+        self.order = fa3.tile_order(self._counts, self.config, variant, self.device, *self._shape, scratch=scratch)
+        self._tail[0].value = self.order.data_ptr()
+        ctypes.memmove(ctypes.addressof(self._tail[-1]), ctypes.addressof(variant.args), ctypes.sizeof(variant.args))
+
     def _pack(self, key, q, k, v, out, lse, stream):
         """The argument array for these addresses (kept with the objects it points to). A model
         calls with the same few buffers over and over (the caching allocator reuses blocks), so
@@ -93,10 +108,3 @@ class Fa3Launch:
             self._argvs.pop(next(iter(self._argvs)))
         self._argvs[key] = argv
         return argv
-
-
-def current_stream(index: int) -> int:
-    """The raw handle of the current CUDA stream of device `index` (torch's own accessor: a
-    torch.cuda.Stream object per call costs ~1-2 us of the op's host budget)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream

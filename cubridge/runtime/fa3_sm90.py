@@ -31,7 +31,7 @@ import torch
 from cubridge.errors import LaunchError
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.build import compile_cubin, default_compiler
-from cubridge.runtime.driver import capability, driver, pack_params, sm_count
+from cubridge.runtime.driver import capability, current_stream, driver, pack_params, scratch_tensor, sm_count
 
 KERNEL_DIR = REF_KERNELS_DIR / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
@@ -424,19 +424,27 @@ def lpt_order(counts: torch.Tensor, ctas: int) -> torch.Tensor:
     return torch.argsort(key.reshape(-1), stable=True).to(torch.int32)
 
 
-def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, nk, ctas) -> torch.Tensor:
+def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, nk, ctas,
+               scratch: dict | None = None) -> torch.Tensor:
     """The longest-first tile order of a lowered variant at one shape: its kv_range counted on the
-    GPU by the kernel's own fa3_sm90_tile_counts, ordered by lpt_order; cached on the variant."""
+    GPU by the kernel's own fa3_sm90_tile_counts, ordered by lpt_order; cached on the variant. A
+    per-call variant (runtime inputs) orders on the GPU (runtime.lpt: the same order, ~10x fewer
+    host calls), since it pays this on every call; its buffers come from `scratch` when given
+    (driver.scratch_tensor)."""
     key = (config.block_m, config.block_n, b, hq, hkv, nq, nk, device.index, ctas)
     cache = variant.tile_orders
     if key not in cache:
         num_m = math.ceil(nq / config.block_m)
-        counts = torch.empty(b * hq * num_m, device=device, dtype=torch.int32)
+        counts = scratch_tensor(scratch, "tile_counts", (b * hq * num_m,), torch.int32, device)
         params = [ctypes.c_uint64(counts.data_ptr()), ctypes.c_int32(nq), ctypes.c_int32(nk), ctypes.c_int32(hq),
                   ctypes.c_int32(hkv), ctypes.c_int32(b), variant.args]
         threads = 128
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = current_stream(device.index)
         driver().launch(counts_func, (math.ceil(counts.numel() / threads), 1, 1), (threads, 1, 1), 0,
                         stream, pack_params(params))
-        cache[key] = lpt_order(counts.view(b * hq, num_m), ctas)
+        if variant.per_call:
+            from cubridge.runtime.lpt import gpu_lpt_order
+            cache[key] = gpu_lpt_order(counts, num_m, ctas, stream, scratch)
+        else:
+            cache[key] = lpt_order(counts.view(b * hq, num_m), ctas)
     return cache[key]

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from cubridge.errors import LaunchError
-from cubridge.runtime.driver import driver, pack_params
+from cubridge.runtime.driver import current_stream, driver, pack_params
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16)
 MAX_GRID_YZ = 65535          # CUDA limit on gridDim.y and gridDim.z
@@ -165,7 +165,7 @@ class LoadedKernel:
         if min(grid) <= 0:
             raise LaunchError(f"empty grid {grid}: nothing to launch (caller should skip)")
         if stream_ptr is None:
-            stream_ptr = torch.cuda.current_stream(self.device_index).cuda_stream
+            stream_ptr = current_stream(self.device_index)
         with driver().primary_context(self.device_index):   # the module's context, whatever is current
             if smem_bytes > self.smem_optin:
                 driver().set_dynamic_smem(self.func, smem_bytes)

@@ -1,5 +1,11 @@
-"""The backward of a variant spec on fa2_bwd_sm80: the rules transfer of the forward (fa2_sm80's
-program), lowered into the backward kernel's regions by cubridge.lower.fa2_bwd_sm80.
+"""The backward of a variant spec: the rules transfer of the forward (fa2_sm80's program), lowered
+into the regions of the portable fa2_bwd_sm80 (cubridge.lower.fa2_bwd_sm80) or, on sm_90, of the
+Hopper fa3_bwd_sm90 (cubridge.lower.fa3_bwd_sm90, option bulk_overlap_lse).
+
+Which kernel: `use_hopper=None` (default) takes the Hopper one on an sm_90 GPU only when
+CUBRIDGE_HOPPER_VARIANT_BWD=1 (opt-in until tests/gpu/test_bwd_variants.py has passed its Hopper
+cases on an H100), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
+runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs).
 
 Example (GPU):
     >>> bwd = VariantBackward("prefixlm")                                               # doctest: +SKIP
@@ -11,6 +17,7 @@ the backward reads no row statistics: pass any float32 [B, Hq, Nq], e.g. zeros).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -20,6 +27,7 @@ from cubridge.lower.variant import extract
 from cubridge.runtime.fa2_bwd_sm80 import KERNEL_PATH, Config, Fa2BwdSm80, default_config
 
 FORWARD_REF = "fa2_sm80"
+HOPPER_ENV = "CUBRIDGE_HOPPER_VARIANT_BWD"
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +40,8 @@ def _forward_program():
 class VariantBackward:
     """dq, dk, dv of a variant spec (name or path), with the spec's params as keyword overrides."""
 
-    def __init__(self, spec, config: Config | None = None, kernel: Fa2BwdSm80 | None = None, **spec_params):
+    def __init__(self, spec, config: Config | None = None, kernel: Fa2BwdSm80 | None = None,
+                 use_hopper: bool | None = None, **spec_params):
         from cubridge.spec import load_spec
         from cubridge.transfer.rules import transfer
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
@@ -43,17 +52,52 @@ class VariantBackward:
         self.lowered = LoweredKernel("fa2_bwd_sm80", self.source, struct_fields(self.ir), self.ir)
         self.kernel = kernel or Fa2BwdSm80(config)
         self.config = config
+        self.use_hopper = use_hopper
+        self._hopper = None
+
+    @property
+    def hopper(self) -> LoweredKernel:
+        """The variant lowered into ref_kernels/fa3_bwd_sm90 (built lazily: pure Python)."""
+        if self._hopper is None:
+            from cubridge.lower.fa3_bwd_sm90 import lower_source as lower_hopper
+            from cubridge.runtime.fa3_bwd_sm90 import KERNEL_SOURCE
+            self._hopper = LoweredKernel("fa3_bwd_sm90", lower_hopper(KERNEL_SOURCE.read_text(), self.ir),
+                                         struct_fields(self.ir), self.ir)
+        return self._hopper
+
+    def uses_hopper(self, device, deterministic: bool = False) -> bool:
+        """Whether a call on `device` runs fa3_bwd_sm90 (module docstring)."""
+        from cubridge.errors import LaunchError
+        from cubridge.runtime.driver import capability
+        if self.use_hopper is False:
+            return False
+        if self.use_hopper:
+            if deterministic:
+                raise LaunchError("use_hopper=True with deterministic=True", where="VariantBackward",
+                                  hint="the Hopper dQ is not bitwise repeatable: use_hopper=False for deterministic")
+            if device.type != "cuda" or capability(device.index) != (9, 0):
+                raise LaunchError(f"use_hopper=True on {device}, not an sm_90 GPU", where="VariantBackward",
+                                  hint="use_hopper=None picks the kernel the device has")
+            return True
+        return (not deterministic and os.environ.get(HOPPER_ENV, "0") == "1" and device.type == "cuda"
+                and capability(device.index) == (9, 0))
 
     @property
     def norm(self) -> str:
         return self.ir.norm
 
-    def launchable(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, head_dim: int, device):
-        """The VariantArgs at one shape (a block table at the dK/dV kernel's tile)."""
-        cfg = self.config or default_config(head_dim)
+    def launchable(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, head_dim: int, device, hopper: bool = False):
+        """The VariantArgs at one shape (a block table at the dK/dV kernel's tile: fa2_bwd_sm80's
+        config, or fa3_bwd_sm90's 64 queries x 128 keys with `hopper`)."""
+        if hopper:
+            from cubridge.lower.fa3_bwd_sm90 import BLOCK_M, BLOCK_N
+            tiles, lowered = (BLOCK_M, BLOCK_N), self.hopper
+        else:
+            cfg = self.config or default_config(head_dim)
+            tiles, lowered = (cfg.block_m, cfg.block_n), self.lowered
         inputs = self.candidate.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
-                                     params={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n})
-        return self.lowered.args(inputs, device)
+                                     params={"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]})
+        return lowered.args(inputs, device)
 
     def __call__(self, dout, q, k, v, out, lse, sm_scale: float | None = None, deterministic: bool = False,
                  dq=None, dk=None, dv=None):
@@ -65,6 +109,11 @@ class VariantBackward:
             raise LaunchError(f"Nq={nq} > Nk={k.shape[2]}: queries are aligned to the end of the keys (row i at "
                               "position Nk - Nq + i), so a variant needs Nq <= Nk", where="VariantBackward",
                               hint="give at least as many keys as queries")
+        if self.uses_hopper(q.device, deterministic):
+            from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, fa3_backward
+            va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device, hopper=True)
+            return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
+                                option=VARIANT_OPTION, variant=va)   # default_compiler(), as the dense path
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

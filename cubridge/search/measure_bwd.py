@@ -78,7 +78,9 @@ def _variant_backward(spec, label: str, sp: dict):
     from cubridge.runtime.fa2_bwd_sm80 import Config, Fa2BwdSm80
     from cubridge.runtime.variant_bwd import VariantBackward
     config = Config.parse(label)
-    return VariantBackward(spec, config=config, kernel=Fa2BwdSm80(config, compiler=default_compiler()), **sp)
+    # use_hopper=False: these are fa2_bwd_sm80 configs (the Hopper variant backward has none to tune)
+    return VariantBackward(spec, config=config, kernel=Fa2BwdSm80(config, compiler=default_compiler()),
+                           use_hopper=False, **sp)
 
 
 def _prebuild(backwards, head_dim: int, dtype) -> None:

@@ -52,27 +52,74 @@ def bind_inputs(binding, spec, spec_params: dict, *, Nq: int, Nk: int, Hq: int, 
     """The extra kernel inputs at one call (see the module docstring). `binding`: a
     transfer.rules.Binding; `runtime`: the call's runtime inputs by name, or None for the
     representative values the tuner uses."""
+    return shape_binder(binding, spec, spec_params, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params=params,
+                        device=device)(runtime)
+
+
+def shape_binder(binding, spec, spec_params: dict, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1,
+                 params: dict | None = None, device="cpu") -> "ShapeBinder":
+    """bind(runtime) -> the extra inputs of a call at this shape (bind_inputs' arguments but
+    `runtime`), kept per shape: a caller that binds every call (the op with runtime inputs) holds
+    it and skips this lookup too."""
     check_query_length(Nq, Nk, spec.path)
     cfg = {**dict(binding.params), **(params or {})}
     device = torch.device(device)
-    values = spec.runtime_for(Nq, Nk, Hq, Hkv, B, device, runtime, spec.resolved_params(**spec_params))
     key = (binding, spec.path, repr(sorted(spec_params.items())), Nq, Nk, Hq, Hkv, B, cfg.get("BLOCK_M"),
            cfg.get("BLOCK_N"), str(device))
-    static = _CACHE.get(key)
-    if static is None:
+    binder = _CACHE.get(key)
+    if binder is None:
         if len(_CACHE) >= CACHED_SHAPES:
             _CACHE.popitem(last=False)                      # the oldest shape
-        static = _CACHE[key] = _static(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, cfg, device, values)
-    inputs = dict(static.consts)
-    inputs.update(static.captures)
-    if binding.derived:
-        inputs.update(_derived(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, device, values))
-    for cap, name in binding.runtime:
-        inputs[cap] = kernel_tensor(values[name])
-    if binding.table:
-        inputs["BLOCK_CLASS"] = static.table if static.table is not None else _runtime_table(
-            binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, cfg, device, values, inputs)
-    return inputs
+        binder = _CACHE[key] = ShapeBinder(binding, spec, spec_params, (Nq, Nk, Hq, Hkv, B), cfg, device)
+    return binder
+
+
+class ShapeBinder:
+    """The extra inputs at one shape: the static part (_Static) built on the first call, then per
+    call only what follows the runtime inputs (checked, converted, the table built on the GPU)."""
+
+    def __init__(self, binding, spec, spec_params: dict, dims: tuple, cfg: dict, device: torch.device):
+        self.binding, self.spec, self.spec_params, self.dims, self.cfg, self.device = (
+            binding, spec, spec_params, dims, cfg, device)
+        self.resolved = spec.resolved_params(**spec_params)
+        self.static: _Static | None = None
+        self.table_builder = None           # runtime.block_table.TableBuilder of a GPU-built table
+
+    def __call__(self, runtime: dict | None = None, scratch: dict | None = None) -> dict:
+        """The inputs of a call on `runtime`; a GPU-built table goes to `scratch` when given
+        (driver.scratch_tensor: the caller launches in one stream and keeps the buffers)."""
+        binding, spec, spec_params, device = self.binding, self.spec, self.spec_params, self.device
+        Nq, Nk, Hq, Hkv, B = self.dims
+        values = spec.runtime_for(Nq, Nk, Hq, Hkv, B, device, runtime, self.resolved)
+        static = self.static
+        if static is None:
+            static = self.static = _static(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, self.cfg, device, values)
+        inputs = dict(static.consts)
+        inputs.update(static.captures)
+        if binding.derived:
+            inputs.update(_derived(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, device, values))
+        for cap, name in binding.runtime:
+            inputs[cap] = kernel_tensor(values[name])
+        if binding.table:
+            inputs["BLOCK_CLASS"] = (static.table if static.table is not None
+                                     else self._runtime_table(values, inputs, scratch))
+        return inputs
+
+    def _runtime_table(self, values: dict, inputs: dict, scratch: dict | None) -> torch.Tensor:
+        binding, spec, device = self.binding, self.spec, self.device
+        Nq, Nk, Hq, Hkv, B = self.dims
+        if builds_on_device(device) and not binding.derived and binding.mask:
+            if self.table_builder is None:
+                from cubridge.runtime.block_table import TableBuilder
+                scalars = [(name, "int" if dt == "i32" else "float") for name, _, dt in binding.slots]
+                self.table_builder = TableBuilder(binding.mask, inputs, scalars, B=B, Hq=Hq, Nq=Nq, Nk=Nk,
+                                                  block_m=self.cfg["BLOCK_M"], block_n=self.cfg["BLOCK_N"],
+                                                  per_bh=binding.per_bh, device=device)
+            return self.table_builder(inputs, scratch)
+        if device.type == "cuda":
+            _refuse_in_capture(spec, "its block table is built on the host")
+        hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=values, **self.spec_params)
+        return host_table(binding, hooks, B, Hq, Nq, Nk, self.cfg, device)
 
 
 def kernel_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -122,16 +169,10 @@ def host_table(binding, hooks, B, Hq, Nq, Nk, cfg, device) -> torch.Tensor:
     return table if device.type == "cpu" else table.to(device=device, dtype=torch.int32)
 
 
-def _runtime_table(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, cfg, device, values, inputs):
-    if device.type == "cuda" and not binding.derived and binding.mask:
-        from cubridge.runtime.block_table import gpu_block_classes
-        scalars = [(name, "int" if dt == "i32" else "float") for name, _, dt in binding.slots]
-        return gpu_block_classes(binding.mask, inputs, scalars, B=B, Hq=Hq, Nq=Nq, Nk=Nk, block_m=cfg["BLOCK_M"],
-                                 block_n=cfg["BLOCK_N"], per_bh=binding.per_bh, device=device)
-    if device.type == "cuda":
-        _refuse_in_capture(spec, "its block table is built on the host")
-    hooks = spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, runtime=values, **spec_params)
-    return host_table(binding, hooks, B, Hq, Nq, Nk, cfg, device)
+def builds_on_device(device: torch.device) -> bool:
+    """Whether a runtime table is built by the GPU kernel on `device` (CPU tests that stub the
+    kernel's launch say yes for "cpu" to count what a GPU call does)."""
+    return device.type == "cuda"
 
 
 def _refuse_in_capture(spec, why: str):

@@ -37,7 +37,7 @@ from cubridge.cuir import nodes as N
 from cubridge.cuir.parser import parse
 from cubridge.cuir.printer import expr, to_text
 from cubridge.transfer.record import add_record
-from cubridge.transfer.call_binding import bind_inputs
+from cubridge.transfer.call_binding import bind_inputs, shape_binder
 from cubridge.transfer.forms import (EMPTY, FULL, PARTIAL, PROBE_B, block_classes, consts,  # noqa: F401
                                      fingerprint, map_consts, skeleton, trace_form)
 from cubridge.transfer.intervals import classify
@@ -117,9 +117,15 @@ class Candidate:
 
     @property
     def binding(self) -> Binding:
-        return Binding(tuple(tuple(s) for s in self.slots), self.table, self.per_bh, self.skeleton,
-                       tuple(sorted(self.program.params().items())), _mask_text(self.program),
-                       tuple(self.runtime.items()), tuple(self.derived), self.table_reads_runtime)
+        # Kept per program object: printing the mask region walks the whole program, ~25 us of
+        # every bind() (a spec with runtime inputs binds on every call).
+        fields = (tuple(tuple(s) for s in self.slots), self.table, self.per_bh, self.skeleton,
+                  tuple(self.runtime.items()), tuple(self.derived), self.table_reads_runtime)
+        cached = self.__dict__.get("_binding")
+        if cached is None or cached[0] is not self.program or cached[1] != fields:
+            program = (tuple(sorted(self.program.params().items())), _mask_text(self.program))
+            cached = self.__dict__["_binding"] = (self.program, fields, Binding(*fields[:4], *program, *fields[4:]))
+        return cached[2]
 
     def bind(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
              device="cpu", runtime: dict | None = None) -> dict:
@@ -127,6 +133,12 @@ class Candidate:
         block table. `runtime`: the call's runtime inputs, or None for representative values."""
         return bind_inputs(self.binding, self.spec, self.spec_params, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
                            params=params, device=device, runtime=runtime)
+
+    def binder_at(self, *, Nq: int, Nk: int, Hq: int, Hkv: int, B: int = 1, params: dict | None = None,
+                  device="cpu"):
+        """bind(runtime) at one shape (call_binding.ShapeBinder), for a caller that binds every call."""
+        return shape_binder(self.binding, self.spec, self.spec_params, Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
+                            params=params, device=device)
 
 
 def transfer(reference: N.Program, spec, *, spec_params: dict | None = None, device="cpu") -> Candidate:

@@ -6,7 +6,7 @@ checkout's cubridge importable where it is not installed).
 Timing: time_ms_interleaved (the one timing protocol, round-robin). Variants: Ours (rules
 transfer, lowering and launch of a variant on fa3_sm90, as the tuner runs it), Variant (one with
 an edited source), replaced (a source edit), the verification rule at the GPU test shapes
-(check, check_all), the causal softmax baseline. Provenance: versions(). Kernel patches
+(check, check_all), the causal softmax baseline. Provenance: versions(). The op's host time per call and the GPU time a call adds: host_us_per_call, gpu_ms. Kernel patches
 (experiments/patches/: the peer A/B's changes, and under knobs/ the experiment knobs that left the
 product kernel: kv_ascending, serial_tiles, timeline): patched_source, patched_files,
 inline_headers. SASS: disassembler(). Gradients of two systems: grad_sanity, grad_rel_errors. Old kernel versions by commit: source_at("COMMIT:PATH").
@@ -14,12 +14,15 @@ inline_headers. SASS: disassembler(). Gradients of two systems: grad_sanity, gra
 from __future__ import annotations
 
 import ctypes
+import gc
 import glob
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -86,6 +89,54 @@ def time_ms_interleaved(fns) -> list[float]:
     """Median ms of each callable, timed round-robin with L2 flushed before each call
     (cubridge.runtime.timing.bench_round_robin: drift hits every system alike)."""
     return [t.median_ms for t in bench_round_robin(fns, warmup=WARMUP, reps=REPEATS)]
+
+
+# The op's host and GPU-busy timing (experiments/bench_op.py, bench_document.py).
+CALLS = 200
+SLEEP_CYCLES = 400_000_000          # ~0.2 s of GPU time at 1.98 GHz: longer than CALLS enqueues
+HOLD_CYCLES = 1_000_000             # ~0.5 ms at 1.98 GHz: longer than either call's host path
+
+
+def host_us_per_call(fn) -> tuple[float, float]:
+    """(median, mean) host microseconds per call, the GPU busy throughout."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()
+    try:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        times = []
+        for _ in range(CALLS):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        gc.enable()
+    torch.cuda.synchronize()
+    return statistics.median(times), statistics.fmean(times)
+
+
+def gpu_ms(fns, reps: int = 50) -> list[float]:
+    """Median GPU milliseconds of each callable between two events, round-robin, L2 flushed, the
+    GPU held busy before the start event so no call's host path shows up as GPU idle time."""
+    from cubridge.runtime.timing import _flush_buffer
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    flush = _flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(reps):
+        for i, fn in enumerate(fns):
+            flush.fill_(r & 0xFF)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(HOLD_CYCLES)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end))
+    return [statistics.median(t) for t in times]
 
 
 def versions() -> dict:

@@ -65,7 +65,8 @@ def fa4_window(name):
     return {"global_sliding_window": (255, 0)}.get(name)
 
 
-def make_fa4(name, q, k, v):
+def make_fa4(name, q, k, v, **options):
+    """options: more keyword arguments of flash_attn_func (e.g. pack_gqa=False)."""
     fa = _fa4_func()
     qt, kt, vt = bshd(q), bshd(k), bshd(v)
     if name in DENSE:
@@ -78,7 +79,7 @@ def make_fa4(name, q, k, v):
                           "CuTe DSL mask_mod / score_mod (what flex_flash compiles)")
 
     def fn():
-        out = fa(qt, kt, vt, causal=causal, window_size=window)
+        out = fa(qt, kt, vt, causal=causal, window_size=window, **options)
         return out[0] if isinstance(out, tuple) else out
     return (lambda: fn().transpose(1, 2)), note
 

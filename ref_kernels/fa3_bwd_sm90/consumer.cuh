@@ -92,7 +92,8 @@ __device__ __forceinline__ RowTerms row_terms(const float* __restrict__ lse, con
 // step; mask_pred's two shifts cancel for causal. Each form kept here is the one ptxas left
 // spill-free at D = 128 causal (a register for the shift: 8 bytes; one shared read reused: 12).
 // One body with a runtime `partial` (two template copies spilled 12 bytes at D = 128 causal).
-__device__ __forceinline__ void probs_and_ds(bool partial, const Consumer& cs, float (&s)[kSRegs], float (&dp)[kSRegs],
+__device__ __forceinline__ void probs_and_ds(const VariantArgs& va, bool partial, const Consumer& cs,
+                                             float (&s)[kSRegs], float (&dp)[kSRegs],
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float scale_log2, const Problem& pb, int g, int m0) {
   const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();
@@ -107,10 +108,11 @@ __device__ __forceinline__ void probs_and_ds(bool partial, const Consumer& cs, f
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
         const bool keep = !partial || ((kv_row < pb.seqlen_q) &
-                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
+                                        mask_pred(va, pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
                                                   kv_row + pb.q_shift()));
-        s[i] = score(s[i], scale_log2);
-        softmax_bwd(s[i], dp[i], rt.lse2, rt.dvec, keep);
+        s[i] = kScoreModIdentity ? score(va, s[i], scale_log2, 0, 0, 0, 0)
+               : score(va, s[i], scale_log2, pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(), kv_row + pb.q_shift());
+        softmax_bwd(va, s[i], dp[i], rt.lse2, rt.dvec, keep);
       }
     }
 }
@@ -135,7 +137,7 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
 // (masked / unmasked): with one body and a runtime flag, the masked predicates were hoisted and
 // saved to registers (P2R) and D = 128 causal fp16 spilled 16 bytes.
 template <bool kPartial>
-__device__ __forceinline__ void probs_body(const Consumer& cs, float (&s)[kSRegs],
+__device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0, uint32_t lse_tile) {
   constexpr bool partial = kPartial;
@@ -157,17 +159,55 @@ __device__ __forceinline__ void probs_body(const Consumer& cs, float (&s)[kSRegs
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
         const bool keep = !partial || ((kv_row < pb.seqlen_q) &
-                                        mask_pred(pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
+                                        mask_pred(va, pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
                                                   kv_row + pb.q_shift()));
-        s[i] = softmax_p(score(s[i], scale_log2), lse2, keep);
+        // score_mod's indices only where it reads them: computed (then unused) they changed the dense SASS
+        const float x = kScoreModIdentity ? score(va, s[i], scale_log2, 0, 0, 0, 0)
+                        : score(va, s[i], scale_log2, pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
+                                kv_row + pb.q_shift());
+        s[i] = softmax_p(va, x, lse2, keep);
       }
     }
 }
-__device__ __forceinline__ void probs_only(bool partial, const Consumer& cs, float (&s)[kSRegs],
-                                           const float* __restrict__ lse, float scale_log2,
+__device__ __forceinline__ void probs_only(const VariantArgs& va, bool partial, const Consumer& cs,
+                                           float (&s)[kSRegs], const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0, uint32_t lse_tile) {
-  if (partial) probs_body<true>(cs, s, lse, scale_log2, pb, g, m0, lse_tile);
-  else probs_body<false>(cs, s, lse, scale_log2, pb, g, m0, lse_tile);
+  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile);
+  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile);
+}
+
+// kScoreGradOne false (a variant whose score_mod has a derivative other than 1, e.g. a softcap):
+// P^T and dS^T = dscore(P, dP) * score_mod' in one pass after both GEMMs, from the f32 scores (the
+// derivative needs the score, which SCHED 1's 16-bit P^T no longer has). LSE_SMEM only.
+template <bool kPartial>
+__device__ __forceinline__ void probs_ds_body(const VariantArgs& va, const Consumer& cs, float (&s)[kSRegs],
+                                              float (&dp)[kSRegs], float scale_log2, const Problem& pb, int g,
+                                              int m0, uint32_t lse_tile, uint32_t dvec_tile) {
+  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();   // as probs_and_ds
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int q_row = m0 + 8 * j + cs.col0() + e;
+      const float lse2 = ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
+      const float dv = ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
+        const int h_q = pb.h_kv * pb.group + g, q_idx = q_row + pb.q_shift(), kv_idx = kv_row + pb.q_shift();
+        const bool keep = !kPartial || ((kv_row < pb.seqlen_q) & mask_pred(va, pb.b, h_q, q_idx, kv_idx));
+        const float p = softmax_p(va, score(va, s[i], scale_log2, pb.b, h_q, q_idx, kv_idx), lse2, keep);
+        dp[i] = softmax_ds(va, p, dp[i], dv) * score_grad(va, s[i], scale_log2, pb.b, h_q, q_idx, kv_idx);
+        s[i] = p;
+      }
+    }
+}
+__device__ __forceinline__ void probs_and_ds_smem(const VariantArgs& va, bool partial, const Consumer& cs,
+                                                  float (&s)[kSRegs], float (&dp)[kSRegs], float scale_log2,
+                                                  const Problem& pb, int g, int m0, uint32_t lse_tile,
+                                                  uint32_t dvec_tile) {
+  if (partial) probs_ds_body<true>(va, cs, s, dp, scale_log2, pb, g, m0, lse_tile, dvec_tile);
+  else probs_ds_body<false>(va, cs, s, dp, scale_log2, pb, g, m0, lse_tile, dvec_tile);
 }
 
 // dS^T from the 16-bit P^T (SCHED 1): the f32 P^T dies at the pack, 32 registers fewer while dV
@@ -189,9 +229,9 @@ __device__ __forceinline__ float unpack_hi(uint32_t w) {
 }
 
 // SCHED 1: dS^T = P^T (dP^T - Dvec) with P^T read back from its 16-bit pack.
-__device__ __forceinline__ void ds_only16(const Consumer& cs, const uint32_t (&p16)[kPRegs], float (&dp)[kSRegs],
-                                          const float* __restrict__ dvec, const Problem& pb, int g, int m0,
-                                          uint32_t dvec_tile) {
+__device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer& cs, const uint32_t (&p16)[kPRegs],
+                                          float (&dp)[kSRegs], const float* __restrict__ dvec, const Problem& pb,
+                                          int g, int m0, uint32_t dvec_tile) {
   // m0 made opaque: otherwise the 16 row offsets and "q < Nq" predicates of the P pass are kept
   // for this one (CSE), 16+ registers across the peak: 60-68 bytes of spill at D = 128.
   asm volatile("" : "+r"(m0));
@@ -207,7 +247,7 @@ __device__ __forceinline__ void ds_only16(const Consumer& cs, const uint32_t (&p
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e;   // p16[i / 2] packs s[i - e] (low) and s[i - e + 1] (high)
         const float p = e == 0 ? unpack_lo(p16[i / 2]) : unpack_hi(p16[i / 2]);
-        dp[i] = softmax_ds(p, dp[i], dv);
+        dp[i] = softmax_ds(va, p, dp[i], dv);
       }
     }
 }
@@ -237,34 +277,55 @@ __device__ __forceinline__ void store_rows(const Consumer& cs, uint16_t* __restr
   }
 }
 
+// Does this consumer's step (query tile m0 / kBlockM, its 64 keys) need the element mask?
+__device__ __forceinline__ bool step_needs_mask(const VariantArgs& va, const Consumer& cs, const Problem& pb, int m0) {
+  if constexpr (kRangeRuns)
+    return q_step_partial(va, pb.b, pb.h_kv, pb.group, pb.n0, pb.n0 + cs.c * kWgRows, m0 / kBlockM, pb.seqlen_q,
+                          pb.seqlen_k);
+  return step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q);
+}
+
 // SCHED 1, one step: S^T and dP^T issued together; P^T computed while dP^T still runs; dV issued
 // before the dS pass, which reads P^T back from its 16 bits; dQ and dK issued back to back; the dQ
 // part written out while dK runs (FlashAttention-3/4's order, own code). With the f32 P^T kept
 // through the dS pass instead (dV issued after it), D = 128 spilled 8-64 bytes in every variant
 // of the ordering tried (NOTES.md).
-__device__ __forceinline__ void overlap_step(const Consumer& cs, const Smem& sm, const Problem& pb, int st, int it,
-                                             int g, int m0, uint32_t kr, uint32_t vr, uint32_t kt,
+__device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consumer& cs, const Smem& sm,
+                                             const Problem& pb, int st, int it, int g, int m0, uint32_t kr,
+                                             uint32_t vr, uint32_t kt,
                                              float (&dk_acc)[kAccRegs], float (&dv_acc)[kAccRegs],
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float* __restrict__ dq_accum, float scale_log2) {
   float s[kSRegs], dp[kSRegs];
+  // A variant's mask test may read a block table: issued before the GEMMs, its load latency hides
+  // under them (false and unused in the dense kernel).
+  const bool variant_partial = kRangeRuns && step_needs_mask(va, cs, pb, m0);
   wgmma_fence();
   gemm_xt(s, kr, sm.q_tile(st));
   wgmma_commit();
   gemm_xt(dp, vr, sm.do_tile(st));
   wgmma_commit();
-  wgmma_wait<1>();                               // S^T landed, dP^T in flight
+  // kScoreGradOne false: score_mod' needs the f32 score, so P^T and dS^T in one pass after both GEMMs
+  if constexpr (kScoreGradOne) wgmma_wait<1>();  // S^T landed, dP^T in flight
+  else wgmma_wait<0>();
   reg_fence(s);
-  probs_only(step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q), cs, s, lse, scale_log2,
-             pb, g, m0, sm.lse_tile(st));
+  if constexpr (kScoreGradOne) {
+    probs_only(va, kRangeRuns ? variant_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse, scale_log2, pb, g,
+               m0, sm.lse_tile(st));
+  } else {
+    reg_fence(dp);
+    probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));
+  }
   uint32_t p16[kPRegs], ds16[kPRegs];
   pack_frag(p16, s);
   wgmma_fence();
   gemm_rs(dv_acc, p16, sm.do_tile(st));          // dV += P^T dO runs under the dS pass
   wgmma_commit();
-  wgmma_wait<1>();                               // dP^T landed
-  reg_fence(dp);
-  ds_only16(cs, p16, dp, dvec, pb, g, m0, sm.dvec_tile(st));
+  if constexpr (kScoreGradOne) {
+    wgmma_wait<1>();                             // dP^T landed
+    reg_fence(dp);
+    ds_only16(va, cs, p16, dp, dvec, pb, g, m0, sm.dvec_tile(st));
+  }
   pack_frag(ds16, dp);
   const uint32_t slot = sm.ds_slot(it % kDsSlots);
   store_ds(cs, slot, ds16);
@@ -298,8 +359,8 @@ __device__ __forceinline__ void overlap_step(const Consumer& cs, const Smem& sm,
   if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);   // Q, dO of this stage are read
 }
 
-__device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const Problem& pb, QRange qr,
-                                         bool has_work, const float* __restrict__ lse,
+__device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& cs, const Smem& sm,
+                                         const Problem& pb, QRange qr, bool has_work, const float* __restrict__ lse,
                                          const float* __restrict__ dvec, float* __restrict__ dq_accum,
                                          uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
                                          float softmax_scale) {
@@ -319,13 +380,15 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   if constexpr (kOverlap) {
     // One flat loop, (g, m) derived from `it`: nested loops kept g, m, m_end and the group size
     // live, and g spilled (4 bytes, D = 128 causal fp16).
-    const int steps = qr.m_end - qr.m_begin, total = has_work ? steps * pb.group : 0;
+    const int steps = kRangeRuns ? q_runs_count() : qr.m_end - qr.m_begin, total = has_work ? steps * pb.group : 0;
     for (int it = 0; it < total; ++it) {
-      const int g = it / steps, m0 = (qr.m_begin + it - g * steps) * kBlockM, st = it % kStages;
+      const int g = it / steps,
+                m0 = (kRangeRuns ? q_runs_tile(it - g * steps) : qr.m_begin + it - g * steps) * kBlockM,
+                st = it % kStages;
       mbar_wait(sm.q_full() + 8 * st, (it / kStages) & 1);
       uint32_t kr = k_rows, vr = v_rows, kt = sm.k();   // opaque per step, as below
       asm volatile("" : "+r"(kr), "+r"(vr), "+r"(kt));
-      overlap_step(cs, sm, pb, st, it, g, m0, kr, vr, kt, dk_acc, dv_acc, lse, dvec, dq_accum, scale_log2);
+      overlap_step(va, cs, sm, pb, st, it, g, m0, kr, vr, kt, dk_acc, dv_acc, lse, dvec, dq_accum, scale_log2);
     }
   }
   int it = 0;
@@ -346,7 +409,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       wgmma_wait<0>();
       reg_fence(s);
       reg_fence(dp);
-      probs_and_ds(step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q), cs, s, dp, lse, dvec,
+      probs_and_ds(va, step_partial(m0, pb.n0 + cs.c * kWgRows - step_q_shift(), pb.seqlen_q), cs, s, dp, lse, dvec,
                    scale_log2, pb, g, m0);
       uint32_t p16[kPRegs], ds16[kPRegs];
       pack_frag(p16, s);

@@ -27,7 +27,7 @@
 //   dq_accum        fp32 [B, Hq, Nq, D]; dQ += dS K is added with red.global.add.v2.f32
 //   full / empty    mbarriers: "TMA filled this stage" / "every consumer warp is done with it"
 //
-// Lifting map (@cuir-region / @cuir-end): q_range, mask_pred, score, softmax_bwd.
+// Lifting map (@cuir-region / @cuir-end): extra_io, q_range, mask_pred, score, softmax_bwd.
 #if !defined(__CUDACC_RTC__)
 #include <cuda.h>
 #include <stdint.h>
@@ -74,6 +74,15 @@ using fa3::tma_load_3d; using fa3::wgmma_commit; using fa3::wgmma_fence; using f
 using fa3::kDescUnit;
 
 // ------------------------------------------------------------------ regions
+// A variant (cubridge/lower/fa3_bwd_sm90.py) regenerates these five; the dense bodies below are
+// what the reference computes, and each also defines the variant-only hooks (kRangeRuns,
+// q_scan, q_step_partial, kScoreGradOne, score_grad) as no-ops so that the skeleton compiles the
+// same instructions (the `if constexpr` branches on them vanish).
+// @cuir-region extra_io
+// A variant's extra kernel argument (captured tensors, shape scalars): none here.
+struct VariantArgs { int unused; };
+// @cuir-end extra_io
+
 // @cuir-region q_range
 // Query tiles [m_begin, m_end) (of rows) that may attend keys [n0, n0 + kBlockN): causal, row r
 // sits at position r + q_shift and sees key j iff j <= r + q_shift, so the first tile holds row
@@ -90,39 +99,81 @@ __device__ __forceinline__ QRange q_range(int n0, int seqlen_q, int q_shift) {
 __device__ __forceinline__ bool step_partial(int m0, int kv_row0, int seqlen_q) {
   return (kCausal && m0 < kv_row0 + kWgRows - 1) || kv_row0 + kWgRows > seqlen_q;
 }
+// Variants: the query tiles as runs that warp 0 scans into shared memory (q_scan), and a
+// per-step mask test (q_step_partial); unused here.
+constexpr bool kRangeRuns = false;
+constexpr int kQRuns = 1;
+__device__ __forceinline__ void q_scan(const VariantArgs& va, int b, int h_kv, int group, int n0, int len_q, int len_k,
+                                       int* runs) {}
+__device__ __forceinline__ bool q_step_partial(const VariantArgs& va, int b, int h_kv, int group, int n0, int kv_lo,
+                                               int m, int len_q, int len_k) {
+  return true;
+}
 // @cuir-end q_range
 
 // @cuir-region mask_pred
-__device__ __forceinline__ bool mask_pred(int b, int h, int q_idx, int kv_idx) {
+__device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {
   return !kCausal || kv_idx <= q_idx;
 }
 // @cuir-end mask_pred
 
 // @cuir-region score
-// The forward's score: x * scale (x = q.k); its derivative dscore/dx = scale is applied to dQ (in
-// the convert kernel) and dK (in the epilogue).
-__device__ __forceinline__ float score(float x, float scale_log2) { return x * scale_log2; }
+// The forward's score in log2 units: x * scale_log2 (x = q.k); its derivative dscore/dx = scale
+// is applied to dQ (in the convert kernel) and dK (in the epilogue). A variant's score_mod takes
+// the natural score s = x * scale; kScoreGradOne false: dS also picks up d score_mod / d s.
+// kScoreModIdentity: score reads no index (the skeleton then passes none).
+constexpr bool kScoreModIdentity = true;
+constexpr bool kScoreGradOne = true;
+__device__ __forceinline__ float score(const VariantArgs& va, float x, float scale_log2, int b, int h, int q_idx,
+                                       int kv_idx) {
+  return x * scale_log2;
+}
+__device__ __forceinline__ float score_grad(const VariantArgs& va, float x, float scale_log2, int b, int h,
+                                            int q_idx, int kv_idx) {
+  return 1.f;
+}
 // @cuir-end score
 
 // @cuir-region softmax_bwd
 // P = exp(score - LSE) (log2 units), dS = P (dP - Dvec); masked pairs get P = 0, so dS = 0.
-__device__ __forceinline__ void softmax_bwd(float& p, float& ds, float lse_log2, float dvec,
-                                            bool keep) {
+__device__ __forceinline__ void softmax_bwd(const VariantArgs& va, float& p, float& ds, float lse_log2,
+                                            float dvec, bool keep) {
   p = keep ? fast_exp2(p - lse_log2) : 0.f;
   ds = p * (ds - dvec);
 }
 // The same two lines apart (SCHED 1 computes P while the dP GEMM still runs).
-__device__ __forceinline__ float softmax_p(float p, float lse_log2, bool keep) {
+__device__ __forceinline__ float softmax_p(const VariantArgs& va, float p, float lse_log2, bool keep) {
   return keep ? fast_exp2(p - lse_log2) : 0.f;
 }
-__device__ __forceinline__ float softmax_ds(float p, float dp, float dvec) { return p * (dp - dvec); }
+__device__ __forceinline__ float softmax_ds(const VariantArgs& va, float p, float dp, float dvec) {
+  return p * (dp - dvec);
+}
 // @cuir-end softmax_bwd
+// A lowered variant runs on the bulk_overlap_lse path only (LSE / Dvec in shared memory, SCHED 1):
+// the one the GPU measured fastest, and the only one whose per-step passes take the variant hooks.
+static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs DQ_MODE=1 SCHED=1 LSE_SMEM=1");
+static_assert(kScoreGradOne || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
 
 // ------------------------------------------------------------------ shared memory
 // Nk - Nq for the consumers, re-read from shared memory at every step: held in a register across
 // the step loop, it made ptxas spill 8 bytes at D = 128 causal.
 __shared__ int g_q_shift;
 __device__ __forceinline__ int step_q_shift() { return *static_cast<volatile int*>(&g_q_shift); }
+// kRangeRuns (variants): warp 0's q_scan writes [count, lo_0, len_0, lo_1, len_1, ...]: the
+// CTA's query tiles are runs [lo_k, lo_k + len_k), read back at every step (volatile: a few
+// shared loads per step instead of 2 kQRuns + 1 registers held through the loops).
+__shared__ int g_qruns[1 + 2 * kQRuns];
+__device__ __forceinline__ int q_runs_count() { return *static_cast<volatile int*>(&g_qruns[0]); }
+__device__ __forceinline__ int q_runs_tile(int i) {
+  const volatile int* runs = g_qruns;
+#pragma unroll
+  for (int k = 0; k < kQRuns - 1; ++k) {
+    const int len = runs[2 + 2 * k];
+    if (i < len) return runs[1 + 2 * k] + i;
+    i -= len;
+  }
+  return runs[2 * kQRuns - 1] + i;
+}
 // One register (the aligned base); every region is base + a constant, folded into the shared
 // memory instructions' immediate offsets. Ten separate addresses kept 8-10 more registers live
 // through the consumer loop (4-8 bytes of spill at D = 128 with DQ_MODE 1).
@@ -180,6 +231,27 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const float* src, int by
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// One (Q, dO) stage of step `it`: query head g, query tile m (with LSE_SMEM its LSE / Dvec rows).
+__device__ __forceinline__ void load_stage(const Smem& sm, const CUtensorMap* tm_q, const CUtensorMap* tm_do,
+                                           const Problem& pb, int g, int m, int it,
+                                           const float* __restrict__ lse, const float* __restrict__ dvec) {
+  const int st = it % kStages;
+  mbar_wait(sm.q_empty() + 8 * st, ((it / kStages) & 1) ^ 1);
+  mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes + (kLseSmem ? 2 * kRowTermBytes : 0));
+#pragma unroll
+  for (int p = 0; p < kPanels; ++p) {
+    tma_load_3d(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full() + 8 * st, p * kPanelCols,
+                m * kBlockM, pb.bh_q(g));
+    tma_load_3d(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full() + 8 * st, p * kPanelCols,
+                m * kBlockM, pb.bh_q(g));
+  }
+  if constexpr (kLseSmem) {   // padded [B * Hq, num_m * 64]: tile m of head bh_q is contiguous
+    const size_t off = (size_t(pb.bh_q(g)) * ((pb.seqlen_q + kBlockM - 1) / kBlockM) + m) * kBlockM;
+    bulk_load(sm.lse_tile(st), lse + off, kRowTermBytes, sm.q_full() + 8 * st);
+    bulk_load(sm.dvec_tile(st), dvec + off, kRowTermBytes, sm.q_full() + 8 * st);
+  }
+}
+
 __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q,
                                          const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                          const CUtensorMap* tm_do, const Problem& pb, QRange qr,
@@ -191,24 +263,15 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     tma_load_3d(sm.v() + p * kKVPanelBytes, tm_v, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv());
   }
   int it = 0;
+  if constexpr (kRangeRuns) {
+    const int count = q_runs_count();
+    for (int g = 0; g < pb.group; ++g)
+      for (int i = 0; i < count; ++i, ++it)
+        load_stage(sm, tm_q, tm_do, pb, g, q_runs_tile(i), it, lse, dvec);
+    return;
+  }
   for (int g = 0; g < pb.group; ++g)
-    for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) {
-      const int st = it % kStages;
-      mbar_wait(sm.q_empty() + 8 * st, ((it / kStages) & 1) ^ 1);
-      mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes + (kLseSmem ? 2 * kRowTermBytes : 0));
-#pragma unroll
-      for (int p = 0; p < kPanels; ++p) {
-        tma_load_3d(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full() + 8 * st, p * kPanelCols,
-                    m * kBlockM, pb.bh_q(g));
-        tma_load_3d(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full() + 8 * st, p * kPanelCols,
-                    m * kBlockM, pb.bh_q(g));
-      }
-      if constexpr (kLseSmem) {   // padded [B * Hq, num_m * 64]: tile m of head bh_q is contiguous
-        const size_t off = (size_t(pb.bh_q(g)) * ((pb.seqlen_q + kBlockM - 1) / kBlockM) + m) * kBlockM;
-        bulk_load(sm.lse_tile(st), lse + off, kRowTermBytes, sm.q_full() + 8 * st);
-        bulk_load(sm.dvec_tile(st), dvec + off, kRowTermBytes, sm.q_full() + 8 * st);
-      }
-    }
+    for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) load_stage(sm, tm_q, tm_do, pb, g, m, it, lse, dvec);
 }
 
 #include "consumer.cuh"
@@ -222,13 +285,14 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 // log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
 // group = heads_q / heads_kv. LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
 // copies instead, lse in log2 units with +inf where P must be 0 (padding, rows that see no key).
+// va: the variant's arguments (region extra_io; the dense kernel's is an unused int).
 extern "C" __global__ void __launch_bounds__(fa3b::kThreads, 1)
 fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
              const float* __restrict__ lse, const float* __restrict__ dvec,
              float* __restrict__ dq_accum, uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
              int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int group, float softmax_scale,
-             int l2_section) {
+             int l2_section, const __grid_constant__ fa3b::VariantArgs va) {
   using namespace fa3b;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (fa3::smem_addr(smem_raw) + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
@@ -239,7 +303,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   const TileCoord tc = tile_coord(seqlen_k, heads_kv, l2_section);
   const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, group, tc.b, tc.h_kv, tc.n * kBlockN};
   const QRange qr = q_range(pb.n0, seqlen_q, pb.q_shift());
-  const bool has_work = qr.m_begin < qr.m_end;   // else dK = dV = 0 and nothing is loaded
+  bool has_work = qr.m_begin < qr.m_end;   // else dK = dV = 0 and nothing is loaded
 
   if (threadIdx.x == 0) {
     g_q_shift = pb.q_shift();
@@ -250,7 +314,10 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     }
     fa3::fence_barrier_init();
   }
+  if constexpr (kRangeRuns)   // all 32 lanes: one tile predicate each per ballot
+    if (threadIdx.x < kWarpSize) q_scan(va, pb.b, pb.h_kv, group, pb.n0, seqlen_q, seqlen_k, g_qruns);
   __syncthreads();
+  if constexpr (kRangeRuns) has_work = q_runs_count() > 0;
 
   const int wg = threadIdx.x / kWgThreads;
   if (wg == 0) {
@@ -263,7 +330,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   } else {
     fa3::reg_alloc<kConsumerRegs>();
     const Consumer cs{wg - 1, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
-    consumer(cs, sm, pb, qr, has_work, lse, dvec, dq_accum, dk, dv, softmax_scale);
+    consumer(va, cs, sm, pb, qr, has_work, lse, dvec, dq_accum, dk, dv, softmax_scale);
   }
 }
 

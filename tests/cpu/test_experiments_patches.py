@@ -5,6 +5,8 @@ names and nothing else, and the knob it carries must be absent from the product 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +45,41 @@ def test_the_product_kernel_has_no_experiment_knobs():
     text = "".join((ROOT / "ref_kernels" / "fa3_sm90" / f).read_text() for f in ("kernel.cu", "consumer.cuh"))
     for knob in ("KV_ASCENDING", "OVERLAP_TILES", "CUIR_TIMELINE", "timeline.cuh", "TimelineMark"):
         assert knob not in text, f"{knob} is back in the product kernel: experiments/patches/knobs/ holds it"
+
+
+# Session 9's A/B patches for full attention (fa3_sm90 NOTES, "Session 9: against FA4 on full
+# attention"): each compiles for sm_90a spill-free at the full-attention tiles they are timed at.
+FULL_PATCHES = ["kv_rotate", "l2_evict", "uniform_desc"]
+FULL_TILES = [(176, False), (176, True), (160, False)]   # (BLOCK_N, causal) at D 128: the A/B's
+
+
+@pytest.fixture(scope="module")
+def full_sources() -> dict:
+    code = ("import json, sys; from expkit import patched_source; "
+            "print(json.dumps({n: patched_source(n) for n in sys.argv[1:]}))")
+    done = subprocess.run([sys.executable, "-c", code, *FULL_PATCHES], cwd=ROOT / "experiments",
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-1500:] + done.stdout[-500:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+@pytest.mark.parametrize("name", FULL_PATCHES)
+def test_full_attention_patches_compile_spill_free(name, full_sources, tmp_path):
+    from cubridge.runtime.fa3_sm90 import Fa3Config
+    src = tmp_path / "kernel.cu"
+    src.write_text(full_sources[name])
+    for block_n, causal in FULL_TILES:
+        cfg = Fa3Config(128, 128, block_n, 2, causal, True)
+        done = subprocess.run([shutil.which("nvcc"), "-cubin", "-std=c++17", "-O3",
+                               "-gencode=arch=compute_90a,code=sm_90a", *cfg.defines(),
+                               f"-I{ROOT / 'ref_kernels' / 'fa3_sm90'}", "-Xptxas", "-v",
+                               "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True)
+        log = done.stdout + done.stderr
+        assert done.returncode == 0, f"{name} {cfg}: nvcc failed\n{log[-3000:]}"
+        fwd = log[log.index("Function properties for fa3_sm90_fwd"):]
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", fwd).groups()
+        # 128 x 176 causal spills 2 bytes unpatched (NOTES v15, outside the KV loop): no more here
+        assert int(spills[0]) <= (2 if causal else 0), f"{name} {cfg}: spills\n{fwd}"
+        for warning in ("C7508", "C7510", "C7515", "serializ"):   # setmaxnreg ignored / wgmma serialized
+            assert warning not in log, f"{name} {cfg}: ptxas warning {warning}\n{log}"

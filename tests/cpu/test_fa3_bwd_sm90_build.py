@@ -17,7 +17,7 @@ import torch
 from cubridge.errors import LaunchError
 from cubridge.runtime import fa3_bwd_sm90 as hb
 
-REGIONS = ["q_range", "mask_pred", "score", "softmax_bwd"]
+REGIONS = ["extra_io", "q_range", "mask_pred", "score", "softmax_bwd"]
 SPECS = [(128, True, True), (128, False, False), (64, True, False), (64, False, True)]
 # The performance options (params.cuh DQ_MODE / SCHED): the base path at all four specs above, the
 # others at the two extremes (their register peaks are at D = 128; D = 64 takes the K-split dQ).

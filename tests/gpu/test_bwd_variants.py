@@ -81,3 +81,58 @@ def test_variant_backward_rule(backwards, variant, shape):
     assert same[1] and same[2], "dk / dv not repeatable (they use no atomics)"
     if det:
         assert same[0], "deterministic dq not bitwise repeatable"
+
+
+# ---- the same variants lowered onto the Hopper backward (cubridge.lower.fa3_bwd_sm90), sm_90 only
+def _hopper_shapes():
+    # the Hopper dQ is a reduce-add (not bitwise repeatable): every shape in atomic mode
+    return [s[:7] + (False,) for s in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def hopper_backwards():
+    """One VariantBackward per variant on the Hopper path, every specialisation built up front."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    from cubridge.runtime.variant_bwd import VariantBackward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    out = {(n, tuple(sorted(p.items()))): VariantBackward(n, **p) for n, p in VARIANTS}
+    jobs = {(bwd.hopper.source, d, dt == BF16) for bwd in out.values() for (*_, d, dt, _) in _hopper_shapes()}
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda j: hb.build_cubin(j[1], False, j[2], option=hb.VARIANT_OPTION, source=j[0]), jobs))
+    return out
+
+
+@pytest.mark.parametrize("shape", _hopper_shapes(),
+                         ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}".format(*s[:6], str(s[6])[6:]))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
+def test_variant_backward_rule_hopper(hopper_backwards, variant, shape, monkeypatch):
+    """As test_variant_backward_rule, on fa3_bwd_sm90 (opt-in env set here, restored by monkeypatch);
+    dK, dV are register sums in a fixed order: bitwise repeatable; dQ is not (bulk reduce-add)."""
+    from cubridge.runtime.variant_bwd import HOPPER_ENV, reference_forward
+    monkeypatch.setenv(HOPPER_ENV, "1")
+    name, params = variant
+    b, hq, hkv, nq, nk, d, dtype, _ = shape
+    bwd = hopper_backwards[(name, tuple(sorted(params.items())))]
+    assert bwd.uses_hopper(torch.device("cuda")), "the opt-in did not select the Hopper backward"
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"hopper{name}{shape}".encode()))
+    q, dout = (torch.randn(b, hq, nq, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    out, lse = reference_forward(bwd.spec, q.double(), k.double(), v.double(), **params)
+    out = out.to(dtype)
+    golden = _grads(bwd.spec, params, q.double(), k.double(), v.double(), dout.double())
+    ref = _grads(bwd.spec, params, q, k, v, dout)
+    saved = [t.clone() for t in (q, k, v, dout, out, lse)]
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, dq=grads[0], dk=grads[1], dv=grads[2])
+    again = bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5)
+    torch.cuda.synchronize()
+    for gname, x, gd, r in zip(("dq", "dk", "dv"), grads, golden, ref):
+        assert not x.isnan().any(), f"{gname}: {int(x.isnan().sum())} elements never written (or NaN)"
+        verdict = compare(x, gd, r)
+        assert verdict.passed, f"{name} {gname}: {verdict}"
+    for t, s, tname in zip((q, k, v, dout, out, lse), saved, ("q", "k", "v", "dout", "out", "lse")):
+        assert torch.equal(t, s), f"the backward modified its input {tname}"
+    assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), "dk / dv not repeatable"

@@ -105,6 +105,8 @@ TILE_CONFIGS = [dict(d=128, block_m=128, block_n=176, stages=2),
                 dict(d=128, block_m=128, block_n=64, stages=4),
                 # one Q slot beside a separate O stage (tiles still overlap)
                 dict(d=64, block_m=128, block_n=128, stages=2, q_slots=1),
+                # the widest D 128 tile that keeps a separate O stage (fa3_sm90 NOTES, session 9)
+                dict(d=128, block_m=128, block_n=160, stages=2),
                 # three consumers at D 128 (narrow KV tiles). The serial tile order (O staged in
                 # the only Q slot) runs in 128 x 176 above and at D 256.
                 dict(d=128, block_m=192, block_n=80, stages=2),

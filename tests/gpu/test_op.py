@@ -1,7 +1,8 @@
 """The tuned op (cubridge.load) for all ten built-in variants on an H100, under the verification
 rule: eagerly, inside torch.compile(fullgraph=True), replayed from a CUDA graph, in the bnhd
-layout and with strided inputs, with scale= and (softmax specs) the LSE. Run directories come from
-cubridge.op.build (default tile configs; no Optuna needed), built once per session.
+layout and with strided inputs, with scale= and (softmax specs) the LSE; the document spec with its
+ids as a runtime input (new ids each call, in a CUDA graph, in torch.compile). Run directories come
+from cubridge.op.build (default tile configs; no Optuna needed), built once per session.
 
 Outputs are poisoned first: the op allocates its output, so the test fills and frees a NaN block of
 the same size just before each call (the caching allocator hands that block to the op's output),
@@ -173,3 +174,71 @@ def test_run_directory_loads_without_a_compiler(runs, tmp_path, monkeypatch):
     attn = cubridge.load(moved)
     q, k, v = _inputs("moved", 1, 500)
     _check(load_spec("causal"), attn(q, k, v), q, k, v)
+
+
+# ------------------------------------------------------------------ runtime inputs (issue 15)
+@pytest.fixture(scope="session")
+def document_run(tmp_path_factory):
+    from cubridge.op import build
+    return build("document", tmp_path_factory.mktemp("op_doc") / "document", heads_q=HQ, heads_kv=HKV, head_dim=D,
+                 lengths=(1024, 8192))
+
+
+def _documents(B, N, seed):
+    """Sorted int32 document ids [B, N], a different layout per row and seed (lengths 30-900)."""
+    g = torch.Generator().manual_seed(seed)
+    ends = torch.randint(30, 900, (B, N // 30 + 1), generator=g).cumsum(1)
+    return torch.stack([torch.bucketize(torch.arange(N), row, right=True) for row in ends]).to("cuda", torch.int32)
+
+
+def _check_documents(spec, out, q, k, v, ids):
+    assert not torch.isnan(out).any(), "some output element was never written"
+    golden = spec.run_reference(q.double(), k.double(), v.double(), runtime={"doc_ids": ids})
+    verdict = rule.compare(out, golden, spec.run_reference(q, k, v, runtime={"doc_ids": ids}))
+    assert verdict.passed, f"document: {verdict}"
+
+
+@pytest.mark.parametrize("sort_in_kernel", [False, True])
+@pytest.mark.parametrize("shape", [(2, 1000), (1, 2500), (3, 77)])
+def test_document_op_follows_each_calls_ids(document_run, shape, sort_in_kernel, monkeypatch):
+    """Three calls in a row with three layouts (the launch is built once and re-pointed per call:
+    kernels.RuntimePrepared, Fa3Launch.rebind; the tile order sorted on the GPU, runtime.lpt, both
+    ways), an int64 layout among them; each under the rule, the inputs unchanged, bitwise on a rerun."""
+    from cubridge.runtime import lpt
+    monkeypatch.setattr(lpt, "SORT_IN_KERNEL", sort_in_kernel)
+    attn, spec = cubridge.load(document_run), load_spec("document")
+    q, k, v = _inputs("document", *shape)
+    before = [t.clone() for t in (q, k, v)]
+    for seed in (1, 2, 3):
+        ids = _documents(shape[0], shape[1], seed)
+        ids = ids.long() if seed == 2 else ids
+        _poison(q.shape, q.dtype)
+        out = attn(q, k, v, doc_ids=ids)
+        torch.cuda.synchronize()
+        _check_documents(spec, out, q, k, v, ids)
+        _poison(q.shape, q.dtype)
+        assert torch.equal(out, attn(q, k, v, doc_ids=ids)), f"seed {seed}: second run differs"
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs changed"
+    assert len(attn._prepared) == 1, "the shape's launch was built more than once"
+
+
+def test_document_op_in_a_cuda_graph_and_torch_compile(document_run):
+    """Captured once, replayed on new ids copied into the captured buffer: the table, tile order
+    and output follow them; torch.compile(fullgraph=True) traces the call (the fake) and equals eager."""
+    attn, spec = cubridge.load(document_run), load_spec("document")
+    q, k, v = _inputs("document graph", 2, 1000)
+    ids = _documents(2, 1000, 5)
+    eager = attn(q, k, v, doc_ids=ids)
+    compiled = torch.compile(lambda a, b, c, d: attn(a, b, c, doc_ids=d) * 1.0, fullgraph=True)
+    assert torch.equal(compiled(q, k, v, ids), eager), "torch.compile(fullgraph=True) differs from eager"
+    static = _documents(2, 1000, 6)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attn(q, k, v, doc_ids=static)
+    for seed in (7, 8):
+        static.copy_(_documents(2, 1000, seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_documents(spec, static_out, q, k, v, static)
+        assert torch.equal(static_out, attn(q, k, v, doc_ids=static)), f"seed {seed}: replay differs from eager"

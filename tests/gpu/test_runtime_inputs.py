@@ -194,3 +194,49 @@ def test_prefix_lengths_and_bias_table_change_between_calls(ref):
     bias = lambda B, Nk, call: {"bias": (3 * torch.randn(4, 32, generator=g)).cuda()}  # noqa: E731
     _verify(ref, str(SUPPORT / "prefix_lengths.py"), (3, 4, 2, 900, 1500, 128), prefix, calls=2)
     _verify(ref, str(SUPPORT / "bias_table.py"), (2, 4, 4, 1000, 1000, 128), bias, calls=2)
+
+
+@pytest.mark.parametrize("sort_in_kernel", [False, True])
+@pytest.mark.parametrize("bh,num_m,ctas", [(4, 8, 132), (32, 64, 132), (256, 8, 132), (3, 1500, 7), (1, 1, 1),
+                                           (5, 13, 2), (64, 64, 132)])
+def test_gpu_tile_order_equals_lpt_order(bh, num_m, ctas, sort_in_kernel, monkeypatch):
+    """runtime.lpt (a per-call variant's tile order: one key kernel + argsort, or with
+    SORT_IN_KERNEL one bitonic-sort kernel up to 4096 tiles) gives exactly fa3_sm90.lpt_order's
+    permutation: counts with outliers, ties, negatives and values past 2^16 (clamped), odd tile
+    counts, 4096 tiles exactly, and past it (the argsort path either way)."""
+    from cubridge.runtime import lpt
+    from cubridge.runtime.fa3_sm90 import current_stream, lpt_order
+    from cubridge.runtime.lpt import gpu_lpt_order
+    monkeypatch.setattr(lpt, "SORT_IN_KERNEL", sort_in_kernel)
+    g = torch.Generator().manual_seed(bh * num_m + ctas)
+    counts = torch.randint(0, 20, (bh * num_m,), generator=g, dtype=torch.int32)
+    spots = torch.randperm(bh * num_m, generator=g)[:3]
+    counts[spots] = torch.tensor([500, 70000, -4], dtype=torch.int32)[:len(spots)]
+    want = lpt_order(counts.view(bh, num_m), ctas)
+    got = gpu_lpt_order(counts.cuda(), num_m, ctas, current_stream(torch.cuda.current_device()))
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.to(torch.int32))
+    assert torch.equal(got.sort().values.cpu(), torch.arange(bh * num_m, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("per", [1, 8])
+@pytest.mark.parametrize("shape", DOC_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_table_kernel_with_more_pairs_per_vote(shape, per):
+    """block_table.PAIRS_PER_SYNC (evaluations per thread between block votes; 1 by default) gives
+    the host table too: ragged tiles, tiles smaller than a round of 256 x 8 pairs, Nq < Nk. Only
+    the builder made here sees the setting (the binders Candidate.bind caches keep the default)."""
+    from cubridge.runtime import block_table
+    spec = load_spec("document")
+    cand = transfer(parse_file(ref_kernel_dir("fa2_sm80") / "kernel.cuir"), spec)
+    B, Hq, Hkv, Nq, Nk = shape
+    scalars = [(n, "int" if dt == "i32" else "float") for n, _, dt in cand.slots]
+    for bm, bn in ((128, 128), (192, 176), (64, 32)):
+        runtime = {"doc_ids": documents(B, Nk, bm + bn)}
+        inputs = cand.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params={"BLOCK_M": bm, "BLOCK_N": bn}, device="cuda",
+                           runtime=runtime)
+        block_table.PAIRS_PER_SYNC = per
+        try:
+            builder = block_table.TableBuilder(cand.binding.mask, inputs, scalars, B=B, Hq=Hq, Nq=Nq, Nk=Nk,
+                                               block_m=bm, block_n=bn, per_bh=cand.per_bh, device="cuda")
+        finally:
+            block_table.PAIRS_PER_SYNC = 1
+        assert torch.equal(builder(inputs).cpu(), _host_table(spec, cand, shape, runtime, bm, bn)), (bm, bn)

@@ -3,6 +3,11 @@ with --variant full, full) D128 (Llama2-7B heads, 16k tokens) N = 8k and 1k. One
 set of metrics per kernel.
 
     python experiments/ncu_compare.py --out $OUT/ncu.json [--n 8192 1024] [--systems ours fa4] [--variant full]
+    python experiments/ncu_compare.py --direction backward [--option bulk_overlap_lse] --n 8192 ...
+
+--direction backward profiles the backward instead (issue 17): ours = fa3_bwd_sm90's fa3_backward
+with `--option`, FA4 = torch.autograd.grad through flash_attn_func, as experiments/
+bench_bwd_options.py calls them; the longest kernel of the call is each one's main kernel.
 
 Each (system, N) runs in its own process under `ncu --profile-from-start off`: the worker warms up
 (FA4's JIT compile, our cubin load) outside the profiled window and opens it (cudaProfilerStart)
@@ -37,14 +42,37 @@ KEEP = [r"^gpu__time_duration\.sum$", r"^sm__throughput\.avg\.pct_of_peak_sustai
 TOKENS, HEADS, D = 16384, 32, 128
 
 
-def worker(system: str, n: int, variant: str = "causal") -> None:
+def backward_call(system: str, n: int, causal: bool, option: str):
+    """One backward of ours (fa3_backward, `option`, after our forward) or FA4
+    (torch.autograd.grad through flash_attn_func, BSHD leaves), as bench_bwd_options.py times them."""
+    import functools
+    import torch
+    b = TOKENS // n
+    q, k, v, dout = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    if system == "ours":
+        from cubridge.runtime.autograd import forward_with_lse
+        from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
+        out, lse = forward_with_lse(q, k, v, causal)
+        return functools.partial(fa3_backward, dout, q, k, v, out, lse, causal=causal, option=option)
+    from flash_attn.cute import flash_attn_func
+    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, causal=causal)
+    out = out[0] if isinstance(out, tuple) else out
+    do = dout.transpose(1, 2).contiguous()
+    return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+
+def worker(system: str, n: int, variant: str = "causal", direction: str = "forward", option: str = "") -> None:
     """Run inside ncu: warm up, then one profiled call."""
     import torch
     import expkit  # noqa: E402,F401 - cubridge importable from a bare checkout
     from expkit.peers import make_fa4, make_ours
     b = TOKENS // n
-    q, k, v = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    fn, _ = make_ours(variant, q, k, v, None) if system == "ours" else make_fa4(variant, q, k, v)
+    if direction == "backward":
+        fn = backward_call(system, n, variant == "causal", option)
+    else:
+        q, k, v = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        fn, _ = make_ours(variant, q, k, v, None) if system == "ours" else make_fa4(variant, q, k, v)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -52,16 +80,18 @@ def worker(system: str, n: int, variant: str = "causal") -> None:
     fn()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"worker {system} N={n}: profiled one call", flush=True)
+    print(f"worker {system} N={n} {variant} {direction}: profiled one call", flush=True)
 
 
-def profile(system: str, n: int, ncu: str, timeout: int, variant: str = "causal") -> dict:
+def profile(system: str, n: int, ncu: str, timeout: int, variant: str = "causal", direction: str = "forward",
+            option: str = "bulk_overlap_lse") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         rep = Path(tmp) / "rep"
         cmd = [ncu, "--profile-from-start", "off", "--target-processes", "all", "-f", "-o", str(rep)]
         for s in SECTIONS:
             cmd += ["--section", s]
-        cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", system, str(n), "--variant", variant]
+        cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", system, str(n), "--variant", variant,
+                "--direction", direction, "--option", option]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if not (rep.with_suffix(".ncu-rep")).exists():
             return {"error": f"ncu rc={run.returncode}: {(run.stdout + run.stderr)[-600:]}"}
@@ -103,16 +133,19 @@ def main(argv=None) -> int:
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per profiled process")
     ap.add_argument("--variant", choices=["causal", "full"], default="causal")
+    ap.add_argument("--direction", choices=["forward", "backward"], default="forward")
+    ap.add_argument("--option", default="bulk_overlap_lse", help="ours' backward option (--direction backward)")
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), args.variant)
+        worker(args.worker[0], int(args.worker[1]), args.variant, args.direction, args.option)
         return 0
-    result = {"date": datetime.now(timezone.utc).isoformat(), "shape": f"{args.variant} D128 32/32 heads, 16k tokens",
-              "sections": SECTIONS, "runs": []}
+    shape = f"{args.variant} D128 32/32 heads, 16k tokens" + (
+        f", backward (ours: {args.option})" if args.direction == "backward" else "")
+    result = {"date": datetime.now(timezone.utc).isoformat(), "shape": shape, "sections": SECTIONS, "runs": []}
     for n in args.n:
         for system in args.systems:
             try:
-                got = profile(system, n, args.ncu, args.timeout, args.variant)
+                got = profile(system, n, args.ncu, args.timeout, args.variant, args.direction, args.option)
             except subprocess.TimeoutExpired:
                 got = {"error": f"ncu timed out after {args.timeout} s"}
             result["runs"].append({"system": system, "N": n, **got})

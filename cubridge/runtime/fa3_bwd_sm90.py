@@ -12,7 +12,11 @@ through shared memory and one bulk reduce-add per consumer and step, into a tile
 fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
 order), "bulk_overlap_lse" (also LSE / Dvec staged in shared memory by the producer, from padded
 copies made here), "bulk_overlap_lse_lpt" (also the KV tile in blockIdx.z: causal's longest tiles
-dispatched first). DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
+dispatched first; it thrashed L2 and lost 35-50%), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2:
+causal's longest tiles first inside sections of heads sized to L2, `tile_sections`),
+"bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both; session 9's branch
+fa4bwd, not yet run on a GPU). DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
 experiments/results/session9_h100/bwd_options.json, bf16 D = 128, 16k tokens) it ran 450 / 514
 TFLOPS causal 8k / 16k and 510 / 548 full, against base 231 / 237 / 296 / 279, the portable
 fa2_bwd_sm80 229 / 236 / 241 / 239, cuDNN 477 / 535 / 543 / 569 and FA4 539 / 607 / 608 / 639.
@@ -45,10 +49,12 @@ FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
-# option name -> (DQ_MODE, SCHED, LSE_SMEM, TILE_ORDER); SCHED 1 requires DQ_MODE 1, LSE_SMEM 1
-# requires SCHED 1 (params.cuh static_asserts).
+# option name -> (DQ_MODE, SCHED, LSE_SMEM, TILE_ORDER); SCHED 1 / 2 require DQ_MODE 1, LSE_SMEM 1
+# requires SCHED 1 / 2 (params.cuh static_asserts).
 OPTIONS = {"base": (0, 0, 0, 0), "bulk": (1, 0, 0, 0), "bulk_overlap": (1, 1, 0, 0),
-           "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1)}
+           "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1),
+           "bulk_overlap_lse_l2lpt": (1, 1, 1, 2), "bulk_dqfirst_lse": (1, 2, 1, 0),
+           "bulk_dqfirst_lse_l2lpt": (1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse"   # fastest of OPTIONS on an H100 (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on this option only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes).
@@ -147,28 +153,67 @@ def _helpers():
     return Fa2BwdSm80()
 
 
-def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
-    """LSE_SMEM 1's inputs: [B * Hq, num_m * 64] copies the producer bulk-loads one 256-byte tile at
-    a time (16-byte aligned, never past the end): LSE in log2 units with +inf where P must be 0
-    (padding rows, rows that saw no key: natural-log -inf), Dvec with zero padding. Queued after
-    the preprocess kernel that writes Dvec (same stream)."""
+def _padded_lse(lse, bh: int, nq: int, num_m: int):
+    """LSE_SMEM 1's LSE: a [B * Hq, num_m * 64] copy the producer bulk-loads one 256-byte tile at a
+    time (16-byte aligned, never past the end), in log2 units with +inf where P must be 0 (padding
+    rows, rows that saw no key: natural-log -inf). Needs only the forward's LSE, so it is queued
+    before the preprocess kernel: less host work between that and the main launch."""
     lse2 = torch.full((bh, num_m * BLOCK_M), math.inf, device=lse.device, dtype=torch.float32)
     rows = lse.reshape(bh, nq)
     lse2[:, :nq] = torch.where(rows == -math.inf, math.inf, rows * LOG2E)
+    return lse2
+
+
+def _padded_dvec(dvec, bh: int, nq: int, num_m: int):
+    """Dvec zero-padded to [B * Hq, num_m * 64], queued after the preprocess kernel that writes it.
+    With Nq a multiple of 64, Dvec [B, Hq, Nq] already has this layout and fa3_backward passes it as
+    it is (no zeroing or copy between the preprocess and the main launch)."""
     dvec_pad = torch.zeros((bh, num_m * BLOCK_M), device=dvec.device, dtype=torch.float32)
     dvec_pad[:, :nq] = dvec.reshape(bh, nq)
-    return lse2, dvec_pad
+    return dvec_pad
+
+
+def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
+    """LSE_SMEM 1's inputs: (_padded_lse, _padded_dvec)."""
+    return _padded_lse(lse, bh, nq, num_m), _padded_dvec(dvec, bh, nq, num_m)
+
+
+def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: bool, l2_bytes: int) -> int:
+    """TILE_ORDER 2's section width: how many (batch, kv head) pairs run tile-major together. Each
+    pair streams its group's Q, dO (16-bit), LSE, Dvec and reduces into its fp32 dQ accumulator:
+    the largest power of two of pairs whose bytes fit in l2_bytes (FA4's SingleTileLPTBwdScheduler
+    sizes its sections the same way), at least 1. Full attention gets 1 (= TILE_ORDER 0's order):
+    its tiles are all equally long, so longest-first has nothing to gain and more heads in flight
+    would only share L2 more.
+
+    >>> tile_sections(64, 1, 8192, 128, True, 50 << 20), tile_sections(64, 1, 8192, 128, False, 50 << 20)
+    (4, 1)
+    """
+    if not causal:
+        return 1
+    per_pair = group * len_q * (2 * head_dim * ELEM_BYTES + head_dim * 4 + 2 * 4)
+    fit = max(1, l2_bytes // max(1, per_pair))
+    return max(1, min(pairs, 1 << (fit.bit_length() - 1)))
+
+
+def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
+    tile_order = _modes(option)[3]
+    if tile_order == 2:
+        return (tiles * heads_kv * batch, 1, 1)
+    return (heads_kv, batch, tiles) if tile_order == 1 else (tiles, heads_kv, batch)
 
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                  dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
-                 variant=None):
+                 variant=None, l2_bytes: int | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
     option: one of OPTIONS (the kernel's compile-time performance options). variant: a
     cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
-    causal=False; option VARIANT_OPTION); its VariantArgs must stay alive until the kernel ran."""
+    causal=False; option VARIANT_OPTION); its VariantArgs must stay alive until the kernel ran.
+    l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
+    tests pass small ones to exercise several sections)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     dq_mode, _, lse_smem, tile_order = _modes(option)
@@ -192,6 +237,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     stream = torch.cuda.current_stream(device).cuda_stream
     rows = b * hq * nq
     num_m = math.ceil(nq / BLOCK_M)
+    lse2 = _padded_lse(lse, b * hq, nq, num_m) if lse_smem == 1 else None
     dvec = torch.empty(b, hq, nq, device=device, dtype=torch.float32)
     # DQ_MODE 1: tiled [B * Hq, num_m, D / 64, 64 * 64] (fragment order, rows past Nq padding)
     accum_elems = b * hq * num_m * BLOCK_M * d if dq_mode == 1 else rows * d
@@ -201,14 +247,21 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
         (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), arg_i64(rows)), stream)
     if accum_elems > rows * d:
         accum[rows * d:].zero_()
-    row_terms = _padded_row_terms(lse, dvec, b * hq, nq, num_m) if lse_smem == 1 else (lse, dvec)
+    row_terms = (lse, dvec)
+    if lse_smem == 1:
+        row_terms = (lse2, dvec if nq % BLOCK_M == 0 else _padded_dvec(dvec, b * hq, nq, num_m))
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]
-    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
-    scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
     tiles = math.ceil(nk / BLOCK_N)
-    grid = (hkv, b, tiles) if tile_order == 1 else (tiles, hkv, b)
+    section = 1
+    if tile_order == 2:
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
+        section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal), l2)
+    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
+    scalars += [ctypes.c_int32(section)]   # l2_section
+    scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
+    grid = _grid(option, tiles, hkv, b)
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if dq_mode == 1:
         chunks = accum_elems // 4

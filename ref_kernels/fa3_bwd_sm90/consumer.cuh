@@ -333,13 +333,21 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   dq_slot_wait(cs);
   if (kDqSplitN) named_sync(kBarDsReady, kConsumers * kWgThreads);
   else cs.wg_sync();
-  wgmma_wait<0>();   // dV (long done: the dS pass, store and barrier ran under it) frees P^T's
-  reg_fence(dv_acc); // registers before dQ's 32 are taken: waiting after the dQ issue spilled 8
-  reg_fence_u(p16);  // bytes at D = 128 causal fp16
+  if constexpr (!kDqFirst) {
+    wgmma_wait<0>();   // dV (long done: the dS pass, store and barrier ran under it) frees P^T's
+    reg_fence(dv_acc); // registers before dQ's 32 are taken: waiting after the dQ issue spilled 8
+    reg_fence_u(p16);  // bytes at D = 128 causal fp16 (SCHED 1's form)
+  }
   float dq[kDqRegs];
   wgmma_fence();
   gemm_dq(dq, slot, kt, cs.c);
   wgmma_commit();
+  if constexpr (kDqFirst) {   // SCHED 2: dQ queued behind dV, then dV waited for
+    wgmma_wait<1>();
+    reg_fence(dv_acc);
+    reg_fence_u(p16);
+    wgmma_fence();
+  }
   gemm_rs(dk_acc, ds16, sm.q_tile(st));          // dK += dS^T Q
   wgmma_commit();
   wgmma_wait<1>();                               // dQ landed, dK in flight

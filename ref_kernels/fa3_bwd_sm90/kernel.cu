@@ -14,7 +14,8 @@
 //                   see no key: their LSE is -inf, so P = 0 and they contribute nothing)
 //   D               head dimension (HEAD_DIM); "Dvec" is the softmax backward's row term
 //   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch), or
-//                   (kv head, batch, n) with TILE_ORDER 1
+//                   (kv head, batch, n) with TILE_ORDER 1, or decoded from blockIdx.x (TILE_ORDER 2:
+//                   tile_coord, sections of l2_section (batch, kv head) pairs)
 //   producer        WG 0; one thread loads K, V once, then streams (Q, dO) tiles of 64 queries
 //                   of every query head of the group through the kStages ring
 //   consumer c      WG c + 1; owns keys [n0 + 64c, n0 + 64c + 64): its dK, dV rows in registers
@@ -209,6 +210,25 @@ struct Problem {
   __device__ __forceinline__ int bh_kv() const { return b * heads_kv + h_kv; }
 };
 
+// ------------------------------------------------------------------ tile order
+// (KV tile, kv head, batch) of this CTA. TILE_ORDER 2: blockIdx.x runs over sections of `section`
+// (batch, kv head) pairs, hb = b * Hkv + h; inside a section the tile is the slow index, so each
+// section's tile 0s (causal: the longest) go out first, and only a section's heads stream Q / dO
+// and reduce dQ at a time (the launcher sizes sections to L2). The last section may be narrower.
+struct TileCoord { int n, h_kv, b; };
+__device__ __forceinline__ TileCoord tile_coord(int seqlen_k, int heads_kv, int section) {
+  if constexpr (kTileL2Sections) {
+    const int num_n = (seqlen_k + kBlockN - 1) / kBlockN, idx = int(blockIdx.x);
+    const int total_hb = int(gridDim.x) / num_n, per_section = section * num_n;
+    const int s = idx / per_section, r = idx - s * per_section, hb0 = s * section;
+    const int width = min(section, total_hb - hb0);
+    const int n = r / width, hb = hb0 + (r - n * width);
+    return TileCoord{n, hb % heads_kv, hb / heads_kv};
+  }
+  if constexpr (kTileMajor) return TileCoord{int(blockIdx.z), int(blockIdx.x), int(blockIdx.y)};
+  return TileCoord{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+}
+
 // ------------------------------------------------------------------ producer
 // LSE_SMEM: a non-tensor bulk copy global -> shared that completes on the stage's mbarrier.
 __device__ __forceinline__ void bulk_load(uint32_t dst, const float* src, int bytes, uint32_t bar) {
@@ -264,7 +284,9 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 }  // namespace fa3b
 
 // ------------------------------------------------------------------ entry point
-// Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 1: (Hkv, B, ceil(Nk / 128))); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
+// Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 1: (Hkv, B, ceil(Nk / 128)); TILE_ORDER 2:
+// (ceil(Nk / 128) * Hkv * B, 1, 1) with l2_section >= 1, ignored otherwise); block kThreads;
+// dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
 // log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
 // group = heads_q / heads_kv. LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
 // copies instead, lse in log2 units with +inf where P must be 0 (padding, rows that see no key).
@@ -275,7 +297,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
              const float* __restrict__ lse, const float* __restrict__ dvec,
              float* __restrict__ dq_accum, uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
              int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int group, float softmax_scale,
-             const __grid_constant__ fa3b::VariantArgs va) {
+             int l2_section, const __grid_constant__ fa3b::VariantArgs va) {
   using namespace fa3b;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (fa3::smem_addr(smem_raw) + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
@@ -283,9 +305,8 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   // group = heads_q / heads_kv from the host: a parameter is read from the constant bank where
   // used, the division's result took a register through the consumer loop (12-40 bytes of spill
   // at D = 128 with DQ_MODE 1).
-  const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, group,
-                   kTileMajor ? int(blockIdx.y) : int(blockIdx.z), kTileMajor ? int(blockIdx.x) : int(blockIdx.y),
-                   (kTileMajor ? int(blockIdx.z) : int(blockIdx.x)) * kBlockN};
+  const TileCoord tc = tile_coord(seqlen_k, heads_kv, l2_section);
+  const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, group, tc.b, tc.h_kv, tc.n * kBlockN};
   const QRange qr = q_range(pb.n0, seqlen_q, pb.q_shift());
   bool has_work = qr.m_begin < qr.m_end;   // else dK = dV = 0 and nothing is loaded
 

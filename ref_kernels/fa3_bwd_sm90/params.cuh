@@ -19,7 +19,11 @@ constexpr bool kCausal = IS_CAUSAL != 0;
 //           1: P computed under the dP GEMM, dV issued before the dS pass (which reads the
 //              16-bit P), dQ then dK, the dQ part written out while the dK GEMM runs.
 constexpr bool kDqBulk = DQ_MODE == 1;
-constexpr bool kOverlap = SCHED == 1;
+//           2: SCHED 1 with FA4's issue order after the dS barrier: dQ issued at once, then the
+//              wait for dV (dQ queued behind it: the tensor pipe does not drain between them),
+//              then dK. SCHED 1 waits for dV before issuing dQ (its register budget).
+constexpr bool kOverlap = SCHED >= 1;
+constexpr bool kDqFirst = SCHED == 2;
 //   LSE_SMEM 1 (with SCHED 1): the producer bulk-copies each query tile's 64 LSE (log2 units, +inf
 //              for padding / rows that see no key) and Dvec values into the stage beside Q / dO,
 //              from per-head padded copies the launcher makes; the passes read shared memory
@@ -30,6 +34,13 @@ constexpr bool kLseSmem = LSE_SMEM == 1;
 //              n is attended by the rows at or after n0), so the longest run first and the short
 //              ones fill the last wave; 0 (blockIdx.x) ends with each last head's full range.
 constexpr bool kTileMajor = TILE_ORDER == 1;
+//   TILE_ORDER 2: one linear grid, (b, kv head) pairs in sections of `l2_section` (a kernel
+//              parameter the launcher sizes so a section's Q, dO, LSE, Dvec and fp32 dQ fit in L2),
+//              tile-major inside a section: causal's longest tiles first within each section (FA4's
+//              SingleTileLPTBwdScheduler sections, longest-first). TILE_ORDER 1 made every head
+//              stream at once (bf16 8k: 64 heads x 8 MB of Q, dO, dQ against 50 MB of L2): causal
+//              8k fell 450 -> 295 TFLOPS and full 510 -> 264 (session 9, H100).
+constexpr bool kTileL2Sections = TILE_ORDER == 2;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -112,12 +123,12 @@ constexpr int kConsumerRegs = 240;
 
 static_assert(kHeadDim == 64 || kHeadDim == 128, "HEAD_DIM must be 64 or 128");
 static_assert(DQ_MODE == 0 || DQ_MODE == 1, "DQ_MODE must be 0 (atomics) or 1 (bulk reduce)");
-static_assert(SCHED == 0 || SCHED == 1, "SCHED must be 0 (serial) or 1 (overlap)");
+static_assert(SCHED >= 0 && SCHED <= 2, "SCHED must be 0 (serial), 1 (overlap) or 2 (overlap, dQ first)");
 // SCHED 1 with the atomics spilled 8 bytes at D = 128 causal (ptxas, nvcc 13.0): the overlapped
 // order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
-static_assert(!(SCHED == 1 && DQ_MODE == 0), "SCHED=1 needs DQ_MODE=1");
-static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED == 1), "LSE_SMEM=1 needs SCHED=1");
-static_assert(TILE_ORDER == 0 || TILE_ORDER == 1, "TILE_ORDER must be 0 or 1");
+static_assert(!(SCHED >= 1 && DQ_MODE == 0), "SCHED=1 or 2 needs DQ_MODE=1");
+static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs SCHED=1 or 2");
+static_assert(TILE_ORDER >= 0 && TILE_ORDER <= 2, "TILE_ORDER must be 0, 1 or 2");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

@@ -24,7 +24,11 @@ SPECS = [(128, True, True), (128, False, False), (64, True, False), (64, False, 
 OPTION_SPECS = [("base", s) for s in SPECS] + [
     (o, s) for o in ("bulk", "bulk_overlap", "bulk_overlap_lse")
     for s in ((128, True, True), (128, False, False), (64, True, False))] + [
-    ("bulk_overlap_lse_lpt", (128, True, True))]   # only the block -> tile mapping differs
+    ("bulk_overlap_lse_lpt", (128, True, True))] + [   # only the block -> tile mapping differs
+    # SCHED 2 (dQ issued before the dV wait): its register peak moves, so all four dQ-split /
+    # dtype / mask corners; TILE_ORDER 2 only decodes blockIdx.x differently: one each.
+    ("bulk_dqfirst_lse", s) for s in SPECS] + [
+    ("bulk_overlap_lse_l2lpt", (128, True, True)), ("bulk_dqfirst_lse_l2lpt", (128, False, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -80,7 +84,8 @@ def test_option_table_matches_the_kernel_macros():
         opts = hb.options(128, True, True, name)
         assert f"-DDQ_MODE={dq_mode}" in opts and f"-DSCHED={sched}" in opts and f"-DLSE_SMEM={lse_smem}" in opts
         assert f"-DTILE_ORDER={tile_order}" in opts
-        assert not (sched == 1 and dq_mode == 0) and not (lse_smem == 1 and sched == 0), name
+        assert sched in (0, 1, 2) and tile_order in (0, 1, 2), name
+        assert not (sched >= 1 and dq_mode == 0) and not (lse_smem == 1 and sched == 0), name
     with pytest.raises(LaunchError, match="unknown option"):
         hb.options(128, True, True, "fast")
 
@@ -100,6 +105,44 @@ def test_shared_memory_mirrors_params():
         assert f"-DHOST_SMEM_BYTES={hb.smem_bytes(64, option)}" in hb.options(64, False, True, option)
 
 
+def _decode(idx: int, num_n: int, pairs: int, section: int, heads_kv: int) -> tuple[int, int, int]:
+    """kernel.cu tile_coord for TILE_ORDER 2, line for line: blockIdx.x -> (tile, kv head, batch)."""
+    per_section = section * num_n
+    s, r = divmod(idx, per_section)
+    width = min(section, pairs - s * section)
+    n, within = divmod(r, width)
+    hb = s * section + within
+    return n, hb % heads_kv, hb // heads_kv
+
+
+@pytest.mark.parametrize("batch,heads_kv,tiles", [(1, 1, 1), (2, 32, 64), (3, 5, 7), (1, 32, 128)])
+@pytest.mark.parametrize("section", [1, 2, 4, 8, 64])
+def test_l2_sections_cover_every_tile_once(batch, heads_kv, tiles, section):
+    """TILE_ORDER 2's decode is a bijection onto (tile, kv head, batch), a narrower last section
+    included; inside a section the tile is the slow index (causal: the longest tiles first)."""
+    pairs = batch * heads_kv
+    got = [_decode(i, tiles, pairs, section, heads_kv) for i in range(tiles * pairs)]
+    assert sorted(got) == sorted((n, h, b) for n in range(tiles) for h in range(heads_kv) for b in range(batch))
+    first = got[:min(section, pairs)]
+    assert all(n == 0 for n, _, _ in first), first
+    assert hb._grid("bulk_overlap_lse_l2lpt", tiles, heads_kv, batch) == (tiles * pairs, 1, 1)
+
+
+def test_l2_section_width():
+    """Sections hold as many (batch, kv head) pairs as fit L2 (power of two), never more than
+    there are, at least one; full attention keeps TILE_ORDER 0's order (width 1)."""
+    l2 = 50 << 20   # H100
+    # bf16 D = 128: 8k queries are 8 MB per head (Q, dO 4 MB, fp32 dQ 4 MB): 6 fit -> 4
+    assert hb.tile_sections(64, 1, 8192, 128, True, l2) == 4
+    assert hb.tile_sections(32, 1, 16384, 128, True, l2) == 2
+    assert hb.tile_sections(8, 4, 16384, 128, True, l2) == 1          # a GQA group of 4: 64 MB
+    assert hb.tile_sections(3, 1, 300, 64, True, l2) == 3              # capped by the pairs there are
+    assert hb.tile_sections(8, 1, 8192, 128, True, 1 << 20) == 1       # one head over budget: still 1
+    assert hb.tile_sections(64, 1, 8192, 128, False, l2) == 1
+    assert hb._grid("bulk_overlap_lse", 64, 32, 2) == (64, 32, 2)
+    assert hb._grid("bulk_overlap_lse_lpt", 64, 32, 2) == (32, 2, 64)
+
+
 def test_padded_row_terms_for_lse_smem():
     """LSE_SMEM 1's copies: log2 LSE, +inf for rows that saw no key and for padding (P = 0 there),
     Dvec zero-padded; one 64-float tile per (head, query tile)."""
@@ -111,6 +154,14 @@ def test_padded_row_terms_for_lse_smem():
     torch.testing.assert_close(lse2[1, :3], torch.tensor([1.0, 3.0, -1.0]) * hb.LOG2E)
     assert bool((lse2[:, 3:] == math.inf).all()) and bool((dvec_pad[:, 3:] == 0).all())
     assert torch.equal(dvec_pad[:, :3], dvec.reshape(2, 3))
+
+
+def test_aligned_dvec_is_already_padded():
+    """With Nq a multiple of 64 fa3_backward hands the kernel Dvec [B, Hq, Nq] itself: its memory is
+    exactly the padded [B * Hq, num_m * 64] copy's."""
+    dvec = torch.randn(2, 3, 128)
+    padded = hb._padded_dvec(dvec, 6, 128, 2)
+    assert padded.shape == (6, 128) and torch.equal(padded.flatten(), dvec.flatten())
 
 
 def test_bad_input_is_a_clear_error():

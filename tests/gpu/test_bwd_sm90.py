@@ -119,6 +119,20 @@ def test_scale_parameter_and_large_scores(bwd, causal):
     run_case(bwd, 1, 4, 1, 700, 900, 128, BF16, causal, seed=4, amplitude=4.0)
 
 
+@pytest.mark.parametrize("d,dtype", [(128, BF16), (64, F16)], ids=["d128-bf16", "d64-f16"])
+def test_l2_sections(bwd, d, dtype):
+    """TILE_ORDER 2 with an L2 budget of four (batch, kv head) pairs: six pairs run as sections of
+    four and two (the narrower last section's decode), causal ragged GQA, 8 KV tiles."""
+    from cubridge.runtime.fa3_bwd_sm90 import OPTIONS, tile_sections
+    if OPTIONS[bwd.keywords["option"]][3] != 2:
+        pytest.skip("only TILE_ORDER 2 options decode L2 sections")
+    b, hq, hkv, nq, nk = 3, 4, 2, 1000, 1000
+    per_pair = (hq // hkv) * nq * (2 * d * 2 + d * 4 + 2 * 4)
+    assert tile_sections(b * hkv, hq // hkv, nq, d, True, 4 * per_pair) == 4
+    run_case(functools.partial(bwd, l2_bytes=4 * per_pair), b, hq, hkv, nq, nk, d, dtype, True)
+    run_case(functools.partial(bwd, l2_bytes=per_pair), b, hq, hkv, nq, nk, d, dtype, True, seed=5)   # width 1
+
+
 @pytest.mark.parametrize("env", [None, "1"], ids=["default", "env1"])
 def test_autograd_routes_here_by_default(monkeypatch, env):
     """Unless CUBRIDGE_HOPPER_BWD=0, autograd.attention's backward is this kernel's with the default

@@ -126,18 +126,6 @@ __device__ __forceinline__ float ld_row_term(const float* p) {
   return v;
 }
 
-// The stage's Q, dO (and with LSE_SMEM its LSE / Dvec rows) are read: one arrive per consumer warp.
-// With LSE_SMEM every lane read row terms with ld.shared, and an mbarrier arrive releases only the
-// arriving thread's own accesses, so the warp syncs first (__syncwarp orders its lanes' memory
-// accesses): without it the producer's next bulk copy into the slot was a write-after-read race
-// with the other 31 lanes' reads (compute-sanitizer racecheck, H100 session 9: 12 hazards at
-// consumer.cuh ld_shared_f32 vs kernel.cu bulk_load; none on option base, which reads no row
-// term from shared memory).
-__device__ __forceinline__ void release_stage(const Consumer& cs, const Smem& sm, int st) {
-  if constexpr (kLseSmem) __syncwarp();
-  if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);
-}
-
 // LSE_SMEM: a row term of the stage (asm volatile: stays after the stage's mbarrier wait).
 __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   float v;
@@ -368,7 +356,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_wait<0>();
   reg_fence(dk_acc);
   reg_fence_u(ds16);
-  release_stage(cs, sm, st);
+  if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);   // Q, dO of this stage are read
 }
 
 __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& cs, const Smem& sm,
@@ -446,7 +434,7 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
       reg_fence(dv_acc);
       reg_fence_u(p16);                        // the dV / dK wgmmas read them until the wait
       reg_fence_u(ds16);
-      release_stage(cs, sm, st);
+      if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);   // Q, dO of this stage are read
       emit_dq(cs, sm, dq_accum, dq, bh_q, m0, pb.seqlen_q, it);
     }
   store_rows(cs, dv, dv_acc, 1.f, pb);

@@ -119,6 +119,31 @@ def test_interval_classification_is_sound(name):
             assert not bool(tile.any()), (name, env)
 
 
+@pytest.mark.parametrize("pred", [lambda b, h, q, kv: (q - kv).abs() <= 9,
+                                  lambda b, h, q, kv: torch.abs(kv - q) < 17,
+                                  lambda b, h, q, kv: ((q - kv).abs() <= 5) | (kv < 3)],
+                         ids=["local_window", "torch_abs", "window_or_sinks"])
+def test_abs_ranges_are_sound_and_skip_far_tiles(pred):
+    """|q - kv| <= w (ModernBERT / Longformer local windows): tiles far from the diagonal are empty,
+    tiles inside the band full, and the classification never contradicts the pairs."""
+    must, may = classify(trace_mask(pred).expr)
+    n = 96
+    full = pred(0, 0, torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1))
+    rng = random.Random(1)
+    for _ in range(400):
+        q_lo, k_lo = rng.randrange(n), rng.randrange(n)
+        q_hi, k_hi = rng.randrange(q_lo, n), rng.randrange(k_lo, n)
+        env = {"q_lo": q_lo, "q_hi": q_hi, "k_lo": k_lo, "k_hi": k_hi, "b": 0, "h": 0}
+        tile = full[q_lo:q_hi + 1, k_lo:k_hi + 1]
+        if _eval(must, env):
+            assert bool(tile.all()), env
+        if not _eval(may, env):
+            assert not bool(tile.any()), env
+    far = {"q_lo": 64, "q_hi": 79, "k_lo": 16, "k_hi": 31, "b": 0, "h": 0}
+    near = {"q_lo": 40, "q_hi": 41, "k_lo": 40, "k_hi": 41, "b": 0, "h": 0}
+    assert not _eval(may, far) and _eval(must, near)      # the analysis now skips and unmasks tiles
+
+
 def test_interval_analysis_is_exact_for_causal_tiles():
     must, may = classify(trace_mask(lambda b, h, q, kv: kv <= q).expr)
     assert (expr(must), expr(may)) == ("k_hi <= q_lo", "k_lo <= q_hi")

@@ -34,19 +34,23 @@ def check_trainable(op, rt: list) -> None:
 
 
 def variant_backward(op, config: str | None = None):
-    """The VariantBackward of a TunedOp's spec at a backward config label (None: the kernel's
-    default), built once per op and config (pure Python; compiles at first use)."""
+    """The VariantBackward of a TunedOp's spec at a backward label of dispatch.json (a
+    fa2_bwd_sm80 config, or variant_bwd.HOPPER_LABEL; None: the default, where
+    CUBRIDGE_HOPPER_VARIANT_BWD decides), built once per op and label (compiles at first use)."""
     cache = op.__dict__.setdefault("_variant_backwards", {})
     vb = cache.get(config)
     if vb is None:
         from cubridge.runtime.build import default_compiler
         from cubridge.runtime.fa2_bwd_sm80 import Config, Fa2BwdSm80
-        from cubridge.runtime.variant_bwd import VariantBackward
+        from cubridge.runtime.variant_bwd import HOPPER_LABEL, VariantBackward
         from cubridge.spec import load_spec
         from dataclasses import replace
         # the run's spec copy under the name it was tuned as (as cubridge/op/kernels.py binds it)
         spec = replace(load_spec(str(op.directory / op.dispatch["spec"])), name=op.dispatch.get("spec_name") or "spec")
         params = dict(op.dispatch.get("spec_params") or {})
+        if config == HOPPER_LABEL:   # the run's backward tuning checked and chose the Hopper variant backward
+            vb = cache[config] = VariantBackward(spec, use_hopper=True, **params)
+            return vb
         cfg = Config.parse(config) if config else None
         vb = cache[config] = VariantBackward(spec, config=cfg, kernel=Fa2BwdSm80(cfg, compiler=default_compiler()),
                                              **params)

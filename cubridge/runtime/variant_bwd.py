@@ -28,6 +28,8 @@ from cubridge.runtime.fa2_bwd_sm80 import KERNEL_PATH, Config, Fa2BwdSm80, defau
 
 FORWARD_REF = "fa2_sm80"
 HOPPER_ENV = "CUBRIDGE_HOPPER_VARIANT_BWD"
+# dispatch.json's backward label for the Hopper variant backward (search/backward.py tunes it, op/autograd.py reads it)
+HOPPER_LABEL = "fa3_bwd_sm90:variant"
 
 
 @functools.lru_cache(maxsize=None)

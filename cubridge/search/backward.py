@@ -1,8 +1,9 @@
 """Backward tuning, in the same run as the forward (`backward: true` in the config; issue 17).
 
-The op's backward is the run's spec lowered onto the backward kernel (cubridge.runtime.variant_bwd
-on fa2_bwd_sm80): its tile configs are a small discrete space (block_m x block_n x warps that
-build at the head dim: at most 8 points), so instead of an Optuna search each point is checked
+The op's backward is the run's spec lowered onto a backward kernel (cubridge.runtime.variant_bwd):
+fa2_bwd_sm80 at its tile configs (block_m x block_n x warps that build at the head dim) and, for
+an sm_90 run, fa3_bwd_sm90 (its variant option; on an H100 in session 9 about 1.7x the best fa2
+config). The space is small and discrete (at most 9 points), so instead of an Optuna search each point is checked
 under the verification rule on the GPU (dQ, dK, dV against float64 autograd of the spec's
 reference) and all that pass are timed round-robin at every target shape in one GPU job, beside
 FlexAttention's backward where FlexAttention runs the spec. That is the forward's final race
@@ -14,29 +15,40 @@ Driver side here; the GPU job is cubridge.search.measure_bwd (registered as "bac
 """
 from __future__ import annotations
 
+from cubridge.runtime.variant_bwd import HOPPER_LABEL   # the Hopper variant backward: one point
 from cubridge.vocab import Job, TrialState
 
 KERNEL = "fa2_bwd_sm80"
+HOPPER_KERNEL = "fa3_bwd_sm90"
 BLOCK_M = (64, 128)
 BLOCK_N = (64, 128)
 WARPS = (4, 8)
 PAYLOAD_KEYS = ("bwd_configs",)       # what the backward job adds to a KernelJob's JSON
 
 
-def space(head_dim: int) -> list[str]:
-    """Labels of the backward configs that build at `head_dim` (Config.problems empty), the
-    kernel's default first (it is what an untuned op runs)."""
+def space(head_dim: int, arch: str = "sm_80") -> list[str]:
+    """Labels of the backward points that build at `head_dim`: fa2_bwd_sm80's valid configs
+    (Config.problems empty), its default first (what an untuned op runs off Hopper), then, for an
+    sm_90 arch, the Hopper variant backward (HOPPER_LABEL)."""
     from cubridge.runtime.fa2_bwd_sm80 import Config, default_config
+    from cubridge.runtime.fa3_bwd_sm90 import HEAD_DIMS as HOPPER_HEAD_DIMS
     default = default_config(head_dim)
     points = [Config(m, n, w) for m in BLOCK_M for n in BLOCK_N for w in WARPS]
     valid = [c for c in points if not c.problems(head_dim)]
-    return [str(default)] + [str(c) for c in valid if c != default]
+    labels = [str(default)] + [str(c) for c in valid if c != default]
+    if arch.startswith("sm_90") and head_dim in HOPPER_HEAD_DIMS:
+        labels.append(HOPPER_LABEL)
+    return labels
+
+
+def kernel_of(label: str) -> str:
+    return HOPPER_KERNEL if label == HOPPER_LABEL else KERNEL
 
 
 def job(cfg, cand) -> Job:
     """The GPU job: every config of space() checked and timed at every target shape."""
     from cubridge.search.messages import payload
-    body = {**payload(cfg, cand), "candidate": "backward", "bwd_configs": space(cfg.shapes.head_dim)}
+    body = {**payload(cfg, cand), "candidate": "backward", "bwd_configs": space(cfg.shapes.head_dim, cfg.arch)}
     # one gradient check per config plus the timings: a few trials' worth of time
     return Job("backward", body, 3 * cfg.runner.timeout_s, needs_gpu=True)
 
@@ -45,8 +57,9 @@ def tune(cfg, cand, runner, say) -> dict:
     """Run the job; {"outcome", "shapes": {key: {...}}, "checks": {...}} (the job's data), with the
     outcome of a failed job kept so the report says why nothing was chosen."""
     from cubridge.search.messages import run_jobs
-    configs = space(cfg.shapes.head_dim)
-    say(f"backward: checking and timing {len(configs)} {KERNEL} config(s) at {len(cfg.shapes.targets)} shape(s)")
+    configs = space(cfg.shapes.head_dim, cfg.arch)
+    say(f"backward: checking and timing {len(configs)} config(s) ({', '.join(sorted({kernel_of(c) for c in configs}))}) "
+        f"at {len(cfg.shapes.targets)} shape(s)")
     res = run_jobs(runner, [job(cfg, cand)])["backward"]
     if res.outcome.state != TrialState.OK:
         say(f"backward: {res.outcome.state.value}: {(res.outcome.reason.splitlines() or [''])[0][:300]}")
@@ -63,7 +76,7 @@ def choose(result: dict, dispatch: list[dict]) -> None:
         timed = {label: ms for label, ms in times.items() if label in passed and ms is not None}
         if timed:
             best = min(timed, key=timed.get)
-            e["backward"] = {"kernel": KERNEL, "config": best, "ms": timed[best]}
+            e["backward"] = {"kernel": kernel_of(best), "config": best, "ms": timed[best]}
 
 
 def report_section(result: dict, dispatch: list[dict]) -> str:

@@ -19,6 +19,7 @@ import math
 import torch
 
 from cubridge import rule
+from cubridge.runtime.variant_bwd import HOPPER_LABEL
 from cubridge.search.backward import PAYLOAD_KEYS
 from cubridge.search.measure import DTYPES, BaselineSkipped, attended_flops, device_info, random_inputs, softmax_hooks
 from cubridge.search.messages import KernelJob
@@ -77,8 +78,9 @@ def _variant_backward(spec, label: str, sp: dict):
     from cubridge.runtime.build import default_compiler
     from cubridge.runtime.fa2_bwd_sm80 import Config, Fa2BwdSm80
     from cubridge.runtime.variant_bwd import VariantBackward
+    if label == HOPPER_LABEL:     # the Hopper variant backward (raises off sm_90: that point fails its check)
+        return VariantBackward(spec, use_hopper=True, **sp)
     config = Config.parse(label)
-    # use_hopper=False: these are fa2_bwd_sm80 configs (the Hopper variant backward has none to tune)
     return VariantBackward(spec, config=config, kernel=Fa2BwdSm80(config, compiler=default_compiler()),
                            use_hopper=False, **sp)
 
@@ -92,6 +94,8 @@ def _prebuild(backwards, head_dim: int, dtype) -> None:
     from cubridge.runtime.launch import device_arch
 
     def build(bwd):
+        if getattr(bwd, "use_hopper", False):   # fa3_bwd_sm90 builds at its first call
+            return
         try:
             bwd.kernel.build(head_dim, dtype, False, False, device_arch(torch.device("cuda")), source=bwd.source)
         except Exception:   # noqa: BLE001 - reported by _check

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from cubridge.config import ConfigError, load_config
 from cubridge.runtime.fa2_bwd_sm80 import Config, default_config
+from cubridge.runtime.variant_bwd import HOPPER_LABEL
 from cubridge.search import backward
 from cubridge.search.runners import make_runner
 from cubridge.search.testing_jobs import synthetic_recording
@@ -22,6 +24,9 @@ def test_space_is_the_buildable_configs_default_first(d):
     assert labels[0] == str(default_config(d)) and len(labels) == len(set(labels)) >= 2
     for label in labels:
         assert not Config.parse(label).problems(d), label
+    # an sm_90 run also checks and times the Hopper variant backward, as one more point
+    assert backward.space(d, "sm_90a") == labels + [HOPPER_LABEL]
+    assert backward.kernel_of(HOPPER_LABEL) == "fa3_bwd_sm90" and backward.kernel_of(labels[0]) == "fa2_bwd_sm80"
 
 
 def write_cfg(tmp_path, extra: str, head_dim: int = 128):
@@ -77,7 +82,8 @@ def test_a_failed_backward_job_is_said_not_hidden():
 def test_a_run_with_backward_writes_its_choice_to_dispatch_and_report(tmp_path):
     cfg = load_config(write_cfg(tmp_path, "backward: true\n"))
     rec = synthetic_recording("fa3_sm90", 128, cfg.arch, cfg.shapes.targets, fail_every=0)
-    labels = backward.space(128)
+    labels = backward.space(128, cfg.arch)
+    assert labels[-1] == HOPPER_LABEL              # the config's arch is sm_90a
     shapes = {t.key: {"flops": 1e12, "configs_ms": {lab: 1.0 + i * 0.1 * (-1) ** j for i, lab in enumerate(labels)},
                       "baselines_ms": {"flex": 3.0}} for j, t in enumerate(cfg.shapes.targets)}
     rec["results"].append({"kind": "backward", "match": {"bwd_configs": labels},
@@ -89,8 +95,10 @@ def test_a_run_with_backward_writes_its_choice_to_dispatch_and_report(tmp_path):
     assert out.status == "tuned"
     buckets = json.loads((cfg.output / "dispatch.json").read_text())["buckets"]
     chosen = {b["shape"]: b["backward"]["config"] for b in buckets}
+    kernels = {b["shape"]: b["backward"]["kernel"] for b in buckets}
     first, second = (t.key for t in cfg.shapes.targets)
     assert chosen[first] == labels[0] and chosen[second] == labels[-1]   # the synthetic minimum of each shape
+    assert kernels == {first: "fa2_bwd_sm80", second: "fa3_bwd_sm90"}
     report = (cfg.output / "report.md").read_text()
     assert "## Backward" in report and "FlexAttention ms" in report
     assert json.loads((cfg.output / "manifest.json").read_text())["backward"]["outcome"]["state"] == "ok"
@@ -112,3 +120,21 @@ def test_the_op_backward_uses_its_buckets_config():
               {"min_seqlen": 2049, "max_seqlen": None}])
     assert tuned_config(op, 1000) == "128x128w8-dq64x64w4"
     assert tuned_config(op, 8192) is None
+
+
+def test_the_op_backward_builds_the_kernel_its_label_names(monkeypatch, tmp_path):
+    """A bucket that chose the Hopper variant backward gets VariantBackward(use_hopper=True); a fa2
+    label gets that config on fa2_bwd_sm80; None leaves the choice to the environment."""
+    from cubridge.op import autograd
+    from cubridge.runtime import variant_bwd
+    made = []
+
+    class Recorder:
+        def __init__(self, spec, config=None, kernel=None, use_hopper=None, **params):
+            made.append((str(config) if config else None, use_hopper, type(kernel).__name__))
+    monkeypatch.setattr(variant_bwd, "VariantBackward", Recorder)
+    (tmp_path / "spec.py").write_text((Path(__file__).parents[2] / "cubridge" / "specs" / "prefixlm.py").read_text())
+    op = type("Op", (), {"directory": tmp_path, "dispatch": {"spec": "spec.py", "spec_name": "prefixlm"}})()
+    for label in (HOPPER_LABEL, "128x128w8-dq64x64w4", None, HOPPER_LABEL):
+        autograd.variant_backward(op, label)
+    assert made == [(None, True, "NoneType"), ("128x128w8-dq64x64w4", None, "Fa2BwdSm80"), (None, None, "Fa2BwdSm80")]

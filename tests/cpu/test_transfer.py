@@ -107,16 +107,22 @@ def test_interval_classification_is_sound(name):
     q = torch.arange(N_).view(-1, 1)
     kv = torch.arange(N_).view(1, -1)
     full = hooks.mask_mod(torch.tensor(0), torch.tensor(1), q, kv).expand(N_, N_)
-    rng = random.Random(0)
-    for _ in range(300):
-        q_lo, k_lo = rng.randrange(N_), rng.randrange(N_)
-        q_hi, k_hi = rng.randrange(q_lo, N_), rng.randrange(k_lo, N_)
-        env = {"q_lo": q_lo, "q_hi": q_hi, "k_lo": k_lo, "k_hi": k_hi, "b": 0, "h": 1}
+    _assert_sound(must, may, full, random.Random(0), 300, h=1)
+
+
+def _assert_sound(must, may, full, rng, tiles: int, h: int = 0):
+    """On `tiles` random tiles of the [N, N] pair grid `full`: `must` only where every pair is
+    attended, `may` false only where none is."""
+    n = full.shape[0]
+    for _ in range(tiles):
+        q_lo, k_lo = rng.randrange(n), rng.randrange(n)
+        q_hi, k_hi = rng.randrange(q_lo, n), rng.randrange(k_lo, n)
+        env = {"q_lo": q_lo, "q_hi": q_hi, "k_lo": k_lo, "k_hi": k_hi, "b": 0, "h": h}
         tile = full[q_lo:q_hi + 1, k_lo:k_hi + 1]
         if _eval(must, env):
-            assert bool(tile.all()), (name, env)
+            assert bool(tile.all()), env
         if not _eval(may, env):
-            assert not bool(tile.any()), (name, env)
+            assert not bool(tile.any()), env
 
 
 @pytest.mark.parametrize("pred", [lambda b, h, q, kv: (q - kv).abs() <= 9,
@@ -129,16 +135,7 @@ def test_abs_ranges_are_sound_and_skip_far_tiles(pred):
     must, may = classify(trace_mask(pred).expr)
     n = 96
     full = pred(0, 0, torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1))
-    rng = random.Random(1)
-    for _ in range(400):
-        q_lo, k_lo = rng.randrange(n), rng.randrange(n)
-        q_hi, k_hi = rng.randrange(q_lo, n), rng.randrange(k_lo, n)
-        env = {"q_lo": q_lo, "q_hi": q_hi, "k_lo": k_lo, "k_hi": k_hi, "b": 0, "h": 0}
-        tile = full[q_lo:q_hi + 1, k_lo:k_hi + 1]
-        if _eval(must, env):
-            assert bool(tile.all()), env
-        if not _eval(may, env):
-            assert not bool(tile.any()), env
+    _assert_sound(must, may, full, random.Random(1), 400)
     far = {"q_lo": 64, "q_hi": 79, "k_lo": 16, "k_hi": 31, "b": 0, "h": 0}
     near = {"q_lo": 40, "q_hi": 41, "k_lo": 40, "k_hi": 41, "b": 0, "h": 0}
     assert not _eval(may, far) and _eval(must, near)      # the analysis now skips and unmasks tiles

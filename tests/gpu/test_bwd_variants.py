@@ -53,12 +53,13 @@ def _grads(spec, params, q, k, v, dout):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}-{}".format(
     *s[:6], str(s[6])[6:], "det" if s[7] else "atomic"))
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
-def test_variant_backward_rule(backwards, variant, shape):
+def _run_rule(bwd, name, params, shape, seed_key: str, **call):
+    """Random inputs of `shape`, out / LSE from the float64 reference, then the backward twice (into
+    NaN-poisoned gradients, then fresh): dQ, dK, dV under the rule, every element written, inputs
+    unchanged. Returns (grads, again) for the callers' repeatability checks."""
     from cubridge.runtime.variant_bwd import reference_forward
-    name, params = variant
-    b, hq, hkv, nq, nk, d, dtype, det = shape
-    bwd = backwards[(name, tuple(sorted(params.items())))]
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}{shape}".encode()))
+    b, hq, hkv, nq, nk, d, dtype, _ = shape
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(seed_key.encode()))
     q, dout = (torch.randn(b, hq, nq, d, device="cuda", generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype) for _ in range(2))
     q64, k64, v64 = (t.double() for t in (q, k, v))
@@ -68,8 +69,8 @@ def test_variant_backward_rule(backwards, variant, shape):
     ref = _grads(bwd.spec, params, q, k, v, dout)
     saved = [t.clone() for t in (q, k, v, dout, out, lse)]
     grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
-    bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, deterministic=det, dq=grads[0], dk=grads[1], dv=grads[2])
-    again = bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, deterministic=det)
+    bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, dq=grads[0], dk=grads[1], dv=grads[2], **call)
+    again = bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, **call)
     torch.cuda.synchronize()
     for gname, x, gd, r in zip(("dq", "dk", "dv"), grads, golden, ref):
         assert not x.isnan().any(), f"{gname}: {int(x.isnan().sum())} elements never written (or NaN)"
@@ -77,6 +78,14 @@ def test_variant_backward_rule(backwards, variant, shape):
         assert verdict.passed, f"{name} {gname}: {verdict}"
     for t, s, tname in zip((q, k, v, dout, out, lse), saved, ("q", "k", "v", "dout", "out", "lse")):
         assert torch.equal(t, s), f"the backward modified its input {tname}"
+    return grads, again
+
+
+def test_variant_backward_rule(backwards, variant, shape):
+    name, params = variant
+    det = shape[7]
+    bwd = backwards[(name, tuple(sorted(params.items())))]
+    grads, again = _run_rule(bwd, name, params, shape, f"{name}{shape}", deterministic=det)
     same = [torch.equal(x, y) for x, y in zip(grads, again)]
     assert same[1] and same[2], "dk / dv not repeatable (they use no atomics)"
     if det:
@@ -111,28 +120,10 @@ def hopper_backwards():
 def test_variant_backward_rule_hopper(hopper_backwards, variant, shape, monkeypatch):
     """As test_variant_backward_rule, on fa3_bwd_sm90 (opt-in env set here, restored by monkeypatch);
     dK, dV are register sums in a fixed order: bitwise repeatable; dQ is not (bulk reduce-add)."""
-    from cubridge.runtime.variant_bwd import HOPPER_ENV, reference_forward
+    from cubridge.runtime.variant_bwd import HOPPER_ENV
     monkeypatch.setenv(HOPPER_ENV, "1")
     name, params = variant
-    b, hq, hkv, nq, nk, d, dtype, _ = shape
     bwd = hopper_backwards[(name, tuple(sorted(params.items())))]
     assert bwd.uses_hopper(torch.device("cuda")), "the opt-in did not select the Hopper backward"
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"hopper{name}{shape}".encode()))
-    q, dout = (torch.randn(b, hq, nq, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-    out, lse = reference_forward(bwd.spec, q.double(), k.double(), v.double(), **params)
-    out = out.to(dtype)
-    golden = _grads(bwd.spec, params, q.double(), k.double(), v.double(), dout.double())
-    ref = _grads(bwd.spec, params, q, k, v, dout)
-    saved = [t.clone() for t in (q, k, v, dout, out, lse)]
-    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
-    bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, dq=grads[0], dk=grads[1], dv=grads[2])
-    again = bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5)
-    torch.cuda.synchronize()
-    for gname, x, gd, r in zip(("dq", "dk", "dv"), grads, golden, ref):
-        assert not x.isnan().any(), f"{gname}: {int(x.isnan().sum())} elements never written (or NaN)"
-        verdict = compare(x, gd, r)
-        assert verdict.passed, f"{name} {gname}: {verdict}"
-    for t, s, tname in zip((q, k, v, dout, out, lse), saved, ("q", "k", "v", "dout", "out", "lse")):
-        assert torch.equal(t, s), f"the backward modified its input {tname}"
+    grads, again = _run_rule(bwd, name, params, shape, f"hopper{name}{shape}")
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), "dk / dv not repeatable"

@@ -6,7 +6,8 @@
 
 `check_run` adds the parts that need the run itself (poisoned outputs, unchanged inputs, bitwise
 determinism) for a kernel called as `call(*inputs, out)`; the CPU interpreter's check (verify.py)
-does the same for its own runs.
+does the same for its own runs. `check_backward` is the same rule for a backward's dQ, dK, dV (the
+tuner's gradient check, cubridge/search/measure_bwd.py, and the GPU tests use it).
 
 Example:
     >>> import torch
@@ -92,3 +93,57 @@ def check_run(call, inputs: tuple, golden: torch.Tensor, ref: torch.Tensor) -> s
         return "two runs differ (race or uninitialised read)"
     verdict = compare(outs[0], golden, ref)
     return None if verdict.passed else verdict.reason
+
+
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class GradCheck:
+    """The rule's verdict on one backward run: `reason` None when it holds; `grads` what the run
+    wrote (NaN where it wrote nothing), for the callers' repeatability checks."""
+    reason: str | None
+    grads: tuple
+
+    @property
+    def passed(self) -> bool:
+        return self.reason is None
+
+    def __str__(self) -> str:
+        return "pass" if self.passed else self.reason
+
+
+def compare_grads(grads, golden, ref) -> str | None:
+    """compare() on dQ, dK, dV in turn: None when all three hold, else the first failure, named."""
+    for name, out, g, r in zip(GRAD_NAMES, grads, golden, ref):
+        verdict = compare(out, g, r)
+        if not verdict.passed:
+            return f"{name}: {verdict}"
+    return None
+
+
+def check_backward(call, inputs: dict, like: tuple, golden: tuple, ref: tuple) -> GradCheck:
+    """The rule for a backward: `call(dq, dk, dv)` writes the gradients into the tensors it is
+    given, NaN-poisoned first and shaped as `like` (q, k, v), so an element never written fails;
+    each gradient under compare() against golden / ref; the named `inputs` must be unchanged.
+    Bitwise repeatability is the caller's (a reduce-add dQ is not repeatable by design).
+
+    >>> g = tuple(torch.randn(2, 3, dtype=torch.float64) for _ in range(3))
+    >>> ref = tuple(x.float() for x in g)
+    >>> def bwd(dq, dk, dv): [t.copy_(x) for t, x in zip((dq, dk, dv), g)]
+    >>> check_backward(bwd, {}, g, g, ref).passed
+    True
+    >>> def half(dq, dk, dv): bwd(dq, dk, dv); dv[1].fill_(float("nan"))     # a row never written
+    >>> check_backward(half, {}, g, g, ref).reason.split("FAIL ")[1]
+    '(3 NaN/Inf element(s) where golden is finite, first at index (1, 0))'
+    """
+    saved = {name: t.clone() for name, t in inputs.items()}
+    grads = tuple(torch.full_like(t, float("nan")) for t in like)
+    call(*grads)
+    if any(t.is_cuda for t in grads):
+        torch.cuda.synchronize()
+    reason = compare_grads(grads, golden, ref)
+    changed = [name for name, t in inputs.items() if not torch.equal(t, saved[name])]
+    if reason is None and changed:
+        reason = f"the backward modified its input(s) {', '.join(changed)}"
+    return GradCheck(reason, grads)

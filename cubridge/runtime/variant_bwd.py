@@ -143,3 +143,36 @@ def reference_forward(spec, q, k, v, **spec_params):
         s = hooks.score_mod(s, b, h, qi, ki).to(s.dtype)
     s = s.masked_fill(~mask_of(hooks, b, h, qi, ki), float("-inf"))
     return out, torch.logsumexp(s, dim=-1).float()
+
+
+def reference_grads(spec, q, k, v, dout, **spec_params):
+    """dq, dk, dv of the spec's reference by torch.autograd, in q's dtype (float64: the golden)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    spec.run_reference(q, k, v, **spec_params).backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+class GradCase:
+    """One gradient check's data: random q, dout [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D] (drawn in
+    that order from `seed`), the forward's out / LSE from the float64 reference (so only the
+    backward is under test), the golden (float64) and ref (dtype) gradients of the rule."""
+
+    def __init__(self, spec, spec_params: dict, shape: tuple, dtype, seed: int, device="cuda"):
+        b, hq, hkv, nq, nk, d = shape
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.q, self.dout = (torch.randn(b, hq, nq, d, device=device, generator=g).to(dtype) for _ in range(2))
+        self.k, self.v = (torch.randn(b, hkv, nk, d, device=device, generator=g).to(dtype) for _ in range(2))
+        q64, k64, v64 = (t.double() for t in (self.q, self.k, self.v))
+        out, self.lse = reference_forward(spec, q64, k64, v64, **spec_params)
+        self.out = out.to(dtype)
+        self.golden = reference_grads(spec, q64, k64, v64, self.dout.double(), **spec_params)
+        self.ref = reference_grads(spec, self.q, self.k, self.v, self.dout, **spec_params)
+
+    def check(self, bwd, **call):
+        """cubridge.rule.check_backward of `bwd(dout, q, k, v, out, lse, sm_scale, dq=, dk=, dv=, **call)`."""
+        from cubridge.rule import check_backward
+        inputs = {"q": self.q, "k": self.k, "v": self.v, "dout": self.dout, "out": self.out, "lse": self.lse}
+        scale = self.q.shape[-1] ** -0.5
+        return check_backward(lambda dq, dk, dv: bwd(self.dout, self.q, self.k, self.v, self.out, self.lse,
+                                                     sm_scale=scale, dq=dq, dk=dk, dv=dv, **call),
+                              inputs, (self.q, self.k, self.v), self.golden, self.ref)

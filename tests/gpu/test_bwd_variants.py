@@ -6,13 +6,11 @@ float64 (cubridge.runtime.variant_bwd.reference_forward) so that only the backwa
 with NaN first, inputs unchanged, deterministic mode bitwise repeatable. Random normal inputs."""
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
 import torch
 
-from cubridge.rule import compare
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
@@ -44,43 +42,22 @@ def backwards():
     return out
 
 
-def _grads(spec, params, q, k, v, dout):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    spec.run_reference(q, k, v, **params).backward(dout)
-    return q.grad, k.grad, v.grad
+def _run_rule(bwd, name, params, shape, seed_key: str, **call):
+    """Random inputs of `shape` (cubridge.runtime.variant_bwd.GradCase), then the backward twice
+    (into NaN-poisoned gradients under cubridge.rule.check_backward, then fresh). Returns (grads,
+    again) for the callers' repeatability checks."""
+    from cubridge.runtime.variant_bwd import GradCase
+    b, hq, hkv, nq, nk, d, dtype, _ = shape
+    case = GradCase(bwd.spec, params, (b, hq, hkv, nq, nk, d), dtype, seed=zlib.crc32(seed_key.encode()))
+    verdict = case.check(bwd, **call)
+    assert verdict.passed, f"{name}: {verdict}"
+    again = bwd(case.dout, case.q, case.k, case.v, case.out, case.lse, sm_scale=d ** -0.5, **call)
+    return verdict.grads, again
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}-{}".format(
     *s[:6], str(s[6])[6:], "det" if s[7] else "atomic"))
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
-def _run_rule(bwd, name, params, shape, seed_key: str, **call):
-    """Random inputs of `shape`, out / LSE from the float64 reference, then the backward twice (into
-    NaN-poisoned gradients, then fresh): dQ, dK, dV under the rule, every element written, inputs
-    unchanged. Returns (grads, again) for the callers' repeatability checks."""
-    from cubridge.runtime.variant_bwd import reference_forward
-    b, hq, hkv, nq, nk, d, dtype, _ = shape
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(seed_key.encode()))
-    q, dout = (torch.randn(b, hq, nq, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-    q64, k64, v64 = (t.double() for t in (q, k, v))
-    out, lse = reference_forward(bwd.spec, q64, k64, v64, **params)
-    out = out.to(dtype)
-    golden = _grads(bwd.spec, params, q64, k64, v64, dout.double())
-    ref = _grads(bwd.spec, params, q, k, v, dout)
-    saved = [t.clone() for t in (q, k, v, dout, out, lse)]
-    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
-    bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, dq=grads[0], dk=grads[1], dv=grads[2], **call)
-    again = bwd(dout, q, k, v, out, lse, sm_scale=d ** -0.5, **call)
-    torch.cuda.synchronize()
-    for gname, x, gd, r in zip(("dq", "dk", "dv"), grads, golden, ref):
-        assert not x.isnan().any(), f"{gname}: {int(x.isnan().sum())} elements never written (or NaN)"
-        verdict = compare(x, gd, r)
-        assert verdict.passed, f"{name} {gname}: {verdict}"
-    for t, s, tname in zip((q, k, v, dout, out, lse), saved, ("q", "k", "v", "dout", "out", "lse")):
-        assert torch.equal(t, s), f"the backward modified its input {tname}"
-    return grads, again
-
-
 def test_variant_backward_rule(backwards, variant, shape):
     name, params = variant
     det = shape[7]

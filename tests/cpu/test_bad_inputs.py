@@ -12,6 +12,7 @@ from cubridge.cli import main, tune_main
 from cubridge.search.runners import make_runner
 from cubridge.search.testing_jobs import synthetic_recording
 from cubridge.search.tuner import tune
+from support.tuned_run import replayed_run
 
 
 def tune_cli(capsys, *argv):
@@ -78,19 +79,8 @@ def test_an_output_that_is_a_file(capsys, tmp_path, output):
 
 @pytest.fixture
 def finished_run(tmp_path):
-    p = config(tmp_path, """\
-        spec: causal
-        reference: fa3_sm90
-        shapes: {model: llama2-7b, lengths: [1024, 8192]}
-        budget: {trials: 5, minutes: 2}
-        output: {out}
-        """)
-    from cubridge.config import load_config
-    cfg = load_config(p)
-    rec = tmp_path / "rec.json"
-    rec.write_text(json.dumps(synthetic_recording("fa3_sm90", 128, "sm_90a", cfg.shapes.targets)))
-    tune(cfg, runner=make_runner("replay", replay=rec), say=lambda *_: None)
-    return p, rec, cfg.output
+    run = replayed_run(tmp_path, "causal", "{model: llama2-7b, lengths: [1024, 8192]}", trials=5)
+    return run.config, run.recording, run.output
 
 
 def test_torn_run_json_on_resume(capsys, finished_run):

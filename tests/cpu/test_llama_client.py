@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import math
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from support.tuned_run import cpu_op, replayed_run
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
@@ -178,42 +179,21 @@ def _prefixlm_grads(dout, q, k, v, scale):
 
 @pytest.fixture(scope="module")
 def prefix_op(tmp_path_factory):
-    import cubridge
-    from cubridge.config import load_config
-    from cubridge.op.kernels import Prepared
-    from cubridge.search.runners import make_runner
-    from cubridge.search.testing_jobs import synthetic_recording
-    from cubridge.search.tuner import tune
-    tmp = tmp_path_factory.mktemp("llama_train")
-    (tmp / "c.yaml").write_text(textwrap.dedent(f"""\
-        spec: prefixlm
-        reference: fa3_sm90
-        shapes: {{heads_q: {HQ}, heads_kv: {HKV}, head_dim: {D}, lengths: [1024]}}
-        budget: {{trials: 2, minutes: 2}}
-        output: {tmp / 'run'}
-        """))
-    cfg = load_config(tmp / "c.yaml")
-    (tmp / "r.json").write_text(json.dumps(synthetic_recording("fa3_sm90", D, "sm_90a", cfg.shapes.targets)))
-    tune(cfg, runner=make_runner("replay", replay=tmp / "r.json"), say=lambda *_: None)
-    attn = cubridge.load(cfg.output)
-    attn.device_type = "cpu"
-    attn.calls = {"forward": 0, "backward": 0}
+    calls = {"forward": 0, "backward": 0}
 
     def launch(q, k, v, out, lse, scale):
-        attn.calls["forward"] += 1
+        calls["forward"] += 1
         out.copy_(_prefixlm(q.double(), k.double(), v.double(), scale))
         lse.zero_()
 
-    def prepare(q, k, scale, rt):
-        prep = Prepared(lambda q, k, v, out, lse: launch(q, k, v, out, lse, scale), torch.empty(q.shape[:3]))
-        attn._prepared[(q.shape, k.shape, q.device, scale)] = prep
-        return prep
-
     def backward_impl(dout, q, k, v, out, lse, scale, rt):
-        attn.calls["backward"] += 1
+        calls["backward"] += 1
         grads = _prefixlm_grads(*(t.double() for t in (dout, q, k, v)), scale)
         return tuple(g.to(q.dtype).contiguous() for g in grads)
-    attn._prepare, attn.backward_impl = prepare, backward_impl
+    run = replayed_run(tmp_path_factory.mktemp("llama_train"), "prefixlm",
+                       f"{{heads_q: {HQ}, heads_kv: {HKV}, head_dim: {D}, lengths: [1024]}}", trials=2)
+    attn = cpu_op(run.output, launch, backward_impl)
+    attn.calls = calls
     return attn
 
 

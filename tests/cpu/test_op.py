@@ -7,53 +7,27 @@ from __future__ import annotations
 
 import json
 import shutil
-import textwrap
 
 import pytest
 import torch
 
 import cubridge
-from cubridge.config import load_config
 from cubridge.errors import LaunchError
-from cubridge.op.kernels import Prepared
 from cubridge.runtime.fa3_sm90 import map_strides as layout_strides
-from cubridge.search.runners import make_runner
-from cubridge.search.testing_jobs import synthetic_recording
-from cubridge.search.tuner import tune
+from support.tuned_run import cpu_op, replayed_run
 
 BF = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("op")
-    p = tmp / "c.yaml"
-    p.write_text(textwrap.dedent(f"""\
-        spec: share_question
-        reference: fa3_sm90
-        shapes: {{heads_q: 8, heads_kv: 2, head_dim: 128, lengths: [1024, 8192]}}
-        budget: {{trials: 4, minutes: 2}}
-        output: {tmp / 'run'}
-        """))
-    cfg = load_config(p)
-    (tmp / "r.json").write_text(json.dumps(synthetic_recording("fa3_sm90", 128, "sm_90a", cfg.shapes.targets)))
-    tune(cfg, runner=make_runner("replay", replay=tmp / "r.json"), say=lambda *_: None)
-    return cfg.output
+    return replayed_run(tmp_path_factory.mktemp("op"), "share_question",
+                        "{heads_q: 8, heads_kv: 2, head_dim: 128, lengths: [1024, 8192]}").output
 
 
 def stubbed(run_dir, counts=None):
-    """A TunedOp that accepts CPU tensors and 'launches' out.copy_(q)."""
-    attn = cubridge.load(run_dir)
-    attn.device_type = "cpu"
-    counts = counts if counts is not None else {}
-
-    def prepare(q, k, scale, rt):
-        counts["prepare"] = counts.get("prepare", 0) + 1
-        prep = Prepared(lambda q, k, v, out, lse: (out.copy_(q), lse.fill_(scale)), torch.empty(q.shape[:3]))
-        attn._prepared[(q.shape, k.shape, q.device, scale)] = prep
-        return prep
-    attn._prepare = prepare
-    return attn
+    """A TunedOp that accepts CPU tensors and 'launches' out.copy_(q), lse = scale."""
+    return cpu_op(run_dir, lambda q, k, v, out, lse, scale: (out.copy_(q), lse.fill_(scale)), counts=counts)
 
 
 def qkv(b=2, n=64, hq=8, hkv=2, d=128, dtype=BF):

@@ -6,58 +6,30 @@ at the forward. The launches are stubbed (forward: out = q; backward: a recognis
 its inputs); the kernels' gradients are checked in test_bwd_variants.py and tests/gpu/test_bwd_op.py."""
 from __future__ import annotations
 
-import json
-import textwrap
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import cubridge
-from cubridge.config import load_config
 from cubridge.errors import LaunchError
 from cubridge.op.autograd import check_trainable
-from cubridge.op.kernels import Prepared
-from cubridge.search.runners import make_runner
-from cubridge.search.testing_jobs import synthetic_recording
-from cubridge.search.tuner import tune
+from support.tuned_run import cpu_op, replayed_run
 
 BF = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("op_autograd")
-    p = tmp / "c.yaml"
-    p.write_text(textwrap.dedent(f"""\
-        spec: prefixlm
-        reference: fa3_sm90
-        shapes: {{heads_q: 8, heads_kv: 2, head_dim: 128, lengths: [1024]}}
-        budget: {{trials: 2, minutes: 2}}
-        output: {tmp / 'run'}
-        """))
-    cfg = load_config(p)
-    (tmp / "r.json").write_text(json.dumps(synthetic_recording("fa3_sm90", 128, "sm_90a", cfg.shapes.targets)))
-    tune(cfg, runner=make_runner("replay", replay=tmp / "r.json"), say=lambda *_: None)
-    return cfg.output
+    return replayed_run(tmp_path_factory.mktemp("op_autograd"), "prefixlm",
+                        "{heads_q: 8, heads_kv: 2, head_dim: 128, lengths: [1024]}", trials=2).output
 
 
 def stubbed(run_dir, calls):
     """Forward: out = q, lse = scale. Backward: dq = dout * 2 + lse, dk = k * 3, dv = v + out.sum()."""
-    attn = cubridge.load(run_dir)
-    attn.device_type = "cpu"
-
-    def prepare(q, k, scale, rt):
-        prep = Prepared(lambda q, k, v, out, lse: (out.copy_(q), lse.fill_(scale)), torch.empty(q.shape[:3]))
-        attn._prepared[(q.shape, k.shape, q.device, scale)] = prep
-        return prep
-
     def backward_impl(dout, q, k, v, out, lse, scale, rt):
         calls.append((tuple(dout.shape), tuple(q.shape), scale))
         return (dout * 2 + lse[..., None]).to(q.dtype).contiguous(), (k * 3).contiguous(), (v + out.sum()).contiguous()
-    attn._prepare = prepare
-    attn.backward_impl = backward_impl
-    return attn
+    return cpu_op(run_dir, lambda q, k, v, out, lse, scale: (out.copy_(q), lse.fill_(scale)), backward_impl)
 
 
 def leaves(b=2, n=64, hq=8, hkv=2, d=128):

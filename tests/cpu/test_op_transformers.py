@@ -3,52 +3,26 @@ run (launch stubbed by a float64 causal attention on CPU, so the layout and GQA 
 tested) gives SDPA's logits; padding masks, custom masks and decode steps are refused."""
 from __future__ import annotations
 
-import json
-import textwrap
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cubridge.config import load_config                              # noqa: E402
 from cubridge.errors import LaunchError                              # noqa: E402
 from cubridge.integrations.transformers import register              # noqa: E402
-from cubridge.op.kernels import Prepared                             # noqa: E402
-from cubridge.search.runners import make_runner                      # noqa: E402
-from cubridge.search.testing_jobs import synthetic_recording         # noqa: E402
-from cubridge.search.tuner import tune                               # noqa: E402
+from support.tuned_run import cpu_op, replayed_run                   # noqa: E402
 
 HQ, HKV, D = 4, 2, 128
 
 
 @pytest.fixture(scope="module")
 def causal_op(tmp_path_factory):
-    import cubridge
-    tmp = tmp_path_factory.mktemp("tf")
-    (tmp / "c.yaml").write_text(textwrap.dedent(f"""\
-        spec: causal
-        reference: fa3_sm90
-        shapes: {{heads_q: {HQ}, heads_kv: {HKV}, head_dim: {D}, lengths: [1024, 8192]}}
-        budget: {{trials: 4, minutes: 2}}
-        output: {tmp / 'run'}
-        """))
-    cfg = load_config(tmp / "c.yaml")
-    (tmp / "r.json").write_text(json.dumps(synthetic_recording("fa3_sm90", D, "sm_90a", cfg.shapes.targets)))
-    tune(cfg, runner=make_runner("replay", replay=tmp / "r.json"), say=lambda *_: None)
-    attn = cubridge.load(cfg.output)
-    attn.device_type = "cpu"
-
     def launch(q, k, v, out, lse, scale):
         kk, vv = (t.double().repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
         out.copy_(torch.nn.functional.scaled_dot_product_attention(q.double(), kk, vv, is_causal=True, scale=scale))
-
-    def prepare(q, k, scale, rt):
-        prep = Prepared(lambda q, k, v, out, lse: launch(q, k, v, out, lse, scale), torch.empty(q.shape[:3]))
-        attn._prepared[(q.shape, k.shape, q.device, scale)] = prep
-        return prep
-    attn._prepare = prepare
-    return attn
+    run = replayed_run(tmp_path_factory.mktemp("tf"), "causal",
+                       f"{{heads_q: {HQ}, heads_kv: {HKV}, head_dim: {D}, lengths: [1024, 8192]}}")
+    return cpu_op(run.output, launch)
 
 
 def _model():

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import expkit  # noqa: F401 - cubridge importable from a bare checkout
 from expkit import grad_sanity
+from expkit.peers import fa4_backward, ours_backward
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -33,13 +34,6 @@ from cubridge.runtime.timing import attention_flops, bench_round_robin
 TOKENS, H, D = 16384, 32, 128
 BWD_FLOP_FACTOR = 2.5
 OURS = "cubridge/fa3_bwd_sm90"
-
-
-def ours(option: str, causal: bool, q, k, v, dout):
-    from cubridge.runtime.autograd import forward_with_lse
-    from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
-    out, lse = forward_with_lse(q, k, v, causal)
-    return functools.partial(fa3_backward, dout, q, k, v, out, lse, causal=causal, option=option)
 
 
 def fa2(causal: bool, q, k, v, dout):
@@ -57,18 +51,9 @@ def cudnn(causal: bool, q, k, v, dout):
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
-def fa4(causal: bool, q, k, v, dout):
-    from flash_attn.cute import flash_attn_func   # [B, N, H, D] leaves, its native layout
-    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-    out = flash_attn_func(*leaves, causal=causal)
-    out = out[0] if isinstance(out, tuple) else out
-    do = dout.transpose(1, 2).contiguous()
-    return lambda: [g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, do, retain_graph=True)]
-
-
 def systems(options: list[str]) -> dict:
-    table = {f"{OURS}[{o}]": functools.partial(ours, o) for o in options}
-    table.update({"cubridge/fa2_bwd_sm80": fa2, "sdpa_cudnn": cudnn, "fa4": fa4})
+    table = {f"{OURS}[{o}]": functools.partial(ours_backward, o) for o in options}
+    table.update({"cubridge/fa2_bwd_sm80": fa2, "sdpa_cudnn": cudnn, "fa4": fa4_backward})
     return table
 
 

@@ -43,23 +43,15 @@ TOKENS, HEADS, D = 16384, 32, 128
 
 
 def backward_call(system: str, n: int, causal: bool, option: str):
-    """One backward of ours (fa3_backward, `option`, after our forward) or FA4
-    (torch.autograd.grad through flash_attn_func, BSHD leaves), as bench_bwd_options.py times them."""
-    import functools
+    """One backward of ours or FA4 (expkit.peers.ours_backward / fa4_backward, as bench_bwd_options.py
+    times them; FA4's gradients left BSHD)."""
     import torch
+    from expkit.peers import fa4_backward, ours_backward
     b = TOKENS // n
     q, k, v, dout = (torch.randn(b, HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     if system == "ours":
-        from cubridge.runtime.autograd import forward_with_lse
-        from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
-        out, lse = forward_with_lse(q, k, v, causal)
-        return functools.partial(fa3_backward, dout, q, k, v, out, lse, causal=causal, option=option)
-    from flash_attn.cute import flash_attn_func
-    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-    out = flash_attn_func(*leaves, causal=causal)
-    out = out[0] if isinstance(out, tuple) else out
-    do = dout.transpose(1, 2).contiguous()
-    return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+        return ours_backward(option, causal, q, k, v, dout)
+    return fa4_backward(causal, q, k, v, dout, bhnd=False)
 
 
 def worker(system: str, n: int, variant: str = "causal", direction: str = "forward", option: str = "") -> None:

@@ -1,6 +1,6 @@
 """The peers of issue 18 as callables on one shape, and a sampled float64 check that every system
 (ours included) must pass before its time counts. Used by bench_peers.py, ab_peer_patches.py and
-ncu_compare.py.
+ncu_compare.py; the backward pair (ours_backward, fa4_backward) by bench_bwd_options.py and ncu_compare.py.
 
 Systems (JSON names): `cubridge/fa3_sm90` (dense: fa3_forward at default_config; a variant: the
 rules transfer lowered onto fa3_sm90, as bench_variants.py launches it), `fa4`
@@ -82,6 +82,30 @@ def make_fa4(name, q, k, v, **options):
         out = fa(qt, kt, vt, causal=causal, window_size=window, **options)
         return out[0] if isinstance(out, tuple) else out
     return (lambda: fn().transpose(1, 2)), note
+
+
+def ours_backward(option: str, causal: bool, q, k, v, dout):
+    """fa3_bwd_sm90's fa3_backward with `option` after our dense forward: the callable times the
+    backward alone and returns (dq, dk, dv)."""
+    import functools
+
+    from cubridge.runtime.autograd import forward_with_lse
+    from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
+    out, lse = forward_with_lse(q, k, v, causal)
+    return functools.partial(fa3_backward, dout, q, k, v, out, lse, causal=causal, option=option)
+
+
+def fa4_backward(causal: bool, q, k, v, dout, bhnd: bool = True):
+    """FA4's backward alone: torch.autograd.grad through one flash_attn_func forward on BSHD leaves
+    (its native layout), retain_graph so each call differentiates again. bhnd: gradients returned
+    as [B, H, N, D] views (for a check against ours); False leaves them BSHD (ncu: no extra work)."""
+    leaves = [bshd(t).requires_grad_() for t in (q, k, v)]
+    out = _fa4_func()(*leaves, causal=causal)
+    out = out[0] if isinstance(out, tuple) else out
+    do = bshd(dout)
+    if not bhnd:
+        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+    return lambda: [g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, do, retain_graph=True)]
 
 
 def _flex(name, hooks, q, k, v, backend):

@@ -50,3 +50,13 @@ def test_every_script_imports():
     proc = subprocess.run([sys.executable, "-c", code, *names], cwd=EXPERIMENTS, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_no_script_runs_another():
+    """Nor through runpy, nor from the Python inside a shell script (a job calls scripts, each alone)."""
+    siblings = "|".join(re.escape(p.stem) for p in SCRIPTS)
+    runs = [p.name for p in sorted(EXPERIMENTS.rglob("*.py")) if re.search(r"\brunpy\b|\brun_path\(", p.read_text())]
+    assert runs == []
+    shell = [p.name for p in sorted(EXPERIMENTS.glob("*.sh"))
+             if re.search(rf"^\s*(from ({siblings}) import|import ({siblings})\b)", p.read_text(), re.M)]
+    assert shell == []

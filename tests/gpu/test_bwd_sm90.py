@@ -8,7 +8,7 @@ repeatable. Inputs are random normal, never zeros. Needs an sm_90 GPU (skipped o
 
 Every kernel test runs once per performance option (cubridge.runtime.fa3_bwd_sm90.OPTIONS; the
 test id starts with it). CUBRIDGE_BWD_OPTIONS=bulk,base
-narrows the set (experiments/device_s8_hbwdperf.sh runs one option per pytest process).
+narrows the set (one option per pytest process runs them side by side).
 """
 from __future__ import annotations
 

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from expkit import D, Variant, causal_baseline, check_all, time_ms_interleaved, versions
-from cubridge.lower.cexpr import SIGMOID_FMA  # noqa: E402
+from expkit import PATCHES, D, Variant, causal_baseline, check_all, time_ms_interleaved, versions
 from cubridge.runtime.timing import tflops  # noqa: E402
 from cubridge.spec import load_spec  # noqa: E402
 from cubridge.transfer.pairs import count_attended  # noqa: E402
@@ -32,11 +31,12 @@ from cubridge.transfer.pairs import count_attended  # noqa: E402
 
 PLAIN = "s[i] = cuir_sigmoid_half(fmaf(s[i], half_scale, half_bias));"
 BIAS = re.compile(r"half_bias = 0\.5f \* (.+?);")
+SIGMOID_FMA = (PATCHES / "knobs" / "sigmoid_fma.cuh").read_text()     # cuir_sigmoid_fma, not in the product
 
 
 def with_share(source: str, eighths: int) -> str:
     """The lowered source with `eighths` of each thread's sigmoids (i % 8 < eighths) through
-    cexpr.SIGMOID_FMA instead of MUFU tanh (the lowering emits the MUFU form only)."""
+    patches/knobs/sigmoid_fma.cuh instead of MUFU tanh (the lowering emits the MUFU form only)."""
     if eighths == 0:
         return source
     bias = BIAS.search(source)

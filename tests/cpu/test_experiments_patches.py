@@ -83,3 +83,11 @@ def test_full_attention_patches_compile_spill_free(name, full_sources, tmp_path)
         assert int(spills[0]) <= (2 if causal else 0), f"{name} {cfg}: spills\n{fwd}"
         for warning in ("C7508", "C7510", "C7515", "serializ"):   # setmaxnreg ignored / wgmma serialized
             assert warning not in log, f"{name} {cfg}: ptxas warning {warning}\n{log}"
+
+
+def test_the_product_code_has_no_experiment_helpers():
+    """cuir_sigmoid_fma (the FMA-pipe sigmoid the lowering never emits) lives in experiments/patches/knobs/."""
+    found = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "cubridge").rglob("*.py"))
+             if "cuir_sigmoid_fma" in p.read_text() or "SIGMOID_FMA =" in p.read_text()]
+    assert found == []
+    assert "cuir_sigmoid_fma(float x)" in (PATCHES / "knobs" / "sigmoid_fma.cuh").read_text()

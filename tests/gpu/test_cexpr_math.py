@@ -1,18 +1,21 @@
-"""The math helpers of lowered kernels (cexpr.PRELUDE, and SIGMOID_FMA that experiments splice in), run on the GPU over dense input ranges and
-the special values, against float64: cuir_sigmoid_fma must hold its stated relative error (2^-13)
-everywhere, give exactly 0 at -inf and 1 at +inf, and stay within a bf16 P's rounding of the MUFU
-sigmoid it stands in for."""
+"""The math helpers of lowered kernels (cexpr.PRELUDE, and experiments/patches/knobs/sigmoid_fma.cuh
+that experiments splice in), run on the GPU over dense input ranges and the special values, against
+float64: cuir_sigmoid_fma must hold its stated relative error (2^-13) everywhere, give exactly 0 at
+-inf and 1 at +inf, and stay within a bf16 P's rounding of the MUFU sigmoid it stands in for."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from cubridge.lower.cexpr import PRELUDE, SIGMOID_FMA
+from cubridge.lower.cexpr import PRELUDE
 from cubridge.runtime.build import compile_cubin
 from cubridge.runtime.launch import LoadedKernel, arg_i32, arg_ptr, device_arch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+SIGMOID_FMA = (Path(__file__).resolve().parents[2] / "experiments" / "patches" / "knobs" / "sigmoid_fma.cuh").read_text()
 
 SOURCE = PRELUDE + SIGMOID_FMA + """
 extern "C" __global__ void sigmoids(const float* x, float* fma_out, float* mufu_out, int n) {

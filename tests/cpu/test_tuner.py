@@ -276,24 +276,24 @@ def test_gpu_check_applies_the_verification_rule(tmp_path):
     spec = load_spec("causal")
     shape = (1, 4, 2, 37, 32, 0)
 
-    def good(q, k, v, out):
+    def good(q, k, v, out, lse=None):
         from cubridge.verify import lse_of
         out.copy_(spec.run_reference(q.float(), k.float(), v.float()).to(out.dtype))
         return out, lse_of(spec, q.float(), k.float(), {})      # the LSE is an output too
 
-    def unwritten(q, k, v, out):
+    def unwritten(q, k, v, out, lse=None):
         good(q, k, v, out)
         out[:, :, -1] = float("nan")
         return out, good(q, k, v, out.clone())[1]
 
-    def clobbers(q, k, v, out):
+    def clobbers(q, k, v, out, lse=None):
         res = good(q, k, v, out)
         k.zero_()
         return res
 
     calls = []
 
-    def racy(q, k, v, out):
+    def racy(q, k, v, out, lse=None):
         res = good(q, k, v, out)
         calls.append(1)
         out[0, 0, 0, 0] += len(calls) * 1e-2

@@ -11,12 +11,15 @@ Options (compile-time, `option=` of fa3_backward; params.cuh and NOTES.md say wh
 through shared memory and one bulk reduce-add per consumer and step, into a tiled accumulator that
 fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
 order), "bulk_overlap_lse" (also LSE / Dvec staged in shared memory by the producer, from padded
-copies made here), "bulk_overlap_lse_lpt" (also the KV tile in blockIdx.z: causal's longest tiles
-dispatched first; it thrashed L2 and lost 35-50%), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2:
+copies made here), "bulk_overlap_lse_arriveall" (the same with every consumer thread arriving on
+the stage's empty barrier, ARRIVE_ALL: what compute-sanitizer's racecheck needs to see the LSE /
+Dvec reads ordered before the next bulk copy; session 10), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2:
 causal's longest tiles first inside sections of heads sized to L2, `tile_sections`),
 "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
-queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both; session 9's branch
-fa4bwd, not yet run on a GPU). DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
+queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
+"bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
+35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
+DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
 experiments/results/session9_h100/bwd_options.json, bf16 D = 128, 16k tokens) it ran 450 / 514
 TFLOPS causal 8k / 16k and 510 / 548 full, against base 231 / 237 / 296 / 279, the portable
 fa2_bwd_sm80 229 / 236 / 241 / 239, cuDNN 477 / 535 / 543 / 569 and FA4 539 / 607 / 608 / 639.
@@ -49,15 +52,16 @@ FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
-# option name -> (DQ_MODE, SCHED, LSE_SMEM, TILE_ORDER); SCHED 1 / 2 require DQ_MODE 1, LSE_SMEM 1
-# requires SCHED 1 / 2 (params.cuh static_asserts).
-OPTIONS = {"base": (0, 0, 0, 0), "bulk": (1, 0, 0, 0), "bulk_overlap": (1, 1, 0, 0),
-           "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1),
-           "bulk_overlap_lse_l2lpt": (1, 1, 1, 2), "bulk_dqfirst_lse": (1, 2, 1, 0),
-           "bulk_dqfirst_lse_l2lpt": (1, 2, 1, 2)}
+# option name -> (DQ_MODE, SCHED, LSE_SMEM, TILE_ORDER, ARRIVE_ALL); SCHED 1 / 2 require DQ_MODE 1,
+# LSE_SMEM 1 requires SCHED 1 / 2, TILE_ORDER is 0 or 2 (params.cuh static_asserts).
+OPTIONS = {"base": (0, 0, 0, 0, 0), "bulk": (1, 0, 0, 0, 0), "bulk_overlap": (1, 1, 0, 0, 0),
+           "bulk_overlap_lse": (1, 1, 1, 0, 0), "bulk_overlap_lse_arriveall": (1, 1, 1, 0, 1),
+           "bulk_overlap_lse_l2lpt": (1, 1, 1, 2, 0), "bulk_dqfirst_lse": (1, 2, 1, 0, 0),
+           "bulk_dqfirst_lse_l2lpt": (1, 2, 1, 2, 0)}
 DEFAULT_OPTION = "bulk_overlap_lse"   # fastest of OPTIONS on an H100 (docstring)
-# A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on this option only (params.cuh
-# static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes).
+# A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
+# static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
+VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall")
 VARIANT_OPTION = "bulk_overlap_lse"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
@@ -79,7 +83,7 @@ ROW_TERM_BYTES = BLOCK_M * 4   # one stage's LSE or Dvec (LSE_SMEM 1)
 LOG2E = 1.4426950408889634
 
 
-def _modes(option: str) -> tuple[int, int, int, int]:
+def _modes(option: str) -> tuple[int, int, int, int, int]:
     if option not in OPTIONS:
         raise LaunchError(f"unknown option {option!r}", where="fa3_bwd_sm90",
                           hint=f"option must be one of {sorted(OPTIONS)}")
@@ -92,16 +96,17 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     kv = BLOCK_N * head_dim * ELEM_BYTES
     q = BLOCK_M * head_dim * ELEM_BYTES
     ds = BLOCK_N * BLOCK_M * ELEM_BYTES
-    dq_mode, _, lse_smem, _ = _modes(option)
+    dq_mode, _, lse_smem, _, _ = _modes(option)
     dq = DQ_SLOTS * CONSUMERS * DQ_PART_BYTES if dq_mode == 1 else 0
     rows = 2 * STAGES * ROW_TERM_BYTES if lse_smem == 1 else 0
     return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION) -> list[str]:
-    dq_mode, sched, lse_smem, tile_order = _modes(option)
+    dq_mode, sched, lse_smem, tile_order, arrive_all = _modes(option)
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
             f"-DDQ_MODE={dq_mode}", f"-DSCHED={sched}", f"-DLSE_SMEM={lse_smem}", f"-DTILE_ORDER={tile_order}",
+            f"-DARRIVE_ALL={arrive_all}",
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
 
 
@@ -113,9 +118,10 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
-    if source is not None and option != VARIANT_OPTION:
+    _modes(option)
+    if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
-                          hint=f"a lowered variant builds with option={VARIANT_OPTION!r}")
+                          hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
     return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
                          options=[*options(head_dim, causal, bf16, option), *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
@@ -197,10 +203,9 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
 
 
 def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
-    tile_order = _modes(option)[3]
-    if tile_order == 2:
+    if _modes(option)[3] == 2:
         return (tiles * heads_kv * batch, 1, 1)
-    return (heads_kv, batch, tiles) if tile_order == 1 else (tiles, heads_kv, batch)
+    return (tiles, heads_kv, batch)
 
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
@@ -211,15 +216,16 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
     option: one of OPTIONS (the kernel's compile-time performance options). variant: a
     cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
-    causal=False; option VARIANT_OPTION); its VariantArgs must stay alive until the kernel ran.
+    causal=False; option one of VARIANT_OPTIONS); its VariantArgs must stay alive until the kernel ran.
     l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
     tests pass small ones to exercise several sections)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
-    dq_mode, _, lse_smem, tile_order = _modes(option)
-    if variant is not None and (causal or option != VARIANT_OPTION):
+    dq_mode, _, lse_smem, tile_order, _ = _modes(option)
+    if variant is not None and (causal or option not in VARIANT_OPTIONS):
         raise LaunchError(f"a variant with causal={causal}, option={option!r}", where="fa3_backward",
-                          hint=f"a lowered variant carries its own mask: pass causal=False, option={VARIANT_OPTION!r}")
+                          hint="a lowered variant carries its own mask: pass causal=False and option one of "
+                               f"{list(VARIANT_OPTIONS)}")
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     device = q.device
     if capability(device.index) != (9, 0):

@@ -14,8 +14,8 @@
 //                   see no key: their LSE is -inf, so P = 0 and they contribute nothing)
 //   D               head dimension (HEAD_DIM); "Dvec" is the softmax backward's row term
 //   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch), or
-//                   (kv head, batch, n) with TILE_ORDER 1, or decoded from blockIdx.x (TILE_ORDER 2:
-//                   tile_coord, sections of l2_section (batch, kv head) pairs)
+//                   decoded from blockIdx.x (TILE_ORDER 2: tile_coord, sections of l2_section
+//                   (batch, kv head) pairs)
 //   producer        WG 0; one thread loads K, V once, then streams (Q, dO) tiles of 64 queries
 //                   of every query head of the group through the kStages ring
 //   consumer c      WG c + 1; owns keys [n0 + 64c, n0 + 64c + 64): its dK, dV rows in registers
@@ -25,7 +25,8 @@
 //   P^T             exp(S^T * scale - LSE[q]); dS^T = P^T * (dP^T - Dvec[q])
 //   dS slot         smem copy of dS^T [128 keys][64 queries] (q contiguous, swizzled) that dQ reads
 //   dq_accum        fp32 [B, Hq, Nq, D]; dQ += dS K is added with red.global.add.v2.f32
-//   full / empty    mbarriers: "TMA filled this stage" / "every consumer warp is done with it"
+//   full / empty    mbarriers: "TMA filled this stage" / "every consumer warp (ARRIVE_ALL: thread) is
+//                   done with it"
 //
 // Lifting map (@cuir-region / @cuir-end): extra_io, q_range, mask_pred, score, softmax_bwd.
 #if !defined(__CUDACC_RTC__)
@@ -62,6 +63,9 @@ typedef unsigned long long uint64_t;
 #endif
 #ifndef TILE_ORDER
 #define TILE_ORDER 0
+#endif
+#ifndef ARRIVE_ALL
+#define ARRIVE_ALL 0
 #endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
@@ -225,7 +229,6 @@ __device__ __forceinline__ TileCoord tile_coord(int seqlen_k, int heads_kv, int 
     const int n = r / width, hb = hb0 + (r - n * width);
     return TileCoord{n, hb % heads_kv, hb / heads_kv};
   }
-  if constexpr (kTileMajor) return TileCoord{int(blockIdx.z), int(blockIdx.x), int(blockIdx.y)};
   return TileCoord{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
 }
 
@@ -284,10 +287,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 }  // namespace fa3b
 
 // ------------------------------------------------------------------ entry point
-// Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 1: (Hkv, B, ceil(Nk / 128)); TILE_ORDER 2:
-// (ceil(Nk / 128) * Hkv * B, 1, 1) with l2_section >= 1, ignored otherwise); block kThreads;
-// dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
-// log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
+// Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 2: (ceil(Nk / 128) * Hkv * B, 1, 1) with l2_section
+// >= 1, ignored otherwise); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
 // group = heads_q / heads_kv. LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
 // copies instead, lse in log2 units with +inf where P must be 0 (padding, rows that see no key).
 // va: the variant's arguments (region extra_io; the dense kernel's is an unused int).

@@ -445,5 +445,8 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
     }
   store_rows(cs, dv, dv_acc, 1.f, pb);
   store_rows(cs, dk, dk_acc, softmax_scale, pb);
-  if (kDqBulk && cs.wg_thread == 0) bulk_wait_all();   // shared memory stays valid until read
+  if (kDqBulk && cs.wg_thread == 0) {   // shared memory stays valid until read
+    if constexpr (kLean) bulk_wait_read<0>();   // params.cuh LEAN
+    else bulk_wait_all();
+  }
 }

@@ -67,6 +67,9 @@ typedef unsigned long long uint64_t;
 #ifndef ARRIVE_ALL
 #define ARRIVE_ALL 0
 #endif
+#ifndef LEAN
+#define LEAN 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
@@ -366,3 +369,54 @@ fa3_bwd_dq_convert_tiled(const float* __restrict__ dq_accum, uint16_t* __restric
     *reinterpret_cast<uint32_t*>(dq + (bh * seqlen_q + row + 8) * kHeadDim + col) =
         fa3::pack2(a.z * softmax_scale, a.w * softmax_scale);
 }
+
+// LEAN 1's one launch before the backward (it replaces fa2_bwd_preprocess, the torch ops that made
+// the padded LSE / Dvec copies and the zeroing of the accumulator's padding rows). Per padded row p
+// of [B * Hq, padded_q] (padded_q = ceil(Nq / 64) * 64), row r = p % padded_q: Dvec = rowsum(dO * O)
+// for r < Nq (fa2_bwd_preprocess's order of operations: both paths give bitwise equal Dvec) else 0;
+// LSE in log2 units, +inf for padding and for rows that saw no key (natural-log -inf); and the
+// row's D floats of the tiled dQ accumulator zeroed (it holds padded rows x D floats). One thread
+// per 8 elements of a row. Grid ceil(padded_rows * D / 8 / 256), block 256. Built with LEAN 1 only
+// (the other options' cubins stay as they were).
+#if LEAN
+extern "C" __global__ void __launch_bounds__(256)
+fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ dout, const float* __restrict__ lse,
+                   float* __restrict__ lse2, float* __restrict__ dvec, float* __restrict__ dq_accum, int seqlen_q,
+                   int padded_q, long long padded_rows) {
+  using namespace fa3b;
+  constexpr int kChunk = 8, kRowChunks = kHeadDim / kChunk, kRowsPerBlock = 256 / kRowChunks;
+  const long long p = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowChunks;
+  const int chunk = threadIdx.x % kRowChunks;
+  const long long bh = p / padded_q;
+  const int row = int(p - bh * padded_q);
+  const bool in_rows = p < padded_rows, real = in_rows && row < seqlen_q;
+  float acc = 0.f;
+  if (real) {
+    const long long off = (bh * seqlen_q + row) * kHeadDim + chunk * kChunk;
+    const uint4 a = *reinterpret_cast<const uint4*>(o + off);
+    const uint4 d = *reinterpret_cast<const uint4*>(dout + off);
+    const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, dw[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc = fmaf(unpack_lo(aw[i]), unpack_lo(dw[i]), acc);
+      acc = fmaf(unpack_hi(aw[i]), unpack_hi(dw[i]), acc);
+    }
+  }
+  if (in_rows) {
+    float4* z = reinterpret_cast<float4*>(dq_accum + p * kHeadDim + chunk * kChunk);
+    z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int w = 1; w < kRowChunks; w *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, w);   // the row's lanes
+  if (in_rows && chunk == 0) {
+    float l2 = kPosInf;
+    if (real) {
+      const float l = lse[bh * seqlen_q + row];
+      l2 = l == kNegInf ? kPosInf : l * kLog2e;
+    }
+    lse2[p] = l2;
+    dvec[p] = acc;
+  }
+}
+#endif  // LEAN

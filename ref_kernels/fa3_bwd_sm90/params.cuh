@@ -45,6 +45,14 @@ constexpr bool kTileL2Sections = TILE_ORDER == 2;
 //              session 9 (H100) counted 10240 "Potential WAR hazard"s (12 shown) on the LSE rows, even
 //              with __syncwarp and the two bar.syncs (ds_ready, the dQ part's wg_sync) in between.
 constexpr bool kArriveAll = ARRIVE_ALL == 1;
+//   LEAN 1 (with LSE_SMEM 1): the per-call fixed costs. The launcher runs one fa3_bwd_preprocess
+//              (padded log2 LSE, padded Dvec, the whole tiled dQ accumulator zeroed) instead of
+//              fa2_bwd_preprocess plus a handful of torch ops, and each consumer's thread 0 ends by
+//              waiting for its last dQ bulk add to have READ shared memory (wait_group.read, as
+//              FA3 / FA4 and CUTLASS's TMA-store epilogues end) instead of for its completion in L2:
+//              the CTA exits (and the next one starts on the SM) an L2 round trip sooner; the kernel
+//              boundary still orders the adds before the convert kernel's reads.
+constexpr bool kLean = LEAN == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -135,6 +143,7 @@ static_assert(!(SCHED >= 1 && DQ_MODE == 0), "SCHED=1 or 2 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs SCHED=1 or 2");
 static_assert(TILE_ORDER == 0 || TILE_ORDER == 2, "TILE_ORDER must be 0 or 2 (1 was removed: NOTES.md)");
 static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
+static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

@@ -75,7 +75,8 @@ def test_every_builtin_compiles_spill_free(backwards, tmp_path):
         log = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
         reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        assert len(reports) == 2 and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
+        # the backward, the tiled dQ convert (and LEAN's preprocess)
+        assert len(reports) in (2, 3) and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
         assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{spec}: stack frame\n{log}"
         for warning in ("C7508", "C7510", "C7515", "serializ"):
             assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"

@@ -260,7 +260,7 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
 
 
 def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
-    if _modes(option)[3] == 2:
+    if _modes(option).tile_order == 2:
         return (tiles * heads_kv * batch, 1, 1)
     return (tiles, heads_kv, batch)
 

@@ -47,12 +47,12 @@ class VariantBackward:
                  use_hopper: bool | None = None, hopper_option: str | None = None, **spec_params):
         from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, VARIANT_OPTIONS
         from cubridge.spec import load_spec
+        from cubridge.transfer.rules import transfer
         if hopper_option is not None and hopper_option not in VARIANT_OPTIONS:
             from cubridge.errors import LaunchError
             raise LaunchError(f"hopper_option={hopper_option!r} has no variant hooks", where="VariantBackward",
                               hint=f"pass one of {list(VARIANT_OPTIONS)} (or None: {VARIANT_OPTION!r})")
         self.hopper_option = hopper_option or VARIANT_OPTION
-        from cubridge.transfer.rules import transfer
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         self.spec_params = spec_params
         self.candidate = transfer(_forward_program(), self.spec, spec_params=spec_params)

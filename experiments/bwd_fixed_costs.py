@@ -7,7 +7,10 @@ device time of each kernel it launches (torch.profiler, CUPTI) and the rest of t
 its own F is per-CTA prologue / epilogue and wave tails, the remainder is pre / post kernels and
 host gaps.
 
-  python3 experiments/bwd_fixed_costs.py --out fixed.json [--option bulk_overlap_lse] (GPU)
+  python3 experiments/bwd_fixed_costs.py --out fixed.json [--option bulk_overlap_lse [bulk_overlap_lse_lean ...]] (GPU)
+
+Several options: each row of each option is measured in turn (same process, same inputs per shape),
+and the table has one line per option and mask.
 """
 from __future__ import annotations
 
@@ -93,22 +96,27 @@ def main(argv=None) -> int:
     from cubridge.runtime.fa3_bwd_sm90 import DEFAULT_OPTION, OPTIONS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--option", default=DEFAULT_OPTION, choices=list(OPTIONS))
+    ap.add_argument("--option", nargs="+", default=[DEFAULT_OPTION], choices=list(OPTIONS))
     ap.add_argument("--n", type=int, nargs=2, default=[8192, 16384])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     rows, fits = [], {}
-    for causal in (True, False):
-        mine = [shape_row(args.option, n, causal, args.reps) for n in args.n]
-        rows += mine
-        fits["causal" if causal else "full"] = {key: fit(mine, key) for key in ("wall_ms", "main_ms")}
-    result = dict(device=torch.cuda.get_device_name(), option=args.option, rows=rows, fits=fits)
+    for option in args.option:
+        for causal in (True, False):
+            mine = [shape_row(option, n, causal, args.reps) for n in args.n]
+            rows += mine
+            fits[f"{option} {'causal' if causal else 'full'}"] = {key: fit(mine, key) for key in ("wall_ms", "main_ms")}
+            torch.cuda.empty_cache()   # the next shapes' inputs, not this one's cached blocks
+    result = dict(device=torch.cuda.get_device_name(), options=args.option, rows=rows, fits=fits)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
-    print("\n| mask | wall: R TFLOPS, F ms | main kernel: R, F | mean idle ms |")
-    for mask, f in fits.items():
-        idle = statistics.mean(r["idle_ms"] for r in rows if r["causal"] == (mask == "causal"))
-        print(f"| {mask} | {f['wall_ms']} | {f['main_ms']} | {idle:.3f} |")
+    print("\n| option mask | wall: R TFLOPS, F ms | main kernel: R, F | mean idle ms | mean other kernels ms |")
+    for label, f in fits.items():
+        option, mask = label.rsplit(" ", 1)
+        mine = [r for r in rows if r["option"] == option and r["causal"] == (mask == "causal")]
+        idle = statistics.mean(r["idle_ms"] for r in mine)
+        other = statistics.mean(r["kernel_sum_ms"] - r["main_ms"] for r in mine)
+        print(f"| {label} | {f['wall_ms']} | {f['main_ms']} | {idle:.3f} | {other:.3f} |")
     return 0
 
 

@@ -10,7 +10,7 @@ only the backward kernels run under the tool. Shapes are tiny: racecheck slows k
 
     compute-sanitizer --tool racecheck --error-exitcode 9 python3 experiments/sanitize_bwd.py
     python3 experiments/sanitize_bwd.py --only fa3_bwd_sm90 [--fa3-option bulk_overlap]
-    python3 experiments/sanitize_bwd.py --only hopper_variants   # variants lowered onto fa3_bwd_sm90
+    python3 experiments/sanitize_bwd.py --only hopper_variants [--fa3-option bulk_overlap_lse_arriveall]
 """
 from __future__ import annotations
 
@@ -80,9 +80,9 @@ def dense_case(kernel, det, b, hq, hkv, nq, nk, d, dtype, causal, fa3_option=Non
     return _verdicts(label, poisoned, golden, ref)
 
 
-def variant_case(spec, det, b, hq, hkv, nq, nk, d, hopper: bool = False) -> bool:
+def variant_case(spec, det, b, hq, hkv, nq, nk, d, hopper: bool = False, fa3_option=None) -> bool:
     from cubridge.runtime.variant_bwd import VariantBackward, reference_forward
-    bwd = VariantBackward(spec, use_hopper=hopper)
+    bwd = VariantBackward(spec, use_hopper=hopper, hopper_option=fa3_option if hopper else None)
     q, k, v, dout = _inputs(b, hq, hkv, nq, nk, d, BF16, nq * 11 + nk)
     out, lse = reference_forward(bwd.spec, q.double(), k.double(), v.double())
 
@@ -94,7 +94,8 @@ def variant_case(spec, det, b, hq, hkv, nq, nk, d, hopper: bool = False) -> bool
     bwd(dout, q, k, v, out.to(BF16), lse.float(), sm_scale=d ** -0.5, deterministic=det,
         dq=poisoned[0], dk=poisoned[1], dv=poisoned[2])
     torch.cuda.synchronize()
-    return _verdicts(f"variant {spec} {'fa3_bwd_sm90' if hopper else 'fa2_bwd_sm80'} {'det' if det else 'atomic'} "
+    kernel = f"fa3_bwd_sm90[{bwd.hopper_option}]" if hopper else "fa2_bwd_sm80"
+    return _verdicts(f"variant {spec} {kernel} {'det' if det else 'atomic'} "
                      f"q{nq} k{nk} D{d}", poisoned,
                      grads(torch.float64), grads(BF16))
 
@@ -102,7 +103,8 @@ def variant_case(spec, det, b, hq, hkv, nq, nk, d, hopper: bool = False) -> bool
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["fa2_bwd_sm80", "fa3_bwd_sm90", "variants", "hopper_variants"])
-    ap.add_argument("--fa3-option", help="fa3_bwd_sm90's performance option (its OPTIONS; default: DEFAULT_OPTION)")
+    ap.add_argument("--fa3-option", help="fa3_bwd_sm90's performance option (its OPTIONS; default: DEFAULT_OPTION; "
+                    "with hopper_variants one of its VARIANT_OPTIONS, default VARIANT_OPTION)")
     args = ap.parse_args(argv)
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     ok = True
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
             ok &= variant_case(*case)
     if args.only in (None, "hopper_variants") and sm90:
         for case in HOPPER_VARIANTS:
-            ok &= variant_case(*case, hopper=True)
+            ok &= variant_case(*case, hopper=True, fa3_option=args.fa3_option)
     print("sanitize_bwd:", "all cases pass the rule" if ok else "SOME CASE FAILED THE RULE")
     return 0 if ok else 1
 

@@ -1,22 +1,30 @@
 """Build and launch the Hopper backward ref_kernels/fa3_bwd_sm90/kernel.cu from PyTorch.
 
-Three launches on the current stream: fa2_bwd_preprocess (Dvec = rowsum(dO * O), zeroes the fp32
-dQ accumulator), fa3_bwd_sm90 (dK, dV, dQ += dS K by atomics), fa2_bwd_dq_convert (dQ =
-accumulator * scale). The first and last are the portable backward's kernels (ref_kernels/
-fa2_bwd_sm80); the middle one reads Q, K, V, dO through TMA, so it is launched through the driver
-API with four CUtensorMap descriptors, as cubridge.runtime.fa3_sm90 launches the forward.
+Three launches on the current stream: a preprocess (Dvec = rowsum(dO * O), zeroes the fp32 dQ
+accumulator), fa3_bwd_sm90 (dK, dV, dQ added into the accumulator), a convert (dQ = accumulator *
+scale). The preprocess is the portable backward's fa2_bwd_preprocess (ref_kernels/fa2_bwd_sm80),
+with LSE_SMEM after a few torch ops that make padded LSE / Dvec copies, or with LEAN kernel.cu's
+own fa3_bwd_preprocess, which writes those copies itself; the convert is fa3_bwd_dq_convert_tiled
+(DQ_MODE 1) or fa2_bwd_dq_convert. The main kernel reads Q, K, V, dO through TMA, so it is launched
+through the driver API with four CUtensorMap descriptors, as cubridge.runtime.fa3_sm90 launches the
+forward.
 
 Options (compile-time, `option=` of fa3_backward; params.cuh and NOTES.md say what each does):
 "base" (DQ_MODE 0, SCHED 0: the session-7 kernel, per-thread dQ atomics), "bulk" (DQ_MODE 1: dQ
 through shared memory and one bulk reduce-add per consumer and step, into a tiled accumulator that
 fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
 order), "bulk_overlap_lse" (also LSE / Dvec staged in shared memory by the producer, from padded
-copies made here), "bulk_overlap_lse_lpt" (also the KV tile in blockIdx.z: causal's longest tiles
-dispatched first; it thrashed L2 and lost 35-50%), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2:
+copies made here), "bulk_overlap_lse_arriveall" (the same with every consumer thread arriving on
+the stage's empty barrier, ARRIVE_ALL: what compute-sanitizer's racecheck needs to see the LSE /
+Dvec reads ordered before the next bulk copy; session 10), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2:
 causal's longest tiles first inside sections of heads sized to L2, `tile_sections`),
+"bulk_overlap_lse_lean" (arriveall with LEAN: the one preprocess launch above, and each CTA ends
+once its last dQ add has read shared memory instead of once it completed; session 10),
 "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
-queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both; session 9's branch
-fa4bwd, not yet run on a GPU). DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
+queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
+"bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
+35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
+DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
 experiments/results/session9_h100/bwd_options.json, bf16 D = 128, 16k tokens) it ran 450 / 514
 TFLOPS causal 8k / 16k and 510 / 548 full, against base 231 / 237 / 296 / 279, the portable
 fa2_bwd_sm80 229 / 236 / 241 / 239, cuDNN 477 / 535 / 543 / 569 and FA4 539 / 607 / 608 / 639.
@@ -35,29 +43,45 @@ import ctypes
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
 from cubridge.errors import LaunchError
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.build import compile_cubin, default_compiler
-from cubridge.runtime.driver import capability, driver, pack_params
+from cubridge.runtime.driver import capability, current_stream, driver, pack_params
 
 KERNEL_DIR = REF_KERNELS_DIR / "fa3_bwd_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part of the cache key)
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
+PREP_ENTRY = b"fa3_bwd_preprocess"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
-# option name -> (DQ_MODE, SCHED, LSE_SMEM, TILE_ORDER); SCHED 1 / 2 require DQ_MODE 1, LSE_SMEM 1
-# requires SCHED 1 / 2 (params.cuh static_asserts).
-OPTIONS = {"base": (0, 0, 0, 0), "bulk": (1, 0, 0, 0), "bulk_overlap": (1, 1, 0, 0),
-           "bulk_overlap_lse": (1, 1, 1, 0), "bulk_overlap_lse_lpt": (1, 1, 1, 1),
-           "bulk_overlap_lse_l2lpt": (1, 1, 1, 2), "bulk_dqfirst_lse": (1, 2, 1, 0),
-           "bulk_dqfirst_lse_l2lpt": (1, 2, 1, 2)}
+
+
+class Modes(NamedTuple):
+    """An option's compile-time macros (params.cuh says what each does). SCHED 1 / 2 require
+    DQ_MODE 1, LSE_SMEM 1 requires SCHED 1 / 2, TILE_ORDER is 0 or 2, LEAN 1 requires LSE_SMEM 1
+    (static_asserts there). LEAN also changes the launches around the kernel (fa3_backward)."""
+    dq_mode: int
+    sched: int
+    lse_smem: int
+    tile_order: int
+    arrive_all: int = 0
+    lean: int = 0
+
+
+OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
+           "bulk_overlap_lse": Modes(1, 1, 1, 0), "bulk_overlap_lse_arriveall": Modes(1, 1, 1, 0, arrive_all=1),
+           "bulk_overlap_lse_lean": Modes(1, 1, 1, 0, arrive_all=1, lean=1),
+           "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
+           "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse"   # fastest of OPTIONS on an H100 (docstring)
-# A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on this option only (params.cuh
-# static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes).
+# A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
+# static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
+VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean")
 VARIANT_OPTION = "bulk_overlap_lse"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
@@ -79,7 +103,7 @@ ROW_TERM_BYTES = BLOCK_M * 4   # one stage's LSE or Dvec (LSE_SMEM 1)
 LOG2E = 1.4426950408889634
 
 
-def _modes(option: str) -> tuple[int, int, int, int]:
+def _modes(option: str) -> Modes:
     if option not in OPTIONS:
         raise LaunchError(f"unknown option {option!r}", where="fa3_bwd_sm90",
                           hint=f"option must be one of {sorted(OPTIONS)}")
@@ -92,16 +116,17 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     kv = BLOCK_N * head_dim * ELEM_BYTES
     q = BLOCK_M * head_dim * ELEM_BYTES
     ds = BLOCK_N * BLOCK_M * ELEM_BYTES
-    dq_mode, _, lse_smem, _ = _modes(option)
+    modes = _modes(option)
+    dq_mode, lse_smem = modes.dq_mode, modes.lse_smem
     dq = DQ_SLOTS * CONSUMERS * DQ_PART_BYTES if dq_mode == 1 else 0
     rows = 2 * STAGES * ROW_TERM_BYTES if lse_smem == 1 else 0
     return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION) -> list[str]:
-    dq_mode, sched, lse_smem, tile_order = _modes(option)
+    macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()]
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
-            f"-DDQ_MODE={dq_mode}", f"-DSCHED={sched}", f"-DLSE_SMEM={lse_smem}", f"-DTILE_ORDER={tile_order}",
+            *macros,
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
 
 
@@ -113,9 +138,10 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
-    if source is not None and option != VARIANT_OPTION:
+    _modes(option)
+    if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
-                          hint=f"a lowered variant builds with option={VARIANT_OPTION!r}")
+                          hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
     return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
                          options=[*options(head_dim, causal, bf16, option), *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
@@ -131,18 +157,19 @@ def enabled() -> bool:
     return value == "1"
 
 
-_FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
+_FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}
 
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
                compiler: str | None, source: str | None = None):
-    """(the backward kernel, the tiled dQ convert kernel) of one specialisation (of `source`, a
-    lowered variant, when given)."""
+    """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess]) of one specialisation
+    (of `source`, a lowered variant, when given)."""
     key = (head_dim, causal, bf16, option, device.index, compiler, source)
     if key not in _FUNCTIONS:
         cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source).cubin
+        entries = (CONVERT_ENTRY, PREP_ENTRY) if _modes(option).lean else (CONVERT_ENTRY,)
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
-            _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, CONVERT_ENTRY)
+            _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, *entries)
     return _FUNCTIONS[key]
 
 
@@ -178,6 +205,42 @@ def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
     return _padded_lse(lse, bh, nq, num_m), _padded_dvec(dvec, bh, nq, num_m)
 
 
+def _lean_prep(prep, out, dout, lse, bh: int, nq: int, num_m: int, d: int, stream: int):
+    """LEAN 1: ((padded log2 LSE, padded Dvec), the zeroed tiled dQ accumulator) from one
+    fa3_bwd_preprocess launch (kernel.cu), in place of fa2_bwd_preprocess and the torch ops of
+    _padded_row_terms (5-7 small kernels, each a few us of host time while the GPU waits)."""
+    padded = bh * num_m * BLOCK_M
+    lse2 = torch.empty((bh, num_m * BLOCK_M), device=out.device, dtype=torch.float32)
+    dvec = torch.empty_like(lse2)
+    accum = torch.empty(padded * d, device=out.device, dtype=torch.float32)
+    args = [ctypes.c_uint64(t.data_ptr()) for t in (out, dout, lse, lse2, dvec, accum)]
+    args += [ctypes.c_int32(nq), ctypes.c_int32(num_m * BLOCK_M), ctypes.c_int64(padded)]
+    driver().launch(prep, (math.ceil(padded * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
+                    stream, pack_params(args))
+    return (lse2, dvec), accum
+
+
+def _classic_prep(out, dout, lse, shape, dq_mode: int, lse_smem: int, device, stream: int):
+    """((LSE, Dvec) as the kernel reads them, the zeroed dQ accumulator): fa2_bwd_preprocess (Dvec,
+    zeroes the accumulator's first Nq rows), with LSE_SMEM the padded copies (_padded_row_terms)."""
+    from cubridge.runtime.launch import arg_i64, arg_ptr
+    b, hq, nq, d = shape.batch, shape.heads_q, shape.len_q, shape.head_dim
+    rows, num_m = b * hq * nq, math.ceil(nq / BLOCK_M)
+    lse2 = _padded_lse(lse, b * hq, nq, num_m) if lse_smem == 1 else None
+    dvec = torch.empty(b, hq, nq, device=device, dtype=torch.float32)
+    # DQ_MODE 1: tiled [B * Hq, num_m, D / 64, 64 * 64] (fragment order, rows past Nq padding)
+    accum_elems = b * hq * num_m * BLOCK_M * d if dq_mode == 1 else rows * d
+    accum = torch.empty(accum_elems, device=device, dtype=torch.float32)
+    _helpers().kernels(d, out.dtype, False, False, device)["fa2_bwd_preprocess"].launch(
+        (math.ceil(rows * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
+        (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), arg_i64(rows)), stream)
+    if accum_elems > rows * d:
+        accum[rows * d:].zero_()
+    if lse_smem == 1:
+        return (lse2, dvec if nq % BLOCK_M == 0 else _padded_dvec(dvec, b * hq, nq, num_m)), accum
+    return (lse, dvec), accum
+
+
 def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: bool, l2_bytes: int) -> int:
     """TILE_ORDER 2's section width: how many (batch, kv head) pairs run tile-major together. Each
     pair streams its group's Q, dO (16-bit), LSE, Dvec and reduces into its fp32 dQ accumulator:
@@ -197,10 +260,9 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
 
 
 def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
-    tile_order = _modes(option)[3]
-    if tile_order == 2:
+    if _modes(option).tile_order == 2:
         return (tiles * heads_kv * batch, 1, 1)
-    return (heads_kv, batch, tiles) if tile_order == 1 else (tiles, heads_kv, batch)
+    return (tiles, heads_kv, batch)
 
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
@@ -211,15 +273,15 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
     option: one of OPTIONS (the kernel's compile-time performance options). variant: a
     cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
-    causal=False; option VARIANT_OPTION); its VariantArgs must stay alive until the kernel ran.
+    causal=False; option one of VARIANT_OPTIONS); its VariantArgs must stay alive until the kernel ran.
     l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
     tests pass small ones to exercise several sections)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
-    from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
-    dq_mode, _, lse_smem, tile_order = _modes(option)
-    if variant is not None and (causal or option != VARIANT_OPTION):
+    modes = _modes(option)
+    if variant is not None and (causal or option not in VARIANT_OPTIONS):
         raise LaunchError(f"a variant with causal={causal}, option={option!r}", where="fa3_backward",
-                          hint=f"a lowered variant carries its own mask: pass causal=False, option={VARIANT_OPTION!r}")
+                          hint="a lowered variant carries its own mask: pass causal=False and option one of "
+                               f"{list(VARIANT_OPTIONS)}")
     shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     device = q.device
     if capability(device.index) != (9, 0):
@@ -231,31 +293,21 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                              shape.head_dim)
     bf16 = q.dtype == torch.bfloat16
-    func, convert = _functions(d, bool(causal), bf16, option, device, compiler,
-                               variant.source if variant is not None else None)
-    helpers = _helpers().kernels(d, q.dtype, False, False, device)
-    stream = torch.cuda.current_stream(device).cuda_stream
-    rows = b * hq * nq
+    funcs = _functions(d, bool(causal), bf16, option, device, compiler,
+                       variant.source if variant is not None else None)
+    func, convert = funcs[:2]
+    stream = current_stream(device.index)
     num_m = math.ceil(nq / BLOCK_M)
-    lse2 = _padded_lse(lse, b * hq, nq, num_m) if lse_smem == 1 else None
-    dvec = torch.empty(b, hq, nq, device=device, dtype=torch.float32)
-    # DQ_MODE 1: tiled [B * Hq, num_m, D / 64, 64 * 64] (fragment order, rows past Nq padding)
-    accum_elems = b * hq * num_m * BLOCK_M * d if dq_mode == 1 else rows * d
-    accum = torch.empty(accum_elems, device=device, dtype=torch.float32)
-    helpers["fa2_bwd_preprocess"].launch(      # Dvec, and zeroes accum[:rows * d]
-        (math.ceil(rows * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
-        (arg_ptr(out), arg_ptr(dout), arg_ptr(dvec), arg_ptr(accum), arg_i64(rows)), stream)
-    if accum_elems > rows * d:
-        accum[rows * d:].zero_()
-    row_terms = (lse, dvec)
-    if lse_smem == 1:
-        row_terms = (lse2, dvec if nq % BLOCK_M == 0 else _padded_dvec(dvec, b * hq, nq, num_m))
+    if modes.lean:
+        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream)
+    else:
+        row_terms, accum = _classic_prep(out, dout, lse, shape, modes.dq_mode, modes.lse_smem, device, stream)
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]
     tiles = math.ceil(nk / BLOCK_N)
     section = 1
-    if tile_order == 2:
+    if modes.tile_order == 2:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
         section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal), l2)
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
@@ -263,15 +315,22 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
     grid = _grid(option, tiles, hkv, b)
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
-    if dq_mode == 1:
-        chunks = accum_elems // 4
-        args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(nq),
-                ctypes.c_int32(num_m), ctypes.c_int64(chunks), ctypes.c_float(scale)]
-        driver().launch(convert, (math.ceil(chunks / CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0,
-                        stream, pack_params(args))
-        return dq, dk, dv
-    chunks = rows * d // CHUNK_ELEMS
-    helpers["fa2_bwd_dq_convert"].launch((math.ceil(chunks / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
-                                         (arg_ptr(accum), arg_ptr(dq), arg_i64(chunks), arg_f32(scale)),
-                                         stream)
+    _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream)
     return dq, dk, dv
+
+
+def _convert(tiled, accum, dq, shape, scale: float, stream: int) -> None:
+    """dQ = accumulator * scale in 16 bit: fa3_bwd_dq_convert_tiled (`tiled`, DQ_MODE 1's tiled
+    accumulator) or fa2_bwd_dq_convert (the row-major one of DQ_MODE 0)."""
+    from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
+    if tiled is not None:
+        chunks = accum.numel() // 4
+        args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(shape.len_q),
+                ctypes.c_int32(math.ceil(shape.len_q / BLOCK_M)), ctypes.c_int64(chunks), ctypes.c_float(scale)]
+        driver().launch(tiled, (math.ceil(chunks / CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0,
+                        stream, pack_params(args))
+        return
+    chunks = accum.numel() // CHUNK_ELEMS
+    kernel = _helpers().kernels(shape.head_dim, dq.dtype, False, False, accum.device)["fa2_bwd_dq_convert"]
+    kernel.launch((math.ceil(chunks / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
+                  (arg_ptr(accum), arg_ptr(dq), arg_i64(chunks), arg_f32(scale)), stream)

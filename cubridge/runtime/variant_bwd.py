@@ -5,7 +5,8 @@ Hopper fa3_bwd_sm90 (cubridge.lower.fa3_bwd_sm90, option bulk_overlap_lse).
 Which kernel: `use_hopper=None` (default) takes the Hopper one on an sm_90 GPU only when
 CUBRIDGE_HOPPER_VARIANT_BWD=1 (opt-in until tests/gpu/test_bwd_variants.py has passed its Hopper
 cases on an H100), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
-runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs).
+runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs). `hopper_option`:
+which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION).
 
 Example (GPU):
     >>> bwd = VariantBackward("prefixlm")                                               # doctest: +SKIP
@@ -43,9 +44,15 @@ class VariantBackward:
     """dq, dk, dv of a variant spec (name or path), with the spec's params as keyword overrides."""
 
     def __init__(self, spec, config: Config | None = None, kernel: Fa2BwdSm80 | None = None,
-                 use_hopper: bool | None = None, **spec_params):
+                 use_hopper: bool | None = None, hopper_option: str | None = None, **spec_params):
+        from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, VARIANT_OPTIONS
         from cubridge.spec import load_spec
         from cubridge.transfer.rules import transfer
+        if hopper_option is not None and hopper_option not in VARIANT_OPTIONS:
+            from cubridge.errors import LaunchError
+            raise LaunchError(f"hopper_option={hopper_option!r} has no variant hooks", where="VariantBackward",
+                              hint=f"pass one of {list(VARIANT_OPTIONS)} (or None: {VARIANT_OPTION!r})")
+        self.hopper_option = hopper_option or VARIANT_OPTION
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         self.spec_params = spec_params
         self.candidate = transfer(_forward_program(), self.spec, spec_params=spec_params)
@@ -115,10 +122,10 @@ class VariantBackward:
                               "position Nk - Nq + i), so a variant needs Nq <= Nk", where="VariantBackward",
                               hint="give at least as many keys as queries")
         if self.uses_hopper(q.device, deterministic):
-            from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, fa3_backward
+            from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
             va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device, hopper=True)
             return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
-                                option=VARIANT_OPTION, variant=va)   # default_compiler(), as the dense path
+                                option=self.hopper_option, variant=va)   # default_compiler(), as the dense path
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

@@ -252,6 +252,12 @@ __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer&
     }
 }
 
+// The stage's Q, dO (and LSE_SMEM's LSE / Dvec) are read: lane 0 of each warp arrives after its
+// warp's wgmma wait, or every thread (ARRIVE_ALL, params.cuh: what racecheck can follow).
+__device__ __forceinline__ void release_stage(const Consumer& cs, const Smem& sm, int st) {
+  if (kArriveAll || cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);
+}
+
 // dQ part out: atomics (DQ_MODE 0) or the shared buffer the writer warp adds (DQ_MODE 1).
 __device__ __forceinline__ void emit_dq(const Consumer& cs, const Smem& sm, float* __restrict__ dq_accum,
                                         const float (&dq)[kDqRegs], int bh_q, int m0, int seqlen_q, int it) {
@@ -356,7 +362,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_wait<0>();
   reg_fence(dk_acc);
   reg_fence_u(ds16);
-  if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);   // Q, dO of this stage are read
+  release_stage(cs, sm, st);
 }
 
 __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& cs, const Smem& sm,
@@ -434,10 +440,13 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
       reg_fence(dv_acc);
       reg_fence_u(p16);                        // the dV / dK wgmmas read them until the wait
       reg_fence_u(ds16);
-      if (cs.lane == 0) mbar_arrive(sm.q_empty() + 8 * st);   // Q, dO of this stage are read
+      release_stage(cs, sm, st);
       emit_dq(cs, sm, dq_accum, dq, bh_q, m0, pb.seqlen_q, it);
     }
   store_rows(cs, dv, dv_acc, 1.f, pb);
   store_rows(cs, dk, dk_acc, softmax_scale, pb);
-  if (kDqBulk && cs.wg_thread == 0) bulk_wait_all();   // shared memory stays valid until read
+  if (kDqBulk && cs.wg_thread == 0) {   // shared memory stays valid until read
+    if constexpr (kLean) bulk_wait_read<0>();   // params.cuh LEAN
+    else bulk_wait_all();
+  }
 }

@@ -14,8 +14,8 @@
 //                   see no key: their LSE is -inf, so P = 0 and they contribute nothing)
 //   D               head dimension (HEAD_DIM); "Dvec" is the softmax backward's row term
 //   CTA             one (KV tile n of 128 keys, kv head, batch): blockIdx = (n, kv head, batch), or
-//                   (kv head, batch, n) with TILE_ORDER 1, or decoded from blockIdx.x (TILE_ORDER 2:
-//                   tile_coord, sections of l2_section (batch, kv head) pairs)
+//                   decoded from blockIdx.x (TILE_ORDER 2: tile_coord, sections of l2_section
+//                   (batch, kv head) pairs)
 //   producer        WG 0; one thread loads K, V once, then streams (Q, dO) tiles of 64 queries
 //                   of every query head of the group through the kStages ring
 //   consumer c      WG c + 1; owns keys [n0 + 64c, n0 + 64c + 64): its dK, dV rows in registers
@@ -25,7 +25,8 @@
 //   P^T             exp(S^T * scale - LSE[q]); dS^T = P^T * (dP^T - Dvec[q])
 //   dS slot         smem copy of dS^T [128 keys][64 queries] (q contiguous, swizzled) that dQ reads
 //   dq_accum        fp32 [B, Hq, Nq, D]; dQ += dS K is added with red.global.add.v2.f32
-//   full / empty    mbarriers: "TMA filled this stage" / "every consumer warp is done with it"
+//   full / empty    mbarriers: "TMA filled this stage" / "every consumer warp (ARRIVE_ALL: thread) is
+//                   done with it"
 //
 // Lifting map (@cuir-region / @cuir-end): extra_io, q_range, mask_pred, score, softmax_bwd.
 #if !defined(__CUDACC_RTC__)
@@ -62,6 +63,12 @@ typedef unsigned long long uint64_t;
 #endif
 #ifndef TILE_ORDER
 #define TILE_ORDER 0
+#endif
+#ifndef ARRIVE_ALL
+#define ARRIVE_ALL 0
+#endif
+#ifndef LEAN
+#define LEAN 0
 #endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
@@ -225,7 +232,6 @@ __device__ __forceinline__ TileCoord tile_coord(int seqlen_k, int heads_kv, int 
     const int n = r / width, hb = hb0 + (r - n * width);
     return TileCoord{n, hb % heads_kv, hb / heads_kv};
   }
-  if constexpr (kTileMajor) return TileCoord{int(blockIdx.z), int(blockIdx.x), int(blockIdx.y)};
   return TileCoord{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
 }
 
@@ -284,10 +290,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 }  // namespace fa3b
 
 // ------------------------------------------------------------------ entry point
-// Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 1: (Hkv, B, ceil(Nk / 128)); TILE_ORDER 2:
-// (ceil(Nk / 128) * Hkv * B, 1, 1) with l2_section >= 1, ignored otherwise); block kThreads;
-// dynamic smem kSmemBytes. lse [B, Hq, Nq] natural
-// log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
+// Grid (ceil(Nk / 128), Hkv, B) (TILE_ORDER 2: (ceil(Nk / 128) * Hkv * B, 1, 1) with l2_section
+// >= 1, ignored otherwise); block kThreads; dynamic smem kSmemBytes. lse [B, Hq, Nq] natural log; dvec [B, Hq, Nq]; dq_accum [B, Hq, Nq, D] zeroed; dk, dv [B, Hkv, Nk, D] 16-bit;
 // group = heads_q / heads_kv. LSE_SMEM 1: lse and dvec are padded [B * Hq, ceil(Nq / 64) * 64]
 // copies instead, lse in log2 units with +inf where P must be 0 (padding, rows that see no key).
 // va: the variant's arguments (region extra_io; the dense kernel's is an unused int).
@@ -365,3 +369,54 @@ fa3_bwd_dq_convert_tiled(const float* __restrict__ dq_accum, uint16_t* __restric
     *reinterpret_cast<uint32_t*>(dq + (bh * seqlen_q + row + 8) * kHeadDim + col) =
         fa3::pack2(a.z * softmax_scale, a.w * softmax_scale);
 }
+
+// LEAN 1's one launch before the backward (it replaces fa2_bwd_preprocess, the torch ops that made
+// the padded LSE / Dvec copies and the zeroing of the accumulator's padding rows). Per padded row p
+// of [B * Hq, padded_q] (padded_q = ceil(Nq / 64) * 64), row r = p % padded_q: Dvec = rowsum(dO * O)
+// for r < Nq (fa2_bwd_preprocess's order of operations: both paths give bitwise equal Dvec) else 0;
+// LSE in log2 units, +inf for padding and for rows that saw no key (natural-log -inf); and the
+// row's D floats of the tiled dQ accumulator zeroed (it holds padded rows x D floats). One thread
+// per 8 elements of a row. Grid ceil(padded_rows * D / 8 / 256), block 256. Built with LEAN 1 only
+// (the other options' cubins stay as they were).
+#if LEAN
+extern "C" __global__ void __launch_bounds__(256)
+fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ dout, const float* __restrict__ lse,
+                   float* __restrict__ lse2, float* __restrict__ dvec, float* __restrict__ dq_accum, int seqlen_q,
+                   int padded_q, long long padded_rows) {
+  using namespace fa3b;
+  constexpr int kChunk = 8, kRowChunks = kHeadDim / kChunk, kRowsPerBlock = 256 / kRowChunks;
+  const long long p = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowChunks;
+  const int chunk = threadIdx.x % kRowChunks;
+  const long long bh = p / padded_q;
+  const int row = int(p - bh * padded_q);
+  const bool in_rows = p < padded_rows, real = in_rows && row < seqlen_q;
+  float acc = 0.f;
+  if (real) {
+    const long long off = (bh * seqlen_q + row) * kHeadDim + chunk * kChunk;
+    const uint4 a = *reinterpret_cast<const uint4*>(o + off);
+    const uint4 d = *reinterpret_cast<const uint4*>(dout + off);
+    const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, dw[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc = fmaf(unpack_lo(aw[i]), unpack_lo(dw[i]), acc);
+      acc = fmaf(unpack_hi(aw[i]), unpack_hi(dw[i]), acc);
+    }
+  }
+  if (in_rows) {
+    float4* z = reinterpret_cast<float4*>(dq_accum + p * kHeadDim + chunk * kChunk);
+    z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int w = 1; w < kRowChunks; w *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, w);   // the row's lanes
+  if (in_rows && chunk == 0) {
+    float l2 = kPosInf;
+    if (real) {
+      const float l = lse[bh * seqlen_q + row];
+      l2 = l == kNegInf ? kPosInf : l * kLog2e;
+    }
+    lse2[p] = l2;
+    dvec[p] = acc;
+  }
+}
+#endif  // LEAN

@@ -29,18 +29,30 @@ constexpr bool kDqFirst = SCHED == 2;
 //              from per-head padded copies the launcher makes; the passes read shared memory
 //              instead of 16 + 16 global (L1) loads per thread, with no "row < Nq" branches.
 constexpr bool kLseSmem = LSE_SMEM == 1;
-//   TILE_ORDER 1: the KV tile is blockIdx.z, so every head's tile 0 is dispatched before any tile 1
-//              (blocks go out x fastest): causal tiles have less work the later they start (tile
-//              n is attended by the rows at or after n0), so the longest run first and the short
-//              ones fill the last wave; 0 (blockIdx.x) ends with each last head's full range.
-constexpr bool kTileMajor = TILE_ORDER == 1;
 //   TILE_ORDER 2: one linear grid, (b, kv head) pairs in sections of `l2_section` (a kernel
 //              parameter the launcher sizes so a section's Q, dO, LSE, Dvec and fp32 dQ fit in L2),
 //              tile-major inside a section: causal's longest tiles first within each section (FA4's
-//              SingleTileLPTBwdScheduler sections, longest-first). TILE_ORDER 1 made every head
-//              stream at once (bf16 8k: 64 heads x 8 MB of Q, dO, dQ against 50 MB of L2): causal
-//              8k fell 450 -> 295 TFLOPS and full 510 -> 264 (session 9, H100).
+//              SingleTileLPTBwdScheduler sections, longest-first). Session 9's TILE_ORDER 1 (the KV
+//              tile in blockIdx.z, every head tile-major at once) streamed every head together (bf16
+//              8k: 64 heads x 8 MB of Q, dO, dQ against 50 MB of L2): causal 8k fell 450 -> 295
+//              TFLOPS and full 510 -> 264 (H100); removed in session 10 (NOTES.md).
 constexpr bool kTileL2Sections = TILE_ORDER == 2;
+//   ARRIVE_ALL 1: every consumer thread arrives on the stage's q_empty (256 arrivals) instead of
+//              lane 0 of each consumer warp (8). Same ordering on the hardware; what it changes is
+//              what compute-sanitizer's racecheck can prove: it orders a thread's shared-memory read
+//              before the producer's next bulk copy into that stage only through an mbarrier arrive
+//              of that same thread. With LSE_SMEM's ld.shared of LSE / Dvec and one arrive per warp,
+//              session 9 (H100) counted 10240 "Potential WAR hazard"s (12 shown) on the LSE rows, even
+//              with __syncwarp and the two bar.syncs (ds_ready, the dQ part's wg_sync) in between.
+constexpr bool kArriveAll = ARRIVE_ALL == 1;
+//   LEAN 1 (with LSE_SMEM 1): the per-call fixed costs. The launcher runs one fa3_bwd_preprocess
+//              (padded log2 LSE, padded Dvec, the whole tiled dQ accumulator zeroed) instead of
+//              fa2_bwd_preprocess plus a handful of torch ops, and each consumer's thread 0 ends by
+//              waiting for its last dQ bulk add to have READ shared memory (wait_group.read, as
+//              FA3 / FA4 and CUTLASS's TMA-store epilogues end) instead of for its completion in L2:
+//              the CTA exits (and the next one starts on the SM) an L2 round trip sooner; the kernel
+//              boundary still orders the adds before the convert kernel's reads.
+constexpr bool kLean = LEAN == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -108,7 +120,8 @@ constexpr int kRowTermSmemBytes = kLseSmem ? 2 * kStages * kRowTermBytes : 0;
 constexpr int kOffBar = kOffLse + kRowTermSmemBytes;
 constexpr int kBarBytes = (1 + 2 * kStages) * 8;              // kv_full, q_full[], q_empty[]
 constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;  // + slack to align the base
-constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;      // one arrive per consumer warp
+// q_empty's count: one arrive per consumer warp, or per consumer thread (ARRIVE_ALL)
+constexpr int kEmptyArrivals = kConsumers * (kArriveAll ? kWgThreads : kWarpsPerWg);
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarDsReady = 1;                    // both consumers wrote their dS^T rows
@@ -128,7 +141,9 @@ static_assert(SCHED >= 0 && SCHED <= 2, "SCHED must be 0 (serial), 1 (overlap) o
 // order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
 static_assert(!(SCHED >= 1 && DQ_MODE == 0), "SCHED=1 or 2 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs SCHED=1 or 2");
-static_assert(TILE_ORDER >= 0 && TILE_ORDER <= 2, "TILE_ORDER must be 0, 1 or 2");
+static_assert(TILE_ORDER == 0 || TILE_ORDER == 2, "TILE_ORDER must be 0 or 2 (1 was removed: NOTES.md)");
+static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
+static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

@@ -24,7 +24,10 @@ SPECS = [(128, True, True), (128, False, False), (64, True, False), (64, False, 
 OPTION_SPECS = [("base", s) for s in SPECS] + [
     (o, s) for o in ("bulk", "bulk_overlap", "bulk_overlap_lse")
     for s in ((128, True, True), (128, False, False), (64, True, False))] + [
-    ("bulk_overlap_lse_lpt", (128, True, True))] + [   # only the block -> tile mapping differs
+    # ARRIVE_ALL: one predicate fewer at the stage release; the two D = 128 corners
+    ("bulk_overlap_lse_arriveall", (128, True, True)), ("bulk_overlap_lse_arriveall", (128, False, False))] + [
+    # LEAN: the tail wait and the preprocess kernel (one row = 16 or 8 lanes: both head dims)
+    ("bulk_overlap_lse_lean", (128, True, True)), ("bulk_overlap_lse_lean", (64, False, False))] + [
     # SCHED 2 (dQ issued before the dV wait): its register peak moves, so all four dQ-split /
     # dtype / mask corners; TILE_ORDER 2 only decodes blockIdx.x differently: one each.
     ("bulk_dqfirst_lse", s) for s in SPECS] + [
@@ -79,15 +82,49 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 def test_option_table_matches_the_kernel_macros():
     """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
     with SCHED 1 (static_asserts)."""
-    assert hb.OPTIONS["base"] == (0, 0, 0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
-    for name, (dq_mode, sched, lse_smem, tile_order) in hb.OPTIONS.items():
+    assert hb.OPTIONS["base"] == (0, 0, 0, 0, 0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
+    for name, m in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
-        assert f"-DDQ_MODE={dq_mode}" in opts and f"-DSCHED={sched}" in opts and f"-DLSE_SMEM={lse_smem}" in opts
-        assert f"-DTILE_ORDER={tile_order}" in opts
-        assert sched in (0, 1, 2) and tile_order in (0, 1, 2), name
-        assert not (sched >= 1 and dq_mode == 0) and not (lse_smem == 1 and sched == 0), name
+        assert f"-DDQ_MODE={m.dq_mode}" in opts and f"-DSCHED={m.sched}" in opts and f"-DLSE_SMEM={m.lse_smem}" in opts
+        assert f"-DTILE_ORDER={m.tile_order}" in opts and f"-DARRIVE_ALL={m.arrive_all}" in opts
+        assert f"-DLEAN={m.lean}" in opts
+        assert m.sched in (0, 1, 2) and m.tile_order in (0, 2) and m.arrive_all in (0, 1), name
+        assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
+        assert not (m.lean and not m.lse_smem), name
     with pytest.raises(LaunchError, match="unknown option"):
         hb.options(128, True, True, "fast")
+
+
+def test_variant_options_carry_the_hooks():
+    """A lowered variant builds only on the SCHED 1 / LSE_SMEM 1 / TILE_ORDER 0 path (kernel.cu
+    static_assert); ARRIVE_ALL changes only who arrives on q_empty, so both settings qualify."""
+    assert hb.VARIANT_OPTION in hb.VARIANT_OPTIONS
+    for name in hb.VARIANT_OPTIONS:
+        assert hb.OPTIONS[name][:4] == (1, 1, 1, 0), name
+    assert {hb.OPTIONS[n].arrive_all for n in hb.VARIANT_OPTIONS} == {0, 1}
+    assert hb.OPTIONS["bulk_overlap_lse_arriveall"] == hb.OPTIONS["bulk_overlap_lse"]._replace(arrive_all=1)
+    assert hb.OPTIONS["bulk_overlap_lse_lean"] == hb.OPTIONS["bulk_overlap_lse_arriveall"]._replace(lean=1)
+    for name in ("bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean"):
+        assert hb.smem_bytes(128, name) == hb.smem_bytes(128, "bulk_overlap_lse")
+    with pytest.raises(LaunchError, match="variant hooks"):
+        hb.build_cubin(128, False, True, option="bulk_dqfirst_lse", source="// a lowered source")
+    with pytest.raises(LaunchError, match="unknown option"):
+        hb.build_cubin(128, False, True, option="bulk_overlap_lse_lpt")   # removed in session 10
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_lean_needs_the_padded_row_terms(tmp_path):
+    """LEAN's preprocess writes LSE_SMEM's padded copies: LEAN=1 without LSE_SMEM=1 is refused at
+    compile time by name (params.cuh static_assert), and only LEAN builds carry the preprocess."""
+    opts = [o.replace("-DLSE_SMEM=1", "-DLSE_SMEM=0").replace("-DSCHED=1", "-DSCHED=0")
+            for o in hb.options(64, False, True, "bulk_overlap_lse_lean") if not o.startswith("-DHOST_SMEM")]
+    proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", *opts,
+                           "-o", str(tmp_path / "x.cubin"), str(hb.KERNEL_SOURCE)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "LEAN=1 needs LSE_SMEM=1" in proc.stderr, proc.stderr[-2000:]
+    text = hb.KERNEL_SOURCE.read_text()
+    start = text.index("fa3_bwd_preprocess(")
+    assert text.rfind("#if LEAN", 0, start) > text.rfind("#endif", 0, start), "the preprocess is built with LEAN only"
+    assert hb._modes("bulk_overlap_lse_lean").lean and not hb._modes("bulk_overlap_lse").lean
 
 
 def test_shared_memory_mirrors_params():
@@ -140,7 +177,6 @@ def test_l2_section_width():
     assert hb.tile_sections(8, 1, 8192, 128, True, 1 << 20) == 1       # one head over budget: still 1
     assert hb.tile_sections(64, 1, 8192, 128, False, l2) == 1
     assert hb._grid("bulk_overlap_lse", 64, 32, 2) == (64, 32, 2)
-    assert hb._grid("bulk_overlap_lse_lpt", 64, 32, 2) == (32, 2, 64)
 
 
 def test_padded_row_terms_for_lse_smem():

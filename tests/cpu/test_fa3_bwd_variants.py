@@ -1,6 +1,6 @@
 """CPU checks of variant backwards lowered onto the Hopper kernel (cubridge.lower.fa3_bwd_sm90):
 every built-in spec lowers (all five regions replaced, the one-pass P / dS path exactly where
-score_mod' is not 1 or dS needs the unrounded P) and compiles for sm_90a with the bulk_overlap_lse macros at D = 64 / 128,
+score_mod' is not 1 or dS needs the unrounded P) and compiles for sm_90a with the bulk_overlap_lse macros at D = 64 / 128 (two also with ARRIVE_ALL),
 fp16 / bf16 with no spills, no stack frame and no ignored setmaxnreg or serialized wgmma; the
 launcher and VariantBackward refuse what the Hopper path cannot do with a clear error, and pick it
 only when asked (opt-in env or use_hopper=True)."""
@@ -49,13 +49,13 @@ def test_every_builtin_lowers_into_the_hopper_regions(backwards):
 
 
 def _compile(job, tmp_path):
-    bwd, name, d, bf16 = job
+    bwd, name, d, bf16, option = job
     cu = tmp_path / f"{name}.cu"
     if not cu.exists():
         cu.write_text(bwd.hopper.source)
-    out = tmp_path / f"{name}_d{d}b{int(bf16)}.cubin"
+    out = tmp_path / f"{name}_d{d}b{int(bf16)}_{option}.cubin"
     proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
-                           *hb.options(d, False, bf16, hb.VARIANT_OPTION), "-Xptxas", "-v", "-o", str(out), str(cu)],
+                           *hb.options(d, False, bf16, option), "-Xptxas", "-v", "-o", str(out), str(cu)],
                           capture_output=True, text=True)
     return job[1:], proc
 
@@ -64,14 +64,19 @@ def _compile(job, tmp_path):
 def test_every_builtin_compiles_spill_free(backwards, tmp_path):
     for name, bwd in backwards.items():   # sources first: the threads then only run nvcc
         (tmp_path / f"{name}.cu").write_text(bwd.hopper.source)
-    jobs = [(bwd, name, d, bf16) for name, bwd in backwards.items() for d, bf16 in SPECS]
+    jobs = [(bwd, name, d, bf16, hb.VARIANT_OPTION) for name, bwd in backwards.items() for d, bf16 in SPECS]
+    # the other variant option (ARRIVE_ALL: every thread releases the stage) at D = 128, on the
+    # split-pass path (a block table) and on the one-pass path (composite's softcap)
+    jobs += [(backwards[n], n, 128, bf16, o) for o in hb.VARIANT_OPTIONS if o != hb.VARIANT_OPTION
+             for n, bf16 in (("prefixlm", True), ("composite", False))]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
     for spec, proc in results:
         log = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
         reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        assert len(reports) == 2 and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
+        # the backward, the tiled dQ convert (and LEAN's preprocess)
+        assert len(reports) in (2, 3) and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
         assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{spec}: stack frame\n{log}"
         for warning in ("C7508", "C7510", "C7515", "serializ"):
             assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
@@ -87,6 +92,15 @@ def test_launcher_refuses_a_variant_on_another_option_or_causal(backwards):
     for kwargs in ({"causal": True, "option": hb.VARIANT_OPTION}, {"causal": False, "option": "base"}):
         with pytest.raises(LaunchError, match="its own mask"):
             hb.fa3_backward(x, x, x, x, x, lse, variant=va, **kwargs)
+
+
+def test_variant_backward_hopper_option():
+    """hopper_option picks one of VARIANT_OPTIONS (default VARIANT_OPTION); another is a clear error."""
+    assert VariantBackward("prefixlm").hopper_option == hb.VARIANT_OPTION
+    for option in hb.VARIANT_OPTIONS:
+        assert VariantBackward("prefixlm", hopper_option=option).hopper_option == option
+    with pytest.raises(LaunchError, match="hopper_option='bulk' has no variant hooks"):
+        VariantBackward("prefixlm", hopper_option="bulk")
 
 
 def test_variant_backward_picks_hopper_only_when_asked(backwards, monkeypatch):

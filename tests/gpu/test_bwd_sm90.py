@@ -164,3 +164,47 @@ def test_bad_input_is_a_clear_error(bwd):
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=BF16)
     with pytest.raises(LaunchError, match="unknown option"):
         fa3_backward(q, q, q, q, q, torch.zeros(1, 2, 64, device="cuda"), option="fast")
+
+
+@pytest.mark.parametrize("b,hq,nq,nk,d,dtype", [(1, 4, 77, 300, 128, BF16), (2, 2, 300, 77, 64, F16),
+                                                 (1, 2, 128, 128, 128, F16), (1, 3, 1000, 1000, 64, BF16)],
+                         ids=["q77-k300", "q300-k77", "q128", "q1000-h3"])
+def test_lean_preprocess_matches_the_classic_one(b, hq, nq, nk, d, dtype):
+    """LEAN's one fa3_bwd_preprocess launch writes bitwise the padded log2 LSE and Dvec that
+    fa2_bwd_preprocess + _padded_row_terms make (Nq > Nk: rows that see no key, LSE -inf -> +inf;
+    ragged Nq: padding +inf / 0), and zeroes the whole tiled accumulator: its memory is a freed
+    NaN-filled block of the same size first (the caching allocator hands it back)."""
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    from cubridge.runtime.driver import current_stream
+    from cubridge.runtime.fa3_sm90 import fa3_forward
+    gen = torch.Generator(device="cuda").manual_seed(nq + nk)
+    q, dout = (torch.randn(b, hq, nq, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, hq, nk, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    out, lse = fa3_forward(q, k, v, causal=True)
+    num_m, stream = math.ceil(nq / 64), current_stream(q.device.index)
+    shape = type("Shape", (), dict(batch=b, heads_q=hq, len_q=nq, head_dim=d))
+    (lse_c, dvec_c), _ = hb._classic_prep(out, dout, lse, shape, 1, 1, q.device, stream)
+    junk = torch.full((b * hq * num_m * 64 * d,), math.nan, device="cuda")
+    del junk
+    prep = hb._functions(d, True, dtype == BF16, "bulk_overlap_lse_lean", q.device, None)[2]
+    (lse_l, dvec_l), accum = hb._lean_prep(prep, out, dout, lse, b * hq, nq, num_m, d, stream)
+    torch.cuda.synchronize()
+    assert torch.equal(lse_l, lse_c), "padded log2 LSE differs from _padded_lse"
+    assert torch.equal(dvec_l.flatten(), dvec_c.flatten()), "padded Dvec differs from fa2_bwd_preprocess's"
+    assert accum.numel() == b * hq * num_m * 64 * d and not accum.isnan().any() and not accum.any()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lean_gradients_equal_arriveall(causal):
+    """LEAN changes only the launches around the kernel and the CTA's last wait: dK, dV bitwise
+    equal to bulk_overlap_lse_arriveall's (same Dvec bits, same kernel body), dQ under the rule
+    (test_rule; its reduce-add order varies between runs anyway)."""
+    from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
+    from cubridge.runtime.fa3_sm90 import fa3_forward
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, dout = (torch.randn(2, 8, 333, 128, device="cuda", generator=gen).to(BF16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 517, 128, device="cuda", generator=gen).to(BF16) for _ in range(2))
+    out, lse = fa3_forward(q, k, v, causal=causal)
+    _, dk_a, dv_a = fa3_backward(dout, q, k, v, out, lse, causal=causal, option="bulk_overlap_lse_arriveall")
+    _, dk_l, dv_l = fa3_backward(dout, q, k, v, out, lse, causal=causal, option="bulk_overlap_lse_lean")
+    assert torch.equal(dk_a, dk_l) and torch.equal(dv_a, dv_l)

@@ -104,3 +104,29 @@ def test_variant_backward_rule_hopper(hopper_backwards, variant, shape, monkeypa
     assert bwd.uses_hopper(torch.device("cuda")), "the opt-in did not select the Hopper backward"
     grads, again = _run_rule(bwd, name, params, shape, f"hopper{name}{shape}")
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), "dk / dv not repeatable"
+
+
+def _other_variant_options() -> list[str]:
+    from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, VARIANT_OPTIONS
+    return [o for o in VARIANT_OPTIONS if o != VARIANT_OPTION]
+
+
+# a block table with runs (prefixlm), a GQA document-like table (share_question), the one-pass P / dS
+# path (composite's softcap, relu): the two kinds of stage reads the release covers
+HOPPER_OPTION_VARIANTS = [("prefixlm", {}), ("share_question", {}), ("composite", {"softcap": 2.0}), ("relu", {})]
+
+
+@pytest.mark.parametrize("shape", [_hopper_shapes()[0], _hopper_shapes()[4]],
+                         ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}".format(*s[:6], str(s[6])[6:]))
+@pytest.mark.parametrize("variant", HOPPER_OPTION_VARIANTS, ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
+@pytest.mark.parametrize("option", _other_variant_options())
+def test_variant_backward_rule_hopper_options(option, variant, shape):
+    """The Hopper variant path on every other option of VARIANT_OPTIONS (hopper_option=; e.g.
+    ARRIVE_ALL), as test_variant_backward_rule_hopper on a few variants."""
+    from cubridge.runtime.variant_bwd import VariantBackward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    name, params = variant
+    bwd = VariantBackward(name, use_hopper=True, hopper_option=option, **params)
+    grads, again = _run_rule(bwd, name, params, shape, f"hopper{name}{shape}")
+    assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), "dk / dv not repeatable"

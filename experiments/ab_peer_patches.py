@@ -94,8 +94,13 @@ def configs_for(shape, tiles=(), grid=True, options=()):
         if (bm, bn, cfg.stages) not in seen:
             out[f"tile{bm}x{bn}"] = cfg
     for spec in options:
-        out[f"opt_{spec}"] = replace(base, **{name: True for name in spec.split("+")})
+        out[f"opt_{spec}"] = replace(base, **parse_options(spec))
     return out
+
+
+def parse_options(spec: str) -> dict:
+    """'kv_rotate+l2_hints=0' -> {'kv_rotate': True, 'l2_hints': False}."""
+    return {name.partition("=")[0]: name.partition("=")[2] != "0" for name in spec.split("+")}
 
 
 def build_all(patches, shapes, tiles=(), grid=True, options=()):
@@ -283,7 +288,7 @@ def main(argv=None) -> int:
                     help="the fa4_grid row (one tile per CTA); --no-grid leaves it out")
     ap.add_argument("--options", nargs="*", default=[],
                     help="also time the product with these Fa3Config options set (kv_rotate, l2_hints; "
-                         "NAME+NAME for both) as opt_NAME rows")
+                         "NAME+NAME for both, NAME=0 to clear one the default sets) as opt_NAME rows")
     ap.add_argument("--build-only", action="store_true", help="apply and compile every patch, no GPU")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--variants", nargs="*", default=[],
@@ -297,7 +302,7 @@ def main(argv=None) -> int:
     from cubridge.runtime.fa3_sm90 import Fa3Config
     flags = {f for f, v in Fa3Config.__dataclass_fields__.items() if v.type in ("bool", bool)} - {
         "causal", "bf16", "persistent"}   # those three are the shape's or the grid's
-    unknown = [o for spec in args.options for o in spec.split("+") if o not in flags]
+    unknown = [o for spec in args.options for o in parse_options(spec) if o not in flags]
     if unknown:
         ap.error(f"--options: {unknown[0]} is not a bool field of Fa3Config ({', '.join(sorted(flags))})")
     try:

@@ -16,7 +16,13 @@ bf16 ref), inputs unchanged, a bitwise rerun, and the patched output against the
     python experiments/ab_peer_patches.py --long --tiles 128x160 --no-grid --patches kv_rotate l2_evict
         (session 9: full and causal D128, MHA 32/32 and GQA 64/8, 8k and 16k, where FA4 leads full;
         --tiles adds product-path rows at other BLOCK_M x BLOCK_N; NAME+NAME applies both patches,
-        NAME@128x160 runs a patch at that tile instead of the default one, at D 128)
+        NAME@128x160 runs a patch at that tile instead of the default one, at D 128; --head-dims 128 64
+        adds the same shapes at D 64)
+    python experiments/ab_peer_patches.py --long --head-dims 128 64 --no-grid --patches s9_kernel \\
+        --variants prefixlm relu
+        (session 10: the forward as session 9 measured it against the product, dense and lowered
+        variants: a patch of kernel.cu outside the regions the lowering regenerates reaches the
+        variants too)
     python experiments/ab_peer_patches.py --build-only      # apply + compile every patch (CPU)
 """
 from __future__ import annotations
@@ -30,7 +36,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from expkit import KERNEL_REL, PATCHES, ROOT, header_only, inline_headers, patched_source
+from expkit import KERNEL_REL, PATCHES, ROOT, inline_headers, patched_files, patched_source
 
 # (variant, D, Hq, Hkv, N): where the gap to FA4 is (ANCHORS.md), short and long
 SHAPES = [("causal", 128, 32, 32, 8192), ("full", 128, 32, 32, 8192), ("causal", 128, 32, 32, 1024),
@@ -67,10 +73,11 @@ def patch_names() -> list[str]:
     return sorted(p.stem for p in PATCHES.glob("*.patch"))
 
 
-def configs_for(shape, tiles=(), grid=True):
+def configs_for(shape, tiles=(), grid=True, options=()):
     """name -> Fa3Config: the default, FA4's choices where they differ from ours (its tile; its
-    one-tile-per-CTA grid unless grid=False), and `tiles` (BLOCK_M, BLOCK_N) at D 128 as
-    `tileMxN` where they differ from both."""
+    one-tile-per-CTA grid unless grid=False), `tiles` (BLOCK_M, BLOCK_N) at D 128 as
+    `tileMxN` where they differ from both, and the default with each of `options` (Fa3Config
+    bool fields, NAME+NAME for several) set as `opt_NAME`."""
     from cubridge.runtime.fa3_sm90 import Fa3Config, default_config
     name, d, _, _, n = shape
     causal = name == "causal"
@@ -86,13 +93,20 @@ def configs_for(shape, tiles=(), grid=True):
         cfg = replace(base, block_m=bm, block_n=bn)
         if (bm, bn, cfg.stages) not in seen:
             out[f"tile{bm}x{bn}"] = cfg
+    for spec in options:
+        out[f"opt_{spec}"] = replace(base, **parse_options(spec))
     return out
 
 
-def build_all(patches, shapes, tiles=(), grid=True):
+def parse_options(spec: str) -> dict:
+    """'kv_rotate+l2_hints=0' -> {'kv_rotate': True, 'l2_hints': False}."""
+    return {name.partition("=")[0]: name.partition("=")[2] != "0" for name in spec.split("+")}
+
+
+def build_all(patches, shapes, tiles=(), grid=True, options=()):
     """Compile every (source, config) the run needs, in parallel (nvcc runs outside the GIL)."""
     from cubridge.runtime.fa3_sm90 import build_cubin
-    jobs = {(None, c) for s in shapes for c in configs_for(s, tiles, grid).values()}
+    jobs = {(None, c) for s in shapes for c in configs_for(s, tiles, grid, options).values()}
     jobs |= {(p, patch_config(p, s)) for s in shapes for p in patches}
     sources = {p: patched_source(*split_patch(p)[0]) for p in patches}
     with ThreadPoolExecutor(max_workers=8) as pool:
@@ -120,7 +134,7 @@ def run_shape(shape, sources, args, result):
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
     saved = [t.clone() for t in (q, k, v)]
     check = SampledCheck(q, k, v, hooks)
-    causal, cfgs = name == "causal", configs_for(shape, args.tiles, args.grid)
+    causal, cfgs = name == "causal", configs_for(shape, args.tiles, args.grid, args.options)
     systems = {}
     for label, cfg in cfgs.items():
         systems["dense" if label == "default" else label] = (cfg, None)
@@ -172,13 +186,40 @@ def run_shape(shape, sources, args, result):
               f"{row['tflops']:7.1f} TFLOPS  x{row['speedup_vs_unpatched']:.3f}  {info['check'][:60]}", flush=True)
 
 
-def variant_runners(header_patches):
-    """label -> bench_variants.Ours: the lowered variants as shipped, and with each header-only
-    patch's headers inlined into the lowered source."""
+# The regions cubridge.lower.fa3_sm90 regenerates for a variant: a patch inside one of them does
+# not reach the lowered variants.
+GENERATED = ("extra_io", "kv_range", "score", "mask", "softmax", "epilogue")
+
+
+def variant_transform(spec: str):
+    """The edit that puts patch spec (NAME or NAME+NAME) into a lowered variant's source, or None
+    where it cannot: a header-only patch inlines its headers; a kernel.cu patch outside the
+    generated regions takes the patched kernel.cu with the variant's generated regions put in
+    (the lowering onto the patched kernel); one that edits a generated region is left out."""
+    from cubridge.lower import regions
+    names = split_patch(spec)[0]
+    changed = patched_files(*names)
+    if "kernel.cu" not in changed:
+        return lambda src: inline_headers(src, changed)
+    product = (ROOT / KERNEL_REL / "kernel.cu").read_text()
+    patched = changed["kernel.cu"]
+    if any(regions.body(patched, n) != regions.body(product, n) for n in GENERATED):
+        return None
+    return lambda src: inline_headers(regions.replace(patched, {n: regions.body(src, n) for n in GENERATED}),
+                                      changed)
+
+
+def variant_runners(patches):
+    """label -> bench_variants.Ours: the lowered variants as shipped, and under each patch that
+    reaches them (variant_transform); the patches that do not are printed."""
     from expkit import Ours
     runners = {"unpatched": Ours()}
-    for p, changed in header_patches.items():
-        runners[p] = Ours(transform=lambda src, changed=changed: inline_headers(src, changed))
+    for p in patches:
+        transform = variant_transform(p)
+        if transform is None:
+            print(f"{p}: edits a region the lowering regenerates; not A/B'd on the variants", flush=True)
+        else:
+            runners[p] = Ours(transform=transform)
     return runners
 
 
@@ -239,31 +280,43 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="causal / full D128 8k and causal 1k only")
     ap.add_argument("--long", action="store_true",
                     help="full and causal D128, MHA 32/32 and GQA 64/8, 8k and 16k (session 9's gap to FA4)")
+    ap.add_argument("--head-dims", nargs="*", type=int, default=[128],
+                    help="with --long: these head dims (e.g. 128 64)")
     ap.add_argument("--tiles", nargs="*", type=parse_tile, default=[],
                     help="also time the product kernel at these BLOCK_MxBLOCK_N tiles (D 128 shapes)")
     ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                     help="the fa4_grid row (one tile per CTA); --no-grid leaves it out")
+    ap.add_argument("--options", nargs="*", default=[],
+                    help="also time the product with these Fa3Config options set (kv_rotate, l2_hints; "
+                         "NAME+NAME for both, NAME=0 to clear one the default sets) as opt_NAME rows")
     ap.add_argument("--build-only", action="store_true", help="apply and compile every patch, no GPU")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--variants", nargs="*", default=[],
-                    help="also A/B these lowered variants at --variant-n under the header-only patches")
+                    help="also A/B these lowered variants at --variant-n under the patches that reach them "
+                         "(variant_transform)")
     ap.add_argument("--variant-n", type=int, default=8192)
     ap.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True,
                     help="the dense shapes (--no-dense: variants only)")
     args = ap.parse_args(argv)
     patches = patch_names() if args.patches is None else args.patches
+    from cubridge.runtime.fa3_sm90 import Fa3Config
+    flags = {f for f, v in Fa3Config.__dataclass_fields__.items() if v.type in ("bool", bool)} - {
+        "causal", "bf16", "persistent"}   # those three are the shape's or the grid's
+    unknown = [o for spec in args.options for o in parse_options(spec) if o not in flags]
+    if unknown:
+        ap.error(f"--options: {unknown[0]} is not a bool field of Fa3Config ({', '.join(sorted(flags))})")
     try:
         missing = [q for p in patches for q in split_patch(p)[0] if not (PATCHES / f"{q}.patch").exists()]
     except argparse.ArgumentTypeError as e:
         ap.error(f"--patches: {e}")
     if missing:
         ap.error(f"--patches: no experiments/patches/{missing[0]}.patch (have: {', '.join(patch_names())})")
-    shapes = (LONG_SHAPES if args.long else QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
-    sources = build_all(patches, shapes, args.tiles, args.grid) if shapes else {}
+    long_shapes = [(v, d, hq, hkv, n) for d in args.head_dims for v, _, hq, hkv, n in LONG_SHAPES]
+    shapes = (long_shapes if args.long else QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
+    sources = build_all(patches, shapes, args.tiles, args.grid, args.options) if shapes else {}
     runners = None
     if args.variants:
-        headers = {p: header_only(*split_patch(p)[0]) for p in patches}
-        runners = variant_runners({p: c for p, c in headers.items() if c is not None})
+        runners = variant_runners([p for p in patches if split_patch(p)[1] is None])
         build_variants(runners, args.variants, args.variant_n)
     print(f"built {len(patches)} patch(es) x their configs: {', '.join(patches)}"
           + (f"; variants {args.variants} x {list(runners)}" if runners else ""), flush=True)
@@ -281,7 +334,25 @@ def main(argv=None) -> int:
         run_variant(name, args.variant_n, runners, args, result)
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
+    print_table(result["rows"])
     return 0
+
+
+def print_table(rows):
+    """One line per shape: the product's TFLOPS, each other system's speedup over it (x < 1:
+    slower than the product), and any failed check."""
+    shapes = {}
+    for r in rows:
+        shapes.setdefault((r["variant"], r["D"], r["Hq"], r["Hkv"], r["N"]), []).append(r)
+    print("\nshape                        product  speedup of each system over the product")
+    for (v, d, hq, hkv, n), rs in shapes.items():
+        base = next((r for r in rs if r["system"] == "unpatched"), None)
+        if base is None:
+            continue
+        others = "  ".join(f"{r['system']} {base['ms'] / r['ms']:.3f}" for r in rs if r is not base)
+        failed = [r["system"] for r in rs if not str(r["check"]).startswith("pass")]
+        print(f"{v:<8} D{d:<3} {hq}/{hkv:<3} {n:>6} {base['tflops']:8.1f}  {others}"
+              + (f"  FAILED: {' '.join(failed)}" if failed else ""))
 
 
 if __name__ == "__main__":

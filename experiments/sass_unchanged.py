@@ -7,16 +7,23 @@ texts are compared line by line (nvdisasm -c where cuobjdump is not installed). 
 
     python experiments/sass_unchanged.py --base HEAD~1 [--head HEAD] [--jobs 2] [--only 128]
     python experiments/sass_unchanged.py --ptxas --base REV     # registers / spills, not more than REV
+    python experiments/sass_unchanged.py --ptxas --space [--variants] --base REV
+        (every config of the tuner's space, both masks and dtypes; --variants: also each built-in
+        variant lowered onto both trees, bf16, at every config of the space; exit 1 where the
+        working tree uses more registers or spills more than REV, and it lists every config that
+        spills at all)
 """
 from __future__ import annotations
 
 import argparse
 import difflib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from expkit import disassembler
@@ -33,6 +40,39 @@ def default_configs(head_dims=(64, 128, 256)) -> list:
     return sorted(configs, key=lambda c: (c.head_dim, c.causal, c.bf16, c.block_m, c.block_n))
 
 
+def space_configs(head_dims=(64, 128, 256), bf16s=(True, False), causals=(False, True)) -> list:
+    """Every distinct Fa3Config of the tuner's space (persistent or not: the same build)."""
+    from cubridge.runtime.kernels.fa3_sm90 import SPACE, config
+    out = []
+    for d in head_dims:
+        for pt in SPACE.points(d, "sm_90a"):
+            for causal in causals:
+                for bf16 in bf16s:
+                    c = replace(config(pt, d), causal=causal, bf16=bf16, persistent=True)
+                    if c not in out:
+                        out.append(c)
+    return out
+
+
+def lower_variants(kernel_dir: Path, names) -> dict:
+    """name -> path of the variant lowered onto kernel_dir/kernel.cu, written beside it (its
+    includes resolve to that tree's headers)."""
+    from cubridge.cuir.parser import parse_file
+    from cubridge.lower.fa3_sm90 import lower_source
+    from cubridge.lower.variant import extract
+    from cubridge.paths import ref_kernel_dir
+    from cubridge.spec import load_spec
+    from cubridge.transfer.rules import transfer
+    ref = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+    text = (kernel_dir / "kernel.cu").read_text()
+    out = {}
+    for name in names:
+        path = kernel_dir / f"variant_{Path(name).stem}.cu"
+        path.write_text(lower_source(text, extract(transfer(ref, load_spec(name)).program)))
+        out[name] = path
+    return out
+
+
 def checkout_kernel(rev: str, into: Path) -> Path:
     """ref_kernels/fa3_sm90 as of `rev`, written into the folder `into`."""
     names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNEL_REL}"], cwd=ROOT,
@@ -44,12 +84,13 @@ def checkout_kernel(rev: str, into: Path) -> Path:
     return into
 
 
-def build(kernel_dir: Path, config, work: Path) -> tuple[Path, str]:
-    """(cubin, ptxas -v report) of kernel.cu in kernel_dir compiled for config."""
+def build(kernel_dir: Path, config, work: Path, source: Path | None = None) -> tuple[Path, str]:
+    """(cubin, ptxas -v report) of kernel.cu in kernel_dir (or `source`) compiled for config."""
+    source = source or kernel_dir / "kernel.cu"
     tag = "_".join(f.lstrip("-D").replace("=", "") for f in config.defines())
-    cubin = work / f"{kernel_dir.parent.name}_{kernel_dir.name}_{tag}.cubin"
+    cubin = work / f"{kernel_dir.parent.name}_{kernel_dir.name}_{source.stem}_{tag}.cubin"
     done = subprocess.run(["nvcc", *NVCC_FLAGS, *config.defines(), "-Xptxas", "-v", f"-I{kernel_dir}", "-o",
-                           str(cubin), str(kernel_dir / "kernel.cu")], check=True, capture_output=True, text=True)
+                           str(cubin), str(source)], check=True, capture_output=True, text=True)
     return cubin, done.stderr
 
 
@@ -61,21 +102,24 @@ def sass(kernel_dir: Path, config, work: Path) -> list[str]:
     return [ln for ln in text.splitlines() if str(work) not in ln]
 
 
-def usage(kernel_dir: Path, config, work: Path) -> tuple[int, int, int]:
+def usage(kernel_dir: Path, config, work: Path, source: Path | None = None) -> tuple[int, int, int]:
     """(registers, spill store bytes, spill load bytes) of the attention entry, from ptxas -v."""
-    report = build(kernel_dir, config, work)[1]
+    report = build(kernel_dir, config, work, source)[1]
     part = report[report.index(f"Function properties for {ENTRY.decode()}"):][:600]
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", part).groups()
     return int(re.search(r"Used (\d+) registers", part).group(1)), int(stores), int(loads)
 
 
 def trees(base: str, head: str | None, tmp: Path) -> tuple[Path, Path]:
+    """Both kernel folders as copies under tmp (the working tree's too: variants are written
+    beside kernel.cu)."""
     (tmp / "base").mkdir()
     old = checkout_kernel(base, tmp / "base")
-    if head is None:
-        return old, ROOT / KERNEL_REL
-    (tmp / "head").mkdir()
-    return old, checkout_kernel(head, tmp / "head")
+    new = shutil.copytree(ROOT / KERNEL_REL, tmp / "head") if head is None else None
+    if new is None:
+        (tmp / "head").mkdir()
+        new = checkout_kernel(head, tmp / "head")
+    return old, Path(new)
 
 
 def compare(base: str, head: str | None, head_dims, jobs: int) -> int:
@@ -99,21 +143,34 @@ def compare(base: str, head: str | None, head_dims, jobs: int) -> int:
         return 1 if differ else 0
 
 
-def compare_ptxas(base: str, head: str | None, head_dims, jobs: int) -> int:
-    """Registers and spills of the attention entry, base vs head: 1 if head uses more anywhere."""
+def compare_ptxas(base: str, head: str | None, head_dims, jobs: int, space: bool = False,
+                  variants=()) -> int:
+    """Registers and spills of the attention entry, base vs head: 1 if head uses more anywhere.
+    space: every config of the tuner's space; variants: also these specs lowered onto each tree
+    (bf16, every config)."""
     with tempfile.TemporaryDirectory() as tmp:
         old, new = trees(base, head, Path(tmp))
-        configs = default_configs(head_dims)
+        configs = space_configs(head_dims) if space else default_configs(head_dims)
+        cases = [(None, c) for c in configs]
+        sources = {old: lower_variants(old, variants), new: lower_variants(new, variants)} if variants else {}
+        cases += [(v, c) for v in variants for c in configs if c.bf16 and not c.causal]
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            got = list(pool.map(lambda p: usage(p[0], p[1], Path(tmp)), [(d, c) for c in configs for d in (old, new)]))
-        worse = 0
-        for i, config in enumerate(configs):
+            got = list(pool.map(lambda p: usage(p[0], p[1][1], Path(tmp), sources[p[0]][p[1][0]] if p[1][0] else None),
+                                [(d, case) for case in cases for d in (old, new)]))
+        worse, spilling = 0, []
+        for i, (variant, config) in enumerate(cases):
             a, b = got[2 * i], got[2 * i + 1]
-            worse += any(y > x for x, y in zip(a, b))
-            print(f"{'MORE' if any(y > x for x, y in zip(a, b)) else 'ok':5s} regs / spill st / ld {a} -> {b}  "
-                  f"{' '.join(config.defines()[:-1])}", flush=True)
-        print(f"{len(configs) - worse} of {len(configs)} default configs: no more registers or spills in "
-              f"{head or 'the working tree'} than in {base}")
+            more = any(y > x for x, y in zip(a, b))
+            worse += more
+            label = f"{variant or 'dense'} {' '.join(config.defines()[:-1])}"
+            if b[1] or b[2]:
+                spilling.append(f"{label}: {b[1]} / {b[2]} bytes (base {a[1]} / {a[2]})")
+            if more or not space:
+                print(f"{'MORE' if more else 'ok':5s} regs / spill st / ld {a} -> {b}  {label}", flush=True)
+        print(f"spilling in {head or 'the working tree'}: {len(spilling)} of {len(cases)}")
+        print("".join(f"  {line}\n" for line in spilling), end="")
+        print(f"{len(cases) - worse} of {len(cases)} {'space' if space else 'default'} configs: no more registers "
+              f"or spills in {head or 'the working tree'} than in {base}")
         return 1 if worse else 0
 
 
@@ -124,8 +181,15 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", type=int, nargs="*", default=[64, 128, 256], help="head dims")
     ap.add_argument("--ptxas", action="store_true", help="compare registers and spills (ptxas -v) instead")
+    ap.add_argument("--space", action="store_true", help="with --ptxas: every config of the tuner's space")
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="with --ptxas: variants lowered onto both trees too (no names: the built-in ones)")
     args = ap.parse_args(argv)
-    return (compare_ptxas if args.ptxas else compare)(args.base, args.head, tuple(args.only), args.jobs)
+    if not args.ptxas:
+        return compare(args.base, args.head, tuple(args.only), args.jobs)
+    from cubridge.spec import builtin_specs
+    variants = () if args.variants is None else args.variants or [v for v in builtin_specs() if v not in ("full", "causal")]   # those two: the kernel itself
+    return compare_ptxas(args.base, args.head, tuple(args.only), args.jobs, args.space, variants)
 
 
 if __name__ == "__main__":

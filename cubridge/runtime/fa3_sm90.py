@@ -66,6 +66,11 @@ class Fa3Config:
     bf16: bool = True
     persistent: bool = False   # launch-time only: grid = #SMs (each CTA loops over tiles) vs #tiles
     q_slots: int = 2           # at most this many Q tiles in shared memory (2 where they fit)
+    # Full attention only (no effect with causal; kernel.cu KV_ROTATE / L2_HINTS): each query block
+    # starts its KV loop at its own tile; L2 evict-last on K / V, evict-first on Q. Off until an
+    # H100 A/B shows the gain (session 9 on the kernel before: +4.0-5.6% together at full 8k / 16k).
+    kv_rotate: bool = False
+    l2_hints: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -75,6 +80,7 @@ class Fa3Config:
                  f"-DIS_CAUSAL={int(self.causal)}", f"-DDTYPE_BF16={int(self.bf16)}"]
         if self.q_slots != 2:
             flags.append(f"-DQ_SLOTS={self.q_slots}")
+        flags += ["-DKV_ROTATE=1"] * self.kv_rotate + ["-DL2_HINTS=1"] * self.l2_hints
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property
@@ -133,7 +139,7 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     if head_dim == 256:
         # FlashAttention-3's hdim-256 tiles (hopper/tile_size.h): 128 x 80 (64 with a window), two
         # stages; 64 + 160 KB of Q and K/V: one Q slot, O staged in it. 128 x 64 compiles spill-free
-        # under 40 / 232 registers, 128 x 80 under 24 / 240 (2 bytes per tile; kernel.cu).
+        # under 40 / 232 registers, 128 x 80 under 24 / 240 (2 bytes per tile before session 10).
         # A lowered variant (softcap, window) takes 128 x 64. Not yet measured on an H100.
         return Fa3Config(head_dim, 128, 64 if variant else 80, 2, causal, bf16, persistent=True)
     if head_dim == 64:

@@ -45,12 +45,24 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t sr
 }
 // 4-D: the forward kernel's maps are (D, N, H, B) with a box of one head of one batch, so any
 // [B, H, N, D] view whose strides are 16-byte multiples is read in place ([B, N, H, D] memory too).
+// kPolicy: an L2 cache policy (kL2EvictFirst / kL2EvictLast, CUTLASS's CacheHintSm90 values) for
+// the `.L2::cache_hint` form; 0: no hint.
+constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
+constexpr uint64_t kL2EvictLast = 0x14F0000000000000ull;
+template <uint64_t kPolicy = 0>
 __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
                                             int c0, int c1, int c2, int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)),
-      "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+  if constexpr (kPolicy == 0) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)),
+        "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)),
+        "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(kPolicy) : "memory");
+  }
 }
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1,
                                              int c2, int c3) {

@@ -69,6 +69,15 @@ typedef unsigned long long uint64_t;
 #ifndef DTYPE_BF16
 #define DTYPE_BF16 1
 #endif
+// Options for full attention (IS_CAUSAL=0; no effect on causal): KV_ROTATE starts each query
+// block's KV loop at its own tile (kv_range), L2_HINTS loads K / V with EVICT_LAST and Q with
+// EVICT_FIRST. Off unless the runtime's Fa3Config sets them (session 10: A/B pending).
+#ifndef KV_ROTATE
+#define KV_ROTATE 0
+#endif
+#ifndef L2_HINTS
+#define L2_HINTS 0
+#endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
 
@@ -101,7 +110,11 @@ constexpr bool kLongestFirst = false;
 // tiles in [full_begin, full_end) need no mask (every pair attended and in bounds).
 // The skeleton only uses kv_count, tile_at (the i-th KV tile to visit; high n first: masked tiles
 // lead) and tile_partial, so a variant may replace the range by any set of tiles.
-struct KvRange { int n_begin; int n_end; int full_begin; int full_end; };
+// kKvRotate (KV_ROTATE, full attention only: the order is free there): query block m_block of num_m
+// starts m_block / num_m of the way round its KV tiles, so that the persistent CTAs, which run one
+// head's query blocks at a time, do not all read the same K / V tile at the same moment.
+constexpr bool kKvRotate = KV_ROTATE && !kCausal;
+struct KvRange { int n_begin; int n_end; int full_begin; int full_end; int rot; };
 constexpr bool kRangeViaSmem = false;   // consumers recompute this range (cheaper than a hand-over)
 constexpr bool kProducerReadsTable = false;   // true: the range comes from a block table in global memory
 __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int m_block, int m0,
@@ -110,10 +123,18 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   const int n_end = max(0, (kv_stop + kBlockN - 1) / kBlockN);            // Nq > Nk: rows before key 0
   int full_end = seqlen_k / kBlockN;                                       // ragged tail is partial
   if (kCausal) full_end = min(full_end, (m0 + 1) / kBlockN);               // max kv <= min q
-  return KvRange{0, n_end, 0, max(0, min(full_end, n_end))};
+  // (seqlen_q here is the last query's position + 1 = Nk: num_m counts Nk's query blocks, and with
+  // Nq > Nk m_block goes past it, hence the modulo)
+  const int num_m = max(1, (seqlen_q + kBlockM - 1) / kBlockM);
+  const int rot = kKvRotate && n_end > 0 ? int((long long)m_block * n_end / num_m % n_end) : 0;
+  return KvRange{0, n_end, 0, max(0, min(full_end, n_end)), rot};
 }
 __device__ __forceinline__ int kv_count(const KvRange& r) { return r.n_end - r.n_begin; }
-__device__ __forceinline__ int tile_at(const KvRange& r, int i) { return r.n_end - 1 - i; }
+__device__ __forceinline__ int tile_at(const KvRange& r, int i) {
+  if constexpr (!kKvRotate) return r.n_end - 1 - i;
+  const int j = i + r.rot;                             // i < kv_count and rot < kv_count (n_begin 0)
+  return r.n_end - 1 - (j >= r.n_end ? j - r.n_end : j);
+}
 __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {
   return n >= r.full_end || n < r.full_begin;
 }
@@ -209,11 +230,17 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
 // S(64 x kBlockN) = Q_c(64 x D) K_n^T; both operands K-major in swizzled panels.
 __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uint32_t k_tile) {
   wgmma_fence();
+  // One descriptor per operand, the k-steps added to its address field (16-byte units), as
+  // CUTLASS iterates them: ptxas builds each descriptor once instead of per HGMMA (session 9 A/B,
+  // `uniform_desc`: +3-5% at D 128 8k / 16k, fa4fwd_ab.json). No carry out of the 14-bit field
+  // (addresses < 2^18 B: the shared window is 228 KB), so these are the same bits as make_desc's.
+  const uint64_t a0 = make_desc(q_rows, 1 * kDescUnit, kSwizzleAtomBytes);
+  const uint64_t b0 = make_desc(k_tile, 1 * kDescUnit, kSwizzleAtomBytes);
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
     const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
-    const uint64_t a = make_desc(q_rows + panel * kQPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
-    const uint64_t b = make_desc(k_tile + panel * kKVPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t a = a0 + uint64_t((panel * kQPanelBytes + step) / kDescUnit);
+    const uint64_t b = b0 + uint64_t((panel * kKVPanelBytes + step) / kDescUnit);
     WgmmaSS<kBlockN, MmaTag>::mma(s, a, b, kk > 0);
   }
   wgmma_commit();
@@ -226,9 +253,10 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uin
 __device__ __forceinline__ void gemm_pv(float (&o)[kORegs], const uint32_t (&p)[kPRegs],
                                         uint32_t v_tile) {
   wgmma_fence();
+  const uint64_t b0 = make_desc(v_tile, kKVPanelBytes, kSwizzleAtomBytes);   // k-steps added (gemm_qk)
 #pragma unroll
   for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
-    const uint64_t b = make_desc(v_tile + kk * kMmaK * kSwizzleBytes, kKVPanelBytes, kSwizzleAtomBytes);
+    const uint64_t b = b0 + uint64_t(kk * kMmaK * kSwizzleBytes / kDescUnit);
     WgmmaRS<kHeadDim, MmaTag>::mma(o, &p[4 * kk], b);
   }
   wgmma_commit();
@@ -300,8 +328,9 @@ struct Problem {
 // consumers spill under 224). Every other kernel keeps 40 / 232.
 // HEAD_DIM 256 with BLOCK_N > 64 (a 64 x 256 O accumulator: 128 registers per thread): 24 / 240,
 // as FlashAttention-3 runs it. nvcc 13.0, 128 x 80 causal: under 232 the consumers spill 50 bytes;
-// under 240 they spill 2 (once per tile) and the one producer thread ~20 (0 since the 4-D maps:
-// see head_map). 128 x 64 is spill-free under 40 / 232 and keeps it.
+// under 240 they spilled 2 (once per tile; 0 since the descriptors are built once per GEMM,
+// session 10) and the one producer thread ~20 (0 since the 4-D maps: see head_map). 128 x 64 is
+// spill-free under 40 / 232 and keeps it.
 constexpr bool kScanningProducer = kProducerReadsTable && kConsumers == 2 && kBlockN <= 128;
 constexpr bool kWideHead = kHeadDim == 256 && kBlockN > 64 && !kScanningProducer;
 constexpr int kProducerRegs = kConsumers == 2 ? (kScanningProducer ? 56 : kWideHead ? 24 : 40) : 32;
@@ -309,8 +338,17 @@ constexpr int kConsumerRegs = kConsumers == 2 ? (kScanningProducer ? 224 : kWide
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <=
                   kEntryRegs * kThreads,
               "setmaxnreg budgets exceed the CTA's register allocation (consumers would hang)");
+// The warpgroup index made provably warp-uniform (entry point), where the producer has the
+// registers for it: with 24 (D 256 128 x 80) or 32 (three consumers) ptxas spilled 4-12 bytes.
+constexpr bool kUniformWg = kProducerRegs >= 40;
 
 // ------------------------------------------------------------------ producer
+// L2 policies of the loads (L2_HINTS, full attention only; FlashAttention-3's choice): K and V are
+// re-read by every query block of their head, Q once per tile. Causal lost 1-2% with them
+// (session 9, fa4fwd_ab.json: its tiles of all heads run at once, longest first).
+constexpr bool kL2Hints = L2_HINTS && !kCausal;
+constexpr uint64_t kQPolicy = kL2Hints ? kL2EvictFirst : 0;
+constexpr uint64_t kKVPolicy = kL2Hints ? kL2EvictLast : 0;
 // tile_counter[0] is the dynamic scheduler's next-tile counter, tile_counter[1] counts producers
 // past their last atomicAdd on it. The last producer out resets both, so the host keeps one
 // zeroed pair per stream instead of zeroing one before every launch (a memset kernel and an
@@ -354,8 +392,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_expect_tx(sm.q_full + 8 * qs, kQBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
-        tma_load_4d(sm.q_tile(qs) + p * kQPanelBytes, tm_q, sm.q_full + 8 * qs, p * kPanelCols, tl.m0,
-                    tl.hm.h, tl.hm.b);
+        tma_load_4d<kQPolicy>(sm.q_tile(qs) + p * kQPanelBytes, tm_q, sm.q_full + 8 * qs, p * kPanelCols,
+                              tl.m0, tl.hm.h, tl.hm.b);
       // @cuir-end load_q
       ++q_iter;
     };
@@ -372,6 +410,10 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_arrive(sm.q_full + 8 * qs);
       ++q_iter;
     }
+    // Not unrolled: one thread issuing TMA gains nothing from it, and ptxas's 2x unroll spilled the
+    // 32-register producer of three consumers (4-18 bytes in 20 of the 264 configs of the tuner's
+    // space, all causal; experiments/sass_unchanged.py --ptxas --space, nvcc 13.0). Without: none.
+#pragma unroll 1
     for (int i = 0; i < tiles; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
       // @cuir-region load_kv
@@ -379,8 +421,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_expect_tx(sm.k_full + 8 * st, kKVBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
-        tma_load_4d(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
-                    n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
+        tma_load_4d<kKVPolicy>(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
+                               n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
       // @cuir-end load_kv
       // One Q slot: after the first K, so that the K load overlaps the wait for the slot.
       if (kQSlots == 1 && i == 0) load_q();
@@ -388,8 +430,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
-        tma_load_4d(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
-                    n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
+        tma_load_4d<kKVPolicy>(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
+                               n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
     }
     // Fetched after the loads (keeps the 24-register producer spill-free); its latency hides
     // behind the STAGES tiles the ring holds ahead of the consumers.
@@ -502,7 +544,12 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_m * heads_q * batch,
                    tile_counter, tile_order, va};
 
-  const int wg = threadIdx.x / kWgThreads;
+  // kUniformWg: the warpgroup index through a lane-0 shuffle, which ptxas knows to be
+  // warp-uniform, so a consumer's Q descriptors live in uniform registers (no R2UR of the Q
+  // descriptor before each HGMMA: 128 x 176 full, 3136 -> 2936 SASS instructions with the
+  // descriptors above). Not with a 24- or 32-register producer (kUniformWg): ptxas spilled there.
+  const int wg = kUniformWg ? __shfl_sync(kFullMask, int(threadIdx.x / kWgThreads), 0)
+                            : int(threadIdx.x / kWgThreads);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kQSlots; ++s) {
       mbar_init(sm.q_full + 8 * s, 1);

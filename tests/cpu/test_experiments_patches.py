@@ -47,9 +47,10 @@ def test_the_product_kernel_has_no_experiment_knobs():
         assert knob not in text, f"{knob} is back in the product kernel: experiments/patches/knobs/ holds it"
 
 
-# Session 9's A/B patches for full attention (fa3_sm90 NOTES, "Session 9: against FA4 on full
-# attention"): each compiles for sm_90a spill-free at the full-attention tiles they are timed at.
-FULL_PATCHES = ["kv_rotate", "l2_evict", "uniform_desc"]
+# Session 10's s9_kernel (the forward as session 9 measured it, the A/B's old side; session 9's
+# kv_rotate and l2_evict are Fa3Config options since): compiles for sm_90a spill-free at the
+# full-attention tiles it is timed at.
+FULL_PATCHES = ["s9_kernel"]
 FULL_TILES = [(176, False), (176, True), (160, False)]   # (BLOCK_N, causal) at D 128: the A/B's
 
 

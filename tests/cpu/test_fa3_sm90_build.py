@@ -3,9 +3,11 @@ compile to sm_90a cubins with no spills, no ignored setmaxnreg and no serialized
 cuobjdump is installed, the SASS holds HGMMA and TMA loads and no local-memory traffic)."""
 from __future__ import annotations
 
+import glob
 import re
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -149,3 +151,38 @@ def test_q_slots_and_shared_memory_follow_the_layout():
     assert one.q_slots_used == 1 and one.separate_o and "-DQ_SLOTS=1" in one.defines()
     assert f"-DHOST_SMEM_BYTES={one.smem_bytes}" in one.defines()
     assert "-DQ_SLOTS=1" not in Fa3Config(head_dim=64).defines()
+
+
+
+def _disassembler() -> list[str] | None:
+    """cuobjdump -sass, or nvdisasm (toolkit or the nvidia-cuda-nvdisasm wheel); None: neither."""
+    if shutil.which("cuobjdump"):
+        return [shutil.which("cuobjdump"), "-sass"]
+    found = shutil.which("nvdisasm") or next(iter(glob.glob(
+        str(Path(sys.prefix) / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / "nvdisasm"))), None)
+    return [found, "-c"] if found else None
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_full_attention_options_build_spill_free_and_compile_out_under_causal(tmp_path):
+    """kv_rotate / l2_hints (off by default) set their macros, build spill-free, change a full-
+    attention build and leave a causal one as it is (the kernel gates them on !kCausal)."""
+    assert {"-DKV_ROTATE=1", "-DL2_HINTS=1"} <= set(Fa3Config(kv_rotate=True, l2_hints=True).defines())
+    assert not any("KV_ROTATE" in f or "L2_HINTS" in f for f in Fa3Config().defines())
+    both = dict(kv_rotate=True, l2_hints=True)
+    configs = [Fa3Config(head_dim=128, block_n=176, **both), Fa3Config(head_dim=128, block_n=176),
+               Fa3Config(head_dim=128, causal=True, **both), Fa3Config(head_dim=128, causal=True),
+               Fa3Config(head_dim=64, block_m=192, **both)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda c: _compile(c, tmp_path), configs))
+    for config, proc, _ in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{config}: nvcc failed\n{log[-3000:]}"
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, f"{config}: spills\n{log}"
+    tool = _disassembler()
+    if tool is None:
+        return
+    sass = [[ln for ln in subprocess.run([*tool, str(cubin)], capture_output=True, text=True, check=True)
+             .stdout.splitlines() if str(tmp_path) not in ln] for _, _, cubin in results]
+    assert sass[0] != sass[1], "the options changed nothing in a full-attention build"
+    assert sass[2] == sass[3], "the options changed a causal build"

@@ -110,7 +110,25 @@ TILE_CONFIGS = [dict(d=128, block_m=128, block_n=176, stages=2),
                 # three consumers at D 128 (narrow KV tiles). The serial tile order (O staged in
                 # the only Q slot) runs in 128 x 176 above and at D 256.
                 dict(d=128, block_m=192, block_n=80, stages=2),
-                dict(d=128, block_m=192, block_n=64, stages=2)]
+                dict(d=128, block_m=192, block_n=64, stages=2),
+                # three consumers, three stages: the producer's KV loop (not unrolled since session
+                # 10, when ptxas's unrolled one spilled here) with a ring index that is not a power of 2
+                dict(d=64, block_m=192, block_n=80, stages=3)]
+
+
+# Fa3Config's full-attention options (off by default; causal compiles them out): ragged lengths,
+# Nq > Nk (query blocks past Nk's count: the rotation wraps), Nq < Nk, several tiles per CTA.
+OPTIONS = [dict(kv_rotate=True), dict(l2_hints=True), dict(kv_rotate=True, l2_hints=True)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (4096, 4096), (1000, 17), (300, 1000), (2500, 129)])
+@pytest.mark.parametrize("tile", [(128, 128, 176), (128, 128, 128), (64, 192, 128)], ids=lambda t: "d%d_%dx%d" % t)
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "+".join(o))
+def test_full_attention_options(opts, tile, nq, nk, causal):
+    d, block_m, block_n = tile
+    run_case(2, 8, 2, nq, nk, d, torch.bfloat16, causal, persistent=True, max_ctas=7, block_m=block_m,
+             block_n=block_n, **opts)
 
 
 def _cfg_id(cfg: dict) -> str:

@@ -26,8 +26,8 @@ from cubridge.runtime.space import Constraint, Param, Space
 # (ref_kernels/fa3_sm90/README.md, NOTES.md v2): 3 consumers (160 regs after setmaxnreg) spill at
 # D=64 BLOCK_N=144 (estimate 140) and not at BLOCK_N=128 (128); 2 consumers (232 regs) compile
 # spill-free at D=128 BLOCK_N=176 (196) and spill at BLOCK_N=256 (224 at D=64). D=256: BLOCK_N 64
-# (172) is spill-free under 232, BLOCK_N 80 (188) spills 2 bytes under 240 (kernel.cu gives D=256
-# 24 / 240 there); 96 (200) is refused, and shared memory refuses it too.
+# (172) is spill-free under 232, BLOCK_N 80 (188) under 240 (2 bytes before session 10; kernel.cu
+# gives D=256 24 / 240 there); 96 (200) is refused, and shared memory refuses it too.
 FA3_ACC_REG_BUDGET = {2: 196, 3: 128}
 
 

@@ -49,7 +49,7 @@ def sources(names) -> dict[str, tuple[str, bool]]:
     return out
 
 
-def measure(srcs, configs, dims, archs, dtypes, workers=2):
+def measure(srcs, configs, dims, archs, dtypes, defines=(), workers=2):
     cache = tempfile.mkdtemp(prefix="fa2_spills_")
     jobs = [(label, cfg, d, arch, dt) for label in srcs for cfg in configs for d in dims
             for arch in archs for dt in dtypes]
@@ -58,7 +58,7 @@ def measure(srcs, configs, dims, archs, dtypes, workers=2):
         label, cfg, d, arch, dt = job
         cfg = default_config(d) if cfg == "default" else Config.parse(cfg)
         source, causal = srcs[label]
-        opts = ["-std=c++17", *cfg.defines(d, DTYPES[dt], causal), "--resource-usage"]
+        opts = ["-std=c++17", *cfg.defines(d, DTYPES[dt], causal), *defines, "--resource-usage"]
         try:
             log = compile_cubin(source, arch=arch, options=opts, compiler="nvcc", cache_dir=cache).log
             res = usage(log)
@@ -76,9 +76,10 @@ def main():
     ap.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
     ap.add_argument("--dtype", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     ap.add_argument("--specs", nargs="+", default=builtin_specs())
+    ap.add_argument("--define", nargs="*", default=[], help="more -D flags, e.g. KV_SPLIT=2")
     ap.add_argument("--out")
     args = ap.parse_args()
-    rows = measure(sources(args.specs), args.configs, args.d, args.arch, args.dtype)
+    rows = measure(sources(args.specs), args.configs, args.d, args.arch, args.dtype, [f"-D{d}" for d in args.define])
     print(f"{'kernel':<24} {'config':<12} {'D':>4} {'arch':<6} {'dtype':<5} {'regs':>5} {'spill st/ld':>12}")
     for r in rows:
         cell = r.get("error") or f"{r['regs']:>5} {r['spill_st']:>5} / {r['spill_ld']:<5}"

@@ -165,7 +165,7 @@ def bench_spec(ours: Ours, name: str, n: int, reps: int, no_flash: str | None) -
 
 def prebuild(ours: Ours, names, workers: int = 12) -> list[dict]:
     """Transfer, lower and compile every spec's kernel up front, in parallel (nvcc runs outside the
-    GIL; the GPU check's N = 2048 and the timed N share one variant config at D = 128). Returns the
+    GIL; a lowered variant's config at D = 128 is the same at every N). Returns the
     specs that failed to transfer, lower or build, with why (reported, not timed)."""
     from concurrent.futures import ThreadPoolExecutor
     cfg = default_config(D, False, True, 8192, variant=True)

@@ -52,6 +52,9 @@
 #ifndef IS_BF16
 #define IS_BF16 0        // 0: float16, 1: bfloat16
 #endif
+#ifndef KV_SPLIT
+#define KV_SPLIT 1       // S, P and the softmax of a KV tile in KV_SPLIT column blocks (fewer live registers)
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1     // __launch_bounds__ minimum resident CTAs per SM (register cap)
 #endif
@@ -74,10 +77,11 @@ constexpr int QUAD = 4;                            // lanes sharing one fragment
 constexpr int THREADS = WARPS * WARP_SIZE;
 constexpr int WARP_ROWS = BLOCK_M / WARPS;         // query rows per warp
 constexpr int M_TILES = WARP_ROWS / MMA_M;         // m16 tiles per warp
-constexpr int N_TILES = BLOCK_N / MMA_N;           // n8 tiles of S per KV tile
+constexpr int SUB_N = BLOCK_N / KV_SPLIT;          // key columns of S computed at once
+constexpr int N_TILES = SUB_N / MMA_N;             // n8 tiles of S per column block
 constexpr int D_TILES = HEAD_DIM / MMA_N;          // n8 tiles of O
 constexpr int QK_K_STEPS = HEAD_DIM / MMA_K;       // k16 steps of S = Q K^T
-constexpr int PV_K_STEPS = BLOCK_N / MMA_K;        // k16 steps of O += P V
+constexpr int PV_K_STEPS = SUB_N / MMA_K;          // k16 steps of O += P V per column block
 constexpr int ROW_CHUNKS = HEAD_DIM / CHUNK_ELEMS; // chunks per K/V/Q row
 constexpr int ROW_BYTES = HEAD_DIM * ELEM_BYTES;
 constexpr int LOAD_ROWS = THREADS / ROW_CHUNKS;    // tile rows one pass of 16-byte copies covers
@@ -98,7 +102,8 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM must be 64 or 128");
 static_assert(ROW_CHUNKS >= SWIZZLE_ROWS, "the swizzle needs at least 8 chunks per row");
 static_assert(STAGES >= 2, "the K/V ring needs at least 2 slots (prefetch while computing)");
 static_assert(BLOCK_M % (WARPS * MMA_M) == 0, "each warp owns a whole number of m16 tiles");
-static_assert(BLOCK_N % (2 * MMA_N) == 0, "K tiles are loaded as n16 pairs (ldmatrix.x4)");
+static_assert(KV_SPLIT >= 1 && BLOCK_N % KV_SPLIT == 0, "KV_SPLIT divides BLOCK_N");
+static_assert(SUB_N % (2 * MMA_N) == 0, "K tiles are loaded as n16 pairs (ldmatrix.x4)");
 static_assert(HEAD_DIM % (2 * MMA_N) == 0, "V tiles are loaded as n16 pairs (ldmatrix.x4.trans)");
 static_assert(LOAD_ROWS % SWIZZLE_ROWS == 0, "rows one pass of the CTA loads keep the swizzle phase");
 static_assert(BLOCK_M % LOAD_ROWS == 0 && BLOCK_N % LOAD_ROWS == 0, "tiles load in whole passes");
@@ -508,11 +513,16 @@ struct Cta {
     cp_async_wait<STAGES - 2>();   // K(tile), V(tile) (and Q before them) landed for this thread
     __syncthreads();
     prefetch(i + STAGES - 1, slot == 0 ? STAGES - 1 : slot - 1);
-    float s[M_TILES][N_TILES][4];
-    qk_tile(s, q_lane, k_lane + slot * KV_TILE_BYTES);
-    score_tile<PARTIAL>(*va, s, b, h, q_row0 + q_shift, tile * BLOCK_N + kv_col_lane, len_k, sm_scale);
-    sm.update(s, o);
-    pv_tile(o, s, v_lane + slot * KV_TILE_BYTES);
+#pragma unroll 1
+    for (int part = 0; part < KV_SPLIT; ++part) {   // SUB_N rows further in the slot: same swizzle phase
+      const u32 rows = slot * KV_TILE_BYTES + part * SUB_N * ROW_BYTES;
+      float s[M_TILES][N_TILES][4];
+      qk_tile(s, q_lane, k_lane + rows);
+      score_tile<PARTIAL>(*va, s, b, h, q_row0 + q_shift, tile * BLOCK_N + part * SUB_N + kv_col_lane, len_k,
+                          sm_scale);
+      sm.update(s, o);
+      pv_tile(o, s, v_lane + rows);
+    }
     slot = slot + 1 == STAGES ? 0 : slot + 1;
   }
 };

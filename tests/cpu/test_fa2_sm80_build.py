@@ -58,6 +58,19 @@ def test_resource_usage_is_sane(builds):
 
 
 @needs_nvcc
+def test_kv_split_builds_and_refuses_a_non_divisor(tmp_path):
+    """KV_SPLIT=2 (an option, off by default: experiments/ab_fa2_spills.py) builds at both head dims;
+    a split that does not divide BLOCK_N stops at its static_assert."""
+    fa2 = Fa2Sm80(compiler="nvcc", cache_dir=tmp_path)
+    for d in (64, 128):
+        opts = [*fa2.options(d, torch.bfloat16, True), "-DKV_SPLIT=2"]
+        assert compile_cubin(fa2.source, arch="sm_90", options=opts, compiler="nvcc", cache_dir=tmp_path).cubin
+    with pytest.raises(BuildError, match="KV_SPLIT divides BLOCK_N"):
+        compile_cubin(fa2.source, arch="sm_90", options=[*fa2.options(128, torch.bfloat16, False), "-DKV_SPLIT=3"],
+                      compiler="nvcc", cache_dir=tmp_path)
+
+
+@needs_nvcc
 def test_build_error_carries_the_log(tmp_path):
     with pytest.raises(BuildError) as e:
         compile_cubin('extern "C" __global__ void k() { this is not cuda; }', arch="sm_80",

@@ -155,6 +155,28 @@ def test_configs(by_config, d, name):
     run_case(fa2, 1, 4, 4, 517, 333, d, torch.float16, False, seed=2)
 
 
+@pytest.fixture(scope="session")
+def kv_split(tmp_path_factory):
+    """The kernel with KV_SPLIT=2 (S and the softmax of each KV tile in two column blocks; off by
+    default until the H100 A/B, experiments/ab_fa2_spills.py), at the default tiles and at 128x128."""
+    from cubridge.runtime.fa2_sm80 import Config, Fa2Sm80, kernel_source
+    path = tmp_path_factory.mktemp("kv_split") / "kernel.cu"
+    path.write_text("#define KV_SPLIT 2\n" + kernel_source())
+    return {name: Fa2Sm80(None if name == "default" else Config.parse(name), source_path=path)
+            for name in ("default", "128x128s2w4")}
+
+
+@pytest.mark.parametrize("d,name", [(64, "default"), (128, "default"), (64, "128x128s2w4")])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kv_split_option(kv_split, d, name, causal):
+    """KV_SPLIT=2 under the rule: ragged GQA both ways, and large scores (the rescale between the
+    two column blocks of a tile)."""
+    fa2 = kv_split[name]
+    run_case(fa2, 2, 8, 2, 333, 517, d, torch.bfloat16, causal, seed=5)
+    run_case(fa2, 1, 4, 4, 517, 333, d, torch.float16, causal, seed=6)
+    run_case(fa2, 1, 4, 1, 700, 900, d, torch.float16, causal, seed=7, amplitude=4.0)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: nvcc/NVRTC equality needs both")
 def test_nvcc_and_nvrtc_agree(fa2):
     """The same text built by nvcc and by NVRTC computes the same bits."""

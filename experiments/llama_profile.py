@@ -42,6 +42,7 @@ from expkit.llama import (B, D, HKV, HQ, VOCAB, attention_call, call_kwargs, cap
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
 
 MARK = "attention"
+DEVICE = "cuda"          # the CPU test dry-runs the flow with "cpu", a tiny model and the stubbed op
 FLEX = {"auto": ("flex_flash", "flex_triton"), "flash": ("flex_flash",), "triton": ("flex_triton",)}   # as llama_client
 
 
@@ -86,7 +87,7 @@ def first_flex(candidates, try_fn, errors: dict):
     for system in candidates:
         try:
             try_fn(system)
-            torch.cuda.synchronize()
+            sync()
             return system
         except Exception as e:   # noqa: BLE001 - a backend this machine lacks is recorded
             errors[system] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -132,12 +133,12 @@ class Systems:
 
     def model(self, impl: str):
         if impl not in self.models:
-            self.models[impl] = make_model("cuda")       # seed 0: the same weights for every system
+            self.models[impl] = make_model(DEVICE)       # seed 0: the same weights for every system
             self.models[impl].set_attn_implementation(impl)
         return self.models[impl]
 
     def add(self, system: str, impl: str, kw_system: str) -> None:
-        self.impls[system] = (marked(impl), call_kwargs(kw_system, "prefixlm", self.n, self.masks, "cuda"))
+        self.impls[system] = (marked(impl), call_kwargs(kw_system, "prefixlm", self.n, self.masks, DEVICE))
 
     def fn(self, system: str, ids):
         impl, kw = self.impls[system]
@@ -153,12 +154,13 @@ def profile_calls(fn, calls: int, tmp: Path) -> dict:
     """summarise() of `calls` profiled calls of fn, each its own trace, the GPU idle before each."""
     from torch.profiler import ProfilerActivity, profile
     out = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     for i in range(calls):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        with profile(activities=activities) as prof:
             with torch.profiler.record_function(f"call#{i}"):
                 fn()
-            torch.cuda.synchronize()
+            sync()
         path = tmp / f"trace_{i}.json"
         prof.export_chrome_trace(str(path))
         out.append(analyse(load_events(path), MARK))
@@ -167,6 +169,8 @@ def profile_calls(fn, calls: int, tmp: Path) -> dict:
 
 def clocks(fn, calls: int = 6) -> dict:
     """SM clock (MHz) and power (W) sampled every 5 ms while fn runs `calls` times back to back."""
+    if DEVICE != "cuda":
+        return {"error": "no CUDA device"}
     try:
         import pynvml
         pynvml.nvmlInit()
@@ -202,43 +206,27 @@ def layer_alone(systems: Systems, ids, flex: str | None, reps: int) -> dict:
     module, q, k, v, extra = capture_attention(systems.model("sdpa"), ids)
     fns = {"cubridge": attention_call(systems.registered["prefixlm"], module, q, k, v, None, extra),
            "sdpa_bool_mask": attention_call("sdpa", module, q, k, v,
-                                            call_kwargs("sdpa_bool_mask", "prefixlm", n, masks)["attention_mask"],
+                                            call_kwargs("sdpa_bool_mask", "prefixlm", n, masks, DEVICE)["attention_mask"],
                                             extra)}
     if flex:
-        kw = call_kwargs(flex, "prefixlm", n, masks)
+        kw = call_kwargs(flex, "prefixlm", n, masks, DEVICE)
         fns[flex] = attention_call("flex_attention", module, q, k, v, kw.pop("attention_mask"), extra, **kw)
     idle = bench_round_robin(list(fns.values()), warmup=2, reps=reps)
-    busy = expkit.gpu_ms(list(fns.values()), reps=reps)
+    busy = gpu_ms(list(fns.values()), reps=reps)
     return {s: {"idle_ms": round(i.median_ms, 4), "busy_ms": round(b, 4)} for s, i, b in zip(fns, idle, busy)}
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("error: llama_profile.py: no CUDA device", file=sys.stderr)
         return 2
-    compiled_flex_attention()
-    expkit.HOLD_CYCLES = 8_000_000          # ~4 ms: longer than any system's host path to the first kernel
+    if DEVICE == "cuda":
+        compiled_flex_attention()
+        expkit.HOLD_CYCLES = 8_000_000      # ~4 ms: longer than any system's host path to the first kernel
     tmp = Path(tempfile.mkdtemp(prefix="llama_profile_"))
-    t0 = time.time()
-    registered, runs = build_runs(args.alt_configs, tmp)
-    print(f"built {sorted(registered.values())} in {time.time() - t0:.0f} s", flush=True)
-    systems = Systems(registered, args.n)
-    controls = register_controls(registered)
-    systems.add("cubridge", registered["prefixlm"], "cubridge")
-    systems.add("cubridge_nomaskfn", controls["cubridge_nomaskfn"], "cubridge")
-    for label in args.alt_configs:
-        systems.add(f"cubridge@{label}", registered[f"prefixlm@{label}"], "cubridge")
-    ids = torch.randint(0, VOCAB, (B, args.n), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
-    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
-              "versions": versions(), "env": env_opt_ins(), "N": args.n, "runs": runs, "system_errors": {}}
-    flex = first_flex(FLEX[args.flex_backend], lambda s: (systems.add(s, "flex_attention", s), systems.fn(s, ids)())[1],
-                      result["system_errors"])
-    for s in FLEX[args.flex_backend]:
-        if s != flex:
-            systems.impls.pop(s, None)
-    systems.add("sdpa_bool_mask", "sdpa", "sdpa_bool_mask")
-    systems.add("none", controls["none"], "cubridge")
+    ids = torch.randint(0, VOCAB, (B, args.n), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(7))
+    systems, flex, result = setup(args, tmp, ids)
     names = list(systems.impls)
     fns = [systems.fn(s, ids) for s in names]
     ref = fns[names.index("sdpa_bool_mask")]().float()
@@ -246,7 +234,7 @@ def main(argv=None) -> int:
                                               if s != "none"}
     del ref
     idle = bench_round_robin(fns, warmup=2, reps=args.reps)
-    busy = expkit.gpu_ms(fns, reps=args.reps)
+    busy = gpu_ms(fns, reps=args.reps)
     result["systems"] = {}
     for s, fn, i, b in zip(names, fns, idle, busy):
         d = tmp / s.replace("@", "_")
@@ -258,6 +246,41 @@ def main(argv=None) -> int:
     write(args.out, result)
     print_table(result)
     return 0
+
+
+def setup(args, tmp: Path, ids) -> tuple[Systems, str | None, dict]:
+    """The runs built and registered, every system added (Flex: the first backend that runs), the
+    result's header."""
+    t0 = time.time()
+    registered, runs = build_runs(args.alt_configs, tmp)
+    print(f"built {sorted(registered.values())} in {time.time() - t0:.0f} s", flush=True)
+    systems = Systems(registered, args.n)
+    controls = register_controls(registered)
+    systems.add("cubridge", registered["prefixlm"], "cubridge")
+    systems.add("cubridge_nomaskfn", controls["cubridge_nomaskfn"], "cubridge")
+    for label in args.alt_configs:
+        systems.add(f"cubridge@{label}", registered[f"prefixlm@{label}"], "cubridge")
+    result = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
+              "date": datetime.now(timezone.utc).isoformat(),
+              "versions": versions(), "env": env_opt_ins(), "N": args.n, "runs": runs, "system_errors": {}}
+    flex = first_flex(FLEX[args.flex_backend], lambda s: (systems.add(s, "flex_attention", s), systems.fn(s, ids)())[1],
+                      result["system_errors"])
+    for s in FLEX[args.flex_backend]:
+        if s != flex:
+            systems.impls.pop(s, None)
+    systems.add("sdpa_bool_mask", "sdpa", "sdpa_bool_mask")
+    systems.add("none", controls["none"], "cubridge")
+    return systems, flex, result
+
+
+def gpu_ms(fns, reps: int) -> list[float]:
+    """expkit.gpu_ms (the GPU held busy before the start event); the CPU test replaces it."""
+    return expkit.gpu_ms(fns, reps=reps)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def write(path: Path, result: dict) -> None:

@@ -64,3 +64,67 @@ def test_an_unlinked_kernel_is_classified_by_name(gputrace):
     events = [{"ph": "X", "cat": "kernel", "name": "fa3_sm90_fwd", "ts": 0, "dur": 5, "args": {}},
               {"ph": "X", "cat": "kernel", "name": "nvjet_hsh_128x256", "ts": 5, "dur": 5, "args": {}}]
     assert [k[2] for k in gputrace.analyse(events, "attention")["kernels"]] == ["marked", "gemm"]
+
+
+def test_dry_run_of_the_profile_on_cpu(monkeypatch, tmp_path):
+    """llama_profile's whole flow on CPU: a tiny Llama, the stubbed prefixlm op of
+    test_llama_client (a float64 reference behind the real op), no Flex, timers that call each
+    system once, CPU-only profiler traces (no kernels: zero GPU time). Checks the plumbing and
+    the JSON, not speed; the transformers registrations it makes are removed after."""
+    from test_llama_client import HKV as T_HKV, HQ as T_HQ, D as T_D
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from cubridge.integrations.transformers import register
+    before = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping))
+    modules = set(sys.modules)
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import llama_profile as lp
+        from expkit import llama
+        op = _prefix_op(tmp_path)
+        shape = {"hq": T_HQ, "hkv": T_HKV, "d": T_D, "layers": 2, "vocab": 96, "ffn": 128}
+        monkeypatch.setattr(lp, "DEVICE", "cpu")
+        monkeypatch.setattr(lp, "VOCAB", 96)
+        monkeypatch.setattr(lp, "make_model", lambda device: llama.make_model(device, **shape))
+        monkeypatch.setattr(lp, "build_runs", lambda alt, root: ({"prefixlm": register(op, "cubridge_prefixlm_dry")},
+                                                                  {"prefixlm": str(op.directory)}))
+        monkeypatch.setattr(lp, "FLEX", {"auto": ()})
+        monkeypatch.setattr(lp, "bench_round_robin", lambda fns, warmup, reps: [_timing(1.0 + i) for i, f in
+                                                                                 enumerate(fns) if f() is not None])
+        monkeypatch.setattr(lp, "gpu_ms", lambda fns, reps: [0.5 + i for i, f in enumerate(fns) if f() is not None])
+        assert lp.main(["--out", str(tmp_path / "p.json"), "--n", "64", "--reps", "1", "--profile-calls", "1"]) == 0
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+        for name in set(AttentionInterface._global_mapping) - before[0]:
+            AttentionInterface._global_mapping.pop(name)
+        for name in set(AttentionMaskInterface._global_mapping) - before[1]:
+            AttentionMaskInterface._global_mapping.pop(name)
+        for m in set(sys.modules) - modules:
+            if m.split(".")[0] in ("llama_profile", "expkit"):
+                sys.modules.pop(m)
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert list(saved["systems"]) == ["cubridge", "cubridge_nomaskfn", "sdpa_bool_mask", "none"]
+    assert saved["systems"]["none"]["forward_ms_idle"] == 4.0 and saved["systems"]["cubridge"]["forward_ms_busy"] == 0.5
+    prof = saved["systems"]["cubridge"]["profile"]
+    assert prof["calls"] == 1 and prof["kernel_us_total"] == 0 and prof["cpu_us"] > 0    # CPU trace: no kernels
+    assert saved["logits_max_diff_vs_sdpa_mask"]["cubridge"] < 0.05            # the float64 stub vs bf16 SDPA
+    assert set(saved["layer0_attention"]) == {"cubridge", "sdpa_bool_mask"}
+    assert "error" in saved["systems"]["cubridge"]["clock"]
+
+
+def _timing(ms):
+    from cubridge.runtime.timing import Timing
+    return Timing(ms, ms, ms, 1)
+
+
+def _prefix_op(tmp_path):
+    """test_llama_client's stubbed prefixlm op, built here (its fixture is module-scoped there)."""
+    import test_llama_client
+    factory = test_llama_client.prefix_op.__wrapped__
+
+    class Factory:
+        def mktemp(self, name):
+            d = tmp_path / name
+            d.mkdir()
+            return d
+    return factory(Factory())

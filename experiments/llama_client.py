@@ -20,7 +20,8 @@ model with SDPA and FlexAttention. H100. The bars:
   layer attention       the forward gap isolated: layer 0's attention call alone, as the model makes
                         it (its own q, k, v: [B, N, H, D] memory from the projections), per system,
                         again on contiguous [B, H, N, D] copies (the layout's share), and for ours at
-                        the tile configs of --alt-configs (the default is 128x128s2p).
+                        the tile configs of --alt-configs (the default is 128x128s2p); the prefixlm
+                        forward times the model at those configs too ("cubridge@LABEL" rows).
 
 Run directories come from cubridge.op.build (default tile configs, no Optuna), prefixlm's from
 --prefixlm-run DIR where given (a tuned run: configs/h100_prefixlm_llama.yaml). Times:
@@ -75,7 +76,7 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the loss curves")
     ap.add_argument("--seeds", type=int, default=3, help="loss-curve seeds (init and data), the noise bound's sample")
     ap.add_argument("--alt-configs", nargs="*", default=[], metavar="BMxBNsSp",
-                    help="prefixlm tile configs timed beside the default in the layer-attention comparison")
+                    help="prefixlm tile configs timed beside the default (forward and layer attention)")
     ap.add_argument("--prefixlm-run", type=Path, metavar="DIR",
                     help="a tuned prefixlm run directory (heads 16 / 4, D 128, bf16) instead of the default-config build")
     ap.add_argument("--flex-backend", default="auto", choices=list(FLEX),
@@ -182,6 +183,7 @@ def run_forward(args, registered, result) -> None:
     flex = first_flex(FLEX[args.flex_backend], lambda s: fwd.fn(s, "prefixlm", ids)(),
                       result["system_errors"].setdefault("forward", {}))
     systems = ["sdpa_bool_mask", "cubridge"] + ([flex] if flex else [])
+    systems += [f"cubridge@{label}" for label in args.alt_configs]     # the model at other tiles too
     result["checks"].append({"direction": "forward", "variant": "prefixlm", "N": n,
                              **fwd.checks("prefixlm", ids, [s for s in systems if s != "sdpa_bool_mask"],
                                           "sdpa_bool_mask")})

@@ -78,7 +78,9 @@ def call_kwargs(system: str, variant: str, n: int, masks: dict, device="cuda") -
 
 
 def implementation(system: str, registered: dict, variant: str) -> str:
-    """The attn_implementation name of a system."""
+    """The attn_implementation name of a system ("cubridge@LABEL": the variant's run at that tile config)."""
+    if system.startswith("cubridge@"):
+        return registered[f"{variant}@{system.partition('@')[2]}"]
     if system.startswith("cubridge"):
         return registered[variant]
     return "flex_attention" if system.startswith("flex") else "sdpa"

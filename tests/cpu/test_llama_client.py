@@ -156,6 +156,10 @@ def test_call_kwargs(mods):
     assert ck("sdpa_bool_mask", "prefixlm", 8, masks, "cpu")["attention_mask"] is m      # built once
     with pytest.raises(ValueError, match="unknown system"):
         ck("fa4", "prefixlm", 8, masks, "cpu")
+    impl = mods[1].implementation
+    runs = {"prefixlm": "ours", "prefixlm@128x176s2p": "ours_176"}
+    assert impl("cubridge", runs, "prefixlm") == "ours" and impl("cubridge@128x176s2p", runs, "prefixlm") == "ours_176"
+    assert ck("cubridge@128x176s2p", "prefixlm", 8, masks, "cpu") == {}
 
 
 def test_bench_peers_model_shape_plan(mods):

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")     # what keeps the GPU busy (memsets / copies count as "other")
 # runtime / driver calls that block the host until the GPU gets there (a host sync)
 SYNC_CALLS = re.compile(r"Synchronize|cuMemcpyDtoH|cudaMemcpy(?!Async)|cuStreamSynchronize|cuCtxSynchronize")
 # attention kernels by name, for a kernel whose launch the trace did not link to a CPU call
@@ -34,7 +35,7 @@ def analyse(events: list[dict], mark: str = "attention", top_gaps: int = 5, min_
     marks = [(e["ts"], e["ts"] + e["dur"]) for e in cpu_ops if e.get("name") == mark]
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") in GPU_CATS and e.get("ph") == "X"), key=lambda e: e["ts"])
     rows, gaps = [], []
     busy, end = 0.0, None
     for e in kernels:

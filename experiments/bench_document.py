@@ -10,11 +10,12 @@ the tuner samples them, a new layout per call):
   op_ms_busy: what the call adds to the GPU's time (GPU held busy first, expkit.gpu_ms);
   host_us_per_call / host_us_mean: median / mean host time per call, the GPU kept busy, GC off
   (expkit.host_us_per_call). Issue 15: host <= ~50 us (session 9: 683 us at 8k, 1200 at 1k).
-  sort_in_kernel: the same with runtime.lpt.SORT_IN_KERNEL (off by default until proven).
+  sort_in_kernel: the default since session 9 (runtime.lpt.SORT_IN_KERNEL); argsort_path: the
+  same with it off (the key kernel + torch.argsort), the numbers the default was chosen on.
 - bind path: Candidate.bind + LoweredKernel.args + fa3_forward per call (session 9's "ours_call").
 - kernel_ms: the kernel alone (inputs bound once); table_ms: the GPU table build (Candidate.bind);
   host_table_ms: the same table on the host path (for scale); table_kernel_ms(_pairs8): the table
-  kernel alone at block_table.PAIRS_PER_SYNC 1 (default) and 8 (off until timed here).
+  kernel alone at block_table.PAIRS_PER_SYNC 1 and 8 (the default since session 9).
 - flex: create_block_mask for the batch (its build included, as the bar asks) + compiled
   FlexAttention; flex_kernel: FlexAttention with the block mask built once.
 Checks first: the GPU table equals the host table; the op equals the bare kernel bitwise on the
@@ -62,26 +63,26 @@ def cycle(items):
     return nxt
 
 
-def in_kernel_sort(call_fixed, expected, op_call) -> dict:
-    """The op with runtime.lpt.SORT_IN_KERNEL (the tile order sorted by one kernel, no argsort; off
-    by default until checked here and in tests/gpu): same output bitwise, its host and GPU time."""
+def argsort_path(call_fixed, expected, op_call) -> dict:
+    """The op with runtime.lpt.SORT_IN_KERNEL off (the key kernel + torch.argsort; the in-kernel
+    sort is the default since session 9): same output bitwise, its host and GPU time."""
     from cubridge.runtime import lpt
-    lpt.SORT_IN_KERNEL = True
+    default, lpt.SORT_IN_KERNEL = lpt.SORT_IN_KERNEL, False
     try:
         same = torch.equal(call_fixed(), expected)
         busy = gpu_ms([op_call])[0]
         host, mean = host_us_per_call(op_call)
         return {"op_equals_default": same, "op_ms_busy": busy, "host_us_per_call": host, "host_us_mean": mean}
     finally:
-        lpt.SORT_IN_KERNEL = False
+        lpt.SORT_IN_KERNEL = default
 
 
 def table_builds(cand, extra, host, B, N, cfg) -> dict:
-    """The table kernel alone (GPU held busy, expkit.gpu_ms) at block_table.PAIRS_PER_SYNC 1 (the
-    default) and 8 (off until timed here), both checked equal to the host table."""
+    """The table kernel alone (GPU held busy, expkit.gpu_ms) at block_table.PAIRS_PER_SYNC 1 and 8
+    (the default since session 9), both checked equal to the host table."""
     from cubridge.runtime import block_table
     scalars = [(n, "int" if dt == "i32" else "float") for n, _, dt in cand.binding.slots]
-    builders = {}
+    builders, default = {}, block_table.PAIRS_PER_SYNC
     for per in (1, 8):
         block_table.PAIRS_PER_SYNC = per
         try:
@@ -89,7 +90,7 @@ def table_builds(cand, extra, host, B, N, cfg) -> dict:
                                                      block_m=cfg.block_m, block_n=cfg.block_n, per_bh=cand.per_bh,
                                                      device="cuda")
         finally:
-            block_table.PAIRS_PER_SYNC = 1
+            block_table.PAIRS_PER_SYNC = default
     equal = {per: torch.equal(b(extra).cpu(), host.cpu()) for per, b in builders.items()}
     ms = gpu_ms([lambda: builders[1](extra), lambda: builders[8](extra)])
     return {"table_kernel_ms": ms[0], "table_kernel_ms_pairs8": ms[1], "table_equal_pairs8": equal[8],
@@ -144,7 +145,7 @@ def measure(N, spec, cand, kern, attn, flex):
     op_busy, kernel_busy = gpu_ms([op_call, lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out,
                                                                variant=launch)])
     host_us, host_mean = host_us_per_call(op_call)
-    sort_kernel = in_kernel_sort(lambda: attn(q, k, v, doc_ids=ids_list[1]), mine, op_call)
+    argsort = argsort_path(lambda: attn(q, k, v, doc_ids=ids_list[1]), mine, op_call)
     bind_ms = bench(bind_call).median_ms
     bind_host_us = host_us_per_call(bind_call)[0]
 
@@ -161,13 +162,13 @@ def measure(N, spec, cand, kern, attn, flex):
             "op_ms_busy": op_busy, "kernel_ms": kernel_ms, "kernel_ms_busy": kernel_busy, "table_ms": table_ms,
             "host_table_ms": host_table_ms, "host_us_per_call": host_us, "host_us_mean": host_mean,
             "bind_path_ms": bind_ms, "bind_path_host_us": bind_host_us, "table_equal": table_ok,
-            "op_equals_kernel": same, "rule": verdict, "sort_in_kernel": sort_kernel, **tables}
+            "op_equals_kernel": same, "rule": verdict, "argsort_path": argsort, **tables}
     flex_row = {"system": "flex_attention", "variant": "document", "N": N, "B": B, "op_ms": flex_call_ms,
                 "kernel_ms": flex_kernel_ms}
     print(f"N={N}: op {op_ms:.3f} ms (busy {op_busy:.3f}, host {host_us:.0f} us median / {host_mean:.0f} mean), "
           f"kernel {kernel_ms:.3f} (busy {kernel_busy:.3f}), table {table_ms:.3f}, bind path {bind_ms:.3f} ms "
           f"({bind_host_us:.0f} us host); flex {flex_call_ms:.3f} (kernel {flex_kernel_ms:.3f}); table equal "
-          f"{table_ok}; op == kernel {same}; rule: {verdict}; sort in kernel: {sort_kernel}; tables: {tables}",
+          f"{table_ok}; op == kernel {same}; rule: {verdict}; argsort path: {argsort}; tables: {tables}",
           flush=True)
     return [ours, flex_row]
 

@@ -10,15 +10,18 @@ model with SDPA and FlexAttention. H100. The bars:
   --train (issue 17)    one training step (zero_grad, forward + loss, backward, AdamW step; bf16
                         weights, eager; expkit/llama.py on autocast) with prefixlm: >= 1.3x
                         the same step with FlexAttention (FLASH where its backward runs, else
-                        Triton); causal against SDPA. And 50-step loss curves from one init on
-                        one data stream (random tokens, 4 batches cycled) for cubridge, Flex and
-                        SDPA + mask: passed iff max |cubridge - Flex| <= 2 * max |SDPA - Flex| +
-                        1e-5 (two independent kernels of the same math set the bf16 noise), with
-                        the step-0 gradients of layer 0's attention projections judged the same way.
+                        Triton); causal against SDPA. And 50-step loss curves for cubridge, Flex
+                        and SDPA + mask, per seed (--seeds: each its own init and data stream of
+                        random tokens, 4 batches cycled): passed iff the largest max_t |cubridge -
+                        Flex| over the seeds <= 2 * the largest max_t |SDPA - Flex| over the seeds
+                        + 1e-5 (two independent kernels of the same math set the bf16 noise;
+                        expkit.llama.seeds_verdict), with the step-0 gradients of layer 0's
+                        attention projections judged per seed the same way.
   layer attention       the forward gap isolated: layer 0's attention call alone, as the model makes
                         it (its own q, k, v: [B, N, H, D] memory from the projections), per system,
                         again on contiguous [B, H, N, D] copies (the layout's share), and for ours at
-                        the tile configs of --alt-configs (the default is 128x128s2p).
+                        the tile configs of --alt-configs (the default is 128x128s2p); the prefixlm
+                        forward times the model at those configs too ("cubridge@LABEL" rows).
 
 Run directories come from cubridge.op.build (default tile configs, no Optuna), prefixlm's from
 --prefixlm-run DIR where given (a tuned run: configs/h100_prefixlm_llama.yaml). Times:
@@ -46,8 +49,9 @@ from pathlib import Path
 
 import torch
 from expkit.llama import (B, D, HKV, HQ, LAYERS, VOCAB, attention_call, backward_kernels, call_kwargs,
-                          capture_attention, curve_verdict, env_opt_ins, grad_verdict, implementation, loss_curve,
-                          make_model, optimizer, parse_config, profiled_kernels, speedups, train_step, versions)
+                          capture_attention, env_opt_ins, grad_verdict, implementation, loss_curve, make_model,
+                          optimizer, parse_config, profiled_kernels, seeds_verdict, speedups, train_step,
+                          versions)
 
 from cubridge import rule
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
@@ -70,8 +74,9 @@ def parse(argv=None):
     ap.add_argument("--train-variants", nargs="+", default=["prefixlm", "causal"], choices=["prefixlm", "causal"])
     ap.add_argument("--steps", type=int, default=50, help="loss-curve steps (prefixlm)")
     ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the loss curves")
+    ap.add_argument("--seeds", type=int, default=3, help="loss-curve seeds (init and data), the noise bound's sample")
     ap.add_argument("--alt-configs", nargs="*", default=[], metavar="BMxBNsSp",
-                    help="prefixlm tile configs timed beside the default in the layer-attention comparison")
+                    help="prefixlm tile configs timed beside the default (forward and layer attention)")
     ap.add_argument("--prefixlm-run", type=Path, metavar="DIR",
                     help="a tuned prefixlm run directory (heads 16 / 4, D 128, bf16) instead of the default-config build")
     ap.add_argument("--flex-backend", default="auto", choices=list(FLEX),
@@ -79,6 +84,8 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: time at least one call per system")
+    if args.seeds < 1:
+        ap.error(f"--seeds {args.seeds}: at least one seed")
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: a loss curve needs at least 2 steps")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -176,6 +183,7 @@ def run_forward(args, registered, result) -> None:
     flex = first_flex(FLEX[args.flex_backend], lambda s: fwd.fn(s, "prefixlm", ids)(),
                       result["system_errors"].setdefault("forward", {}))
     systems = ["sdpa_bool_mask", "cubridge"] + ([flex] if flex else [])
+    systems += [f"cubridge@{label}" for label in args.alt_configs]     # the model at other tiles too
     result["checks"].append({"direction": "forward", "variant": "prefixlm", "N": n,
                              **fwd.checks("prefixlm", ids, [s for s in systems if s != "sdpa_bool_mask"],
                                           "sdpa_bool_mask")})
@@ -260,38 +268,54 @@ def run_train(args, registered, result) -> None:
 
 
 def curves(args, registered, masks) -> dict:
-    """The prefixlm loss curves (same init, same data) and their verdicts."""
-    n = args.train_n
-    batches = [random_ids(n, 23 + i) for i in range(4)]
+    """The prefixlm loss curves per seed (same init and data for every system of a seed; seed 0 is
+    session 9's run) and their verdicts (expkit.llama.seeds_verdict); "curves" keeps seed 0's."""
+    out = {"N": args.train_n, "steps": args.steps, "lr": args.lr, "batches": 4, "seeds": [], "errors": {}}
     flex = None
-    out = {"N": n, "steps": args.steps, "lr": args.lr, "batches": len(batches), "curves": {}}
-    grads = {}
-    errors = out.setdefault("errors", {})
-    for system in ["cubridge", "sdpa_bool_mask", *FLEX[args.flex_backend]]:
-        if system.startswith("flex") and flex:
+    for seed in range(args.seeds):
+        c, grads, flex = seed_curves(args, registered, masks, seed, flex, out["errors"])
+        out["seeds"].append({"seed": seed, "curves": c})
+        out["curves"] = out["seeds"][0]["curves"]
+        runs = [{"ours": r["curves"]["cubridge"], "ref": r["curves"][flex],
+                 "others": {"sdpa_bool_mask": r["curves"]["sdpa_bool_mask"]}} for r in out["seeds"]
+                if flex and {"cubridge", flex, "sdpa_bool_mask"} <= set(r["curves"])]
+        if len(runs) == len(out["seeds"]):
+            out["ref"] = flex
+            out["verdict"] = seeds_verdict(runs)
+            g = grad_verdict(grads["cubridge"], grads[flex], grads["sdpa_bool_mask"])
+            out.setdefault("grad_step0", {"passed": True, "per_seed": []})
+            out["grad_step0"]["per_seed"].append(g)
+            out["grad_step0"]["passed"] &= g["passed"]
+        else:
+            out["verdict"] = {"passed": None, "reason": "cubridge, a Flex backend and SDPA + mask must all train "
+                                                        f"(seed {seed})"}
+            break
+    return out
+
+
+def seed_curves(args, registered, masks, seed: int, flex, errors: dict) -> tuple[dict, dict, str | None]:
+    """({system: losses}, {system: step-0 grads}, the Flex backend that trained) of one seed."""
+    n = args.train_n
+    batches = [random_ids(n, 23 + 1000 * seed + i) for i in range(4)]
+    curves, grads = {}, {}
+    for system in ["cubridge", "sdpa_bool_mask", *([flex] if flex else FLEX[args.flex_backend])]:
+        if system.startswith("flex") and system != flex and flex:
             continue
         t0 = time.time()
         try:
-            model = make_model(DEVICE, train=True)
+            model = make_model(DEVICE, train=True, seed=seed)
             model.set_attn_implementation(implementation(system, registered, "prefixlm"))
-            losses, grads[system] = loss_curve(model, batches, args.steps, args.lr, GRAD_PARAMS,
-                                               **call_kwargs(system, "prefixlm", n, masks, DEVICE))
-            out["curves"][system] = losses
+            curves[system], grads[system] = loss_curve(model, batches, args.steps, args.lr, GRAD_PARAMS,
+                                                       **call_kwargs(system, "prefixlm", n, masks, DEVICE))
             flex = flex or (system if system.startswith("flex") else None)
-            print(f"loss curve {system:<15} {losses[0]:.4f} -> {losses[-1]:.4f} ({time.time() - t0:.0f} s)", flush=True)
+            print(f"loss curve seed {seed} {system:<15} {curves[system][0]:.4f} -> {curves[system][-1]:.4f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
         except Exception as e:   # noqa: BLE001 - a Flex backend that cannot train is recorded
-            errors[system] = f"{type(e).__name__}: {str(e)[:300]}"
+            errors[f"{system}@seed{seed}"] = f"{type(e).__name__}: {str(e)[:300]}"
         finally:
             model = None
             torch.cuda.empty_cache()
-    c = out["curves"]
-    if flex and "cubridge" in c and "sdpa_bool_mask" in c:
-        out["ref"] = flex
-        out["verdict"] = curve_verdict(c["cubridge"], c[flex], {"sdpa_bool_mask": c["sdpa_bool_mask"]})
-        out["grad_step0"] = grad_verdict(grads["cubridge"], grads[flex], grads["sdpa_bool_mask"])
-    else:
-        out["verdict"] = {"passed": None, "reason": "cubridge, a Flex backend and SDPA + mask must all train"}
-    return out
+    return curves, grads, flex
 
 
 # ------------------------------------------------------------------ main
@@ -308,7 +332,7 @@ def print_table(result) -> None:
     lc = result.get("loss_curves")
     if lc:
         v = lc["verdict"]
-        print(f"loss curves ({lc['steps']} steps, ref {lc.get('ref')}): passed {v.get('passed')} "
+        print(f"loss curves ({lc['steps']} steps, {len(lc['seeds'])} seed(s), ref {lc.get('ref')}): passed {v.get('passed')} "
               f"max diff {v.get('max_diff', float('nan')):.4g} bound {v.get('bound', float('nan')):.4g} "
               f"{v.get('reason', '')}; step-0 grads passed {lc.get('grad_step0', {}).get('passed')}")
     for r in result["rows"]:

@@ -40,8 +40,9 @@ class LoweredKernel:
         per_call: the inputs follow the call's runtime inputs (see Launchable.per_call)."""
         keep, values = [], {}
         for name, t, nd in (self.ir.tables if self.ir else []):
-            x = inputs[name]
-            x = x.to(device=device, dtype=torch.int32 if t == "int" else torch.float32).contiguous()
+            x, dtype = inputs[name], torch.int32 if t == "int" else torch.float32
+            if not (x.dtype is dtype and x.device == device and x.is_contiguous()):   # per call: 2 torch calls less
+                x = x.to(device=device, dtype=dtype).contiguous()
             keep.append(x)
             values[name] = x.data_ptr()
             for d in range(nd):

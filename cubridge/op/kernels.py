@@ -10,6 +10,7 @@ where the run carries no cubin for the bucket.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -124,7 +125,12 @@ class RuntimePrepared:
     launches, all in the current stream: no host sync, no re-tracing, no cubin read. Building a new
     launch per call (re-reading the cubin, lpt_order's ~30 torch calls) was 0.7-1.2 ms of host time
     per call on the H100 host (session 9). A kernel whose launch cannot rebind (fa2_sm80's closure)
-    gets a new one per call, which costs it nothing much."""
+    gets a new one per call, which costs it nothing much.
+
+    One lock per shape serialises launch() across threads: a call's table build, rebind and launch
+    share the shape's launch object and its per-stream buffers, so two threads calling at one shape
+    could otherwise launch one call's q / k / v on the other's tables (A rebinds, B rebinds and
+    launches, A launches with B's), or build B's table into the buffer A's queued kernel reads."""
 
     def __init__(self, bucket: Bucket, device: torch.device, dims: tuple, scale: float, names: tuple):
         b, hq, hkv, nq, nk = dims
@@ -135,12 +141,17 @@ class RuntimePrepared:
                       if cand is not None else lambda runtime, scratch: {})
         self._lowered, self._cubin, self._launch = bucket.lowered(), None, None
         self._scratch: dict = {}           # raw stream -> the per-call tables' buffers (driver.scratch_tensor)
+        self._lock = threading.Lock()      # uncontended: well under a microsecond per call
 
     def launch(self, q, k, v, out, lse, rt: list):
         """Launch on this call's runtime inputs `rt` (in declared order); returns what the launch
         reads (the packed variant), which a CUDA graph capture must keep alive. The block table,
         tile counts and order live in this shape's buffers for the current stream (the stream runs
         one call's kernels before the next call's writes); a capture gets fresh ones (the graph's)."""
+        with self._lock:
+            return self._launch_locked(q, k, v, out, lse, rt)
+
+    def _launch_locked(self, q, k, v, out, lse, rt: list):
         scratch = None
         if not torch.cuda.is_current_stream_capturing():
             stream = current_stream(self.device.index)

@@ -23,6 +23,7 @@ launches into the shape's buffers for that stream) and the shape's launch is re-
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import torch
@@ -36,6 +37,9 @@ from cubridge.op.kernels import DTYPES, Bucket, RuntimePrepared, device_checked
 WHERE = "cubridge op"
 PLAN_CACHE = 256         # checked call signatures remembered (host data only)
 _KEY_SCALARS = (type(None), float, int, str)   # scale / layout types the fast path keys on
+# Taken only by a shape's first call: two threads that both miss build one launch, not two (the
+# second would replace the first's in _prepared while the first still launches through it).
+_PREPARE_LOCK = threading.Lock()
 
 
 class TunedOp:
@@ -181,7 +185,8 @@ class TunedOp:
             return out, (lse if want_lse else None)
         prep = self._prepared.get((q.shape, k.shape, q.device, scale))
         if prep is None:
-            prep = self._prepare(q, k, scale, rt)
+            with _PREPARE_LOCK:
+                prep = self._prepared.get((q.shape, k.shape, q.device, scale)) or self._prepare(q, k, scale, rt)
         lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device) if want_lse else prep.lse_scratch
         if rt:    # kernels.RuntimePrepared: binds this call's inputs, on the GPU
             keep = prep.launch(q, k, v, out, lse, rt)

@@ -125,8 +125,10 @@ class ShapeBinder:
 def kernel_tensor(t: torch.Tensor) -> torch.Tensor:
     """A tensor as the kernels read it: int32 or float32, contiguous, on its own device."""
     t = t.detach() if t.requires_grad else t
-    t = t.to(torch.float32) if t.is_floating_point() else t.to(torch.int32)
-    return t.contiguous()
+    dtype = torch.float32 if t.is_floating_point() else torch.int32
+    if t.dtype is dtype and t.is_contiguous():       # the op's every call: no dispatcher round trip
+        return t
+    return t.to(dtype).contiguous()
 
 
 def _static(binding, spec, spec_params, Nq, Nk, Hq, Hkv, B, cfg, device, values) -> _Static:

@@ -100,6 +100,27 @@ def test_curve_verdict_passes_within_noise_and_fails_outside(mods):
         verdict([1.0], [1.0], {})
 
 
+def test_seeds_verdict_takes_both_maxima_over_the_seeds(mods):
+    """The bound is 2 x the largest spread of the other systems over every seed, against the
+    largest difference of ours over every seed: one seed's wide noise covers another seed's
+    difference (the same maxima on both sides), a difference past twice every seed's noise fails
+    naming its seed and step, and a NaN in any seed fails."""
+    verdict = mods[1].seeds_verdict
+    ref = [10.0, 9.0, 8.0]
+    quiet = {"ours": [10.0, 9.0, 8.05], "ref": ref, "others": {"sdpa": [10.0, 9.0, 8.01]}}   # alone: 0.05 > 0.02
+    loud = {"ours": [10.0, 9.0, 8.0], "ref": ref, "others": {"sdpa": [10.0, 9.03, 8.0]}}     # noise 0.03
+    ok = verdict([quiet, loud])
+    assert ok["passed"] and ok["bound"] == pytest.approx(0.06 + 1e-5) and ok["worst_seed"] == 0
+    assert ok["seeds"] == 2 and len(ok["per_seed"]) == 2 and not verdict([quiet])["passed"]
+    far = {"ours": [10.0, 9.1, 8.0], "ref": ref, "others": {"sdpa": [10.0, 9.0, 8.0]}}
+    bad = verdict([loud, far])
+    assert not bad["passed"] and bad["worst_seed"] == 1 and "seed 1, step 1" in bad["reason"]
+    nan = {"ours": [10.0, math.nan, 8.0], "ref": ref, "others": {"sdpa": [10.0, 9.0, 8.0]}}
+    assert not verdict([loud, nan])["passed"] and "NaN" in verdict([loud, nan])["reason"]
+    with pytest.raises(ValueError, match="at least one seed"):
+        verdict([])
+
+
 def test_grad_verdict(mods):
     g = torch.tensor([1.0, -2.0, 4.0])
     ref = {"w": g}
@@ -136,6 +157,10 @@ def test_call_kwargs(mods):
     assert ck("sdpa_bool_mask", "prefixlm", 8, masks, "cpu")["attention_mask"] is m      # built once
     with pytest.raises(ValueError, match="unknown system"):
         ck("fa4", "prefixlm", 8, masks, "cpu")
+    impl = mods[1].implementation
+    runs = {"prefixlm": "ours", "prefixlm@128x176s2p": "ours_176"}
+    assert impl("cubridge", runs, "prefixlm") == "ours" and impl("cubridge@128x176s2p", runs, "prefixlm") == "ours_176"
+    assert ck("cubridge@128x176s2p", "prefixlm", 8, masks, "cpu") == {}
 
 
 def test_bench_peers_model_shape_plan(mods):
@@ -281,7 +306,8 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
     monkeypatch.setattr(client, "VOCAB", 96)
     monkeypatch.setattr(client, "FLEX", {"auto": ()})
     monkeypatch.setattr(client, "bench_round_robin", bench)
-    monkeypatch.setattr(client, "make_model", lambda device, train=False: llama.make_model(device, train=train, **shape))
+    monkeypatch.setattr(client, "make_model",
+                        lambda device, train=False, seed=0: llama.make_model(device, train=train, seed=seed, **shape))
     prefix_op.calls.update(forward=0, backward=0)
     name = register(prefix_op, "cubridge_llama_client_dry")
     try:
@@ -308,6 +334,7 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
     curves = saved["loss_curves"]
     assert set(curves["curves"]) == {"cubridge", "sdpa_bool_mask"} and len(curves["curves"]["cubridge"]) == 3
     assert curves["verdict"]["passed"] is None and "Flex" in curves["verdict"]["reason"]
+    assert len(curves["seeds"]) == 1 and curves["seeds"][0]["curves"] == curves["curves"]   # no Flex: seed 0 only
     assert prefix_op.calls["backward"] > 0 and any(s["baseline"] == "sdpa_bool_mask" for s in saved["speedups"])
 
 
@@ -345,3 +372,26 @@ def test_autocast_training_through_the_op(mods, prefix_op):
     finally:
         AttentionInterface._global_mapping.pop(name, None)
         AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+def test_curves_judge_every_seed_together(mods, monkeypatch):
+    """llama_client.curves over three seeds (seed_curves stubbed: the curves and gradients of each
+    seed given): one verdict over all seeds, the step-0 gradients judged per seed, seed 0's curves
+    kept as "curves", and the Flex backend that trained in seed 0 reused after."""
+    client = mods[0]
+    g = {"w": torch.tensor([1.0, 2.0])}
+    used = []
+
+    def fake(args, registered, masks, seed, flex, errors):
+        used.append(flex)
+        wobble = 0.01 * (seed + 1)
+        return ({"cubridge": [10.0, 9.0 + wobble], "flex_triton": [10.0, 9.0], "sdpa_bool_mask": [10.0, 9.0 - wobble]},
+                {"cubridge": g, "flex_triton": g, "sdpa_bool_mask": g}, "flex_triton")
+    monkeypatch.setattr(client, "seed_curves", fake)
+    args = client.parse(["--out", "x.json", "--train", "--seeds", "3", "--steps", "2"])
+    out = client.curves(args, {}, {})
+    assert used == [None, "flex_triton", "flex_triton"] and out["ref"] == "flex_triton"
+    assert out["verdict"]["passed"] and out["verdict"]["seeds"] == 3
+    assert out["verdict"]["max_diff"] == pytest.approx(0.03) and out["verdict"]["noise"] == pytest.approx(0.03)
+    assert out["grad_step0"]["passed"] and len(out["grad_step0"]["per_seed"]) == 3
+    assert out["curves"] == out["seeds"][0]["curves"] and [s["seed"] for s in out["seeds"]] == [0, 1, 2]

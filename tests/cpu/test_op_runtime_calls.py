@@ -100,7 +100,10 @@ def _ids(seed):
     return torch.stack([torch.bucketize(torch.arange(N), row, right=True) for row in lengths]).to(torch.int32)
 
 
-def test_a_repeated_runtime_call_makes_three_torch_calls_and_four_launches(document_op):
+def test_a_repeated_runtime_call_makes_three_torch_calls_and_four_launches(document_op, monkeypatch):
+    """The key kernel + argsort path (runtime.lpt.SORT_IN_KERNEL off; past SORT_MAX tiles it is taken anyway)."""
+    from cubridge.runtime import lpt
+    monkeypatch.setattr(lpt, "SORT_IN_KERNEL", False)
     attn, lib = document_op
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, HQ, N, D, generator=g).to(torch.bfloat16)
@@ -130,6 +133,7 @@ def test_a_repeated_runtime_call_makes_three_torch_calls_and_four_launches(docum
 
 
 def test_int64_ids_cost_one_conversion(document_op):
+    """The default path (the in-kernel tile sort): the output and the ids' int32 copy."""
     attn, lib = document_op
     q = torch.randn(B, HQ, N, D).to(torch.bfloat16)
     k = v = torch.randn(B, HKV, N, D).to(torch.bfloat16)
@@ -138,15 +142,15 @@ def test_int64_ids_cost_one_conversion(document_op):
     ids = _ids(3).long()
     with _Ops() as seen:
         attn(q, k, v, doc_ids=ids)
-    assert sorted(seen.ops) == sorted(["new_empty", "_to_copy", "sort", "_to_copy"]), seen.ops
+    assert sorted(seen.ops) == sorted(["new_empty", "_to_copy"]), seen.ops
 
 
 def test_the_in_kernel_tile_sort_drops_the_argsort(document_op, monkeypatch):
-    """runtime.lpt.SORT_IN_KERNEL (off by default): the order comes from one kernel, so a call
-    allocates only the output (the order is a scratch buffer too); past SORT_MAX tiles it falls
-    back to argsort."""
+    """runtime.lpt.SORT_IN_KERNEL (the default since session 9's H100 run): the order comes from one
+    kernel, so a call allocates only the output (the order is a scratch buffer too); past SORT_MAX
+    tiles it falls back to argsort."""
     from cubridge.runtime import lpt
-    monkeypatch.setattr(lpt, "SORT_IN_KERNEL", True)
+    assert lpt.SORT_IN_KERNEL
     attn, lib = document_op
     q = torch.randn(B, HQ, N, D).to(torch.bfloat16)
     k = v = torch.randn(B, HKV, N, D).to(torch.bfloat16)
@@ -162,3 +166,48 @@ def test_the_in_kernel_tile_sort_drops_the_argsort(document_op, monkeypatch):
     with _Ops() as seen:
         attn(q, k, v, doc_ids=ids)
     assert "sort" in seen.ops and lib.launches[-2][0] == "lpt_keys"
+
+
+def test_two_threads_at_one_shape_each_launch_on_their_own_ids(document_op, monkeypatch):
+    """Two threads call the document op at one shape. Thread A is held inside its call after its
+    table build and rebind, just before its attention launch (in the stubbed current_stream of
+    Fa3Launch.__call__), until thread B's whole call has finished or 0.5 s have passed: without the
+    shape's lock B rebinds and launches in that window and A then launches on B's ids and tables;
+    with it B waits for A. Every attention launch must read the ids of the thread that made it."""
+    import threading
+    from cubridge.runtime import fa3_fast
+    attn, lib = document_op
+    q = torch.randn(B, HQ, N, D).to(torch.bfloat16)
+    k = v = torch.randn(B, HKV, N, D).to(torch.bfloat16)
+    attn(q, k, v, doc_ids=_ids(1))                   # the shape's launch exists before the threads start
+    attn(q, k, v, doc_ids=_ids(2))
+    prep = next(iter(attn._prepared.values()))
+    struct = type(prep._launch.variant.args)
+    a_inside, b_done, seen = threading.Event(), threading.Event(), []
+    record = lib.cuLaunchKernel
+
+    def launch(func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        seen.append((threading.current_thread().name, struct.from_address(argv[13]).DOC_IDS))
+        return record(func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra)
+
+    def held_stream(index):
+        if threading.current_thread().name == "A":
+            a_inside.set()
+            b_done.wait(0.5)
+        return 7
+    monkeypatch.setattr(lib, "cuLaunchKernel", launch)
+    monkeypatch.setattr(fa3_fast, "current_stream", held_stream)
+    ids = {"A": _ids(3), "B": _ids(4)}
+
+    def b():
+        a_inside.wait(5)
+        attn(q, k, v, doc_ids=ids["B"])
+        b_done.set()
+    threads = [threading.Thread(target=lambda: attn(q, k, v, doc_ids=ids["A"]), name="A"),
+               threading.Thread(target=b, name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(name for name, _ in seen) == ["A", "B"]
+    assert all(ptr == ids[name].data_ptr() for name, ptr in seen), seen

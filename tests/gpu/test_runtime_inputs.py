@@ -221,7 +221,7 @@ def test_gpu_tile_order_equals_lpt_order(bh, num_m, ctas, sort_in_kernel, monkey
 @pytest.mark.parametrize("per", [1, 8])
 @pytest.mark.parametrize("shape", DOC_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_table_kernel_with_more_pairs_per_vote(shape, per):
-    """block_table.PAIRS_PER_SYNC (evaluations per thread between block votes; 1 by default) gives
+    """block_table.PAIRS_PER_SYNC (evaluations per thread between block votes; 8 by default) gives
     the host table too: ragged tiles, tiles smaller than a round of 256 x 8 pairs, Nq < Nk. Only
     the builder made here sees the setting (the binders Candidate.bind caches keep the default)."""
     from cubridge.runtime import block_table
@@ -233,10 +233,10 @@ def test_table_kernel_with_more_pairs_per_vote(shape, per):
         runtime = {"doc_ids": documents(B, Nk, bm + bn)}
         inputs = cand.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params={"BLOCK_M": bm, "BLOCK_N": bn}, device="cuda",
                            runtime=runtime)
-        block_table.PAIRS_PER_SYNC = per
+        default, block_table.PAIRS_PER_SYNC = block_table.PAIRS_PER_SYNC, per
         try:
             builder = block_table.TableBuilder(cand.binding.mask, inputs, scalars, B=B, Hq=Hq, Nq=Nq, Nk=Nk,
                                                block_m=bm, block_n=bn, per_bh=cand.per_bh, device="cuda")
         finally:
-            block_table.PAIRS_PER_SYNC = 1
+            block_table.PAIRS_PER_SYNC = default
         assert torch.equal(builder(inputs).cpu(), _host_table(spec, cand, shape, runtime, bm, bn)), (bm, bn)

@@ -65,14 +65,21 @@ def test_current_job_files_name_what_exists(path):
         for rel in PATH.findall(cmd):
             assert (ROOT / rel).exists(), f"{path.name}:{i}: {rel} does not exist"
         for script, option in _script_options(cmd):
-            text = (ROOT / script).read_text()
-            assert f'"{option}"' in text or f"'{option}'" in text, f"{path.name}:{i}: {script} has no {option}"
+            assert _defines(script, option), f"{path.name}:{i}: {script} has no {option}"
+
+
+def _defines(script: str, option: str) -> bool:
+    """The script's source names `option` (or, for --no-X, --X: argparse.BooleanOptionalAction)."""
+    text = (ROOT / script).read_text()
+    names = [option] + ([option.replace("--no-", "--", 1)] if option.startswith("--no-") else [])
+    return any(f'"{n}"' in text or f"'{n}'" in text for n in names)
 
 
 def test_the_option_check_can_fail():
     assert _script_options("set -o pipefail; python3 experiments/bench_op.py --out $OUT/x.json --nope 2>&1 | tail") == \
         [("experiments/bench_op.py", "--out"), ("experiments/bench_op.py", "--nope")]
-    assert '"--nope"' not in (ROOT / "experiments/bench_op.py").read_text()
+    assert not _defines("experiments/bench_op.py", "--nope") and _defines("experiments/bench_op.py", "--out")
+    assert _defines("experiments/ab_peer_patches.py", "--no-grid")        # BooleanOptionalAction's negative form
 
 
 def test_the_runner_runs_a_job_file(tmp_path):

@@ -175,7 +175,8 @@ def run_forward(args, registered, result) -> None:
         ids = random_ids(n, n)
         result["checks"].append({"direction": "forward", "variant": "causal", "N": n,
                                  **fwd.checks("causal", ids, ["cubridge"], "sdpa")})
-        timed(result, "forward", "causal", n, {s: fwd.fn(s, "causal", ids) for s in ("sdpa", "cubridge")}, args.reps)
+        timed(result, "forward", "causal", n, {s: fwd.fn(s, "causal", ids) for s in ("sdpa", "cubridge", "cubridge_nomask")},
+              args.reps)
     if "prefixlm" not in args.fwd_variants:
         return
     n = PREFIX_N
@@ -184,6 +185,7 @@ def run_forward(args, registered, result) -> None:
                       result["system_errors"].setdefault("forward", {}))
     systems = ["sdpa_bool_mask", "cubridge"] + ([flex] if flex else [])
     systems += [f"cubridge@{label}" for label in args.alt_configs]     # the model at other tiles too
+    systems += ["cubridge_nomask"]     # no attention_mask: transformers' packed-sequence sync per forward
     result["checks"].append({"direction": "forward", "variant": "prefixlm", "N": n,
                              **fwd.checks("prefixlm", ids, [s for s in systems if s != "sdpa_bool_mask"],
                                           "sdpa_bool_mask")})

@@ -2,14 +2,15 @@
 its attention kernel is (issue 15; session 9: model 0.97-0.99x Flex-FLASH, layer-0 attention alone
 1.31x). The same random-init Llama (experiments/expkit/llama.py) per system, side by side:
 
-  cubridge            the prefixlm run (default config) through cubridge.integrations.transformers
-  cubridge_nomaskfn   the same op registered without transformers' mask function: the model then
-                      skips its packed-sequence check (a .all() host sync per forward)
+  cubridge            the prefixlm run (default config) through cubridge.integrations.transformers,
+                      called with attention_mask=spec_mask(B, N) (built once, as Flex's BlockMask)
+  cubridge_nomask     the same without attention_mask: transformers then runs its packed-sequence
+                      check every forward (a .all() host sync; session 10 mid call: ~1 ms)
   cubridge@LABEL      ours at another tile config (--alt-configs)
   flex_flash / _triton  transformers' flex_attention with a BlockMask built once (FLASH where it runs)
   sdpa_bool_mask      SDPA with a boolean [B, 1, N, N] prefix mask
   none                attention that costs nothing (returns q's memory as the output): the rest of
-                      the model alone, with ours' mask function
+                      the model alone (with a spec_mask, so no sync either)
 
 Per system: the forward timed round-robin with the GPU idle at the start event (as llama_client:
 host time before the first kernel counts) and with the GPU held busy (expkit.gpu_ms: only GPU time
@@ -112,17 +113,14 @@ def marked(impl: str) -> str:
     return name
 
 
-def register_controls(registered: dict) -> dict:
-    """'none' (free attention, ours' mask function) and 'cubridge_nomaskfn' (ours, no mask function)."""
+def register_controls() -> str:
+    """'none': free attention, with ours' mask function; returns its implementation name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from cubridge.integrations.transformers import no_mask
-    ours = ALL_ATTENTION_FUNCTIONS[registered["prefixlm"]]
     AttentionInterface.register("expkit_none", lambda module, q, k, v, mask, **kw: (q.transpose(1, 2), None))
     AttentionMaskInterface.register("expkit_none", no_mask)
-    AttentionInterface.register("expkit_nomaskfn", ours)
-    return {"none": "expkit_none", "cubridge_nomaskfn": "expkit_nomaskfn"}
+    return "expkit_none"
 
 
 class Systems:
@@ -211,7 +209,7 @@ def layer_alone(systems: Systems, ids, flex: str | None, reps: int) -> dict:
     if flex:
         kw = call_kwargs(flex, "prefixlm", n, masks, DEVICE)
         fns[flex] = attention_call("flex_attention", module, q, k, v, kw.pop("attention_mask"), extra, **kw)
-    idle = bench_round_robin(list(fns.values()), warmup=2, reps=reps)
+    idle = idle_round_robin(list(fns.values()), reps=reps)
     busy = gpu_ms(list(fns.values()), reps=reps)
     return {s: {"idle_ms": round(i.median_ms, 4), "busy_ms": round(b, 4)} for s, i, b in zip(fns, idle, busy)}
 
@@ -233,7 +231,7 @@ def main(argv=None) -> int:
     result["logits_max_diff_vs_sdpa_mask"] = {s: float((f().float() - ref).abs().max()) for s, f in zip(names, fns)
                                               if s != "none"}
     del ref
-    idle = bench_round_robin(fns, warmup=2, reps=args.reps)
+    idle = idle_round_robin(fns, reps=args.reps)
     busy = gpu_ms(fns, reps=args.reps)
     result["systems"] = {}
     for s, fn, i, b in zip(names, fns, idle, busy):
@@ -255,9 +253,9 @@ def setup(args, tmp: Path, ids) -> tuple[Systems, str | None, dict]:
     registered, runs = build_runs(args.alt_configs, tmp)
     print(f"built {sorted(registered.values())} in {time.time() - t0:.0f} s", flush=True)
     systems = Systems(registered, args.n)
-    controls = register_controls(registered)
+    none = register_controls()
     systems.add("cubridge", registered["prefixlm"], "cubridge")
-    systems.add("cubridge_nomaskfn", controls["cubridge_nomaskfn"], "cubridge")
+    systems.add("cubridge_nomask", registered["prefixlm"], "cubridge_nomask")
     for label in args.alt_configs:
         systems.add(f"cubridge@{label}", registered[f"prefixlm@{label}"], "cubridge")
     result = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
@@ -269,8 +267,16 @@ def setup(args, tmp: Path, ids) -> tuple[Systems, str | None, dict]:
         if s != flex:
             systems.impls.pop(s, None)
     systems.add("sdpa_bool_mask", "sdpa", "sdpa_bool_mask")
-    systems.add("none", controls["none"], "cubridge")
+    systems.add("none", none, "cubridge")
     return systems, flex, result
+
+
+def idle_round_robin(fns, reps: int):
+    """bench_round_robin with the GPU idle at each start event (host time before the first kernel
+    counts): hide_host=False where this checkout's timing has that option (session 10)."""
+    import inspect
+    kw = {"hide_host": False} if "hide_host" in inspect.signature(bench_round_robin).parameters else {}
+    return bench_round_robin(fns, warmup=2, reps=reps, **kw)
 
 
 def gpu_ms(fns, reps: int) -> list[float]:

@@ -13,8 +13,20 @@ run was tuned for. What the kernel cannot honour is refused, never run on misrea
 mask (attention_mask with zeros), a custom 4-D mask, packed sequences, a decode step with a KV
 cache (fewer queries than keys), dropout in training, output_attentions. Under autocast to the
 kernel's dtype (float32 weights), q, k and v are cast to it as SDPA would (autocast_inputs).
+
+Called without attention_mask, a model runs transformers' packed-sequence check every forward
+(position_ids scanned, then a `.all()` that waits for the GPU): ~1 ms of a 24 ms Llama forward at
+8k on an H100 (session 10, experiments/llama_profile.py: 24.67 ms with it, 23.70 ms without), which
+FlexAttention's callers never pay because they pass a BlockMask. `spec_mask(B, N)` is the same
+for a tuned run: a 4-D mask object, built once per shape, that transformers passes through
+untouched and the kernel reads as "no padding; the spec's own mask applies":
+
+    >>> mask = spec_mask(2, 8192)                                             # doctest: +SKIP
+    >>> logits = model(input_ids, attention_mask=mask, use_cache=False).logits # doctest: +SKIP
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -38,15 +50,42 @@ def register(run, name: str | None = None) -> str:
     return name
 
 
+def spec_mask(batch_size: int, q_length: int, kv_length: int | None = None) -> torch.Tensor:
+    """The attention_mask that says "no padding" to a model whose attention is a tuned run:
+    [B, 1, Nq, Nk] bool, every entry True, a stride-0 view of one CPU element (no memory, no GPU
+    work; build it once per shape). Only cubridge's attention accepts it (is_spec_mask); SDPA or
+    eager would read it as attend-everything."""
+    kv_length = q_length if kv_length is None else kv_length
+    return torch.ones((), dtype=torch.bool).expand(batch_size, 1, q_length, kv_length)
+
+
+def is_spec_mask(mask, query, key) -> bool:
+    """Whether `mask` is a spec_mask for these q [B, Hq, Nq, D] / k [B, Hkv, Nk, D]: a constant
+    (all strides 0) CPU bool [B, 1, Nq, Nk] whose one value is True. A padding mask varies along
+    the keys, so it is never all-stride-0; a materialised all-True mask is not one either."""
+    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.device.type == "cpu"
+            and mask.dim() == 4 and not any(mask.stride())):
+        return False
+    if tuple(mask.shape) != (query.shape[0], 1, query.shape[2], key.shape[2]) or mask.numel() == 0:
+        return False
+    # its one byte, read from host memory: no dispatcher call (item() is one per layer), no GPU sync
+    return torch.compiler.is_compiling() or ctypes.c_bool.from_address(mask.data_ptr()).value
+
+
 def attention_forward(attn):
     """The function transformers calls per layer: (module, q, k, v, attention_mask, ...) ->
     (out [B, N, Hq, D], None)."""
     def forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                 **kwargs):
-        if attention_mask is not None:
+        if attention_mask is not None and not is_spec_mask(attention_mask, query, key):
             raise LaunchError(f"attention_mask of shape {tuple(attention_mask.shape)}: the tuned kernel applies its "
                               "spec's mask and cannot take another", where=WHERE,
-                              hint="call the model without attention_mask (no padding), or use attn_implementation='sdpa'")
+                              hint="call the model without attention_mask (no padding) or with "
+                                   "attention_mask=spec_mask(B, N), or use attn_implementation='sdpa'")
+        if attention_mask is not None and query.shape[2] != key.shape[2]:
+            raise LaunchError(f"{query.shape[2]} queries against {key.shape[2]} keys with a spec_mask: a decode "
+                              "step or a cached prefix", where=WHERE,
+                              hint="run the tuned kernel on full sequences (use_cache=False), or generate with 'sdpa'")
         if dropout and module.training:
             raise LaunchError(f"attention dropout {dropout} in training mode", where=WHERE,
                               hint="model.eval(), or set attention_dropout: 0.0 in the model config")

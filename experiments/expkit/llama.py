@@ -56,11 +56,16 @@ def flex_block_mask(variant: str, n: int, device="cuda"):
 
 
 def call_kwargs(system: str, variant: str, n: int, masks: dict, device="cuda") -> dict:
-    """The model-call keywords of a system: cubridge (the kernel's own mask), sdpa (causal:
-    transformers' default), sdpa_bool_mask (prefixlm), flex_flash / flex_triton (a BlockMask).
-    `masks` caches the masks per (kind, variant, n)."""
-    if system.startswith("cubridge") or system == "sdpa":
+    """The model-call keywords of a system: cubridge (the kernel's own mask; attention_mask =
+    cubridge.integrations.transformers.spec_mask, built once per shape as Flex's BlockMask is, so
+    transformers skips its per-forward packed-sequence sync), cubridge_nomask (no attention_mask:
+    that check and its sync run, as for sdpa), sdpa (causal: transformers' default), sdpa_bool_mask
+    (prefixlm), flex_flash / flex_triton (a BlockMask). `masks` caches the masks per (kind, variant, n)."""
+    if system == "cubridge_nomask" or system == "sdpa":
         return {}
+    if system.startswith("cubridge"):
+        from cubridge.integrations.transformers import spec_mask
+        return {"attention_mask": masks.setdefault(("spec", n), spec_mask(B, n))}
     if system == "sdpa_bool_mask":
         key = ("bool", variant, n)
         if key not in masks:

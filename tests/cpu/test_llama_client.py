@@ -151,7 +151,10 @@ def test_speedups_and_bars(mods):
 
 def test_call_kwargs(mods):
     ck, masks = mods[1].call_kwargs, {}
-    assert ck("cubridge", "prefixlm", 8, masks, "cpu") == {} and ck("sdpa", "causal", 8, masks, "cpu") == {}
+    assert ck("cubridge_nomask", "prefixlm", 8, masks, "cpu") == {} and ck("sdpa", "causal", 8, masks, "cpu") == {}
+    spec = ck("cubridge", "prefixlm", 8, masks, "cpu")["attention_mask"]
+    assert spec.shape == (2, 1, 8, 8) and not any(spec.stride()) and ck("cubridge", "causal", 8, masks, "cpu") == {
+        "attention_mask": spec}                                         # a spec_mask, built once per length
     m = ck("sdpa_bool_mask", "prefixlm", 8, masks, "cpu")["attention_mask"]
     assert m.shape == (2, 1, 8, 8) and bool(m[0, 0, 0, 3]) and not bool(m[0, 0, 4, 5]) and bool(m[0, 0, 5, 4])
     assert ck("sdpa_bool_mask", "prefixlm", 8, masks, "cpu")["attention_mask"] is m      # built once
@@ -160,7 +163,7 @@ def test_call_kwargs(mods):
     impl = mods[1].implementation
     runs = {"prefixlm": "ours", "prefixlm@128x176s2p": "ours_176"}
     assert impl("cubridge", runs, "prefixlm") == "ours" and impl("cubridge@128x176s2p", runs, "prefixlm") == "ours_176"
-    assert ck("cubridge@128x176s2p", "prefixlm", 8, masks, "cpu") == {}
+    assert ck("cubridge@128x176s2p", "prefixlm", 8, masks, "cpu")["attention_mask"] is spec
 
 
 def test_bench_peers_model_shape_plan(mods):
@@ -321,8 +324,9 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
     saved = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and "errors" not in saved, saved.get("errors")
     got = {(r["direction"], r["variant"], r["system"]) for r in saved["rows"]}
-    assert got == {("forward", "causal", "sdpa"), ("forward", "causal", "cubridge"),
+    assert got == {("forward", "causal", "sdpa"), ("forward", "causal", "cubridge"), ("forward", "causal", "cubridge_nomask"),
                    ("forward", "prefixlm", "sdpa_bool_mask"), ("forward", "prefixlm", "cubridge"),
+                   ("forward", "prefixlm", "cubridge_nomask"),
                    ("layer_attention", "prefixlm", "sdpa_bool_mask"), ("layer_attention", "prefixlm", "cubridge"),
                    ("layer_attention", "prefixlm", "cubridge_bhnd"),
                    ("train_step", "prefixlm", "cubridge"), ("train_step", "prefixlm", "sdpa_bool_mask")}

@@ -89,8 +89,8 @@ def test_dry_run_of_the_profile_on_cpu(monkeypatch, tmp_path):
         monkeypatch.setattr(lp, "build_runs", lambda alt, root: ({"prefixlm": register(op, "cubridge_prefixlm_dry")},
                                                                   {"prefixlm": str(op.directory)}))
         monkeypatch.setattr(lp, "FLEX", {"auto": ()})
-        monkeypatch.setattr(lp, "bench_round_robin", lambda fns, warmup, reps: [_timing(1.0 + i) for i, f in
-                                                                                 enumerate(fns) if f() is not None])
+        monkeypatch.setattr(lp, "idle_round_robin", lambda fns, reps: [_timing(1.0 + i) for i, f in enumerate(fns)
+                                                                       if f() is not None])
         monkeypatch.setattr(lp, "gpu_ms", lambda fns, reps: [0.5 + i for i, f in enumerate(fns) if f() is not None])
         assert lp.main(["--out", str(tmp_path / "p.json"), "--n", "64", "--reps", "1", "--profile-calls", "1"]) == 0
     finally:
@@ -103,7 +103,7 @@ def test_dry_run_of_the_profile_on_cpu(monkeypatch, tmp_path):
             if m.split(".")[0] in ("llama_profile", "expkit"):
                 sys.modules.pop(m)
     saved = json.loads((tmp_path / "p.json").read_text())
-    assert list(saved["systems"]) == ["cubridge", "cubridge_nomaskfn", "sdpa_bool_mask", "none"]
+    assert list(saved["systems"]) == ["cubridge", "cubridge_nomask", "sdpa_bool_mask", "none"]
     assert saved["systems"]["none"]["forward_ms_idle"] == 4.0 and saved["systems"]["cubridge"]["forward_ms_busy"] == 0.5
     prof = saved["systems"]["cubridge"]["profile"]
     assert prof["calls"] == 1 and prof["kernel_us_total"] == 0 and prof["cpu_us"] > 0    # CPU trace: no kernels

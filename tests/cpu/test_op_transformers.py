@@ -63,3 +63,41 @@ def test_llama_refuses_what_the_kernel_cannot_honour(causal_op):
         out = model(ids, use_cache=True)                               # the prefill itself is fine
         with pytest.raises(LaunchError, match="a decode step or a cached prefix"):
             model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+
+
+def test_spec_mask_skips_the_packed_sequence_sync(causal_op):
+    """attention_mask=spec_mask(B, N): the same logits as no mask, and transformers' per-forward
+    packed-sequence check (a .all() read back from the device: aten._local_scalar_dense) is
+    skipped, as it is for FlexAttention's BlockMask; a spec_mask of another shape, a constant False
+    one and a decode step with one are refused."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cubridge.integrations.transformers import is_spec_mask, spec_mask
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ == "_local_scalar_dense"
+            return func(*args, **(kwargs or {}))
+    model = _model()
+    model.set_attn_implementation(register(causal_op, "cubridge_test_mask"))
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        with Reads() as plain:
+            ours = model(ids, use_cache=False).logits
+        with Reads() as masked:
+            with_mask = model(ids, attention_mask=spec_mask(2, 48), use_cache=False).logits
+        assert plain.n >= 1 and masked.n == 0 and torch.equal(ours, with_mask)
+        with pytest.raises(LaunchError, match="cannot take another"):
+            model(ids, attention_mask=spec_mask(2, 40), use_cache=False)
+        with pytest.raises(LaunchError, match="cannot take another"):
+            model(ids, attention_mask=torch.zeros((), dtype=torch.bool).expand(2, 1, 48, 48), use_cache=False)
+        out = model(ids, use_cache=True)
+        with pytest.raises(LaunchError, match="a decode step or a cached prefix"):
+            model(ids[:, :1], attention_mask=spec_mask(2, 1, 49), past_key_values=out.past_key_values, use_cache=True)
+    q, k = torch.empty(2, HQ, 48, 8), torch.empty(2, HKV, 48, 8)
+    assert is_spec_mask(spec_mask(2, 48), q, k) and spec_mask(2, 48).untyped_storage().nbytes() == 1
+    assert not is_spec_mask(torch.ones(2, 1, 48, 48, dtype=torch.bool), q, k)       # materialised: a custom mask

@@ -74,3 +74,27 @@ def test_training_step_through_the_op(name, autocast):
         assert ours[1][p].dtype == model.get_parameter(p).dtype
         verdict = rule.compare(ours[1][p], golden[1][p], ref[1][p])
         assert verdict.passed, f"{p}: {verdict}"
+
+
+def test_spec_mask_gives_the_same_step_without_a_host_sync(name):
+    """attention_mask=spec_mask(B, N) (cubridge.integrations.transformers): the same loss and
+    gradients as no mask, bitwise, and no synchronising CUDA call in the forward
+    (torch.cuda.set_sync_debug_mode("error") raises on one); without a mask transformers' packed-
+    sequence check reads a flag back from the GPU, which the same debug mode catches."""
+    from cubridge.integrations.transformers import spec_mask
+    ids = torch.randint(0, VOCAB, (B, N), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    model = _model(torch.bfloat16)
+    plain = _step(model, name, ids, False)
+    masked = _step(model, name, ids, False, attention_mask=spec_mask(B, N))
+    assert torch.equal(plain[0], masked[0]) and all(torch.equal(plain[1][p], masked[1][p]) for p in PARAMS)
+    model.set_attn_implementation(name)
+    mask = spec_mask(B, N)
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        with torch.no_grad():
+            model(ids, attention_mask=mask, use_cache=False)
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                model(ids, use_cache=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -17,8 +17,8 @@ dP^T: keys are rows, queries columns):
 - mask_pred: as the forward's (hooks.mask).
 - softmax_bwd: softmax P = exp2(y - LSE2), dS = P (dP - Dvec); sigmoid P = sigmoid(s + bias),
   dS = dP P (1 - P); relu P = relu(s) c, dS = dP c [P != 0].
-Only the bulk_overlap_lse option carries the hooks (kernel.cu static_assert; the launcher refuses
-other options for a variant). The dense kernel is the reference itself (no region replaced).
+Only the SCHED 1 / LSE_SMEM 1 options carry the hooks (cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS;
+kernel.cu static_assert; the launcher refuses other options for a variant). The dense kernel is the reference itself (no region replaced).
 """
 from __future__ import annotations
 
@@ -232,7 +232,7 @@ __device__ __forceinline__ void softmax_bwd(const VariantArgs& va, float& p, flo
 
 def lower_source(reference: str, ir: VariantIR) -> str:
     """kernel.cu of the Hopper backward for variant `ir` (build with IS_CAUSAL=0 and the
-    bulk_overlap_lse option's macros: the mask is the variant's)."""
+    macros of one of VARIANT_OPTIONS: the mask is the variant's)."""
     if ir.dense_reference:
         return reference
     body = regions.body(reference, "softmax_bwd")

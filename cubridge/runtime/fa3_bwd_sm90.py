@@ -24,10 +24,11 @@ once its last dQ add has read shared memory instead of once it completed; sessio
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
-DEFAULT_OPTION is "bulk_overlap_lse": on an H100 (session 9,
-experiments/results/session9_h100/bwd_options.json, bf16 D = 128, 16k tokens) it ran 450 / 514
-TFLOPS causal 8k / 16k and 510 / 548 full, against base 231 / 237 / 296 / 279, the portable
-fa2_bwd_sm80 229 / 236 / 241 / 239, cuDNN 477 / 535 / 543 / 569 and FA4 539 / 607 / 608 / 639.
+DEFAULT_OPTION is "bulk_overlap_lse_lean" since session 10: on an H100 (session 10 mid call, bf16
+D = 128, 16k tokens, 8k, round-robin) it ran 476 / 502 TFLOPS causal / full against bulk_overlap_lse's
+450 / 503 (session 9's default: 450 / 514 causal 8k / 16k, 510 / 548 full), cuDNN 476 / 544 and FA4
+547 / 619; and it is compute-sanitizer racecheck clean (0 hazards, the variant path too), where
+bulk_overlap_lse reports 10240 potential write-after-read hazards (NOTES.md "Session 10").
 
 Status: every option passed tests/gpu/test_bwd_sm90.py on an H100 (446 cases, session 9), so
 cubridge.runtime.autograd routes sm_90 backwards here by default (atomic dQ mode);
@@ -78,11 +79,11 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean": Modes(1, 1, 1, 0, arrive_all=1, lean=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
-DEFAULT_OPTION = "bulk_overlap_lse"   # fastest of OPTIONS on an H100 (docstring)
+DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, racecheck clean (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean")
-VARIANT_OPTION = "bulk_overlap_lse"
+VARIANT_OPTION = "bulk_overlap_lse_lean"   # racecheck clean on the variant path (session 10)
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
 BLOCK_N = 128            # keys per CTA

@@ -1,6 +1,6 @@
 """The backward of a variant spec: the rules transfer of the forward (fa2_sm80's program), lowered
 into the regions of the portable fa2_bwd_sm80 (cubridge.lower.fa2_bwd_sm80) or, on sm_90, of the
-Hopper fa3_bwd_sm90 (cubridge.lower.fa3_bwd_sm90, option bulk_overlap_lse).
+Hopper fa3_bwd_sm90 (cubridge.lower.fa3_bwd_sm90, option fa3_bwd_sm90.VARIANT_OPTION by default).
 
 Which kernel: `use_hopper=None` (default) takes the Hopper one on an sm_90 GPU only when
 CUBRIDGE_HOPPER_VARIANT_BWD=1 (opt-in until tests/gpu/test_bwd_variants.py has passed its Hopper

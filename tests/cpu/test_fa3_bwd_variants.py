@@ -1,6 +1,6 @@
 """CPU checks of variant backwards lowered onto the Hopper kernel (cubridge.lower.fa3_bwd_sm90):
 every built-in spec lowers (all five regions replaced, the one-pass P / dS path exactly where
-score_mod' is not 1 or dS needs the unrounded P) and compiles for sm_90a with the bulk_overlap_lse macros at D = 64 / 128 (two also with ARRIVE_ALL),
+score_mod' is not 1 or dS needs the unrounded P) and compiles for sm_90a with VARIANT_OPTION's macros at D = 64 / 128 (two also with each other variant option),
 fp16 / bf16 with no spills, no stack frame and no ignored setmaxnreg or serialized wgmma; the
 launcher and VariantBackward refuse what the Hopper path cannot do with a clear error, and pick it
 only when asked (opt-in env or use_hopper=True)."""

@@ -2,9 +2,9 @@
 its setup_context saves q, k, v, out, lse, and the backward is the custom op
 `cubridge::attention_backward`, which runs the run's spec through the lowered fa2_bwd_sm80
 backward (cubridge.runtime.variant_bwd: the forward's mask and iteration space transposed, the
-score_mod's derivative, the normalisation's backward), or on sm_90 with
-CUBRIDGE_HOPPER_VARIANT_BWD=1 through the same lowered into the Hopper fa3_bwd_sm90 (the tuned
-fa2 config then unused). Its fake implementation gives the gradient
+score_mod's derivative, the normalisation's backward), or on sm_90 (the default since session
+10; CUBRIDGE_HOPPER_VARIANT_BWD=0 switches it off) through the same lowered into the Hopper
+fa3_bwd_sm90. A run that tuned its backward uses what it chose (a fa2 config or the Hopper label). Its fake implementation gives the gradient
 shapes, so torch.compile traces forward and backward.
 
 A call that needs gradients goes through attention_lse (the backward needs the forward's LSE for
@@ -52,8 +52,10 @@ def variant_backward(op, config: str | None = None):
             vb = cache[config] = VariantBackward(spec, use_hopper=True, **params)
             return vb
         cfg = Config.parse(config) if config else None
+        # a tuned fa2 config is the run's choice (its GPU check and timing beat the Hopper point):
+        # keep it; untuned (None), the device and CUBRIDGE_HOPPER_VARIANT_BWD decide
         vb = cache[config] = VariantBackward(spec, config=cfg, kernel=Fa2BwdSm80(cfg, compiler=default_compiler()),
-                                             **params)
+                                             use_hopper=False if cfg else None, **params)
     return vb
 
 

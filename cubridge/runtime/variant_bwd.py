@@ -2,9 +2,10 @@
 into the regions of the portable fa2_bwd_sm80 (cubridge.lower.fa2_bwd_sm80) or, on sm_90, of the
 Hopper fa3_bwd_sm90 (cubridge.lower.fa3_bwd_sm90, option fa3_bwd_sm90.VARIANT_OPTION by default).
 
-Which kernel: `use_hopper=None` (default) takes the Hopper one on an sm_90 GPU only when
-CUBRIDGE_HOPPER_VARIANT_BWD=1 (opt-in until tests/gpu/test_bwd_variants.py has passed its Hopper
-cases on an H100), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
+Which kernel: `use_hopper=None` (default) takes the Hopper one on an sm_90 GPU unless
+CUBRIDGE_HOPPER_VARIANT_BWD=0 (the default since session 10: its gradient tests pass on an H100 and,
+on option bulk_overlap_lse_lean, compute-sanitizer racecheck reports 0 hazards; 1.2-2x fa2_bwd_sm80's
+speed there), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
 runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs). `hopper_option`:
 which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION).
 
@@ -88,10 +89,10 @@ class VariantBackward:
                 raise LaunchError(f"use_hopper=True on {device}, not an sm_90 GPU", where="VariantBackward",
                                   hint="use_hopper=None picks the kernel the device has")
             return True
-        value = os.environ.get(HOPPER_ENV, "0")
+        value = os.environ.get(HOPPER_ENV, "1")
         if value not in ("0", "1"):
             raise LaunchError(f"{HOPPER_ENV}={value!r} is neither 0 nor 1", where="environment",
-                              hint=f"set {HOPPER_ENV}=1 for the Hopper variant backward on sm_90, or unset it")
+                              hint=f"set {HOPPER_ENV}=0 for the portable fa2_bwd_sm80 variant backward, or unset it")
         return not deterministic and value == "1" and device.type == "cuda" and capability(device.index) == (9, 0)
 
     @property

@@ -124,7 +124,8 @@ def test_the_op_backward_uses_its_buckets_config():
 
 def test_the_op_backward_builds_the_kernel_its_label_names(monkeypatch, tmp_path):
     """A bucket that chose the Hopper variant backward gets VariantBackward(use_hopper=True); a fa2
-    label gets that config on fa2_bwd_sm80; None leaves the choice to the environment."""
+    label gets that config on fa2_bwd_sm80, never the Hopper path (use_hopper=False: the run chose it);
+    None leaves the choice to the device and the environment."""
     from cubridge.op import autograd
     from cubridge.runtime import variant_bwd
     made = []
@@ -137,4 +138,4 @@ def test_the_op_backward_builds_the_kernel_its_label_names(monkeypatch, tmp_path
     op = type("Op", (), {"directory": tmp_path, "dispatch": {"spec": "spec.py", "spec_name": "prefixlm"}})()
     for label in (HOPPER_LABEL, "128x128w8-dq64x64w4", None, HOPPER_LABEL):
         autograd.variant_backward(op, label)
-    assert made == [(None, True, "NoneType"), ("128x128w8-dq64x64w4", None, "Fa2BwdSm80"), (None, None, "Fa2BwdSm80")]
+    assert made == [(None, True, "NoneType"), ("128x128w8-dq64x64w4", False, "Fa2BwdSm80"), (None, None, "Fa2BwdSm80")]

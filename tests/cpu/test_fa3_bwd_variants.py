@@ -103,12 +103,14 @@ def test_variant_backward_hopper_option():
         VariantBackward("prefixlm", hopper_option="bulk")
 
 
-def test_variant_backward_picks_hopper_only_when_asked(backwards, monkeypatch):
+def test_variant_backward_picks_hopper_on_sm90_unless_switched_off(backwards, monkeypatch):
     import cubridge.runtime.driver as driver
     bwd = backwards["prefixlm"]
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv(HOPPER_ENV, raising=False)
     monkeypatch.setattr(driver, "capability", lambda index: (9, 0))   # an sm_90 device, without one
+    assert bwd.uses_hopper(gpu) and not bwd.uses_hopper(gpu, deterministic=True) and not bwd.uses_hopper(cpu)
+    monkeypatch.setenv(HOPPER_ENV, "0")
     assert not bwd.uses_hopper(gpu) and not bwd.uses_hopper(cpu)
     monkeypatch.setenv(HOPPER_ENV, "1")
     assert bwd.uses_hopper(gpu) and not bwd.uses_hopper(gpu, deterministic=True) and not bwd.uses_hopper(cpu)

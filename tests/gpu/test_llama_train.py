@@ -77,8 +77,8 @@ def test_training_step_through_the_op(name, autocast):
 
 
 def test_spec_mask_gives_the_same_step_without_a_host_sync(name):
-    """attention_mask=spec_mask(B, N) (cubridge.integrations.transformers): the same loss and
-    gradients as no mask, bitwise, and no synchronising CUDA call in the forward
+    """attention_mask=spec_mask(B, N) (cubridge.integrations.transformers): the same loss (bitwise)
+    and gradients (to bf16 rounding) as no mask, and no synchronising CUDA call in the forward
     (torch.cuda.set_sync_debug_mode("error") raises on one); without a mask transformers' packed-
     sequence check reads a flag back from the GPU, which the same debug mode catches."""
     from cubridge.integrations.transformers import spec_mask
@@ -86,7 +86,12 @@ def test_spec_mask_gives_the_same_step_without_a_host_sync(name):
     model = _model(torch.bfloat16)
     plain = _step(model, name, ids, False)
     masked = _step(model, name, ids, False, attention_mask=spec_mask(B, N))
-    assert torch.equal(plain[0], masked[0]) and all(torch.equal(plain[1][p], masked[1][p]) for p in PARAMS)
+    # the loss bitwise (the forward is deterministic); the gradients to bf16 rounding only: the
+    # backward's dQ is a reduce-add whose order varies between runs (fa2 atomics, Hopper bulk adds)
+    assert torch.equal(plain[0], masked[0]), (plain[0], masked[0])
+    for p in PARAMS:
+        a, b = plain[1][p].float(), masked[1][p].float()
+        assert (a - b).abs().max() <= 1e-2 * a.abs().max(), f"{p}: gradients differ beyond bf16 rounding"
     model.set_attn_implementation(name)
     mask = spec_mask(B, N)
     torch.cuda.synchronize()

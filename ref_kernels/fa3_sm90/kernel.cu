@@ -253,10 +253,11 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uin
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
     const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
-    const uint64_t a = kDenseKernel ? a0 + uint64_t((panel * kQPanelBytes + step) / kDescUnit)
-                                    : make_desc(q_rows + panel * kQPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
-    const uint64_t b = kDenseKernel ? b0 + uint64_t((panel * kKVPanelBytes + step) / kDescUnit)
-                                    : make_desc(k_tile + panel * kKVPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
+    const int qo = panel * kQPanelBytes + step, ko = panel * kKVPanelBytes + step;   // byte offsets
+    const uint64_t a = kDenseKernel ? a0 + uint64_t(qo / kDescUnit)
+                                    : make_desc(q_rows + qo, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t b = kDenseKernel ? b0 + uint64_t(ko / kDescUnit)
+                                    : make_desc(k_tile + ko, 1 * kDescUnit, kSwizzleAtomBytes);
     WgmmaSS<kBlockN, MmaTag>::mma(s, a, b, kk > 0);
   }
   wgmma_commit();
@@ -569,7 +570,7 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   // kUniformWg: the warpgroup index through a lane-0 shuffle, which ptxas knows to be
   // warp-uniform, so a consumer's Q descriptors live in uniform registers (no R2UR of the Q
   // descriptor before each HGMMA: 128 x 176 full, 3136 -> 2936 SASS instructions with the
-  // descriptors above). Not with a 24- or 32-register producer (kUniformWg): ptxas spilled there.
+  // descriptors above). kUniformWg says where: elsewhere ptxas spilled with it.
   const int wg = kUniformWg ? __shfl_sync(kFullMask, int(threadIdx.x / kWgThreads), 0)
                             : int(threadIdx.x / kWgThreads);
   if (threadIdx.x == 0) {

@@ -127,8 +127,8 @@ OPTIONS = [dict(kv_rotate=True), dict(l2_hints=True), dict(kv_rotate=True, l2_hi
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "+".join(o))
 def test_full_attention_options(opts, tile, nq, nk, causal):
     d, block_m, block_n = tile
-    run_case(2, 8, 2, nq, nk, d, torch.bfloat16, causal, persistent=True, max_ctas=7, block_m=block_m,
-             block_n=block_n, **opts)
+    run_case(1 if max(nq, nk) >= 1000 else 2, 8, 2, nq, nk, d, torch.bfloat16, causal, persistent=True,
+             max_ctas=7, block_m=block_m, block_n=block_n, **opts)   # B = 1 at long rows: the float64 golden
 
 
 def _cfg_id(cfg: dict) -> str:

@@ -152,6 +152,10 @@ constexpr bool kDenseKernel = true;
 #else
 constexpr bool kDenseKernel = false;
 #endif
+// And to two consumers: three (D 64's 192 x 128) ran 3-6% slower with the descriptors and the
+// producer loop below (session 10 mid call, fwd_mid_ab.json, all eight D 64 shapes), so they keep
+// session 9's code, with its 4-18 spilled bytes in the producer of 20 causal builds of the space.
+constexpr bool kNewCodegen = kDenseKernel && kConsumers == 2;
 
 // @cuir-region score
 // score = kScoreFactor * score_mod(va, x, scale, ...), x the raw q.k and scale the softmax scale
@@ -247,16 +251,16 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uin
   // CUTLASS iterates them: ptxas builds each descriptor once instead of per HGMMA (session 9 A/B,
   // `uniform_desc`: +3-5% at D 128 8k / 16k, fa4fwd_ab.json). No carry out of the 14-bit field
   // (addresses < 2^18 B: the shared window is 228 KB), so these are the same bits as make_desc's.
-  // Lowered variants: a descriptor per k-step (kDenseKernel).
+  // Lowered variants and three consumers: a descriptor per k-step (kNewCodegen).
   const uint64_t a0 = make_desc(q_rows, 1 * kDescUnit, kSwizzleAtomBytes);
   const uint64_t b0 = make_desc(k_tile, 1 * kDescUnit, kSwizzleAtomBytes);
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
     const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
     const int qo = panel * kQPanelBytes + step, ko = panel * kKVPanelBytes + step;   // byte offsets
-    const uint64_t a = kDenseKernel ? a0 + uint64_t(qo / kDescUnit)
+    const uint64_t a = kNewCodegen ? a0 + uint64_t(qo / kDescUnit)
                                     : make_desc(q_rows + qo, 1 * kDescUnit, kSwizzleAtomBytes);
-    const uint64_t b = kDenseKernel ? b0 + uint64_t(ko / kDescUnit)
+    const uint64_t b = kNewCodegen ? b0 + uint64_t(ko / kDescUnit)
                                     : make_desc(k_tile + ko, 1 * kDescUnit, kSwizzleAtomBytes);
     WgmmaSS<kBlockN, MmaTag>::mma(s, a, b, kk > 0);
   }
@@ -273,7 +277,7 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kORegs], const uint32_t (&p)[
   const uint64_t b0 = make_desc(v_tile, kKVPanelBytes, kSwizzleAtomBytes);   // k-steps added (gemm_qk)
 #pragma unroll
   for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
-    const uint64_t b = kDenseKernel ? b0 + uint64_t(kk * kMmaK * kSwizzleBytes / kDescUnit)
+    const uint64_t b = kNewCodegen ? b0 + uint64_t(kk * kMmaK * kSwizzleBytes / kDescUnit)
                                     : make_desc(v_tile + kk * kMmaK * kSwizzleBytes, kKVPanelBytes, kSwizzleAtomBytes);
     WgmmaRS<kHeadDim, MmaTag>::mma(o, &p[4 * kk], b);
   }
@@ -360,7 +364,7 @@ static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThrea
 // consumers have the registers for it: with a 24- (D 256 128 x 80) or 32-register producer (three
 // consumers) ptxas spilled 4-12 bytes, with 224-register consumers (a block-table producer,
 // share_question at 128 x 128) 6 -> 30 bytes.
-constexpr bool kUniformWg = kDenseKernel && kProducerRegs >= 40 && kConsumerRegs >= 232;
+constexpr bool kUniformWg = kNewCodegen && kProducerRegs >= 40 && kConsumerRegs >= 232;
 
 // ------------------------------------------------------------------ producer
 // L2 policies of the loads (L2_HINTS, full attention only; FlashAttention-3's choice): K and V are
@@ -430,13 +434,10 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_arrive(sm.q_full + 8 * qs);
       ++q_iter;
     }
-    // Three consumers: not unrolled (one thread issuing TMA gains nothing from it). ptxas's 2x
-    // unroll spilled their 32-register producer (4-18 bytes in 20 of the 264 configs of the tuner's
-    // space, all causal; experiments/sass_unchanged.py --ptxas --space, nvcc 13.0); without: none.
-    // Two consumers and the lowered variants keep ptxas's choice (kDenseKernel).
-#if BLOCK_M / 64 == 3 && defined(FA3_DENSE_KV_RANGE)
-#pragma unroll 1
-#endif
+    // ptxas unrolls this loop twice, which spills 4-18 bytes in the 32-register producer of three
+    // consumers (20 causal builds of the tuner's space). Not unrolled (experiments/patches/
+    // three_consumer_unroll1.patch) it does not spill, but the mid call measured that together with
+    // the descriptors 3-6% slower at D 64 (kNewCodegen): it waits for an A/B of its own.
     for (int i = 0; i < tiles; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
       // @cuir-region load_kv

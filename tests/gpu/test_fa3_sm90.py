@@ -111,8 +111,7 @@ TILE_CONFIGS = [dict(d=128, block_m=128, block_n=176, stages=2),
                 # the only Q slot) runs in 128 x 176 above and at D 256.
                 dict(d=128, block_m=192, block_n=80, stages=2),
                 dict(d=128, block_m=192, block_n=64, stages=2),
-                # three consumers, three stages: the producer's KV loop (not unrolled since session
-                # 10, when ptxas's unrolled one spilled here) with a ring index that is not a power of 2
+                # three consumers, three stages: a ring index that is not a power of 2
                 dict(d=64, block_m=192, block_n=80, stages=3)]
 
 

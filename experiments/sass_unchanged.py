@@ -188,7 +188,8 @@ def main(argv=None) -> int:
     if not args.ptxas:
         return compare(args.base, args.head, tuple(args.only), args.jobs)
     from cubridge.spec import builtin_specs
-    variants = () if args.variants is None else args.variants or [v for v in builtin_specs() if v not in ("full", "causal")]   # those two: the kernel itself
+    builtin = [v for v in builtin_specs() if v not in ("full", "causal")]   # those two: the kernel itself
+    variants = () if args.variants is None else args.variants or builtin
     return compare_ptxas(args.base, args.head, tuple(args.only), args.jobs, args.space, variants)
 
 

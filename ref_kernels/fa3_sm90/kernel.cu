@@ -114,6 +114,9 @@ constexpr bool kLongestFirst = false;
 // starts m_block / num_m of the way round its KV tiles, so that the persistent CTAs, which run one
 // head's query blocks at a time, do not all read the same K / V tile at the same moment.
 constexpr bool kKvRotate = KV_ROTATE && !kCausal;
+// This region's mark: a lowered variant replaces the region and with it the mark, so kDenseKernel
+// (below) tells the reference kernel from a lowered variant.
+#define FA3_DENSE_KV_RANGE 1
 struct KvRange { int n_begin; int n_end; int full_begin; int full_end; int rot; };
 constexpr bool kRangeViaSmem = false;   // consumers recompute this range (cheaper than a hand-over)
 constexpr bool kProducerReadsTable = false;   // true: the range comes from a block table in global memory
@@ -139,6 +142,20 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
   return n >= r.full_end || n < r.full_begin;
 }
 // @cuir-end kv_range
+// Session 10's code-generation changes (wgmma descriptors once per GEMM, the uniform warpgroup
+// index, the three-consumer producer loop) apply to the reference kernel only: in lowered variants
+// they moved ptxas's register allocation both ways (e.g. share_question 128 x 128 s3 6 -> 22 bytes
+// spilled, global_sliding_window 128 x 96 s3 0 -> 18, relative_pos 192 x 80 s3 16 -> 32), so the
+// variants keep session 9's code until a per-variant, spill-checked choice exists.
+#ifdef FA3_DENSE_KV_RANGE
+constexpr bool kDenseKernel = true;
+#else
+constexpr bool kDenseKernel = false;
+#endif
+// And to two consumers: three (D 64's 192 x 128) ran 3-6% slower with the descriptors and the
+// producer loop below (session 10 mid call, fwd_mid_ab.json, all eight D 64 shapes), so they keep
+// session 9's code, with its 4-18 spilled bytes in the producer of 20 causal builds of the space.
+constexpr bool kNewCodegen = kDenseKernel && kConsumers == 2;
 
 // @cuir-region score
 // score = kScoreFactor * score_mod(va, x, scale, ...), x the raw q.k and scale the softmax scale
@@ -234,13 +251,17 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uin
   // CUTLASS iterates them: ptxas builds each descriptor once instead of per HGMMA (session 9 A/B,
   // `uniform_desc`: +3-5% at D 128 8k / 16k, fa4fwd_ab.json). No carry out of the 14-bit field
   // (addresses < 2^18 B: the shared window is 228 KB), so these are the same bits as make_desc's.
+  // Lowered variants and three consumers: a descriptor per k-step (kNewCodegen).
   const uint64_t a0 = make_desc(q_rows, 1 * kDescUnit, kSwizzleAtomBytes);
   const uint64_t b0 = make_desc(k_tile, 1 * kDescUnit, kSwizzleAtomBytes);
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
     const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
-    const uint64_t a = a0 + uint64_t((panel * kQPanelBytes + step) / kDescUnit);
-    const uint64_t b = b0 + uint64_t((panel * kKVPanelBytes + step) / kDescUnit);
+    const int qo = panel * kQPanelBytes + step, ko = panel * kKVPanelBytes + step;   // byte offsets
+    const uint64_t a = kNewCodegen ? a0 + uint64_t(qo / kDescUnit)
+                                    : make_desc(q_rows + qo, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t b = kNewCodegen ? b0 + uint64_t(ko / kDescUnit)
+                                    : make_desc(k_tile + ko, 1 * kDescUnit, kSwizzleAtomBytes);
     WgmmaSS<kBlockN, MmaTag>::mma(s, a, b, kk > 0);
   }
   wgmma_commit();
@@ -256,7 +277,8 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kORegs], const uint32_t (&p)[
   const uint64_t b0 = make_desc(v_tile, kKVPanelBytes, kSwizzleAtomBytes);   // k-steps added (gemm_qk)
 #pragma unroll
   for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
-    const uint64_t b = b0 + uint64_t(kk * kMmaK * kSwizzleBytes / kDescUnit);
+    const uint64_t b = kNewCodegen ? b0 + uint64_t(kk * kMmaK * kSwizzleBytes / kDescUnit)
+                                    : make_desc(v_tile + kk * kMmaK * kSwizzleBytes, kKVPanelBytes, kSwizzleAtomBytes);
     WgmmaRS<kHeadDim, MmaTag>::mma(o, &p[4 * kk], b);
   }
   wgmma_commit();
@@ -338,9 +360,11 @@ constexpr int kConsumerRegs = kConsumers == 2 ? (kScanningProducer ? 224 : kWide
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <=
                   kEntryRegs * kThreads,
               "setmaxnreg budgets exceed the CTA's register allocation (consumers would hang)");
-// The warpgroup index made provably warp-uniform (entry point), where the producer has the
-// registers for it: with 24 (D 256 128 x 80) or 32 (three consumers) ptxas spilled 4-12 bytes.
-constexpr bool kUniformWg = kProducerRegs >= 40;
+// The warpgroup index made provably warp-uniform (entry point), where the producer and the
+// consumers have the registers for it: with a 24- (D 256 128 x 80) or 32-register producer (three
+// consumers) ptxas spilled 4-12 bytes, with 224-register consumers (a block-table producer,
+// share_question at 128 x 128) 6 -> 30 bytes.
+constexpr bool kUniformWg = kNewCodegen && kProducerRegs >= 40 && kConsumerRegs >= 232;
 
 // ------------------------------------------------------------------ producer
 // L2 policies of the loads (L2_HINTS, full attention only; FlashAttention-3's choice): K and V are
@@ -410,10 +434,10 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_arrive(sm.q_full + 8 * qs);
       ++q_iter;
     }
-    // Not unrolled: one thread issuing TMA gains nothing from it, and ptxas's 2x unroll spilled the
-    // 32-register producer of three consumers (4-18 bytes in 20 of the 264 configs of the tuner's
-    // space, all causal; experiments/sass_unchanged.py --ptxas --space, nvcc 13.0). Without: none.
-#pragma unroll 1
+    // ptxas unrolls this loop twice, which spills 4-18 bytes in the 32-register producer of three
+    // consumers (20 causal builds of the tuner's space). Not unrolled (experiments/patches/
+    // three_consumer_unroll1.patch) it does not spill, but the mid call measured that together with
+    // the descriptors 3-6% slower at D 64 (kNewCodegen): it waits for an A/B of its own.
     for (int i = 0; i < tiles; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
       // @cuir-region load_kv
@@ -547,7 +571,7 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   // kUniformWg: the warpgroup index through a lane-0 shuffle, which ptxas knows to be
   // warp-uniform, so a consumer's Q descriptors live in uniform registers (no R2UR of the Q
   // descriptor before each HGMMA: 128 x 176 full, 3136 -> 2936 SASS instructions with the
-  // descriptors above). Not with a 24- or 32-register producer (kUniformWg): ptxas spilled there.
+  // descriptors above). kUniformWg says where: elsewhere ptxas spilled with it.
   const int wg = kUniformWg ? __shfl_sync(kFullMask, int(threadIdx.x / kWgThreads), 0)
                             : int(threadIdx.x / kWgThreads);
   if (threadIdx.x == 0) {

@@ -91,3 +91,15 @@ def test_every_lowered_variant_compiles(tmp_path):
     with ThreadPoolExecutor(2) as ex:
         failures = [(job, err) for job, rc, err in ex.map(build, jobs) if rc != 0]
     assert not failures, failures
+
+
+def test_fa3_dense_code_paths_stay_out_of_lowered_variants():
+    """kernel.cu's kDenseKernel comes from a mark inside the reference's own kv_range region: every
+    lowered variant replaces that region, so it keeps session 9's wgmma code (ref_kernels/fa3_sm90
+    NOTES, session 10: the new code spilled more in some variant builds)."""
+    reference = (ref_kernel_dir("fa3_sm90") / "kernel.cu").read_text()
+    mark = "#define FA3_DENSE_KV_RANGE 1"
+    assert mark in regions.body(reference, "kv_range") and reference.count(mark) == 1
+    for name in builtin_specs():
+        if name not in ("full", "causal"):                 # those two are the reference itself
+            assert mark not in _lowered("fa3_sm90", name).source, name

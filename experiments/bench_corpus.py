@@ -207,8 +207,10 @@ def prep_worker(names, n: int) -> None:
             print(f"prep {name:<28} {time.time() - t0:5.1f} s {skipped or ''}", flush=True)
         except Exception as e:       # noqa: BLE001 - the timed job meets and reports it again
             print(f"prep {name:<28} error {type(e).__name__}: {str(e)[:200]}", flush=True)
-        finally:
-            torch.cuda.empty_cache()
+            if context_lost():
+                print(f"prep: CUDA context lost; not prepared: {names[names.index(name) + 1:]}", flush=True)
+                return
+        torch.cuda.empty_cache()
 
 
 def prep(names, n: int, workers: int) -> int:
@@ -225,13 +227,29 @@ def prep(names, n: int, workers: int) -> int:
 
 
 # ------------------------------------------------------------------ timed run
-def run(args) -> None:
+def context_lost() -> bool:
+    """True when the process's CUDA context is gone (a device-side assert): no later spec can run."""
+    try:
+        torch.cuda.synchronize()
+        return False
+    except Exception:   # noqa: BLE001 - torch.AcceleratorError / RuntimeError, by version
+        return True
+
+
+def run(args) -> int:
+    """0, or 3 when a spec lost the CUDA context: rerun with --resume to go on after it."""
     torch.manual_seed(0)
     ours = Ours()
     no_flash = flash_available()
     result = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "heads": HEADS, "D": D,
               "protocol": "round-robin CUDA events, L2 flushed, median (cubridge.runtime.timing)",
               "flash": no_flash or "available", "rows": [], "failed": [], "not_reached": []}
+    if args.resume and Path(args.out).is_file():
+        # A rerun after a lost context: the specs done (or failed) keep their rows, in one JSON.
+        old = json.loads(Path(args.out).read_text())
+        result.update(rows=old["rows"], failed=old["failed"], processes=old.get("processes", 1) + 1)
+        done = {r["spec"] for r in old["rows"] + old["failed"]}
+        args.specs = [name for name in args.specs if name not in done]
     t0 = time.time()
     refused = prebuild(ours, args.specs)
     print(f"prebuilt {len(args.specs) - len(refused)} specs' kernels in {time.time() - t0:.0f} s; refused: "
@@ -257,15 +275,21 @@ def run(args) -> None:
             result["failed"].append({"spec": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             print(f"{name:<28} error: {type(e).__name__}: {str(e)[:150]}", flush=True)
             traceback.print_exc(limit=4)
-        finally:
-            torch.cuda.empty_cache()
+            if context_lost():
+                result["failed"][-1]["error"] += " (the CUDA context was lost: later specs need a new process)"
+                Path(args.out).write_text(json.dumps(result, indent=1))
+                print("CUDA context lost: stopping; rerun with --resume for the rest", flush=True)
+                return 3
+        torch.cuda.empty_cache()
         Path(args.out).write_text(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
-    summary(result, len(args.specs))
+    summary(result)
+    return 0
 
 
-def summary(result: dict, asked: int) -> None:
+def summary(result: dict) -> None:
     rows = result["rows"]
+    asked = len(rows) + len(result["failed"]) + len(result["not_reached"])
     print(f"verified on the GPU {sum(r['verify']['passed'] for r in rows)}/{asked}; errors "
           f"{[f['spec'] for f in result['failed']]}; not reached {result['not_reached']}")
     for peer, bar in (("flex_triton", 1.3), ("flex_flash", 1.0)):
@@ -282,6 +306,7 @@ def main():
     ap.add_argument("--specs", nargs="+", default=NAMES)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--deadline-s", type=float, default=0, help="start no spec after this many seconds")
+    ap.add_argument("--resume", action="store_true", help="keep the rows of --out, run the specs not in it")
     ap.add_argument("--prep", action="store_true", help="compile everything, time nothing")
     ap.add_argument("--workers", type=int, default=6, help="--prep's FlexAttention compile processes")
     ap.add_argument("--prep-worker", action="store_true", help=argparse.SUPPRESS)
@@ -296,7 +321,7 @@ def main():
         sys.exit(prep(args.specs, args.n, args.workers))
     if not args.out:
         ap.error("--out is required for a timed run")
-    run(args)
+    sys.exit(run(args))
 
 
 if __name__ == "__main__":

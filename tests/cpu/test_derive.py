@@ -67,3 +67,22 @@ def test_no_score_gives_zero_and_identity_one():
 def test_refuses_what_it_cannot_differentiate(text, match):
     with pytest.raises(LowerError, match=match):
         derivative(parse(f"x = {text}\n").body[0].value)
+
+
+def test_floor_division_by_a_power_of_two_is_a_shift_and_a_mask():
+    """// and % by 2^k lower to >> k and & (2^k - 1): the same values as floor division for
+    negative operands too (two's complement; Python's >> and & on ints are those of int32 here),
+    other divisors keep cuir_floordiv / cuir_floormod."""
+    from cubridge.cuir.parser import parse
+    from cubridge.lower.cexpr import to_c
+    names = {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int")}
+
+    def c(text):
+        return to_c(parse(f"x = {text}\n").body[0].value, names)
+    assert c("iq // 128") == "(q_idx >> 7)" and c("(iq - ik) % 4") == "((q_idx - kv_idx) & 3)"
+    assert c("ik % 1") == "(kv_idx & 0)" and c("iq // 1") == "(q_idx >> 0)"
+    assert c("iq // 3").startswith("cuir_floordiv(") and c("iq % 6").startswith("cuir_floormod(")
+    assert c("iq // -4").startswith("cuir_floordiv(")
+    for k in (0, 1, 2, 7, 13, 30):
+        for a in (-(1 << 31), -(1 << 30) - 3, -129, -128, -127, -5, -1, 0, 1, 5, 127, 128, (1 << 31) - 1):
+            assert a >> k == a // (1 << k) and a & ((1 << k) - 1) == a % (1 << k), (a, k)

@@ -205,3 +205,28 @@ def test_refusals_name_line_construct_and_nearest_form(mod, construct, hint):
 def test_mask_must_return_a_boolean():
     with pytest.raises(TraceError, match="mask_mod returned an int"):
         trace_mask(lambda b, h, q, k: q - k)
+
+
+def test_grid_indexing_is_bounds_checked_on_the_host():
+    """The grid call of mask_values / score_values runs index-checked on a GPU: an index past a
+    table's size raises IndexError (then the vmapped fallback), never a CUDA device-side assert,
+    which would poison the process (session 10 H100: ag_head_mask's `local[b][h]` at B=1, H=4)."""
+    import pytest as _pytest
+
+    from cubridge.evalmod import _IndexBoundsChecked, grids, mask_values
+    local = torch.tensor([[True, False, True, False]] * 8)
+
+    def head_mask(b, h, q, kv):
+        return torch.where(local[b][h], q >= kv, q - kv <= 3)
+    g = grids(1, 4, torch.arange(5), 6)
+    with _pytest.raises(IndexError, match="size 1"), _IndexBoundsChecked():
+        head_mask(*g)                       # local[b] is [1,1,1,1,4]: [h] indexes its size-1 dim
+    with _IndexBoundsChecked():
+        assert local[torch.tensor([7, -8])].shape == (2, 4)
+        assert torch.index_select(local, 1, torch.tensor([0, 3])).shape == (8, 2)
+        with _pytest.raises(IndexError, match="size 4"):
+            torch.index_select(local, 1, torch.tensor([4]))
+    m = mask_values(head_mask, *g)
+    want = torch.stack([torch.where(local[0][h], torch.arange(5)[:, None] >= torch.arange(6),
+                                    torch.arange(5)[:, None] - torch.arange(6) <= 3) for h in range(4)])
+    assert torch.equal(m[0], want)

@@ -28,16 +28,16 @@ __device__ __forceinline__ int tile_class(const VariantArgs& va, const KvRange& 
 }
 __device__ __forceinline__ bool tile_may(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi,
                                          int cls) {
-  return (cuir_floordiv(k_lo, 256) <= cuir_floordiv(r.q_hi, 256));
+  return ((k_lo >> 8) <= (r.q_hi >> 8));
 }
 __device__ __forceinline__ bool tile_must(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi) {
-  return (cuir_floordiv(k_hi, 256) <= cuir_floordiv(r.q_lo, 256));
+  return ((k_hi >> 8) <= (r.q_lo >> 8));
 }
 // The same question for a chunk of kScanChunk tiles [k_lo, k_hi] at once: chunks that cannot hold
 // an attended pair are skipped whole, so a query tile scans ~NT / kScanChunk chunks, not NT tiles.
 constexpr int kScanChunk = 8;
 __device__ __forceinline__ bool chunk_may(const VariantArgs& va, const KvRange& r, int k_lo, int k_hi) {
-  return (cuir_floordiv(k_lo, 256) <= cuir_floordiv(r.q_hi, 256));
+  return ((k_lo >> 8) <= (r.q_hi >> 8));
 }
 __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int q_tile, int q_begin,
                                             int len_q, int len_k) {
@@ -93,7 +93,7 @@ __device__ __forceinline__ float score_mod(const VariantArgs& va, float s, int b
 }
 // ===== region mask
 __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {
-  return (cuir_floordiv(q_idx, 256) >= cuir_floordiv(kv_idx, 256));
+  return ((q_idx >> 8) >= (kv_idx >> 8));
 }
 // ===== region softmax
 // Online softmax state of this lane's 2 * M_TILES rows, exp2-based: scores are prescaled by

@@ -48,7 +48,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from expkit.llama import (B, D, HKV, HQ, LAYERS, VOCAB, attention_call, backward_kernels, call_kwargs,
+from expkit.llama import (first_flex, B, D, HKV, HQ, LAYERS, VOCAB, attention_call, backward_kernels, call_kwargs,
                           capture_attention, env_opt_ins, grad_verdict, implementation, loss_curve, make_model,
                           optimizer, parse_config, profiled_kernels, seeds_verdict, speedups, train_step,
                           versions)
@@ -154,19 +154,6 @@ def random_ids(n: int, seed: int) -> torch.Tensor:
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-def first_flex(candidates, try_fn, errors: dict):
-    """The first Flex system whose try_fn() runs; each failure recorded in `errors`."""
-    for system in candidates:
-        try:
-            try_fn(system)
-            sync()
-            return system
-        except Exception as e:   # noqa: BLE001 - a backend this machine lacks is recorded
-            errors[system] = f"{type(e).__name__}: {str(e)[:300]}"
-            torch.cuda.empty_cache()
-    return None
 
 
 def run_forward(args, registered, result) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import expkit
 from expkit.gputrace import analyse, load_events, summarise
-from expkit.llama import (B, D, HKV, HQ, VOCAB, attention_call, call_kwargs, capture_attention, env_opt_ins,
+from expkit.llama import (first_flex, B, D, HKV, HQ, VOCAB, attention_call, call_kwargs, capture_attention, env_opt_ins,
                           make_model, parse_config, versions)
 
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
@@ -81,19 +81,6 @@ def build_runs(alt_configs: list, root: Path) -> tuple[dict, dict]:
                                                         heads_kv=HKV, head_dim=D, **kv[1]), jobs.items())))
     names = {key: register(d, name=f"cubridge_{key.replace('@', '_')}") for key, d in dirs.items()}
     return names, {key: str(d) for key, d in dirs.items()}
-
-
-def first_flex(candidates, try_fn, errors: dict):
-    """The first Flex system whose try_fn() runs; each failure recorded in `errors`."""
-    for system in candidates:
-        try:
-            try_fn(system)
-            sync()
-            return system
-        except Exception as e:   # noqa: BLE001 - a backend this machine lacks is recorded
-            errors[system] = f"{type(e).__name__}: {str(e)[:300]}"
-            torch.cuda.empty_cache()
-    return None
 
 
 def marked(impl: str) -> str:

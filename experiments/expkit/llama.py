@@ -312,3 +312,16 @@ def speedups(rows: list[dict]) -> list[dict]:
             out.append({"direction": direction, "variant": variant, "N": n, "baseline": system, "speedup": x,
                         "bar": bar, "meets_bar": None if bar is None else x >= bar})
     return out
+
+
+def first_flex(candidates, try_fn, errors: dict):
+    """The first Flex system whose try_fn() runs; each failure recorded in `errors`."""
+    for system in candidates:
+        try:
+            try_fn(system)
+            torch.cuda.synchronize()
+            return system
+        except Exception as e:   # noqa: BLE001 - a backend this machine lacks is recorded
+            errors[system] = f"{type(e).__name__}: {str(e)[:300]}"
+            torch.cuda.empty_cache()
+    return None

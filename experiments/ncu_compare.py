@@ -76,7 +76,7 @@ def worker(system: str, n: int, variant: str = "causal", direction: str = "forwa
 
 
 def profile(system: str, n: int, ncu: str, timeout: int, variant: str = "causal", direction: str = "forward",
-            option: str = "bulk_overlap_lse") -> dict:
+            option: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         rep = Path(tmp) / "rep"
         cmd = [ncu, "--profile-from-start", "off", "--target-processes", "all", "-f", "-o", str(rep)]
@@ -126,8 +126,13 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per profiled process")
     ap.add_argument("--variant", choices=["causal", "full"], default="causal")
     ap.add_argument("--direction", choices=["forward", "backward"], default="forward")
-    ap.add_argument("--option", default="bulk_overlap_lse", help="ours' backward option (--direction backward)")
+    ap.add_argument("--option", default="", help="ours' backward option (--direction backward; default: the "
+                    "product's DEFAULT_OPTION)")
     args = ap.parse_args(argv)
+    if not args.option:
+        import expkit  # noqa: F401 - cubridge importable from a bare checkout
+        from cubridge.runtime.fa3_bwd_sm90 import DEFAULT_OPTION
+        args.option = DEFAULT_OPTION
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.variant, args.direction, args.option)
         return 0

@@ -69,15 +69,15 @@ def main(argv=None) -> int:
     dump.mkdir(exist_ok=True)
     result = {"ran": run_fa4(dump), "kernels": {}}
     cubins = sorted(p for p in dump.rglob("*") if p.suffix == ".cubin")
-    for cubin in cubins:
+    for i, cubin in enumerate(cubins):
         sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True).stdout
-        for name, text in kernels_of(sass).items():
-            short = re.sub(r"[^A-Za-z0-9_]", "_", name)[:80]
+        for j, (name, text) in enumerate(kernels_of(sass).items()):
+            short = f"{i:02d}_{j}_" + re.sub(r"[^A-Za-z0-9_]", "_", name)[30:80]
             (args.out / f"{short}.sass").write_text(text)
             result["kernels"][name] = {"cubin": cubin.name, "sass_file": f"{short}.sass", **histogram(text)}
-    for p in dump.rglob("*"):   # the PTX is large; keep the cubins only
-        if p.suffix not in (".cubin",) and p.is_file():
-            p.unlink()
+    for p in sorted(dump.rglob("*"), reverse=True):   # the SASS text is what is read; the dump goes
+        p.unlink() if p.is_file() else p.rmdir()
+    dump.rmdir()
     (args.out / "fa4_sass.json").write_text(json.dumps(result, indent=1))
     print(f"{len(cubins)} cubins, {len(result['kernels'])} kernels")
     for name, h in result["kernels"].items():

@@ -72,11 +72,13 @@ class Modes(NamedTuple):
     tile_order: int
     arrive_all: int = 0
     lean: int = 0
+    issue: int = 0
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
            "bulk_overlap_lse": Modes(1, 1, 1, 0), "bulk_overlap_lse_arriveall": Modes(1, 1, 1, 0, arrive_all=1),
            "bulk_overlap_lse_lean": Modes(1, 1, 1, 0, arrive_all=1, lean=1),
+           "bulk_overlap_lse_lean_issue": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, racecheck clean (docstring)

@@ -20,14 +20,25 @@ using fa3::reg_fence;
 
 #include "dq_store.cuh"
 
+// The descriptor of addr + off, from addr's: ISSUE 1 adds off / 16 to the low word's 14-bit start
+// address field (shared addresses stay below 256 KB: no carry out of it), one uniform add per
+// k-step; ISSUE 0 rebuilds it (make_desc: mask, shift, or).
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc0, uint32_t addr, uint32_t off, int lead, int stride) {
+  if constexpr (kIssue)
+    return (desc0 & 0xffffffff00000000ull) | uint32_t(uint32_t(desc0) + off / kDescUnit);
+  return make_desc(addr + off, lead, stride);
+}
+
 // S^T (64 keys x 64 queries) = X_c T^T: X = K or V rows of this consumer, T = Q or dO of the
 // stage; both K-major (D contiguous) in swizzled panels.
 __device__ __forceinline__ void gemm_xt(float (&s)[kSRegs], uint32_t x_rows, uint32_t t_tile) {
+  const uint64_t a0 = make_desc(x_rows, 1 * kDescUnit, kSwizzleAtomBytes);
+  const uint64_t b0 = make_desc(t_tile, 1 * kDescUnit, kSwizzleAtomBytes);
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
     const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
-    const uint64_t a = make_desc(x_rows + panel * kKVPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
-    const uint64_t b = make_desc(t_tile + panel * kQPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t a = desc_at(a0, x_rows, panel * kKVPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t b = desc_at(b0, t_tile, panel * kQPanelBytes + step, 1 * kDescUnit, kSwizzleAtomBytes);
     WgmmaSS<kBlockM, MmaTag>::mma(s, a, b, kk > 0);
   }
 }
@@ -36,9 +47,10 @@ __device__ __forceinline__ void gemm_xt(float (&s)[kSRegs], uint32_t x_rows, uin
 // dV += P^T dO and dK += dS^T Q.
 __device__ __forceinline__ void gemm_rs(float (&acc)[kAccRegs], const uint32_t (&a)[kPRegs],
                                         uint32_t t_tile) {
+  const uint64_t b0 = make_desc(t_tile, kQPanelBytes, kSwizzleAtomBytes);
 #pragma unroll
   for (int kk = 0; kk < kBlockM / kMmaK; ++kk) {
-    const uint64_t b = make_desc(t_tile + kk * kRowStepBytes, kQPanelBytes, kSwizzleAtomBytes);
+    const uint64_t b = desc_at(b0, t_tile, kk * kRowStepBytes, kQPanelBytes, kSwizzleAtomBytes);
     WgmmaRS<kHeadDim, MmaTag>::mma(acc, &a[4 * kk], b);
   }
 }
@@ -49,10 +61,11 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[kAccRegs], const uint32_t (
 __device__ __forceinline__ void gemm_dq(float (&dq)[kDqRegs], uint32_t ds_slot, uint32_t k_tile, int c) {
   const uint32_t a0 = ds_slot + (kDqSplitN ? 0 : c * kWgRows * kSwizzleBytes);
   const uint32_t b0 = k_tile + (kDqSplitN ? c * kKVPanelBytes : c * kWgRows * kSwizzleBytes);
+  const uint64_t da = make_desc(a0, kDsBytes, kSwizzleAtomBytes), db = make_desc(b0, kKVPanelBytes, kSwizzleAtomBytes);
 #pragma unroll
   for (int kk = 0; kk < kDqKSteps; ++kk) {
-    const uint64_t a = make_desc(a0 + kk * kRowStepBytes, kDsBytes, kSwizzleAtomBytes);
-    const uint64_t b = make_desc(b0 + kk * kRowStepBytes, kKVPanelBytes, kSwizzleAtomBytes);
+    const uint64_t a = desc_at(da, a0, kk * kRowStepBytes, kDsBytes, kSwizzleAtomBytes);
+    const uint64_t b = desc_at(db, b0, kk * kRowStepBytes, kKVPanelBytes, kSwizzleAtomBytes);
     WgmmaSST<kDqCols, MmaTag>::mma(dq, a, b, kk > 0);
   }
 }
@@ -64,7 +77,26 @@ __device__ __forceinline__ void pack_frag(uint32_t (&p)[kPRegs], const float (&s
 
 // dS^T rows of this consumer into the slot: [128 keys][64 queries], 128B-swizzled (the layout a
 // TMA would write), so gemm_dq reads it as an M-major operand.
+// ISSUE 1: 4 stmatrix.x4 per thread. The accumulator fragment of an 8 x 8 block (lane holds row
+// lane / 4, columns 2 (lane % 4) + {0, 1}) is stmatrix's source layout; one instruction stores the
+// blocks (column block j + i / 2, row half i % 2) = ds[2j + i], i = 0..3, and lane l gives the
+// address of row l % 8 of block l / 8. In the slot the 16-byte chunk of column block jj of row r
+// sits at jj ^ (r % 8); with j even, jj = j ^ (i / 2), so the chunk is j ^ t, t = (i / 2) ^ (l % 8).
+__device__ __forceinline__ void store_ds_stsm(const Consumer& cs, uint32_t slot, const uint32_t (&ds)[kPRegs]) {
+  const int i = cs.lane / 8, r = cs.lane % 8, t = (i / 2) ^ r;
+  const int row = cs.c * kWgRows + 16 * (cs.wg_thread / kWarpSize) + 8 * (i % 2) + r;
+  const uint32_t row_addr = slot + row * kSwizzleBytes;
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; j += 2)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(row_addr + ((j ^ t) * 16)), "r"(ds[2 * j]), "r"(ds[2 * j + 1]), "r"(ds[2 * j + 2]),
+                 "r"(ds[2 * j + 3]) : "memory");
+}
 __device__ __forceinline__ void store_ds(const Consumer& cs, uint32_t slot, const uint32_t (&ds)[kPRegs]) {
+  if constexpr (kIssue) {
+    store_ds_stsm(cs, slot, ds);
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j)
 #pragma unroll

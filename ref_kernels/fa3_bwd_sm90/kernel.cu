@@ -70,6 +70,9 @@ typedef unsigned long long uint64_t;
 #ifndef LEAN
 #define LEAN 0
 #endif
+#ifndef ISSUE
+#define ISSUE 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
@@ -338,7 +341,9 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     }
   } else {
     fa3::reg_alloc<kConsumerRegs>();
-    const Consumer cs{wg - 1, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
+    // ISSUE 1: the index broadcast from lane 0, so ptxas sees it warp-uniform (params.cuh)
+    const int c = kIssue ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
+    const Consumer cs{c, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
     consumer(va, cs, sm, pb, qr, has_work, lse, dvec, dq_accum, dk, dv, softmax_scale);
   }
 }

@@ -53,6 +53,17 @@ constexpr bool kArriveAll = ARRIVE_ALL == 1;
 //              the CTA exits (and the next one starts on the SM) an L2 round trip sooner; the kernel
 //              boundary still orders the adds before the convert kernel's reads.
 constexpr bool kLean = LEAN == 1;
+//   ISSUE 1 (session 11; NOTES.md "Session 11"): fewer instructions per step on the consumers'
+//              critical path, as FA4's SASS has them. (a) The consumer index is broadcast from lane
+//              0 (__shfl_sync), so ptxas proves it warp-uniform and builds every wgmma descriptor in
+//              uniform registers (ISSUE 0: the K / V rows' address depended on threadIdx, and each
+//              of the 32 HGMMAs per step waited on 2 R2UR moves: 51 R2UR per step). (b) A GEMM's
+//              descriptor is made once and each k-step adds its offset in 16-byte units to the low
+//              word (make_desc per k-step: mask, shift, or, ~10 uniform ops per HGMMA). (c) dS^T goes
+//              to its slot by 4 stmatrix.x4 per thread instead of 16 st.shared.u32, each with its
+//              own swizzled address. nvdisasm, D = 128 causal bf16: 748 -> see NOTES.md instructions
+//              per unmasked step (FA4: 440).
+constexpr bool kIssue = ISSUE == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -143,6 +154,7 @@ static_assert(!(SCHED >= 1 && DQ_MODE == 0), "SCHED=1 or 2 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs SCHED=1 or 2");
 static_assert(TILE_ORDER == 0 || TILE_ORDER == 2, "TILE_ORDER must be 0 or 2 (1 was removed: NOTES.md)");
 static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
+static_assert(ISSUE == 0 || ISSUE == 1, "ISSUE must be 0 or 1");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,

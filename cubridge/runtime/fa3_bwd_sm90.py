@@ -20,7 +20,9 @@ Dvec reads ordered before the next bulk copy; session 10), "bulk_overlap_lse_l2l
 causal's longest tiles first inside sections of heads sized to L2, `tile_sections`),
 "bulk_overlap_lse_lean" (arriveall with LEAN: the one preprocess launch above, and each CTA ends
 once its last dQ add has read shared memory instead of once it completed; session 10),
-"bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+"bulk_overlap_lse_lean_issue" (lean with ISSUE: fewer instructions per consumer step - uniform
+wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; session 11, not yet
+measured on a GPU), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -64,7 +66,7 @@ ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
 
 class Modes(NamedTuple):
     """An option's compile-time macros (params.cuh says what each does). SCHED 1 / 2 require
-    DQ_MODE 1, LSE_SMEM 1 requires SCHED 1 / 2, TILE_ORDER is 0 or 2, LEAN 1 requires LSE_SMEM 1
+    DQ_MODE 1, LSE_SMEM 1 requires SCHED 1 / 2, TILE_ORDER is 0 or 2, LEAN 1 and ISSUE 1 require LSE_SMEM 1
     (static_asserts there). LEAN also changes the launches around the kernel (fa3_backward)."""
     dq_mode: int
     sched: int

@@ -165,13 +165,27 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   return v;
 }
 
+// ISSUE 1: the 16 LSE (or Dvec) values of this thread's query columns, loaded from the stage while a
+// GEMM runs (8 ld.shared.v2 issued right after the S / dP GEMMs, or after dV), so the pass after
+// the wgmma wait does not start with a shared-memory round trip. FA4 loads its LSE the same way.
+constexpr int kPreRegs = kIssue ? kBlockM / 4 : 1;
+__device__ __forceinline__ void preload_row_terms(float (&pre)[kPreRegs], const Consumer& cs, uint32_t tile) {
+  if constexpr (kIssue) {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j)
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(pre[2 * j]), "=f"(pre[2 * j + 1])
+                   : "r"(tile + 4 * (8 * j + cs.col0())));
+  }
+}
+
 // SCHED 1's P^T pass (runs while the dP GEMM does); ds_only16 below is its dS^T pass. Two bodies
 // (masked / unmasked): with one body and a runtime flag, the masked predicates were hoisted and
 // saved to registers (P2R) and D = 128 causal fp16 spilled 16 bytes.
 template <bool kPartial>
 __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
-                                           const Problem& pb, int g, int m0, uint32_t lse_tile) {
+                                           const Problem& pb, int g, int m0, uint32_t lse_tile,
+                                           const float (&lse_pre)[kPreRegs]) {
   constexpr bool partial = kPartial;
   const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();   // as probs_and_ds
   const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
@@ -182,7 +196,7 @@ __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer
       const int q_row = m0 + 8 * j + cs.col0() + e;
       float lse2 = kPosInf;
       if constexpr (kLseSmem) {
-        lse2 = ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
+        lse2 = kIssue ? lse_pre[(2 * j + e) % kPreRegs] : ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
       } else if (q_row < pb.seqlen_q) {
         const float l = ld_row_term(lse + row_base + q_row);
         lse2 = l == kNegInf ? kPosInf : l * kLog2e;
@@ -203,9 +217,10 @@ __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer
 }
 __device__ __forceinline__ void probs_only(const VariantArgs& va, bool partial, const Consumer& cs,
                                            float (&s)[kSRegs], const float* __restrict__ lse, float scale_log2,
-                                           const Problem& pb, int g, int m0, uint32_t lse_tile) {
-  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile);
-  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile);
+                                           const Problem& pb, int g, int m0, uint32_t lse_tile,
+                                           const float (&lse_pre)[kPreRegs]) {
+  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre);
+  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre);
 }
 
 // kSplitPasses false (a variant whose score_mod has a derivative other than 1, e.g. a softcap, or
@@ -263,7 +278,7 @@ __device__ __forceinline__ float unpack_hi(uint32_t w) {
 // SCHED 1: dS^T = P^T (dP^T - Dvec) with P^T read back from its 16-bit pack.
 __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer& cs, const uint32_t (&p16)[kPRegs],
                                           float (&dp)[kSRegs], const float* __restrict__ dvec, const Problem& pb,
-                                          int g, int m0, uint32_t dvec_tile) {
+                                          int g, int m0, uint32_t dvec_tile, const float (&dvec_pre)[kPreRegs]) {
   // m0 made opaque: otherwise the 16 row offsets and "q < Nq" predicates of the P pass are kept
   // for this one (CSE), 16+ registers across the peak: 60-68 bytes of spill at D = 128.
   asm volatile("" : "+r"(m0));
@@ -273,7 +288,8 @@ __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer&
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
-      const float dv = kLseSmem ? ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e))
+      const float dv = kIssue ? dvec_pre[(2 * j + e) % kPreRegs]
+                       : kLseSmem ? ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e))
                        : q_row < pb.seqlen_q ? ld_row_term(dvec + row_base + q_row) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -343,13 +359,18 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_commit();
   gemm_xt(dp, vr, sm.do_tile(st));
   wgmma_commit();
+  float row_pre[kPreRegs];
+  preload_row_terms(row_pre, cs, sm.lse_tile(st));   // ISSUE 1: LSE under the S / dP GEMMs
+  // ISSUE 1: the mask decision (a shared read of Nk - Nq) also before the wait
+  const bool pre_partial = kIssue && !kRangeRuns && step_needs_mask(va, cs, pb, m0);
   // kSplitPasses false: score_mod' or dscore needs the f32 score, so P^T and dS^T in one pass after both
   if constexpr (kSplitPasses) wgmma_wait<1>();  // S^T landed, dP^T in flight
   else wgmma_wait<0>();
   reg_fence(s);
   if constexpr (kSplitPasses) {
-    probs_only(va, kRangeRuns ? variant_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse, scale_log2, pb, g,
-               m0, sm.lse_tile(st));
+    probs_only(va, kRangeRuns ? variant_partial : kIssue ? pre_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse,
+               scale_log2, pb, g,
+               m0, sm.lse_tile(st), row_pre);
   } else {
     reg_fence(dp);
     probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));
@@ -360,9 +381,10 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   gemm_rs(dv_acc, p16, sm.do_tile(st));          // dV += P^T dO runs under the dS pass
   wgmma_commit();
   if constexpr (kSplitPasses) {
+    preload_row_terms(row_pre, cs, sm.dvec_tile(st));   // ISSUE 1: Dvec under the dP / dV GEMMs
     wgmma_wait<1>();                             // dP^T landed
     reg_fence(dp);
-    ds_only16(va, cs, p16, dp, dvec, pb, g, m0, sm.dvec_tile(st));
+    ds_only16(va, cs, p16, dp, dvec, pb, g, m0, sm.dvec_tile(st), row_pre);
   }
   pack_frag(ds16, dp);
   const uint32_t slot = sm.ds_slot(it % kDsSlots);
@@ -419,10 +441,17 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
     // One flat loop, (g, m) derived from `it`: nested loops kept g, m, m_end and the group size
     // live, and g spilled (4 bytes, D = 128 causal fp16).
     const int steps = kRangeRuns ? q_runs_count() : qr.m_end - qr.m_begin, total = has_work ? steps * pb.group : 0;
+    // ISSUE 1: (g, i) counted along (no division per step: ~30 instructions at the step's top,
+    // where the tensor pipe has drained; they fit in uniform registers now).
+    int g_run = 0, i_run = 0;
     for (int it = 0; it < total; ++it) {
-      const int g = it / steps,
-                m0 = (kRangeRuns ? q_runs_tile(it - g * steps) : qr.m_begin + it - g * steps) * kBlockM,
-                st = it % kStages;
+      const int g = kIssue ? g_run : it / steps, i = kIssue ? i_run : it - g * steps,
+                m0 = (kRangeRuns ? q_runs_tile(i) : kIssue ? qr.m_begin + i : qr.m_begin + it - g * steps) * kBlockM,
+                st = it % kStages;   // (ISSUE 0's form kept: its SASS stays as it was)
+      if constexpr (kIssue) {
+        i_run = i_run + 1 == steps ? 0 : i_run + 1;
+        g_run += i_run == 0;
+      }
       mbar_wait(sm.q_full() + 8 * st, (it / kStages) & 1);
       uint32_t kr = k_rows, vr = v_rows, kt = sm.k();   // opaque per step, as below
       asm volatile("" : "+r"(kr), "+r"(vr), "+r"(kt));

@@ -1,0 +1,122 @@
+"""Instructions per consumer step of the Hopper backward's main loop, by opcode class, from SASS:
+fa3_bwd_sm90 built for one or more options (D = 128, causal, bf16 by default), and optionally a
+SASS listing of FA4's SM90 backward (experiments/results/session11_h100/fa4_sass/02_*.sass, from
+cuobjdump). Session 11 (ref_kernels/fa3_bwd_sm90/NOTES.md "Session 11") used it to tie the tensor
+pipe's 58% (ours) vs 77% (FA4) under ncu to the instructions each step issues. CPU only.
+
+The loop is the backward branch after the last HGMMA that jumps above the first HGMMA. Ours has
+two P-pass bodies (masked / unmasked steps): the count skips the masked one (the first forward
+branch inside the loop over a span with >= 25 MUFU.EX2), i.e. it is an unmasked step. FA4 has one
+body that masks every step (its FSEL / ISETP are in its count).
+
+    python3 experiments/sass_step_count.py --options bulk_overlap_lse_lean bulk_overlap_lse_lean_issue \
+        [--fa4 experiments/results/session11_h100/fa4_sass/02_*.sass] [--out counts.json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from expkit import disassembler
+from cubridge.runtime import fa3_bwd_sm90 as hb
+
+INSN = re.compile(r"^\s*/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P[0-9T] )?([A-Z][A-Z0-9_.]*)(.*)$")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+UNIFORM = ("R2UR", "S2UR", "ELECT")
+CLASSES = {"fp32": ("FFMA", "FMUL", "FADD", "FSEL", "FMNMX"), "mufu": ("MUFU",), "convert": ("F2FP",),
+           "int": ("IMAD", "VIADD", "LOP3", "SHF", "IADD3", "LEA", "ISETP", "SEL", "PRMT", "PLOP3", "IABS", "I2F",
+                   "F2I", "CS2R", "MOV"),
+           "shared": ("LDS", "STS", "STSM", "LDSM"), "hgmma": ("HGMMA",),
+           "sync": ("BAR", "SYNCS", "WARPGROUP", "MEMBAR", "FENCE", "DEPBAR")}
+
+
+def parse(text: str) -> list[tuple[int, str, int | None]]:
+    """(address, opcode, branch target address or None) per instruction of the listing."""
+    rows, labels, pending = [], {}, []
+    for line in text.splitlines():
+        m = LABEL.match(line.strip())
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = INSN.match(line)
+        if not m:
+            continue
+        addr, op, rest = int(m.group(1), 16), m.group(2), m.group(3)
+        for name in pending:
+            labels[name] = addr
+        pending = []
+        target = re.search(r"(\.L_x_\d+)|\b0x([0-9a-f]+)\b", rest) if op.startswith("BRA") else None
+        rows.append((addr, op, target.group(1) or int(target.group(2), 16) if target else None))
+    return [(a, op, labels.get(t) if isinstance(t, str) else t) for a, op, t in rows]
+
+
+def op_class(op: str) -> str:
+    base = op.split(".")[0]
+    if base.startswith("U") or base in UNIFORM:
+        return "uniform"
+    return next((c for c, ops in CLASSES.items() if base in ops), "other")
+
+
+def step_counts(text: str) -> dict:
+    """Per-class and per-opcode counts of one (unmasked) step of the listing's HGMMA loop."""
+    ins = parse(text)
+    hg = [a for a, op, _ in ins if op.startswith("HGMMA")]
+    if not hg:
+        raise SystemExit("error: no HGMMA in the listing (not an sm_90a wgmma kernel?)")
+    end, head = next((a, t) for a, op, t in ins if op.startswith("BRA") and a > hg[-1] and t is not None
+                     and t < hg[0])
+    skip = None
+    for a, op, t in ins:
+        if op.startswith("BRA") and head < a < end and t is not None and a < t < end:
+            if sum(1 for b, o, _ in ins if a < b < t and o.startswith("MUFU.EX2")) >= 25:
+                skip = (a + 16, t)
+                break
+    body = [op for a, op, _ in ins if head <= a <= end and not (skip and skip[0] <= a < skip[1])]
+    classes = collections.Counter(op_class(op) for op in body)
+    ops = collections.Counter(op.split(".")[0] for op in body)
+    return dict(instructions=len(body), classes=dict(classes.most_common()), opcodes=dict(ops.most_common()))
+
+
+def ours(option: str, d: int, causal: bool, bf16: bool, work: Path) -> str:
+    cubin = work / f"{option}.cubin"
+    subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", *hb.options(d, causal, bf16, option),
+                    "-o", str(cubin), str(hb.KERNEL_SOURCE)], check=True, capture_output=True, text=True)
+    text = subprocess.run([*disassembler(), str(cubin)], check=True, capture_output=True, text=True).stdout
+    start = text.find(".text.fa3_bwd_sm90:")   # the main kernel only (the cubin also holds the convert / prep)
+    return text[start:] if start >= 0 else text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--options", nargs="+", default=[hb.DEFAULT_OPTION], choices=sorted(hb.OPTIONS))
+    ap.add_argument("--d", type=int, default=128, choices=hb.HEAD_DIMS)
+    ap.add_argument("--full", action="store_true", help="full attention instead of causal")
+    ap.add_argument("--fp16", action="store_true")
+    ap.add_argument("--fa4", type=Path, help="a SASS listing of FA4's SM90 backward main kernel")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for option in args.options:
+            results[option] = step_counts(ours(option, args.d, not args.full, not args.fp16, Path(tmp)))
+    if args.fa4:
+        results["fa4"] = step_counts(args.fa4.read_text())
+    names = list(results)
+    keys = sorted({k for r in results.values() for k in r["classes"]})
+    print("| per step | " + " | ".join(names) + " |\n| --- |" + " --- |" * len(names))
+    print("| instructions | " + " | ".join(str(results[n]["instructions"]) for n in names) + " |")
+    for k in keys:
+        print(f"| {k} | " + " | ".join(str(results[n]["classes"].get(k, 0)) for n in names) + " |")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

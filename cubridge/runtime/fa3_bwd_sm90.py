@@ -22,7 +22,8 @@ causal's longest tiles first inside sections of heads sized to L2, `tile_section
 once its last dQ add has read shared memory instead of once it completed; session 10),
 "bulk_overlap_lse_lean_issue" (lean with ISSUE: fewer instructions per consumer step - uniform
 wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; session 11, not yet
-measured on a GPU), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+measured on a GPU), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2),
+"bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -75,6 +76,7 @@ class Modes(NamedTuple):
     arrive_all: int = 0
     lean: int = 0
     issue: int = 0
+    epilogue: int = 0
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
@@ -82,6 +84,7 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean": Modes(1, 1, 1, 0, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1),
            "bulk_dqfirst_lse_lean_issue": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=1),
+           "bulk_overlap_lse_lean_issue_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, racecheck clean (docstring)

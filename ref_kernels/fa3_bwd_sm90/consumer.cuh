@@ -331,6 +331,8 @@ __device__ __forceinline__ void store_rows(const Consumer& cs, uint16_t* __restr
   }
 }
 
+#include "epilogue.cuh"
+
 // Does this consumer's step (query tile m0 / kBlockM, its 64 keys) need the element mask?
 __device__ __forceinline__ bool step_needs_mask(const VariantArgs& va, const Consumer& cs, const Problem& pb, int m0) {
   if constexpr (kRangeRuns)
@@ -504,8 +506,12 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
       release_stage(cs, sm, st);
       emit_dq(cs, sm, dq_accum, dq, bh_q, m0, pb.seqlen_q, it);
     }
-  store_rows(cs, dv, dv_acc, 1.f, pb);
-  store_rows(cs, dk, dk_acc, softmax_scale, pb);
+  if constexpr (kEpilogue) {
+    store_rows_staged(cs, sm, dk, dv, dk_acc, dv_acc, softmax_scale, pb);
+  } else {
+    store_rows(cs, dv, dv_acc, 1.f, pb);
+    store_rows(cs, dk, dk_acc, softmax_scale, pb);
+  }
   if (kDqBulk && cs.wg_thread == 0) {   // shared memory stays valid until read
     if constexpr (kLean) bulk_wait_read<0>();   // params.cuh LEAN
     else bulk_wait_all();

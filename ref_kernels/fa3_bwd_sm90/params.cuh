@@ -67,6 +67,9 @@ constexpr bool kLean = LEAN == 1;
 //              nvdisasm, D = 128 causal bf16: 748 -> 502 instructions per unmasked consumer step
 //              (FA4's SM90 backward: 440). Numerics unchanged (same operations on the same values).
 constexpr bool kIssue = ISSUE == 1;
+//   EPILOGUE 1 (with DQ_MODE 1): dK / dV leave through the consumer's dQ slots by stmatrix and 16-byte
+//              row copies instead of 64 half-sector STG.32 per thread (epilogue.cuh; session 11).
+constexpr bool kEpilogue = EPILOGUE == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -157,6 +160,7 @@ static_assert(!(SCHED >= 1 && DQ_MODE == 0), "SCHED=1 or 2 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs SCHED=1 or 2");
 static_assert(TILE_ORDER == 0 || TILE_ORDER == 2, "TILE_ORDER must be 0 or 2 (1 was removed: NOTES.md)");
 static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
+static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
 static_assert(ISSUE == 0 || (ISSUE == 1 && LSE_SMEM == 1), "ISSUE=1 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");

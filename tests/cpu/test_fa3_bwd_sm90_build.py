@@ -34,7 +34,9 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     ("bulk_overlap_lse_l2lpt", (128, True, True)), ("bulk_dqfirst_lse_l2lpt", (128, False, False))] + [
     # ISSUE (uniform descriptors, stmatrix dS stores): its registers move, so all four corners
     ("bulk_overlap_lse_lean_issue", s) for s in SPECS] + [
-    ("bulk_dqfirst_lse_lean_issue", (128, True, True)), ("bulk_dqfirst_lse_lean_issue", (128, False, False))]
+    ("bulk_dqfirst_lse_lean_issue", (128, True, True)), ("bulk_dqfirst_lse_lean_issue", (128, False, False))] + [
+    # EPILOGUE (dK / dV staged through the dQ slots): both head dims (the staged row is D * 2 bytes)
+    ("bulk_overlap_lse_lean_issue_epi", (128, True, True)), ("bulk_overlap_lse_lean_issue_epi", (64, False, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -85,15 +87,16 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 def test_option_table_matches_the_kernel_macros():
     """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
     with SCHED 1 (static_asserts)."""
-    assert hb.OPTIONS["base"] == (0, 0, 0, 0, 0, 0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
+    assert hb.OPTIONS["base"] == (0, 0, 0, 0, 0, 0, 0, 0) and hb.DEFAULT_OPTION in hb.OPTIONS
     for name, m in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
         assert f"-DDQ_MODE={m.dq_mode}" in opts and f"-DSCHED={m.sched}" in opts and f"-DLSE_SMEM={m.lse_smem}" in opts
         assert f"-DTILE_ORDER={m.tile_order}" in opts and f"-DARRIVE_ALL={m.arrive_all}" in opts
-        assert f"-DLEAN={m.lean}" in opts and f"-DISSUE={m.issue}" in opts
+        assert f"-DLEAN={m.lean}" in opts and f"-DISSUE={m.issue}" in opts and f"-DEPILOGUE={m.epilogue}" in opts
         assert m.sched in (0, 1, 2) and m.tile_order in (0, 2) and m.arrive_all in (0, 1), name
         assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
         assert not (m.lean and not m.lse_smem) and not (m.issue and not m.lse_smem), name
+        assert not (m.epilogue and not m.dq_mode), name
     with pytest.raises(LaunchError, match="unknown option"):
         hb.options(128, True, True, "fast")
 

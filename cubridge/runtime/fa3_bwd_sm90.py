@@ -23,7 +23,8 @@ once its last dQ add has read shared memory instead of once it completed; sessio
 "bulk_overlap_lse_lean_issue" (lean with ISSUE: fewer instructions per consumer step - uniform
 wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; session 11, not yet
 measured on a GPU), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2),
-"bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+"bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores),
+"bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -85,6 +86,7 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1),
            "bulk_dqfirst_lse_lean_issue": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=1),
            "bulk_overlap_lse_lean_issue_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1),
+           "bulk_overlap_lse_lean_issue_pf32_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, racecheck clean (docstring)

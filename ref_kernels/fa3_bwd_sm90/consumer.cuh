@@ -277,6 +277,7 @@ __device__ __forceinline__ float unpack_hi(uint32_t w) {
 
 // SCHED 1: dS^T = P^T (dP^T - Dvec) with P^T read back from its 16-bit pack.
 __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer& cs, const uint32_t (&p16)[kPRegs],
+                                          const float (&p32)[kSRegs],
                                           float (&dp)[kSRegs], const float* __restrict__ dvec, const Problem& pb,
                                           int g, int m0, uint32_t dvec_tile, const float (&dvec_pre)[kPreRegs]) {
   // m0 made opaque: otherwise the 16 row offsets and "q < Nq" predicates of the P pass are kept
@@ -294,7 +295,7 @@ __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer&
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e;   // p16[i / 2] packs s[i - e] (low) and s[i - e + 1] (high)
-        const float p = e == 0 ? unpack_lo(p16[i / 2]) : unpack_hi(p16[i / 2]);
+        const float p = kDsFromP32 ? p32[i] : e == 0 ? unpack_lo(p16[i / 2]) : unpack_hi(p16[i / 2]);
         dp[i] = softmax_ds(va, p, dp[i], dv);
       }
     }
@@ -386,7 +387,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
     preload_row_terms(row_pre, cs, sm.dvec_tile(st));   // ISSUE 1: Dvec under the dP / dV GEMMs
     wgmma_wait<1>();                             // dP^T landed
     reg_fence(dp);
-    ds_only16(va, cs, p16, dp, dvec, pb, g, m0, sm.dvec_tile(st), row_pre);
+    ds_only16(va, cs, p16, s, dp, dvec, pb, g, m0, sm.dvec_tile(st), row_pre);
   }
   pack_frag(ds16, dp);
   const uint32_t slot = sm.ds_slot(it % kDsSlots);

@@ -66,7 +66,13 @@ constexpr bool kLean = LEAN == 1;
 //              dV, so the passes after the waits do not start with a shared-memory round trip.
 //              nvdisasm, D = 128 causal bf16: 748 -> 502 instructions per unmasked consumer step
 //              (FA4's SM90 backward: 440). Numerics unchanged (same operations on the same values).
-constexpr bool kIssue = ISSUE == 1;
+constexpr bool kIssue = ISSUE >= 1;
+//   ISSUE 2: ISSUE 1, and the dS pass reads the f32 P^T (kept alive through the dV GEMM) instead of
+//              unpacking its 16-bit copy: 32 integer instructions fewer per step (502 -> 470) and dS =
+//              P (dP - Dvec) from the unrounded P, as SCHED 0, FA4 and the portable backward compute
+//              it. Session 8 could not keep the f32 P (8-64 bytes of spill at D = 128); the registers
+//              ISSUE 1 freed (descriptors in uniform registers) make it fit: all 8 spill-free.
+constexpr bool kDsFromP32 = ISSUE == 2;
 //   EPILOGUE 1 (with DQ_MODE 1): dK / dV leave through the consumer's dQ slots by stmatrix and 16-byte
 //              row copies instead of 64 half-sector STG.32 per thread (epilogue.cuh; session 11).
 constexpr bool kEpilogue = EPILOGUE == 1;
@@ -161,7 +167,7 @@ static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs 
 static_assert(TILE_ORDER == 0 || TILE_ORDER == 2, "TILE_ORDER must be 0 or 2 (1 was removed: NOTES.md)");
 static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
 static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
-static_assert(ISSUE == 0 || (ISSUE == 1 && LSE_SMEM == 1), "ISSUE=1 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");
+static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSUE=1 or 2 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,

@@ -36,7 +36,9 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     ("bulk_overlap_lse_lean_issue", s) for s in SPECS] + [
     ("bulk_dqfirst_lse_lean_issue", (128, True, True)), ("bulk_dqfirst_lse_lean_issue", (128, False, False))] + [
     # EPILOGUE (dK / dV staged through the dQ slots): both head dims (the staged row is D * 2 bytes)
-    ("bulk_overlap_lse_lean_issue_epi", (128, True, True)), ("bulk_overlap_lse_lean_issue_epi", (64, False, False))]
+    ("bulk_overlap_lse_lean_issue_epi", (128, True, True)), ("bulk_overlap_lse_lean_issue_epi", (64, False, False))] + [
+    # ISSUE 2 keeps the f32 P through the dV GEMM: the register peak moves, all four corners
+    ("bulk_overlap_lse_lean_issue_pf32_epi", s) for s in SPECS]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -96,7 +98,7 @@ def test_option_table_matches_the_kernel_macros():
         assert m.sched in (0, 1, 2) and m.tile_order in (0, 2) and m.arrive_all in (0, 1), name
         assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
         assert not (m.lean and not m.lse_smem) and not (m.issue and not m.lse_smem), name
-        assert not (m.epilogue and not m.dq_mode), name
+        assert not (m.epilogue and not m.dq_mode) and m.issue in (0, 1, 2), name
     with pytest.raises(LaunchError, match="unknown option"):
         hb.options(128, True, True, "fast")
 

@@ -21,8 +21,8 @@ causal's longest tiles first inside sections of heads sized to L2, `tile_section
 "bulk_overlap_lse_lean" (arriveall with LEAN: the one preprocess launch above, and each CTA ends
 once its last dQ add has read shared memory instead of once it completed; session 10),
 "bulk_overlap_lse_lean_issue" (lean with ISSUE: fewer instructions per consumer step - uniform
-wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; session 11, not yet
-measured on a GPU), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2),
+wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; session 11: timed on an
+H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2),
 "bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores),
 "bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's

@@ -5,6 +5,7 @@ determinism. Ragged lengths, MHA / GQA / MQA, both head dims."""
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +94,18 @@ FUSION_CASES = [({"bias": 20.0}, 1.0), ({"bias": -14.0}, 1.0), ({"bias": -14.0},
 @pytest.mark.parametrize("params, gain", FUSION_CASES, ids=lambda c: str(c))
 def test_composite_softcap_sigmoid_paths(reference, params, gain, shape):
     _check(*reference, "composite", shape, params=params, gain=gain)
+
+
+# A scattered block-sparse layout (tests/corpus/bitpacked_blocks.py): a query tile's KV tiles form
+# many runs, which a block-table range keeps as a bitmap (cubridge/lower/itspace.py bitmap_region);
+# blocks of 64 keys split 128-key tiles (partial tiles), and 17000 keys make 133 fa3 tiles, more
+# than the bitmap's 128-tile window (its tail runs, fully masked where empty).
+BITPACKED = str(Path(__file__).resolve().parents[1] / "corpus" / "bitpacked_blocks.py")
+
+
+@pytest.mark.parametrize("params, shape", [({"block": 128}, (1, 4, 2, 3000, 128)),
+                                           ({"block": 64, "density": 0.5}, (2, 4, 1, 2500, 64)),
+                                           ({"block": 128}, (1, 2, 2, 17000, 128))],
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c))
+def test_scattered_block_table_on_gpu(reference, params, shape):
+    _check(*reference, BITPACKED, shape, params=params)

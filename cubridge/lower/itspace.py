@@ -205,6 +205,7 @@ def bitmap_region(ir: VariantIR, t: Target) -> str:
 {NTH_BIT}struct KvRange {{
   int b, h, {t.q_tile}, q_lo, q_hi, {t.len_q}, {lk};
   int first, nbits, tail;   // the first tile visited; set bits; tiles visited after the window
+  int dense;                // the visited tiles are one run from `first`: tile_at needs no bit search
   {words}
 }};
 {handover}// A tile's class in the variant's block table.
@@ -231,6 +232,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   r.q_lo = {t.q_begin};
   r.q_hi = min({t.q_begin} + {bm}, {t.len_q}) - 1;
   r.first = -1; r.tail = 0; {init}
+  int last = -1;                                  // the offset of the last tile visited
   const int n_tiles = ({lk} + {bn} - 1) / {bn};
   {chunks} {{
     const int n0 = c * kScanChunk, n1 = min(n0 + kScanChunk, n_tiles);
@@ -246,6 +248,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
       if (!tile_may(va, r, n, k_lo, k_hi, cls[j])) continue;
       if (r.first < 0) r.first = n;
       const int off = {off};                 // places after the first visited tile
+      last = off;
       if (off < {32 * W}) {{
         const unsigned bit = 1u << (off & 31);
 {setbit}
@@ -255,10 +258,12 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
     }}
   }}
   r.nbits = {popc};
+  r.dense = r.nbits + r.tail == last + 1;
   return r;
 }}
 __device__ __forceinline__ int kv_count(const KvRange& r) {{ return r.nbits + r.tail; }}
 __device__ __forceinline__ int tile_at(const KvRange& r, int i) {{
+  if (r.dense) return r.first {sign} i;
 {tile_at}
   return r.first {sign} ({32 * W} + i);
 }}

@@ -39,6 +39,7 @@ __device__ __forceinline__ int cuir_nth_bit(unsigned w, int i) {
 struct KvRange {
   int b, h, q_tile, q_lo, q_hi, len_q, len_k;
   int first, nbits, tail;   // the first tile visited; set bits; tiles visited after the window
+  int dense;                // the visited tiles are one run from `first`: tile_at needs no bit search
   unsigned w0; unsigned w1; unsigned w2; unsigned w3;
 };
 // A tile's class in the variant's block table.
@@ -65,6 +66,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   r.q_lo = q_begin;
   r.q_hi = min(q_begin + BLOCK_M, len_q) - 1;
   r.first = -1; r.tail = 0; r.w0 = 0u; r.w1 = 0u; r.w2 = 0u; r.w3 = 0u;
+  int last = -1;                                  // the offset of the last tile visited
   const int n_tiles = (len_k + BLOCK_N - 1) / BLOCK_N;
   for (int c = 0; c * kScanChunk < n_tiles; ++c) {
     const int n0 = c * kScanChunk, n1 = min(n0 + kScanChunk, n_tiles);
@@ -80,6 +82,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
       if (!tile_may(va, r, n, k_lo, k_hi, cls[j])) continue;
       if (r.first < 0) r.first = n;
       const int off = n - r.first;                 // places after the first visited tile
+      last = off;
       if (off < 128) {
         const unsigned bit = 1u << (off & 31);
         r.w0 |= (off >> 5) == 0 ? bit : 0u;
@@ -92,10 +95,12 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
     }
   }
   r.nbits = __popc(r.w0) + __popc(r.w1) + __popc(r.w2) + __popc(r.w3);
+  r.dense = r.nbits + r.tail == last + 1;
   return r;
 }
 __device__ __forceinline__ int kv_count(const KvRange& r) { return r.nbits + r.tail; }
 __device__ __forceinline__ int tile_at(const KvRange& r, int i) {
+  if (r.dense) return r.first + i;
   { const int c = __popc(r.w0); if (i < c) return r.first + (0 + cuir_nth_bit(r.w0, i)); i -= c; }
   { const int c = __popc(r.w1); if (i < c) return r.first + (32 + cuir_nth_bit(r.w1, i)); i -= c; }
   { const int c = __popc(r.w2); if (i < c) return r.first + (64 + cuir_nth_bit(r.w2, i)); i -= c; }

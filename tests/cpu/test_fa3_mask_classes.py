@@ -21,12 +21,16 @@ from cubridge.transfer.rules import transfer
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (host C++ compiler)")
 
-# (spec, BLOCK_N, {scalar: value} or None for the binding's own): scalar-only VariantArgs.
+# (spec, BLOCK_N): specs whose VariantArgs are scalars (the binding's values are read in).
 CASES = [("global_sliding_window", 128), ("global_sliding_window", 64), ("global_sliding_window", 176),
          ("prefixlm", 128), ("composite", 80), ("causal", 128), ("causal_blockwise", 96),
-         ("tests/corpus/modernbert_local.py", 128), ("tests/corpus/streaming_sinks.py", 112)]
-# (Nq, Nk): ragged, fewer queries than keys (end-aligned), one short tile, several windows.
-SHAPES = [(1000, 1000), (700, 1300), (77, 300), (1, 129), (2500, 2500)]
+         ("tests/corpus/modernbert_local.py", 128), ("tests/corpus/streaming_sinks.py", 112),
+         ("tests/corpus/longformer_global.py", 128), ("tests/corpus/ag_dilated_sliding_window.py", 128),
+         ("tests/corpus/ag_natten.py", 64), ("tests/corpus/llama4_chunked.py", 160),
+         ("tests/corpus/fa_local_softcap.py", 128)]
+# (Nq, Nk): ragged, fewer queries than keys (end-aligned), one short tile, several windows, and
+# longer than the corpus's 1024-4096 windows and 8192 chunks.
+SHAPES = [(1000, 1000), (700, 1300), (77, 300), (1, 129), (2500, 2500), (9000, 9000)]
 
 HARNESS = r"""
 #include <cmath>
@@ -118,3 +122,18 @@ def test_global_sliding_window_uses_every_atom_class(tmp_path):
     total = [sum(c) for c in zip(*_run("global_sliding_window", 128, tmp_path))]
     assert len(total) == 7 and all(total[c] > 0 for c in (0, 3, 4, 5, 6)), total
     assert total[1] < sum(total[3:]), total
+
+
+def test_isolate_key_and_atoms():
+    from cubridge.cuir.printer import expr
+    from cubridge.lower.maskclass import atoms, isolate_key, substitute
+    from cubridge.transfer.trace import trace_mask
+    mask = trace_mask(lambda b, h, q, kv: ((kv <= q) & (q - kv < 256)) | (kv < 64) | (q < 64)).expr
+    found = atoms(mask)
+    assert [expr(a) for a in found] == ["ik <= iq", "iq - ik < 256", "ik < 64", "iq < 64"]
+    assert expr(isolate_key(found[1])) == "ik > iq - 256"
+    assert expr(isolate_key(trace_mask(lambda b, h, q, kv: kv - q < 7).expr)) == "ik < iq + 7"
+    assert expr(isolate_key(found[0])) == "ik <= iq"                 # already alone: unchanged
+    from cubridge.cuir import nodes as N
+    assert expr(substitute(mask, [N.Const(True), N.Name("m1"), N.Const(False), N.Const(False)])) \
+        == "True & m1 | False | False"

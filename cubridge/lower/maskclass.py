@@ -157,7 +157,26 @@ def tile_class_fn(ir, names: dict, tables: dict, block_n: str, len_k: str) -> st
             lines.append(f"  if ({mixed[j]} & {to_c(on, known, tables)} & !{to_c(off, known, tables)}) "
                          f"return {FIRST_ATOM_CLASS + j};")
     lines += ["  return 1;", "}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _wg_class_fn(ir, block_n, len_k)
+
+
+def _wg_class_fn(ir, block_n: str, len_k: str) -> str:
+    """tile_mask_class_wg(va, r, n, c): the class for consumer c's rows of the query tile, -1 where
+    none of them attends a key of the tile (that warpgroup may skip the tile's GEMMs;
+    experiments/patches/wg_skip.patch). A block table says nothing per warpgroup: there only rows
+    past the last query give -1."""
+    empty = "" if ir.table else (
+        f"  const int k_lo = n * {block_n}, k_hi = min(k_lo + {block_n}, r.{len_k}) - 1;\n"
+        "  if (!tile_may(va, w, n, k_lo, k_hi, 1)) return -1;\n")
+    return ("// Consumer c's class of KV tile n: its kWgRows rows of the query tile; -1: they attend none of it.\n"
+            "__device__ __forceinline__ int tile_mask_class_wg(const VariantArgs& va, const KvRange& r, int n, int c) {\n"
+            "  KvRange w = r;\n"
+            "  w.q_lo = r.q_lo + c * kWgRows;\n"
+            "  w.q_hi = min(w.q_lo + kWgRows - 1, r.q_hi);\n"
+            "  if (w.q_lo > w.q_hi) return -1;\n"
+            f"{empty}"
+            "  return tile_mask_class(va, w, n);\n"
+            "}\n")
 
 
 def mask_class_fn(ir, names: dict, tables: dict) -> str:

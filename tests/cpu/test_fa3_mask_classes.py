@@ -40,7 +40,7 @@ HARNESS = r"""
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
-constexpr int kBlockM = 128, kBlockN = BN;
+constexpr int kBlockM = 128, kBlockN = BN, kWgRows = 64;
 %(regions)s
 template <int C = 1>
 bool pred_of_class(int cls, const VariantArgs& va, int q, int k) {
@@ -70,9 +70,21 @@ int main() {
           const bool got = cls == 0 || ((k < Nk) & pred_of_class(cls, va, q, k));
           if (want != got && ++errors < 10) printf("m %%d n %%d class %%d q %%d k %%d: %%d vs %%d\n", m, n, cls, q, k, got, want);
         }
+      for (int c = 0; c < kBlockM / kWgRows; ++c) {          // each consumer's rows: its own class
+        const int wcls = tile_mask_class_wg(va, r, n, c);
+        if (wcls < -1 || wcls >= kMaskClasses) { printf("wg class %%d out of range\n", wcls); return 1; }
+        ++seen[kMaskClasses + 1 + wcls];
+        for (int row = m * kBlockM + c * kWgRows; row < m * kBlockM + (c + 1) * kWgRows && row < Nq; ++row)
+          for (int k = n * kBlockN; k < (n + 1) * kBlockN; ++k) {
+            const int q = row + shift;
+            const bool want = (k < Nk) & mask_pred(va, 0, 0, q, k);
+            const bool got = wcls == 0 || (wcls > 0 && ((k < Nk) & pred_of_class(wcls, va, q, k)));
+            if (want != got && ++errors < 10) printf("m %%d n %%d wg %%d class %%d q %%d k %%d: %%d vs %%d\n", m, n, c, wcls, q, k, got, want);
+          }
+      }
     }
   }
-  for (int c = 0; c < kMaskClasses; ++c) printf("%%ld ", seen[c]);
+  for (int c = 0; c < 2 * kMaskClasses + 1; ++c) printf("%%ld ", seen[c]);   // tiles, then warpgroups from -1
   printf("\n%%s\n", errors ? "errors" : "ok");
   return errors ? 1 : 0;
 }
@@ -92,7 +104,8 @@ def _harness(kern) -> str:
 
 
 def _run(spec_name: str, block_n: int, tmp_path) -> list[list[int]]:
-    """Per shape, the count of each class; asserts the harness passed."""
+    """Per shape, the count of each tile class, then of each warpgroup class from -1 (nothing
+    attended); asserts the harness passed."""
     cand, kern = _lowered(spec_name)
     assert all(kind in ("int", "float") for _, kind in kern.fields), kern.fields
     cpp, exe = tmp_path / "h.cpp", tmp_path / "h"
@@ -120,8 +133,9 @@ def test_global_sliding_window_uses_every_atom_class(tmp_path):
     and the whole mask is left to few tiles (query tile 0's near tiles, where rows < 64 meet the
     window)."""
     total = [sum(c) for c in zip(*_run("global_sliding_window", 128, tmp_path))]
-    assert len(total) == 7 and all(total[c] > 0 for c in (0, 3, 4, 5, 6)), total
-    assert total[1] < sum(total[3:]), total
+    assert len(total) == 15 and all(total[c] > 0 for c in (0, 3, 4, 5, 6)), total
+    assert total[1] < sum(total[3:7]), total
+    assert total[7] > 0, total    # query tile 0's rows 64-127 past the window: a warpgroup skips
 
 
 def test_isolate_key_and_atoms():

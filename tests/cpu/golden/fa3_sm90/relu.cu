@@ -95,6 +95,16 @@ __device__ __forceinline__ int tile_mask_class(const VariantArgs& va, const KvRa
   if (tile_must(va, r, n, k_lo, k_hi)) return ragged ? 2 : 0;
   return 1;
 }
+// Consumer c's class of KV tile n: its kWgRows rows of the query tile; -1: they attend none of it.
+__device__ __forceinline__ int tile_mask_class_wg(const VariantArgs& va, const KvRange& r, int n, int c) {
+  KvRange w = r;
+  w.q_lo = r.q_lo + c * kWgRows;
+  w.q_hi = min(w.q_lo + kWgRows - 1, r.q_hi);
+  if (w.q_lo > w.q_hi) return -1;
+  const int k_lo = n * kBlockN, k_hi = min(k_lo + kBlockN, r.seqlen_k) - 1;
+  if (!tile_may(va, w, n, k_lo, k_hi, 1)) return -1;
+  return tile_mask_class(va, w, n);
+}
 // ===== region score
 constexpr bool kScoreModIdentity = true;
 constexpr float kScoreFactor = 1.f;

@@ -193,9 +193,11 @@ GENERATED = ("extra_io", "kv_range", "score", "mask", "softmax", "epilogue")
 
 def variant_transform(spec: str):
     """The edit that puts patch spec (NAME or NAME+NAME) into a lowered variant's source, or None
-    where it cannot: a header-only patch inlines its headers; a kernel.cu patch outside the
-    generated regions takes the patched kernel.cu with the variant's generated regions put in
-    (the lowering onto the patched kernel); one that edits a generated region is left out."""
+    where it cannot: a header-only patch inlines its headers; a kernel.cu patch takes the patched
+    kernel.cu with the variant's generated regions put in (the lowering onto the patched kernel).
+    A region the patch edits reaches a variant only where the variant kept the reference's body
+    (the lowering copies it: softmax and epilogue of a softmax variant); where the variant
+    generated its own, the edit stops with an error naming the region."""
     from cubridge.lower import regions
     names = split_patch(spec)[0]
     changed = patched_files(*names)
@@ -203,10 +205,16 @@ def variant_transform(spec: str):
         return lambda src: inline_headers(src, changed)
     product = (ROOT / KERNEL_REL / "kernel.cu").read_text()
     patched = changed["kernel.cu"]
-    if any(regions.body(patched, n) != regions.body(product, n) for n in GENERATED):
-        return None
-    return lambda src: inline_headers(regions.replace(patched, {n: regions.body(src, n) for n in GENERATED}),
-                                      changed)
+    edited = [n for n in GENERATED if regions.body(patched, n) != regions.body(product, n)]
+
+    def transform(src):
+        own = [n for n in edited if regions.body(src, n) != regions.body(product, n)]
+        if own:
+            raise SystemExit(f"error: --patches {spec}: edits the {own[0]} region, which this variant "
+                             "generates itself; A/B it on softmax variants only (e.g. prefixlm)")
+        kept = {n: regions.body(src, n) for n in GENERATED if n not in edited}
+        return inline_headers(regions.replace(patched, kept), changed)
+    return transform
 
 
 def variant_runners(patches):

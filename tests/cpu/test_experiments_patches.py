@@ -48,9 +48,9 @@ def test_the_product_kernel_has_no_experiment_knobs():
 
 
 # Session 10's s9_kernel (the forward as session 9 measured it, the A/B's old side; session 9's
-# kv_rotate and l2_evict are Fa3Config options since): compiles for sm_90a spill-free at the
-# full-attention tiles it is timed at.
-FULL_PATCHES = ["s9_kernel"]
+# kv_rotate and l2_evict are Fa3Config options since) and session 11's two consumer-loop patches
+# (FA4's wait placement): compile for sm_90a spill-free at the full-attention tiles they are timed at.
+FULL_PATCHES = ["s9_kernel", "max_before_pv_wait", "k_wait_before_turn"]
 FULL_TILES = [(176, False), (176, True), (160, False)]   # (BLOCK_N, causal) at D 128: the A/B's
 
 

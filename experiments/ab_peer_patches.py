@@ -231,10 +231,26 @@ def variant_runners(patches):
     return runners
 
 
-def build_variants(runners, variants, n):
+def reachable(runners, variants):
+    """variant -> {label: runner} of the runners whose patch reaches it, and the skipped pairs
+    (a patch editing a region the variant generates itself: variant_transform stops there)."""
+    out, skipped = {}, []
+    for v in variants:
+        out[v] = {}
+        for label, ours in runners.items():
+            try:
+                ours.lowered(v)
+                out[v][label] = ours
+            except SystemExit as e:
+                skipped.append({"variant": v, "system": label, "reason": str(e)})
+                print(f"{v} x {label}: skipped ({e})", flush=True)
+    return out, skipped
+
+
+def build_variants(per_variant, n):
     from cubridge.runtime.fa3_sm90 import build_cubin, default_config
     cfg = default_config(128, False, True, n, variant=True)
-    jobs = [(ours, v) for ours in runners.values() for v in variants]
+    jobs = [(ours, v) for v, runners in per_variant.items() for ours in runners.values()]
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda j: build_cubin(cfg, source=j[0].lowered(j[1])[2]), jobs))
 
@@ -322,10 +338,11 @@ def main(argv=None) -> int:
     long_shapes = [(v, d, hq, hkv, n) for d in args.head_dims for v, _, hq, hkv, n in LONG_SHAPES]
     shapes = (long_shapes if args.long else QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
     sources = build_all(patches, shapes, args.tiles, args.grid, args.options) if shapes else {}
-    runners = None
+    runners, per_variant, skipped = None, {}, []
     if args.variants:
         runners = variant_runners([p for p in patches if split_patch(p)[1] is None])
-        build_variants(runners, args.variants, args.variant_n)
+        per_variant, skipped = reachable(runners, args.variants)
+        build_variants(per_variant, args.variant_n)
     print(f"built {len(patches)} patch(es) x their configs: {', '.join(patches)}"
           + (f"; variants {args.variants} x {list(runners)}" if runners else ""), flush=True)
     if args.build_only:
@@ -333,13 +350,14 @@ def main(argv=None) -> int:
     import torch
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
               "torch": torch.__version__, "patches": patches, "rows": [], "skipped": [],
-              "protocol": f"bench_round_robin, 5 warm-ups, median of {args.reps}, L2 flushed"}
+              "protocol": f"bench_round_robin, 5 warm-ups, median of {args.reps}, L2 flushed",
+              "skipped_variants": skipped}
     for shape in shapes:
         run_shape(shape, sources, args, result)
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     for name in args.variants:
-        run_variant(name, args.variant_n, runners, args, result)
+        run_variant(name, args.variant_n, per_variant[name], args, result)
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     print_table(result["rows"])

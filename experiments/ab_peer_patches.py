@@ -2,9 +2,10 @@
 beside the unpatched kernel and FlashAttention-4 (ref_kernels/fa3_sm90/NOTES.md v17 has the
 predictions).
 
-Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/: softmax_overlap,
-lazy_rescale, max_four_chains, k_before_v, and all_four = the four together; --patches may also
-name the experiment knobs, e.g. knobs/kv_ascending) are applied to a copy of the kernel directory
+Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/: lazy_rescale,
+max_four_chains, k_before_v (session 7), s9_kernel, pv_wait_first (the P V wait before the whole
+softmax, as before session 11), k_wait_before_turn; --patches may also name the experiment knobs,
+e.g. knobs/kv_ascending; session 7's softmax_overlap and all_four are in git history) are applied to a copy of the kernel directory
 (expkit.patched_source); the patched kernel.cu (with any patched header inlined) is
 launched as a "variant" source, so the launch is the product's own. The unpatched kernel runs the
 same way (`unpatched`), so only the source differs; `dense` is the product path, and the config

@@ -94,8 +94,18 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     // global load, whose latency then hides behind this tile's GEMMs.
     auto partial_at = [&](int i) { return i < tiles && tile_partial(pb.va, tl.r, tile_at(tl.r, i)); };
     auto process_scores = [&](int n, bool partial) {
-      if (partial) score_and_mask<true>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
-      else score_and_mask<false>(pb.va, s, softmax_scale, tl.hm, q_row0, n * kBlockN + f.col0, pb.seqlen_k);
+      const int col0 = n * kBlockN + f.col0;
+      if (partial) {
+        score_and_mask<true>(pb.va, s, softmax_scale, tl.hm, q_row0, col0, pb.seqlen_k);
+      } else if constexpr (kSaturates) {
+        // the tile's distances kv - q (positions; rows past Nq included): [k0 - q_last, k_last - q0]
+        const int q0 = tl.m0 + pb.seqlen_k - pb.seqlen_q, k0 = n * kBlockN;
+        if (k0 - (q0 + kBlockM - 1) >= kSatHi) score_and_mask<false, 1>(pb.va, s, softmax_scale, tl.hm, q_row0, col0, pb.seqlen_k);
+        else if (k0 + kBlockN - 1 - q0 <= kSatLo) score_and_mask<false, -1>(pb.va, s, softmax_scale, tl.hm, q_row0, col0, pb.seqlen_k);
+        else score_and_mask<false>(pb.va, s, softmax_scale, tl.hm, q_row0, col0, pb.seqlen_k);
+      } else {
+        score_and_mask<false>(pb.va, s, softmax_scale, tl.hm, q_row0, col0, pb.seqlen_k);
+      }
     };
 
     // First KV tile: S only, with the previous tile's last P V in the same turn (then its

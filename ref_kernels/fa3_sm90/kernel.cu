@@ -178,9 +178,23 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
 }
 // @cuir-end mask
 
+// kSaturates (a generated score region defines CUIR_SAT_LO / CUIR_SAT_HI: cubridge/lower/saturate.py):
+// score_mod reads q_idx and kv_idx only through d = kv_idx - q_idx and is the same function of its
+// other inputs for every d >= kSatHi and for every d <= kSatLo (T5's clamped buckets), so a full
+// tile whose pairs all lie past one bound evaluates it there, kv_idx = q_idx + bound: bitwise the
+// same scores, and nvcc folds d and all that depends on it alone (the bucket) out of the loop.
+#ifdef CUIR_SAT_HI
+constexpr bool kSaturates = true;
+constexpr int kSatLo = CUIR_SAT_LO, kSatHi = CUIR_SAT_HI;
+#else
+constexpr bool kSaturates = false;
+constexpr int kSatLo = 0, kSatHi = 0;
+#endif
+
 // Scale and score_mod (skipped for an identity score_mod: the softmax scales), and on partial
-// tiles the mask, in one pass over S with each element's indices.
-template <bool kPartial>
+// tiles the mask, in one pass over S with each element's indices. kSat: 0 score_mod at each
+// pair's own kv_idx; +1 / -1 at d = kSatHi / kSatLo (a full tile wholly past that bound).
+template <bool kPartial, int kSat = 0>
 __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)[kSRegs],
                                                float softmax_scale, HeadMap hm, int q_row0,
                                                int kv_col0, int seqlen_k) {
@@ -192,7 +206,8 @@ __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * half + e];
         const int q_idx = q_row0 + 8 * half, kv_idx = kv_col0 + 8 * j + e;
-        if constexpr (!kScoreModIdentity) x = score_mod(va, x, softmax_scale, hm.b, hm.h, q_idx, kv_idx);
+        const int kv_mod = kSat > 0 ? q_idx + kSatHi : kSat < 0 ? q_idx + kSatLo : kv_idx;
+        if constexpr (!kScoreModIdentity) x = score_mod(va, x, softmax_scale, hm.b, hm.h, q_idx, kv_mod);
         if (kPartial && !((kv_idx < seqlen_k) & mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
       }
 }

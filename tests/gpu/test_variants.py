@@ -5,6 +5,7 @@ determinism. Ragged lengths, MHA / GQA / MQA, both head dims."""
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +94,47 @@ FUSION_CASES = [({"bias": 20.0}, 1.0), ({"bias": -14.0}, 1.0), ({"bias": -14.0},
 @pytest.mark.parametrize("params, gain", FUSION_CASES, ids=lambda c: str(c))
 def test_composite_softcap_sigmoid_paths(reference, params, gain, shape):
     _check(*reference, "composite", shape, params=params, gain=gain)
+
+
+# A scattered block-sparse layout (tests/corpus/bitpacked_blocks.py): a query tile's KV tiles form
+# many runs, which a block-table range keeps as a bitmap (cubridge/lower/itspace.py bitmap_region);
+# blocks of 64 keys split 128-key tiles (partial tiles), and 17000 keys make 133 fa3 tiles, more
+# than the bitmap's 128-tile window (its tail runs, fully masked where empty).
+BITPACKED = str(Path(__file__).resolve().parents[1] / "corpus" / "bitpacked_blocks.py")
+
+
+@pytest.mark.parametrize("params, shape", [({"block": 128}, (1, 4, 2, 3000, 128)),
+                                           ({"block": 64, "density": 0.5}, (2, 4, 1, 2500, 64)),
+                                           ({"block": 128}, (1, 2, 2, 17000, 128))],
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c))
+def test_scattered_block_table_on_gpu(reference, params, shape):
+    _check(*reference, BITPACKED, shape, params=params)
+
+
+# T5-style clamped bucket biases (tests/corpus/t5_*.py, longt5_local.py): full fa3 tiles wholly past
+# the saturation bounds (cubridge/lower/saturate.py) evaluate the score_mod at the bound. The scores
+# are bitwise those of the per-pair path, so the output must equal, bit for bit, the kernel built
+# without the bounds (the CUIR_SAT defines removed), besides passing the rule.
+CORPUS = Path(BITPACKED).parent
+
+
+@pytest.mark.parametrize("name", ["t5_encoder_bias", "t5_decoder_bias", "longt5_local"])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 1000, 128), (2, 4, 1, 2500, 64), (1, 2, 2, 300, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_saturated_score_is_bitwise_the_per_pair_score(name, shape):
+    import dataclasses
+    if CAP != (9, 0):
+        pytest.skip("fa3_sm90 needs an sm_90 GPU (H100 / H200)")
+    program = parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir")
+    params = {"radius": 500} if name == "longt5_local" else {}   # full tiles past 91 only where the window is wide
+    _check("fa3_sm90", program, str(CORPUS / f"{name}.py"), shape, params=params)
+    spec = load_spec(str(CORPUS / f"{name}.py"))
+    cand = transfer(program, spec, spec_params=params)
+    kern = lower(cand.program, "fa3_sm90")
+    assert "#define CUIR_SAT_HI" in kern.source
+    plain = dataclasses.replace(kern, source="\n".join(line for line in kern.source.splitlines()
+                                                       if not line.startswith("#define CUIR_SAT")))
+    B, Hq, Hkv, N, D = shape
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
+    q, k, v = (torch.randn(B, h, N, D, device="cuda", generator=g).to(torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    assert torch.equal(_run("fa3_sm90", kern, cand, q, k, v, D), _run("fa3_sm90", plain, cand, q, k, v, D))

@@ -14,6 +14,12 @@ TFLOPS = 4 * D * (attended pairs, counted from the spec's mask) / time; 16k toke
     python experiments/bench_peers.py --n 8192 --dense-d --variants prefixlm \
         --variant-heads gqa16/4 --layout bhnd bnhd --out $OUT/model.json  # the Llama client's attention
 
+Our lowered variants run at the tile config the product would use for the shape (recorded in each
+row as `config` / `config_origin`): a --tuned-run DIR's dispatch bucket (what cubridge.load(DIR)
+picks), else the untuned default that cubridge.op.build.build_run writes (the kernel's
+variant_default: 128 x 128 at D 128). --ours-config times every variant at one config instead (an
+A/B of that policy); --ours-patch NAME applies experiments/patches/NAME.patch to our variants.
+
 --layout bnhd gives every system [B, N, H, D] memory seen as [B, H, N, D] (what transformers'
 projections hand the attention function; every system reads it in place: FA4's BSHD is this
 memory); --variant-heads picks the variants' head counts (gqa16/4: the Llama client).
@@ -31,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from expkit.peers import SampledCheck, Unsupported, makers, max_diff  # noqa: E402
+from expkit.peers import SampledCheck, Unsupported, makers, max_diff, parse_point, point_label, product_point  # noqa: E402
 
 from cubridge.runtime.timing import bench_round_robin, tflops  # noqa: E402
 from cubridge.spec import builtin_specs, load_spec  # noqa: E402
@@ -78,17 +84,27 @@ def versions() -> dict:
     return out
 
 
-def prebuild(shapes, ours_variants) -> None:
+def ours_point(args, name, d, n) -> tuple[dict, str]:
+    """(point, origin) our lowered variant runs at: --ours-config, else what the product would use
+    for the shape (a --tuned-run's bucket, else the untuned default: expkit.peers.product_point)."""
+    if args.ours_config:
+        return parse_point(args.ours_config), "--ours-config"
+    return product_point(name, d, n, args.tuned_runs)
+
+
+def prebuild(shapes, ours_variants, args) -> None:
     """Compile our cubins for every shape up front, in parallel (nvcc runs outside the GIL): one
     at a time they took most of a device call."""
     from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
     from cubridge.runtime.fa3_sm90 import build_cubin, default_config
     jobs = set()
     for name, d, _, _, n, _ in shapes:
         if name in ("causal", "full"):
             jobs.add((default_config(d, name == "causal", seqlen=n), None))
         else:
-            jobs.add((default_config(d, False, True, n, variant=True), ours_variants.lowered(name)[2]))
+            point = ours_point(args, name, d, n)[0]
+            jobs.add((replace(default_config(d, False, True, n, variant=True), **point), ours_variants.lowered(name)[2]))
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda job: build_cubin(job[0], source=job[1]), jobs))
 
@@ -109,8 +125,9 @@ def run_shape(name, d, hq, hkv, n, layout, args, ours_variants, result):
     q, k, v = (inputs(b, h, n, d, layout, g) for h in (hq, hkv, hkv))
     check = SampledCheck(q, k, v, hooks)
     base = {"variant": name, "N": n, "B": b, "D": d, "Hq": hq, "Hkv": hkv, "dtype": "bf16", "layout": layout}
+    point, origin = (None, "dense default_config") if name in ("causal", "full") else ours_point(args, name, d, n)
     ran, ours_out = [], None
-    for system, make in makers(name, hooks, q, k, v, ours_variants).items():
+    for system, make in makers(name, hooks, q, k, v, ours_variants, point).items():
         if system not in args.systems and system != OURS:
             continue
         try:
@@ -120,14 +137,17 @@ def run_shape(name, d, hq, hkv, n, layout, args, ours_variants, result):
             torch.cuda.synchronize()
             verdict = check.verdict(out)
             diff = max_diff(out, ours_out) if ours_out is not None else 0.0
+            config = {}
             if system == OURS:
                 ours_out = out.clone()
+                config = {"config": point_label(point) if point else note, "config_origin": origin,
+                          "patch": args.ours_patch}
             status = "pass" if verdict.passed else f"FAIL {verdict}"
             if not bool(torch.isfinite(out).all()):     # ours was NaN-poisoned: also catches unwritten rows
                 status = "FAIL: NaN/Inf in the output (the sampled rows are only part of it)"
             ran.append((system, fn, {"check": status, "max_err": verdict.max_err, "bound": verdict.bound,
                                      "max_diff_vs_ours": round(diff, 6), "note": note,
-                                     "setup_s": round(time.time() - t0, 1)}))
+                                     "setup_s": round(time.time() - t0, 1), **config}))
         except Unsupported as e:
             result["skipped"].append({**base, "system": system, "reason": str(e)})
         except Exception as e:  # noqa: BLE001 (a peer that breaks is recorded, not fatal)
@@ -161,7 +181,7 @@ def summary(result) -> list[dict]:
         good = {s: r["tflops"] for s, r in peers.items() if r["check"] == "pass"}
         best = max(good, key=good.get) if good else None
         lines.append({"variant": key[0], "D": key[1], "Hq": key[2], "Hkv": key[3], "N": key[4], "layout": key[5],
-                      "ours": ours["tflops"] if ours else None,
+                      "ours": ours["tflops"] if ours else None, "ours_config": ours.get("config") if ours else None,
                       "ours_check": ours["check"] if ours else None,
                       **{s: (r["tflops"], r["check"] == "pass") for s, r in peers.items()},
                       "best_peer": best, "ratio": round(ours["tflops"] / good[best], 3)
@@ -170,7 +190,7 @@ def summary(result) -> list[dict]:
 
 
 def print_table(lines) -> None:
-    print(f"\n{'variant':<22} {'D':>3} {'heads':>6} {'N':>6} {'ours':>7} " +
+    print(f"\n{'variant (our config)':<34} {'D':>3} {'heads':>6} {'N':>6} {'ours':>7} " +
           " ".join(f"{p:>11}" for p in PEERS) + f" {'best peer':>11} {'ours/best':>9}")
     for ln in lines:
         cells = []
@@ -183,7 +203,8 @@ def print_table(lines) -> None:
         ratio = f"{ln['ratio']:9.3f}" if ln["ratio"] is not None else f"{'-':>9}"
         ours = f"{ln['ours']:7.1f}" if ln["ours"] is not None else f"{'-':>7}"
         label = ln["variant"] + ("" if ln.get("layout", "bhnd") == "bhnd" else f" ({ln['layout']})")
-        print(f"{label:<22} {ln['D']:>3} {ln['Hq']:>3}/{ln['Hkv']:<2} {ln['N']:>6} {ours} " +
+        label += f" {ln.get('ours_config') or ''}"
+        print(f"{label:<34} {ln['D']:>3} {ln['Hq']:>3}/{ln['Hkv']:<2} {ln['N']:>6} {ours} " +
               " ".join(cells) + f" {ln['best_peer'] or '-':>11} {ratio}")
     print("('!' = failed the check: timed, never the best peer)")
 
@@ -203,6 +224,14 @@ def parse(argv=None):
     ap.add_argument("--layout", nargs="+", default=["bhnd"], choices=LAYOUTS,
                     help="input memory: [B, H, N, D] or [B, N, H, D] seen as [B, H, N, D] (transformers)")
     ap.add_argument("--systems", nargs="+", default=list(PEERS), help="peers to run (ours always runs)")
+    ap.add_argument("--tuned-run", action="append", default=[], metavar="DIR",
+                    help="a cubridge-tune run directory: its variant (dispatch.json spec_name) runs at the "
+                         "run's config for each N (what cubridge.load(DIR) picks); other variants at the "
+                         "untuned default (build_run's)")
+    ap.add_argument("--ours-config", metavar="BMxBNsS[p]", help="every lowered variant at this tile config "
+                    "instead (e.g. 128x160s2p; an A/B of the default policy)")
+    ap.add_argument("--ours-patch", action="append", default=[], metavar="NAME",
+                    help="experiments/patches/NAME.patch applied to our lowered variants (expkit.lowered_patched)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
@@ -215,6 +244,17 @@ def parse(argv=None):
     bad = [v for v in args.variants if v not in builtin_specs()]
     if bad:
         ap.error(f"--variants: unknown {bad}; built-in specs are {builtin_specs()}")
+    if args.ours_config:
+        try:
+            parse_point(args.ours_config)
+        except ValueError as e:
+            ap.error(f"--ours-config: {e}")
+    args.tuned_runs = {}
+    for run in args.tuned_run:
+        dispatch = Path(run) / "dispatch.json"
+        if not dispatch.is_file():
+            ap.error(f"--tuned-run {run}: no dispatch.json (not a tuned cubridge-tune run)")
+        args.tuned_runs[json.loads(dispatch.read_text())["spec_name"]] = run
     return args
 
 
@@ -228,14 +268,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: bench_peers.py: no CUDA device (use --plan to list the shapes)", file=sys.stderr)
         return 2
-    from expkit import Ours
-    ours_variants = Ours()
+    from expkit import Ours, lowered_patched
+    ours_variants = Ours((lambda src: lowered_patched(src, *args.ours_patch)) if args.ours_patch else None)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
-              "versions": versions(), "tokens": TOKENS,
+              "versions": versions(), "tokens": TOKENS, "ours_patch": args.ours_patch,
+              "ours_config": args.ours_config or "what the product runs (tuned run / untuned default)",
               "protocol": f"bench_round_robin, {args.warmup} warm-ups, median of {args.reps}, L2 flushed; "
                           "check = rule at sampled rows (float64 golden, bf16 ref)",
               "rows": [], "skipped": []}
-    prebuild(shapes, ours_variants)
+    prebuild(shapes, ours_variants, args)
     for shape in shapes:
         run_shape(*shape, args, ours_variants, result)
         result["summary"] = summary(result)

@@ -7,7 +7,8 @@ are timed together (bench_fa3's protocol: L2 flushed, median of 30), Llama2-7B h
         --n 8192 4096 --out $OUT/composite_tiles.json
 
 A config is BMxBNsS, optionally followed by +NAME experiment knobs (experiments/patches/knobs/NAME.patch,
-header-only ones: a lowered variant regenerates kernel.cu's regions), +q=1
+else experiments/patches/NAME.patch, e.g. +mask_classes; applied to the lowered source by
+expkit.lowered_patched: kernel.cu hunks outside the generated regions, headers inlined), +q=1
 (one Q slot) and +g (one tile per CTA instead of the persistent grid: the tuner's labels without
 their "p"). --causal-configs times our dense causal softmax kernel at more configs in the same
 round-robin (each checked against the default config's output first), so a variant's ratio can
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from expkit import (CHECK_SHAPES, D, Variant, causal_baseline, check, header_only, inline_headers,  # noqa: E402
+from expkit import (CHECK_SHAPES, D, PATCHES, Variant, causal_baseline, check, lowered_patched,  # noqa: E402
                     replaced, time_ms_interleaved, versions)
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import tflops  # noqa: E402
@@ -51,18 +52,15 @@ def parse_config(text: str) -> tuple[dict, tuple[str, ...]]:
         knobs.remove(k)
     if m.group(5):
         out["persistent"] = False
-    return out, tuple(f"knobs/{k}" for k in knobs)
+    return out, tuple(f"knobs/{k}" if (PATCHES / "knobs" / f"{k}.patch").is_file() else k for k in knobs)
 
 
 def knob_edit(edit, knobs: tuple[str, ...]):
-    """`edit` followed by the knob patches' headers inlined (header-only patches: a lowered
-    variant's kernel.cu regions are generated, so a kernel.cu patch cannot reach it)."""
+    """`edit` followed by the knob patches (expkit.lowered_patched: the lowered source is patched
+    outside its generated regions, the headers a patch changes are inlined)."""
     if not knobs:
         return edit
-    changed = header_only(*knobs)
-    if changed is None:
-        raise SystemExit(f"{'+'.join(knobs)}: patches kernel.cu, which a lowered variant regenerates")
-    return lambda source: inline_headers(edit(source), changed)
+    return lambda source: lowered_patched(edit(source), *knobs)
 
 
 def main():

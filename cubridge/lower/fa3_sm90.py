@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from cubridge.cuir import nodes as N
-from cubridge.lower import fusion, itspace, regions, saturate
+from cubridge.lower import fusion, itspace, maskclass, regions, saturate
 from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
@@ -34,7 +34,16 @@ EPILOGUE_NORMALISE = """\
 
 
 def kv_range(ir: VariantIR) -> str:
-    return itspace.kv_range_region(ir, itspace.FA3)
+    """The iteration space, then the partial tiles' mask classes (maskclass.py; used by a consumer
+    that dispatches on them, experiments/patches/mask_classes.patch, else dead code)."""
+    t = itspace.FA3
+    classes = maskclass.tile_class_fn(ir, itspace.region_names(ir, t), c_tables(ir), t.block_n, t.len_k)
+    return itspace.kv_range_region(ir, t) + classes
+
+
+def mask_region(ir: VariantIR) -> str:
+    names = c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
+    return mask(ir) + maskclass.mask_class_fn(ir, names, c_tables(ir))
 
 
 ELEMENTWISE_REGION = """\
@@ -199,6 +208,6 @@ def lower_source(reference: str, ir: VariantIR) -> str:
         return reference
     bodies = {name: regions.body(reference, name) for name in ("softmax", "epilogue")}
     return regions.replace(reference, {
-        "extra_io": extra_io(ir), "kv_range": kv_range(ir), "score": score_region(ir), "mask": mask(ir),
+        "extra_io": extra_io(ir), "kv_range": kv_range(ir), "score": score_region(ir), "mask": mask_region(ir),
         "softmax": softmax(ir, bodies["softmax"]), "epilogue": epilogue(ir, bodies["epilogue"]),
     })

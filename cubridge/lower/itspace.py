@@ -41,7 +41,8 @@ FA3 = Target("kBlockM", "kBlockN", "m_block", "m0", "seqlen_q", "seqlen_k", desc
 FA2 = Target("BLOCK_M", "BLOCK_N", "q_tile", "q_begin", "len_q", "len_k", descending=False)
 
 
-def _names(ir: VariantIR, t: Target) -> dict:
+def region_names(ir: VariantIR, t: Target) -> dict:
+    """CuIR name -> (C text, type) inside the kv_range region's tile predicates."""
     names = {n: (f"va.{n}", typ) for n, typ in ir.scalars}
     names.update({"q_lo": ("r.q_lo", "int"), "q_hi": ("r.q_hi", "int"), "k_lo": ("k_lo", "int"),
                   "k_hi": ("k_hi", "int"), "b": ("r.b", "int"), "h": ("r.h", "int"),
@@ -55,7 +56,7 @@ def _tables(ir: VariantIR) -> dict:
 
 def predicates(ir: VariantIR, t: Target) -> tuple[str, str, str, str]:
     """C++ of (tile class, tile may given its class `cls`, tile must, chunk may)."""
-    names, tables = _names(ir, t), _tables(ir)
+    names, tables = region_names(ir, t), _tables(ir)
     if ir.table:
         idx = (f"((r.b * va.BLOCK_CLASS_n1 + r.h) * va.BLOCK_CLASS_n2 + r.{t.q_tile}) * va.BLOCK_CLASS_n3 + n"
                if ir.table_bh else f"r.{t.q_tile} * va.BLOCK_CLASS_n1 + n")

@@ -267,12 +267,15 @@ def _apply(patch: Path, cwd: str) -> subprocess.CompletedProcess:
                               capture_output=True, text=True)
 
 
-def patched_files(*names: str) -> dict[str, str]:
+def patched_files(*names: str, kernel_text: str | None = None) -> dict[str, str]:
     """file name -> patched text, for every file of ref_kernels/fa3_sm90 that the patches changed.
     A name is experiments/patches/NAME.patch (e.g. "k_before_v", "knobs/kv_ascending"); several
-    are applied in order."""
+    are applied in order. kernel_text: patch this kernel.cu instead (a lowered variant's source:
+    hunks outside the generated regions apply to it as to the reference)."""
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(ROOT / KERNEL_REL, Path(tmp) / KERNEL_REL)
+        if kernel_text is not None:
+            (Path(tmp) / KERNEL_REL / "kernel.cu").write_text(kernel_text)
         for name in names:
             if not (PATCHES / f"{name}.patch").is_file():
                 raise SystemExit(f"error: experiments/patches/{name}.patch: no such patch")
@@ -284,6 +287,14 @@ def patched_files(*names: str) -> dict[str, str]:
         return {f.name: f.read_text() for f in (Path(tmp) / KERNEL_REL).iterdir()
                 if f.is_file() and (not (ROOT / KERNEL_REL / f.name).is_file()
                                     or f.read_text() != (ROOT / KERNEL_REL / f.name).read_text())}
+
+
+def lowered_patched(source: str, *names: str) -> str:
+    """A lowered variant's source with kernel patches applied to it (kernel.cu hunks outside the
+    generated regions, and headers, which get inlined): e.g. `Ours(lambda s: lowered_patched(s,
+    "mask_classes"))` runs every variant with the patched consumer."""
+    changed = patched_files(*names, kernel_text=source)
+    return inline_headers(changed.get("kernel.cu", source), changed)
 
 
 def inline_headers(text: str, changed: dict[str, str]) -> str:

@@ -16,6 +16,8 @@ cover every mask's special regions (global rows, prefix, diagonal, the last answ
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -36,8 +38,43 @@ def bshd(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- systems
-def make_ours(name, q, k, v, ours_variants):
-    """(fn, note): the dense kernel at its default config, or the lowered variant."""
+POINT = re.compile(r"^(\d+)x(\d+)s(\d+)(p?)$")
+
+
+def parse_point(label: str) -> dict:
+    """'128x160s2p' (the tuner's label: BMxBNsS, p = persistent) -> a fa3_sm90 tile config point."""
+    m = POINT.match(label)
+    if not m:
+        raise ValueError(f"tile config {label!r}: expected BMxBNsS or BMxBNsSp, e.g. 128x160s2p")
+    return {"block_m": int(m.group(1)), "block_n": int(m.group(2)), "stages": int(m.group(3)),
+            "persistent": bool(m.group(4))}
+
+
+def point_label(point: dict) -> str:
+    return f"{point['block_m']}x{point['block_n']}s{point['stages']}{'p' if point.get('persistent') else ''}"
+
+
+def product_point(name: str, d: int, n: int, runs: dict | None = None) -> tuple[dict, str]:
+    """(point, origin): the tile config the product runs a lowered variant at for (D, N): the bucket
+    of a tuned run that holds N (runs: spec name -> run directory; what cubridge.load(DIR) picks),
+    else the untuned default that cubridge.op.build.build_run writes (the kernel's variant_default)."""
+    import json
+    from pathlib import Path
+
+    from cubridge.op.build import default_points
+    run = (runs or {}).get(name)
+    if run is not None:
+        dispatch = json.loads((Path(run) / "dispatch.json").read_text())
+        if int(dispatch["head_dim"]) == d:
+            for b in dispatch["buckets"]:
+                if b["min_seqlen"] <= n and (b["max_seqlen"] is None or n <= b["max_seqlen"]):
+                    return dict(b["config"]), f"tuned run {run} ({b['shape']})"
+    return default_points("fa3_sm90", d, [n])[n], "untuned default (build_run / variant_default)"
+
+
+def make_ours(name, q, k, v, ours_variants, point: dict | None = None):
+    """(fn, note): the dense kernel at its default config, or the lowered variant at `point` (a
+    tile config point; None: its default config)."""
     if name in DENSE:
         causal = name == "causal"
         cfg = default_config(q.shape[-1], causal, seqlen=q.shape[2])
@@ -46,8 +83,8 @@ def make_ours(name, q, k, v, ours_variants):
         note = f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}"
         return (lambda: fa3_forward(q, k, v, causal=causal, config=cfg, out=out, lse=lse)[0]), note
     out = torch.full_like(q, float("nan"))
-    run = ours_variants.fn(name, q, k, v, out=out)
-    return (lambda: (run(), out)[1]), "lowered variant, default config"
+    run = ours_variants.fn(name, q, k, v, out=out, overrides=point)
+    return (lambda: (run(), out)[1]), f"lowered variant, {point_label(point) if point else 'default config'}"
 
 
 def _fa4_func():
@@ -153,9 +190,9 @@ def make_cudnn(name, q, k, v):
         return expanded, "K/V expanded to Hq heads"
 
 
-def makers(name, hooks, q, k, v, ours_variants):
-    """system -> zero-argument maker, ours first."""
-    return {"cubridge/fa3_sm90": lambda: make_ours(name, q, k, v, ours_variants),
+def makers(name, hooks, q, k, v, ours_variants, point: dict | None = None):
+    """system -> zero-argument maker, ours first (a lowered variant at `point`, see make_ours)."""
+    return {"cubridge/fa3_sm90": lambda: make_ours(name, q, k, v, ours_variants, point),
             "fa4": lambda: make_fa4(name, q, k, v),
             "flex_flash": lambda: make_flex_flash(name, hooks, q, k, v),
             "sdpa_cudnn": lambda: make_cudnn(name, q, k, v),

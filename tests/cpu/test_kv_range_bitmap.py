@@ -39,6 +39,7 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline float __fmaf_rn(float a, float b, float c) { return a * b + c; }
 constexpr int %(bm)s = %(block_m)d, %(bn)s = %(block_n)d;
 constexpr bool kDescending = %(desc)s;
+constexpr int kWgRows = 64;   // fa3_sm90: one consumer warpgroup's rows (the mask-class helpers read it)
 %(regions)s
 int main() {
   int B, H, Nq, Nk;

@@ -53,3 +53,19 @@ def test_check_passes_reference_and_fails_wrong_mask():
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
     window_out = p @ v.repeat_interleave(2, 1)
     assert not check.verdict(window_out).passed
+
+
+def test_ours_runs_at_the_products_config():
+    """bench_peers times a lowered variant where the product runs it: a tuned run's bucket for N
+    (what cubridge.load picks), else the untuned default that build_run writes."""
+    from expkit.peers import parse_point, point_label, product_point
+    run = Path(__file__).resolve().parents[2] / "experiments" / "results" / "session11_h100" / "tune_prefixlm"
+    runs = {"prefixlm": str(run)}
+    assert point_label(product_point("prefixlm", 128, 16384, runs)[0]) == "128x160s2p"   # bucket N > 11585
+    assert point_label(product_point("prefixlm", 128, 4096, runs)[0]) == "128x128s2p"
+    point, origin = product_point("global_sliding_window", 128, 16384, runs)     # no run: the default
+    assert point_label(point) == "128x128s2p" and origin.startswith("untuned default")
+    assert product_point("prefixlm", 64, 4096, runs)[1].startswith("untuned")     # the run is D 128
+    assert parse_point("192x80s3") == {"block_m": 192, "block_n": 80, "stages": 3, "persistent": False}
+    with pytest.raises(ValueError, match="BMxBNsS"):
+        parse_point("128x160")

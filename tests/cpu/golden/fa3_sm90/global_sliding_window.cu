@@ -86,6 +86,35 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
   const int k_lo = n * kBlockN, k_hi = min(k_lo + kBlockN, r.seqlen_k) - 1;
   return k_lo + kBlockN > r.seqlen_k || !tile_must(va, r, n, k_lo, k_hi);
 }
+enum : int { kMaskClasses = 7 };
+// A partial tile's mask class (cubridge/lower/maskclass.py): 0 full, 1 the whole mask, 2 the key
+// bound only, 3 + j atom j alone (every other atom constant on the tile).
+__device__ __forceinline__ int tile_mask_class(const VariantArgs& va, const KvRange& r, int n) {
+  const int k_lo = n * kBlockN, k_hi = min(k_lo + kBlockN, r.seqlen_k) - 1;
+  const bool ragged = k_lo + kBlockN > r.seqlen_k;
+  if (tile_must(va, r, n, k_lo, k_hi)) return ragged ? 2 : 0;
+  const bool m0 = (k_hi <= r.q_lo), y0 = (k_lo <= r.q_hi);
+  const bool m1 = ((r.q_hi - k_lo) < 256), y1 = ((r.q_lo - k_hi) < 256);
+  const bool m2 = (k_hi < 64), y2 = (k_lo < 64);
+  const bool m3 = (r.q_hi < 64), y3 = (r.q_lo < 64);
+  const int mixed = int(y0 & !m0) + int(y1 & !m1) + int(y2 & !m2) + int(y3 & !m3);
+  if (mixed != 1) return 1;
+  if ((y0 & !m0) & (((true & m1) | m2) | m3) & !(((false & m1) | m2) | m3)) return 3;
+  if ((y1 & !m1) & (((m0 & true) | m2) | m3) & !(((m0 & false) | m2) | m3)) return 4;
+  if ((y2 & !m2) & (((m0 & m1) | true) | m3) & !(((m0 & m1) | false) | m3)) return 5;
+  if ((y3 & !m3) & (((m0 & m1) | m2) | true) & !(((m0 & m1) | m2) | false)) return 6;
+  return 1;
+}
+// Consumer c's class of KV tile n: its kWgRows rows of the query tile; -1: they attend none of it.
+__device__ __forceinline__ int tile_mask_class_wg(const VariantArgs& va, const KvRange& r, int n, int c) {
+  KvRange w = r;
+  w.q_lo = r.q_lo + c * kWgRows;
+  w.q_hi = min(w.q_lo + kWgRows - 1, r.q_hi);
+  if (w.q_lo > w.q_hi) return -1;
+  const int k_lo = n * kBlockN, k_hi = min(k_lo + kBlockN, r.seqlen_k) - 1;
+  if (!tile_may(va, w, n, k_lo, k_hi, 1)) return -1;
+  return tile_mask_class(va, w, n);
+}
 // ===== region score
 constexpr bool kScoreModIdentity = true;
 constexpr float kScoreFactor = 1.f;
@@ -96,6 +125,28 @@ __device__ __forceinline__ float score_mod(const VariantArgs& va, float x, float
 // ===== region mask
 __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {
   return ((((kv_idx <= q_idx) & ((q_idx - kv_idx) < 256)) | (kv_idx < 64)) | (q_idx < 64));
+}
+#define CUIR_MASK_CLASSES 1   // the kernel's defaults (one class: mask_pred) are not needed
+template <int C>
+__device__ __forceinline__ bool mask_pred_class(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {
+  if constexpr (C == 2) {
+    return true;
+  }
+  else if constexpr (C == 3) {
+    return (kv_idx <= q_idx);
+  }
+  else if constexpr (C == 4) {
+    return (kv_idx > (q_idx - 256));
+  }
+  else if constexpr (C == 5) {
+    return (kv_idx < 64);
+  }
+  else if constexpr (C == 6) {
+    return (q_idx < 64);
+  }
+  else {
+    return mask_pred(va, b, h, q_idx, kv_idx);
+  }
 }
 // ===== region softmax
 // Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds

@@ -2,9 +2,10 @@
 beside the unpatched kernel and FlashAttention-4 (ref_kernels/fa3_sm90/NOTES.md v17 has the
 predictions).
 
-Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/: softmax_overlap,
-lazy_rescale, max_four_chains, k_before_v, and all_four = the four together; --patches may also
-name the experiment knobs, e.g. knobs/kv_ascending) are applied to a copy of the kernel directory
+Patches (experiments/patches/*.patch, unified diffs against ref_kernels/fa3_sm90/: lazy_rescale,
+max_four_chains, k_before_v (session 7), s9_kernel, pv_wait_first (the P V wait before the whole
+softmax, as before session 11), k_wait_before_turn; --patches may also name the experiment knobs,
+e.g. knobs/kv_ascending; session 7's softmax_overlap and all_four are in git history) are applied to a copy of the kernel directory
 (expkit.patched_source); the patched kernel.cu (with any patched header inlined) is
 launched as a "variant" source, so the launch is the product's own. The unpatched kernel runs the
 same way (`unpatched`), so only the source differs; `dense` is the product path, and the config
@@ -193,9 +194,11 @@ GENERATED = ("extra_io", "kv_range", "score", "mask", "softmax", "epilogue")
 
 def variant_transform(spec: str):
     """The edit that puts patch spec (NAME or NAME+NAME) into a lowered variant's source, or None
-    where it cannot: a header-only patch inlines its headers; a kernel.cu patch outside the
-    generated regions takes the patched kernel.cu with the variant's generated regions put in
-    (the lowering onto the patched kernel); one that edits a generated region is left out."""
+    where it cannot: a header-only patch inlines its headers; a kernel.cu patch takes the patched
+    kernel.cu with the variant's generated regions put in (the lowering onto the patched kernel).
+    A region the patch edits reaches a variant only where the variant kept the reference's body
+    (the lowering copies it: softmax and epilogue of a softmax variant); where the variant
+    generated its own, the edit stops with an error naming the region."""
     from cubridge.lower import regions
     names = split_patch(spec)[0]
     changed = patched_files(*names)
@@ -203,10 +206,16 @@ def variant_transform(spec: str):
         return lambda src: inline_headers(src, changed)
     product = (ROOT / KERNEL_REL / "kernel.cu").read_text()
     patched = changed["kernel.cu"]
-    if any(regions.body(patched, n) != regions.body(product, n) for n in GENERATED):
-        return None
-    return lambda src: inline_headers(regions.replace(patched, {n: regions.body(src, n) for n in GENERATED}),
-                                      changed)
+    edited = [n for n in GENERATED if regions.body(patched, n) != regions.body(product, n)]
+
+    def transform(src):
+        own = [n for n in edited if regions.body(src, n) != regions.body(product, n)]
+        if own:
+            raise SystemExit(f"error: --patches {spec}: edits the {own[0]} region, which this variant "
+                             "generates itself; A/B it on softmax variants only (e.g. prefixlm)")
+        kept = {n: regions.body(src, n) for n in GENERATED if n not in edited}
+        return inline_headers(regions.replace(patched, kept), changed)
+    return transform
 
 
 def variant_runners(patches):
@@ -223,10 +232,26 @@ def variant_runners(patches):
     return runners
 
 
-def build_variants(runners, variants, n):
+def reachable(runners, variants):
+    """variant -> {label: runner} of the runners whose patch reaches it, and the skipped pairs
+    (a patch editing a region the variant generates itself: variant_transform stops there)."""
+    out, skipped = {}, []
+    for v in variants:
+        out[v] = {}
+        for label, ours in runners.items():
+            try:
+                ours.lowered(v)
+                out[v][label] = ours
+            except SystemExit as e:
+                skipped.append({"variant": v, "system": label, "reason": str(e)})
+                print(f"{v} x {label}: skipped ({e})", flush=True)
+    return out, skipped
+
+
+def build_variants(per_variant, n):
     from cubridge.runtime.fa3_sm90 import build_cubin, default_config
     cfg = default_config(128, False, True, n, variant=True)
-    jobs = [(ours, v) for ours in runners.values() for v in variants]
+    jobs = [(ours, v) for v, runners in per_variant.items() for ours in runners.values()]
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda j: build_cubin(cfg, source=j[0].lowered(j[1])[2]), jobs))
 
@@ -314,10 +339,11 @@ def main(argv=None) -> int:
     long_shapes = [(v, d, hq, hkv, n) for d in args.head_dims for v, _, hq, hkv, n in LONG_SHAPES]
     shapes = (long_shapes if args.long else QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
     sources = build_all(patches, shapes, args.tiles, args.grid, args.options) if shapes else {}
-    runners = None
+    runners, per_variant, skipped = None, {}, []
     if args.variants:
         runners = variant_runners([p for p in patches if split_patch(p)[1] is None])
-        build_variants(runners, args.variants, args.variant_n)
+        per_variant, skipped = reachable(runners, args.variants)
+        build_variants(per_variant, args.variant_n)
     print(f"built {len(patches)} patch(es) x their configs: {', '.join(patches)}"
           + (f"; variants {args.variants} x {list(runners)}" if runners else ""), flush=True)
     if args.build_only:
@@ -325,13 +351,14 @@ def main(argv=None) -> int:
     import torch
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
               "torch": torch.__version__, "patches": patches, "rows": [], "skipped": [],
-              "protocol": f"bench_round_robin, 5 warm-ups, median of {args.reps}, L2 flushed"}
+              "protocol": f"bench_round_robin, 5 warm-ups, median of {args.reps}, L2 flushed",
+              "skipped_variants": skipped}
     for shape in shapes:
         run_shape(shape, sources, args, result)
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     for name in args.variants:
-        run_variant(name, args.variant_n, runners, args, result)
+        run_variant(name, args.variant_n, per_variant[name], args, result)
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     print_table(result["rows"])

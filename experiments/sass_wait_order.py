@@ -5,7 +5,7 @@ item 3). No GPU: builds the cubin (nvcc), disassembles it (nvdisasm from the CUD
 Overlap means the loop's MUFU sit between the two waits.
 
     python experiments/sass_wait_order.py                       # the kernel as it is
-    python experiments/sass_wait_order.py --patch softmax_overlap
+    python experiments/sass_wait_order.py --patch pv_wait_first   # the placement before session 11
     python experiments/sass_wait_order.py --variant sigmoid     # a lowered variant's source
 """
 from __future__ import annotations

@@ -9,6 +9,13 @@
 // there each tile drains before the next one starts.
 constexpr bool kOverlapTiles = kSeparateO;
 
+// The steady loop waits for its P V between the two halves of the softmax (FA4's placement) where
+// the softmax region provides them (FA3_SOFTMAX_SPLIT: the reference's online softmax, which a
+// softmax variant keeps) and two consumers run: session 11's A/B, +5.8-7.3% full D 128 8k / 16k,
+// +2.4-3.6% causal, prefixlm +3.3%; three consumers (D 64's 192 x 128) lost 0.5-2.7%, so they wait
+// before the whole softmax as before (sigmoid / relu / composite regions always do).
+constexpr bool kSplitPvWait = kConsumers == 2;   // (and FA3_SOFTMAX_SPLIT, in the loop)
+
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
@@ -153,8 +160,26 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       reg_fence(s);
       cs.release(sm.k_empty + 8 * sk);
       process_scores(tile_at(tl.r, i), partial);
-      softmax_update(pb.va, s, st, rescale, score_scale);
-      wgmma_wait<0>();
+#ifdef FA3_SOFTMAX_SPLIT
+      if constexpr (kSplitPvWait) {
+        // The row max and the exp2 arguments before this warpgroup's P V is waited for, the
+        // exponentials after (FA4's order in SASS). A lone wait_group 0 is hoisted by ptxas to the
+        // top of the softmax (NOTES v17 item 3); a block boundary pins it: a warp-uniform branch
+        // on a value of this iteration, whose else arm (NaN only) differs so the arms stay apart.
+        softmax_args(pb.va, s, st, rescale, score_scale);
+        if (__all_sync(kFullMask, s[0] == s[0])) {
+          wgmma_wait<0>();
+        } else {
+          wgmma_wait<0>();
+          __threadfence_block();
+        }
+        softmax_exps(s, st, rescale);
+      } else
+#endif
+      {
+        softmax_update(pb.va, s, st, rescale, score_scale);
+        wgmma_wait<0>();
+      }
       reg_fence(o);
       cs.release(sm.v_empty + 8 * sv);
       rescale_o(o, rescale);

@@ -37,7 +37,8 @@
 // Lifting map (regions marked @cuir-region / @cuir-end): head_map, extra_io, kv_range, load_q,
 // load_kv, qk, score, mask, softmax, pv, epilogue. See README.md for what each region may be
 // replaced with; cubridge/lower regenerates extra_io, kv_range, score, mask, softmax, epilogue.
-// The consumers' loop is in consumer.cuh (included after the epilogue; it holds no region).
+// The consumers' loop is in consumer.cuh (included after the epilogue), the work tiles and the
+// tile hand-over in tiles.cuh (after the regions); neither holds a region.
 #if defined(__CUDACC_RTC__)   // NVRTC: no toolkit headers; the few types the kernel names
 struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };
 typedef unsigned char uint8_t;
@@ -250,6 +251,50 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
     st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum
   }
 }
+// The same update in two halves (FA3_SOFTMAX_SPLIT marks them): max and exp2 arguments, then the
+// exponentials and sums, bitwise the same; consumer.cuh waits for its P V between them (FA4's SASS).
+#define FA3_SOFTMAX_SPLIT 1
+__device__ __forceinline__ void softmax_args(const VariantArgs& va, float (&s)[kSRegs],
+                                             SoftmaxState& st, float (&rescale)[2],
+                                             float score_scale) {
+  const float scale_log2 = score_scale * kLog2e;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = kNegInf;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+      mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    mx = fmaxf(st.row_max[half], mx * score_scale);
+    const float base = (mx == kNegInf ? 0.f : mx) * kLog2e;   // a row with nothing attended yet
+    rescale[half] = fast_exp2(st.row_max[half] * kLog2e - base);
+    st.row_max[half] = mx;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        x = fmaf(x, scale_log2, -base);
+      }
+  }
+}
+__device__ __forceinline__ void softmax_exps(float (&s)[kSRegs], SoftmaxState& st,
+                                             const float (&rescale)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        x = fast_exp2(x);
+        sum += x;
+      }
+    st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum
+  }
+}
 __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&rescale)[2]) {
 #pragma unroll
   for (int j = 0; j < kHeadDim / 8; ++j)
@@ -305,58 +350,7 @@ __device__ __forceinline__ void convert_p(uint32_t (&p)[kPRegs], const float (&s
   for (int i = 0; i < kPRegs; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
 }
 
-struct Smem {
-  uint32_t q, k, v, o;            // tile bases (shared-window addresses)
-  uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty;   // barriers (arrays 8 bytes apart)
-  uint32_t tile_full, tile_empty, tile_slot;
-  __device__ __forceinline__ uint32_t q_tile(int s) const { return q + s * kQBytes; }
-  __device__ __forceinline__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
-  __device__ __forceinline__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
-};
-// The K/V ring is shared by all tiles of a CTA: `it` counts KV tiles since the CTA started.
-__device__ __forceinline__ int ring_stage(int it) { return it % kStages; }
-__device__ __forceinline__ int ring_phase(int it) { return (it / kStages) & 1; }
-
-// A work tile: query block, head, batch; the query blocks of one head are consecutive so that
-// CTAs running at the same time share K/V in L2. Causal: the longest rows (last m_block) first.
-// A tile_order array (from fa3_sm90_tile_counts and the host) overrides this: entry t is
-// bh * num_m + m_block, longest tiles of every head first.
-struct Tile { int m0; HeadMap hm; KvRange r; };
-__device__ __forceinline__ Tile decode_tile(const VariantArgs& va, const int* tile_order, int t, int num_m,
-                                            int seqlen_q, int seqlen_k, int heads_q, int heads_kv) {
-  int m_block, bh;
-  if (tile_order != nullptr) {
-    const int code = tile_order[t];
-    m_block = code % num_m;
-    bh = code / num_m;
-  } else {
-    const int m_idx = t % num_m;
-    bh = t / num_m;
-    m_block = (kCausal || kLongestFirst) ? num_m - 1 - m_idx : m_idx;
-  }
-  const int m0 = m_block * kBlockM;
-  const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
-  // kv_range sees query positions (queries end-aligned): row m0 sits at m0 + Nk - Nq, the last
-  // query at Nk - 1.
-  return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0 + seqlen_k - seqlen_q, seqlen_k, seqlen_k)};
-}
-
-// What the producer hands the consumers for each tile. With kRangeViaSmem (set by the kv_range
-// region) the whole tile goes through shared memory: the range is computed once per tile (a
-// variant's range scans tiles, maybe a block table in global memory), not once per thread.
-// Otherwise only t does, and each consumer thread decodes the tile itself (a few integer ops).
-struct TileMsg { int t; Tile tl; };
-static_assert(sizeof(TileMsg) <= kTileSlotBytes, "a variant's KvRange is too large for a tile slot");
-
-struct Problem {
-  int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;
-  int* tile_counter;
-  const int* tile_order;          // nullptr: the default order
-  VariantArgs va;
-  __device__ __forceinline__ Tile tile(int t) const {
-    return decode_tile(va, tile_order, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
-  }
-};
+#include "tiles.cuh"   // Smem, the K/V ring, work tiles (decode_tile) and the tile hand-over
 
 // ------------------------------------------------------------------ register budgets
 // Two consumers: 40 / 232. A producer that scans a block table for the consumers

@@ -168,6 +168,50 @@ __device__ __forceinline__ void softmax_update(const VariantArgs& va, float (&s)
     st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum
   }
 }
+// The same update in two halves (FA3_SOFTMAX_SPLIT marks them): max and exp2 arguments, then the
+// exponentials and sums, bitwise the same; consumer.cuh waits for its P V between them (FA4's SASS).
+#define FA3_SOFTMAX_SPLIT 1
+__device__ __forceinline__ void softmax_args(const VariantArgs& va, float (&s)[kSRegs],
+                                             SoftmaxState& st, float (&rescale)[2],
+                                             float score_scale) {
+  const float scale_log2 = score_scale * kLog2e;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = kNegInf;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+      mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    mx = fmaxf(st.row_max[half], mx * score_scale);
+    const float base = (mx == kNegInf ? 0.f : mx) * kLog2e;   // a row with nothing attended yet
+    rescale[half] = fast_exp2(st.row_max[half] * kLog2e - base);
+    st.row_max[half] = mx;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        x = fmaf(x, scale_log2, -base);
+      }
+  }
+}
+__device__ __forceinline__ void softmax_exps(float (&s)[kSRegs], SoftmaxState& st,
+                                             const float (&rescale)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        x = fast_exp2(x);
+        sum += x;
+      }
+    st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum
+  }
+}
 __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&rescale)[2]) {
 #pragma unroll
   for (int j = 0; j < kHeadDim / 8; ++j)

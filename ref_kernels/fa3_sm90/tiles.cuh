@@ -1,0 +1,58 @@
+// Shared-memory handles and work tiles of kernel.cu: the K/V ring's stage / phase, a work tile's
+// decode (query block, heads, KV range) and what the producer hands the consumers per tile.
+// kernel.cu includes this inside namespace fa3 after its regions (decode_tile calls head_map and
+// kv_range) and before the roles, which all use it; it holds no region itself.
+#pragma once
+
+struct Smem {
+  uint32_t q, k, v, o;            // tile bases (shared-window addresses)
+  uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty;   // barriers (arrays 8 bytes apart)
+  uint32_t tile_full, tile_empty, tile_slot;
+  __device__ __forceinline__ uint32_t q_tile(int s) const { return q + s * kQBytes; }
+  __device__ __forceinline__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
+  __device__ __forceinline__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
+};
+// The K/V ring is shared by all tiles of a CTA: `it` counts KV tiles since the CTA started.
+__device__ __forceinline__ int ring_stage(int it) { return it % kStages; }
+__device__ __forceinline__ int ring_phase(int it) { return (it / kStages) & 1; }
+
+// A work tile: query block, head, batch; the query blocks of one head are consecutive so that
+// CTAs running at the same time share K/V in L2. Causal: the longest rows (last m_block) first.
+// A tile_order array (from fa3_sm90_tile_counts and the host) overrides this: entry t is
+// bh * num_m + m_block, longest tiles of every head first.
+struct Tile { int m0; HeadMap hm; KvRange r; };
+__device__ __forceinline__ Tile decode_tile(const VariantArgs& va, const int* tile_order, int t, int num_m,
+                                            int seqlen_q, int seqlen_k, int heads_q, int heads_kv) {
+  int m_block, bh;
+  if (tile_order != nullptr) {
+    const int code = tile_order[t];
+    m_block = code % num_m;
+    bh = code / num_m;
+  } else {
+    const int m_idx = t % num_m;
+    bh = t / num_m;
+    m_block = (kCausal || kLongestFirst) ? num_m - 1 - m_idx : m_idx;
+  }
+  const int m0 = m_block * kBlockM;
+  const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
+  // kv_range sees query positions (queries end-aligned): row m0 sits at m0 + Nk - Nq, the last
+  // query at Nk - 1.
+  return Tile{m0, hm, kv_range(va, hm.b, hm.h, m_block, m0 + seqlen_k - seqlen_q, seqlen_k, seqlen_k)};
+}
+
+// What the producer hands the consumers for each tile. With kRangeViaSmem (set by the kv_range
+// region) the whole tile goes through shared memory: the range is computed once per tile (a
+// variant's range scans tiles, maybe a block table in global memory), not once per thread.
+// Otherwise only t does, and each consumer thread decodes the tile itself (a few integer ops).
+struct TileMsg { int t; Tile tl; };
+static_assert(sizeof(TileMsg) <= kTileSlotBytes, "a variant's KvRange is too large for a tile slot");
+
+struct Problem {
+  int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;
+  int* tile_counter;
+  const int* tile_order;          // nullptr: the default order
+  VariantArgs va;
+  __device__ __forceinline__ Tile tile(int t) const {
+    return decode_tile(va, tile_order, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
+  }
+};

@@ -164,14 +164,14 @@ def test_binding_passes_runtime_inputs_through_and_builds_their_table(document):
     cand = document["fa2_sm80"]
     assert cand.runtime == {"DOC_IDS": "doc_ids"} and cand.table_reads_runtime and not cand.host_path
     ids = layout(2, 300, (100, 230)).to(torch.int32)
-    cached = len(binding_module._CACHE)
+    cached = set(binding_module._CACHE)       # keys (the cache is a bounded LRU: its length can stay put)
     extra = cand.bind(Nq=300, Nk=300, Hq=4, Hkv=2, B=2, runtime={"doc_ids": ids})
     assert extra["DOC_IDS"] is ids                        # int32 already: no copy
     hooks = load_spec("document").hooks_for(300, 300, 4, 2, B=2, runtime={"doc_ids": ids})
     assert torch.equal(extra["BLOCK_CLASS"], block_classes(hooks, 2, 4, 300, 300, 128, 64, True))
     other = cand.bind(Nq=300, Nk=300, Hq=4, Hkv=2, B=2, runtime={"doc_ids": layout(2, 300, (64,))})
     assert not torch.equal(other["BLOCK_CLASS"], extra["BLOCK_CLASS"])     # the table follows the batch
-    assert len(binding_module._CACHE) == cached + 1                         # one shape, one static part
+    assert len(set(binding_module._CACHE) - cached) <= 1   # one shape, one static part (0: an earlier test bound it)
     # a search worker binds from the Binding JSON alone (no transfer): the same inputs
     worker = Binding.from_json(json.loads(json.dumps(cand.binding.to_json())))
     again = bind_inputs(worker, load_spec("document"), {}, Nq=300, Nk=300, Hq=4, Hkv=2, B=2,

@@ -11,9 +11,10 @@ run as partial, fully masked: correct, a little slower). Full tiles skip the mas
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from cubridge.cuir import nodes as N
-from cubridge.lower import fusion, itspace, maskclass, regions, saturate
+from cubridge.lower import fusion, itspace, maskclass, regions, rowint, saturate
 from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
@@ -41,9 +42,23 @@ def kv_range(ir: VariantIR) -> str:
     return itspace.kv_range_region(ir, t) + classes
 
 
+# CUBRIDGE_MASK_ROWS=1: partial tiles of a row-interval mask test [lo, hi) per column (rowint.py).
+# Off until a GPU run shows it wins; the generated mask_rows is emitted either way (unused when off).
+MASK_ROWS_ENV = "CUBRIDGE_MASK_ROWS"
+
+
+def mask_rows_enabled() -> bool:
+    value = os.environ.get(MASK_ROWS_ENV, "0")
+    if value not in ("0", "1"):
+        raise LowerError(f"{MASK_ROWS_ENV}={value!r} is neither 0 nor 1",
+                         hint=f"unset {MASK_ROWS_ENV} (default 0) or set it to 1 for row-interval masks")
+    return value == "1"
+
+
 def mask_region(ir: VariantIR) -> str:
     names = c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
-    return mask(ir) + maskclass.mask_class_fn(ir, names, c_tables(ir))
+    return (mask(ir) + maskclass.mask_class_fn(ir, names, c_tables(ir))
+            + rowint.mask_rows_region(ir.mask, names, c_tables(ir), mask_rows_enabled()))
 
 
 ELEMENTWISE_REGION = """\

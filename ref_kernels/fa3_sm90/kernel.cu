@@ -191,6 +191,17 @@ constexpr bool kSaturates = false;
 constexpr int kSatLo = 0, kSatHi = 0;
 #endif
 
+// kMaskRows (a generated mask region defines CUIR_MASK_ROWS and mask_rows: cubridge/lower/rowint.py):
+// the mask keeps the keys [lo, hi) of each row, so a partial tile takes the interval once per row,
+// moves it to the tile's column origin, and tests each element against its column offset (an
+// immediate): one or two compares per element, not the whole predicate.
+#ifdef CUIR_MASK_ROWS
+constexpr bool kMaskRows = CUIR_MASK_ROWS;
+#else                                                      // no row-interval form: mask_pred per element
+constexpr bool kMaskRows = false, kMaskRowLo = true;
+__device__ __forceinline__ void mask_rows(const VariantArgs&, int, int, int, int& lo, int& hi) { lo = hi = 0; }
+#endif
+
 // Scale and score_mod (skipped for an identity score_mod: the softmax scales), and on partial
 // tiles the mask, in one pass over S with each element's indices. kSat: 0 score_mod at each
 // pair's own kv_idx; +1 / -1 at d = kSatHi / kSatLo (a full tile wholly past that bound).
@@ -198,6 +209,15 @@ template <bool kPartial, int kSat = 0>
 __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)[kSRegs],
                                                float softmax_scale, HeadMap hm, int q_row0,
                                                int kv_col0, int seqlen_k) {
+  int row_lo[2] = {0, 0}, row_hi[2] = {0, 0};             // kMaskRows: [lo, hi) - kv_col0 per row
+  if constexpr (kPartial && kMaskRows) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      mask_rows(va, hm.b, hm.h, q_row0 + 8 * half, row_lo[half], row_hi[half]);
+      row_lo[half] -= kv_col0;
+      row_hi[half] = min(row_hi[half], seqlen_k) - kv_col0;
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
@@ -208,7 +228,12 @@ __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)
         const int q_idx = q_row0 + 8 * half, kv_idx = kv_col0 + 8 * j + e;
         const int kv_mod = kSat > 0 ? q_idx + kSatHi : kSat < 0 ? q_idx + kSatLo : kv_idx;
         if constexpr (!kScoreModIdentity) x = score_mod(va, x, softmax_scale, hm.b, hm.h, q_idx, kv_mod);
-        if (kPartial && !((kv_idx < seqlen_k) & mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
+        if constexpr (kPartial && kMaskRows) {
+          const int c = 8 * j + e;                       // kv_idx - kv_col0
+          if (!(((!kMaskRowLo) | (c >= row_lo[half])) & (c < row_hi[half]))) x = kNegInf;
+        } else if (kPartial && !((kv_idx < seqlen_k) & mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) {
+          x = kNegInf;
+        }
       }
 }
 

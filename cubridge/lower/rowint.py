@@ -11,16 +11,18 @@ The analysis is structural and refuses (returns None) whatever it cannot prove:
 - an atom compares the key index, as +-ik plus key-free int terms (or ik // c, c > 0), with a
   key-free int: ik < t, ik <= t, ik > t, ik >= t, ik == t;
 - a key-free boolean p (q < 64, a head test) is the whole row or none of it;
-- `&` intersects (always an interval); `|` unites only where the union is provably one
-  interval: both sides unbounded below, both unbounded above, or one side key-free;
+- `&` intersects piece by piece, `|` unites; pieces that are provably one interval (both unbounded
+  below, or both above) merge; more than MAX_PIECES (2) pieces are refused;
 - `not` is pushed through atoms and connectives (De Morgan).
-global_sliding_window, (kv <= q & q - kv < 256) | kv < 64 | q < 64, is refused: for q >= 320 its
-row is two pieces ([0, 64) and the window). A gathered key (share_question's segment table) is
-refused too.
+global_sliding_window, (kv <= q & q - kv < 256) | kv < 64 | q < 64, is two pieces: the window and
+the global columns (both the whole row where q < 64). kernel.cu clips them to each tile and
+merges them there (tile_row_interval); a warp with a row of two disjoint pieces in a tile (tile 0
+of rows 320-382 at 128 x 128) evaluates mask_pred. A gathered key (share_question) is refused.
 
-`mask_rows_region` emits `mask_rows(va, b, h, q_idx, lo, hi)` and `kMaskRowLo` (false where no
-atom bounds the key from below: the kernel then skips that compare). The kernel uses it on
-partial tiles where CUIR_MASK_ROWS is 1 (off by default until a GPU run says it wins).
+`mask_rows_region` emits `mask_rows(va, b, h, q_idx, lo, hi)` (arrays of kMaskPieces) and
+`kMaskRowLo` (false where no piece is bounded below: the kernel then skips that compare). The
+kernel uses it on partial tiles where CUIR_MASK_ROWS is 1 (off by default until a GPU run says it
+wins: CUBRIDGE_MASK_ROWS=1, or the knob experiments/patches/knobs/mask_rows.patch).
 """
 from __future__ import annotations
 
@@ -92,7 +94,10 @@ class _Analysis:
             return self.atom(_NEG[e.op] if negate else e.op, e.left, e.right)
         raise _Refuse()
 
-    def atom(self, op: str, left, right) -> Rows:
+    def atom(self, op: str, left, right) -> tuple:
+        return (self._atom(op, left, right),)
+
+    def _atom(self, op: str, left, right) -> Rows:
         if _has_key(left) and _has_key(right):
             sl, rl = self.linear(left)
             sr, rr = self.linear(right)
@@ -180,47 +185,87 @@ def _both(f, a, b):
     return a if b is None else b if a is None else f"{f}({a}, {b})"
 
 
+MAX_PIECES = 2          # intervals per row the kernel merges per tile (kMaskPieces)
+
+
+def _cond(p: str, r: Rows, full: bool) -> Rows:
+    """p ? everything : r (full), or p ? r : nothing."""
+    if full:
+        return Rows(None if r.lo is None else f"({p} ? -{BIG} : {r.lo})",
+                    None if r.hi is None else f"({p} ? {BIG} : {r.hi})")
+    return Rows(r.lo, f"({p} ? {r.hi or BIG} : -{BIG})")
+
+
+def _meet(a: Rows, b: Rows) -> Rows:
+    return Rows(_both("max", a.lo, b.lo), _both("min", a.hi, b.hi))
+
+
+def _either(f, a, b):
+    """The looser of two bounds of a union (None: unbounded wins)."""
+    return None if a is None or b is None else f"{f}({a}, {b})"
+
+
+def _unite(pieces: list) -> tuple:
+    """Pieces with those that provably form one interval merged (both unbounded below or above)."""
+    out = []
+    for r in pieces:
+        for i, o in enumerate(out):
+            if r.lo is None and o.lo is None:
+                out[i] = Rows(None, _either("max", o.hi, r.hi))
+                break
+            if r.hi is None and o.hi is None:
+                out[i] = Rows(_either("min", o.lo, r.lo), None)
+                break
+        else:
+            out.append(r)
+    if len(out) > MAX_PIECES:
+        raise _Refuse()
+    return tuple(out)
+
+
 def _join(conj: bool, a, b):
+    """a & b (conj) or a | b: Pred, or a tuple of Rows whose union is the kept keys."""
     if isinstance(a, Pred) and isinstance(b, Pred):
         return Pred(f"({a.c} {'&' if conj else '|'} {b.c})")
     if isinstance(b, Pred):
         a, b = b, a
     if isinstance(a, Pred):                            # p & R: R or nothing; p | R: everything or R
-        if conj:
-            return Rows(b.lo, f"({a.c} ? {b.hi or BIG} : -{BIG})")
-        return Rows(None if b.lo is None else f"({a.c} ? -{BIG} : {b.lo})",
-                    None if b.hi is None else f"({a.c} ? {BIG} : {b.hi})")
+        return tuple(_cond(a.c, r, not conj) for r in b)
     if conj:
-        return Rows(_both("max", a.lo, b.lo), _both("min", a.hi, b.hi))
-    if a.lo is None and b.lo is None:
-        return Rows(None, f"max({a.hi}, {b.hi})")
-    if a.hi is None and b.hi is None:
-        return Rows(f"min({a.lo}, {b.lo})", None)
-    raise _Refuse()                                    # the union may be two pieces
+        return _unite([_meet(x, y) for x in a for y in b])
+    return _unite([*a, *b])
 
 
-def row_interval(mask, names: dict, tables: dict) -> Rows | None:
-    """The mask's kept keys per row as one interval, or None where that is not proven."""
+def row_pieces(mask, names: dict, tables: dict) -> tuple | None:
+    """The mask's kept keys per row as a union of at most MAX_PIECES intervals, or None where that
+    is not proven."""
     if mask is None:
         return None
     try:
         out = _Analysis(names, tables).formula(mask)
     except (_Refuse, LowerError):
         return None
-    if isinstance(out, Pred):
-        return None                                    # a key-free mask: no per-key work to save
-    return out
+    return None if isinstance(out, Pred) else out      # a key-free mask: no per-key work to save
+
+
+def row_interval(mask, names: dict, tables: dict) -> Rows | None:
+    """The mask's kept keys per row as one interval, or None."""
+    pieces = row_pieces(mask, names, tables)
+    return pieces[0] if pieces is not None and len(pieces) == 1 else None
 
 
 def mask_rows_region(mask, names: dict, tables: dict, enabled: bool) -> str:
     """mask_rows() and the defines kernel.cu's score_and_mask reads, or "" where refused."""
-    rows = row_interval(mask, names, tables)
-    if rows is None:
+    pieces = row_pieces(mask, names, tables)
+    if pieces is None:
         return ""
-    lo, hi = rows.lo or f"-{BIG}", rows.hi or BIG
-    return (f"// Row intervals (cubridge/lower/rowint.py): the mask keeps keys lo <= kv_idx < hi in row q_idx.\n"
-            f"// CUIR_MASK_ROWS 1: partial tiles compare each column against it (0: mask_pred per element).\n"
+    has_lo = len(pieces) > 1 or pieces[0].lo is not None
+    sets = "".join(f"  lo[{i}] = {r.lo or '-' + BIG};\n  hi[{i}] = {r.hi or BIG};\n" for i, r in enumerate(pieces))
+    return (f"// Row intervals (cubridge/lower/rowint.py): row q_idx keeps the keys lo[i] <= kv_idx < hi[i], i < kMaskPieces.\n"
+            f"// CUIR_MASK_ROWS 1: partial tiles compare each column against them (0: mask_pred per element).\n"
             f"#define CUIR_MASK_ROWS {1 if enabled else 0}\n"
-            f"constexpr bool kMaskRowLo = {'true' if rows.lo is not None else 'false'};\n"
-            "__device__ __forceinline__ void mask_rows(const VariantArgs& va, int b, int h, int q_idx, int& lo, int& hi) {\n"
-            f"  lo = {lo};\n  hi = {hi};\n}}\n")
+            f"constexpr bool kMaskRowLo = {'true' if has_lo else 'false'};\n"
+            f"constexpr int kMaskPieces = {len(pieces)};\n"
+            "__device__ __forceinline__ void mask_rows(const VariantArgs& va, int b, int h, int q_idx,\n"
+            "                                          int (&lo)[kMaskPieces], int (&hi)[kMaskPieces]) {\n"
+            f"{sets}}}\n")

@@ -138,13 +138,15 @@ __device__ __forceinline__ bool mask_pred_class(const VariantArgs& va, int b, in
     return mask_pred(va, b, h, q_idx, kv_idx);
   }
 }
-// Row intervals (cubridge/lower/rowint.py): the mask keeps keys lo <= kv_idx < hi in row q_idx.
-// CUIR_MASK_ROWS 1: partial tiles compare each column against it (0: mask_pred per element).
+// Row intervals (cubridge/lower/rowint.py): row q_idx keeps the keys lo[i] <= kv_idx < hi[i], i < kMaskPieces.
+// CUIR_MASK_ROWS 1: partial tiles compare each column against them (0: mask_pred per element).
 #define CUIR_MASK_ROWS 0
 constexpr bool kMaskRowLo = false;
-__device__ __forceinline__ void mask_rows(const VariantArgs& va, int b, int h, int q_idx, int& lo, int& hi) {
-  lo = -(1 << 30);
-  hi = max((q_idx) + 1, (va.C0));
+constexpr int kMaskPieces = 1;
+__device__ __forceinline__ void mask_rows(const VariantArgs& va, int b, int h, int q_idx,
+                                          int (&lo)[kMaskPieces], int (&hi)[kMaskPieces]) {
+  lo[0] = -(1 << 30);
+  hi[0] = max((q_idx) + 1, (va.C0));
 }
 // ===== region softmax
 // Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds

@@ -65,9 +65,10 @@ def test_pieces():
     assert len(rowint.row_pieces(trace_mask(lambda b, h, q, kv: (kv <= q) | (kv < 64)).expr, NAMES, {})) == 1
 
 
-def test_builtin_variants():
+def test_builtin_variants(monkeypatch):
     """prefixlm and causal_blockwise get one piece, global_sliding_window two; share_question (a
     gathered key) gets no mask_rows. Off by default."""
+    monkeypatch.delenv(MASK_ROWS_ENV, raising=False)
     for name, pieces in (("prefixlm", 1), ("causal_blockwise", 1), ("global_sliding_window", 2),
                          ("share_question", 0)):
         src = _lowered(name)[1].source

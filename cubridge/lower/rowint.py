@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cubridge.cuir import nodes as N
-from cubridge.lower.cexpr import LowerError, _Lower
+from cubridge.lower.cexpr import LowerError, to_c_typed
 
 KEY = "ik"
 BIG = "(1 << 30)"          # past any position (positions stay below 2^30): an unbounded side
@@ -66,10 +66,10 @@ def _has_key(e) -> bool:
 
 class _Analysis:
     def __init__(self, names: dict, tables: dict):
-        self.low = _Lower(names, tables)
+        self.names, self.tables = names, tables
 
     def c(self, e, want: str) -> str:
-        text, ty = self.low.expr(e)
+        text, ty = to_c_typed(e, self.names, self.tables)
         if ty != want:
             raise _Refuse()
         return text

@@ -156,7 +156,15 @@ constexpr bool kDenseKernel = false;
 // And to two consumers: three (D 64's 192 x 128) ran 3-6% slower with the descriptors and the
 // producer loop below (session 10 mid call, fwd_mid_ab.json, all eight D 64 shapes), so they keep
 // session 9's code, with its 4-18 spilled bytes in the producer of 20 causal builds of the space.
-constexpr bool kNewCodegen = kDenseKernel && kConsumers == 2;
+// Lowered variants whose kv_range region defines CUIR_VARIANT_CODEGEN get it too (session 12: softmax
+// variants with no score_mod and no block table, cubridge/lower/fa3_sm90.py session10_codegen;
+// spill-free at 128 x 128 and 128 x 176 with it, +3.4-4.9% at 128 x 176 in the mid call).
+#ifdef CUIR_VARIANT_CODEGEN
+constexpr bool kVariantCodegen = true;
+#else
+constexpr bool kVariantCodegen = false;
+#endif
+constexpr bool kNewCodegen = (kDenseKernel || kVariantCodegen) && kConsumers == 2;
 
 // @cuir-region score
 // score = kScoreFactor * score_mod(va, x, scale, ...), x the raw q.k and scale the softmax scale

@@ -67,22 +67,40 @@ def test_pieces():
 
 def test_builtin_variants(monkeypatch):
     """prefixlm and causal_blockwise get one piece, global_sliding_window two; share_question (a
-    gathered key) gets no mask_rows. Off by default."""
+    gathered key) gets no mask_rows. By default (auto) on for two pieces only (session 12 mid call:
+    global_sliding_window +5-7%, one-piece masks -0.8..+0.2%)."""
     monkeypatch.delenv(MASK_ROWS_ENV, raising=False)
     for name, pieces in (("prefixlm", 1), ("causal_blockwise", 1), ("global_sliding_window", 2),
                          ("share_question", 0)):
         src = _lowered(name)[1].source
-        assert ("#define CUIR_MASK_ROWS 0" in src) == (pieces > 0), name
+        assert ("#define CUIR_MASK_ROWS" in src) == (pieces > 0), name
         assert (f"constexpr int kMaskPieces = {pieces};" in src) == (pieces > 0), name
-        assert "#define CUIR_MASK_ROWS 1" not in src, name
+        assert ("#define CUIR_MASK_ROWS 1" in src) == (pieces == 2), name
 
 
 def test_env_switch(monkeypatch):
     monkeypatch.setenv(MASK_ROWS_ENV, "1")
-    assert mask_rows_enabled() and "#define CUIR_MASK_ROWS 1" in _lowered("prefixlm")[1].source
+    assert mask_rows_enabled(1) and "#define CUIR_MASK_ROWS 1" in _lowered("prefixlm")[1].source
+    monkeypatch.setenv(MASK_ROWS_ENV, "0")
+    assert not mask_rows_enabled(2) and "#define CUIR_MASK_ROWS 0" in _lowered("global_sliding_window")[1].source
     monkeypatch.setenv(MASK_ROWS_ENV, "yes")
     with pytest.raises(LowerError, match=MASK_ROWS_ENV):
-        mask_rows_enabled()
+        mask_rows_enabled(1)
+
+
+def test_wide_tile_and_codegen_choice():
+    """The measured family takes session 10's codegen and 128 x 176 from 8k: softmax, no score_mod,
+    no block table (codegen), and one interval per row (tile); the rest keep session 9's code."""
+    from cubridge.lower.fa3_sm90 import session10_codegen, wide_tile
+    from cubridge.runtime.fa3_sm90 import default_config
+    for name, wide, codegen in (("prefixlm", True, True), ("causal_blockwise", True, True),
+                                ("global_sliding_window", False, True), ("share_question", False, False),
+                                ("relative_pos", False, False), ("composite", False, False)):
+        kern = _lowered(name)[1]
+        assert (wide_tile(kern.ir), session10_codegen(kern.ir)) == (wide, codegen), name
+        assert ("#define CUIR_VARIANT_CODEGEN 1" in kern.source) == codegen, name
+        assert default_config(128, False, True, 8192, variant=True, wide=wide_tile(kern.ir)).block_n == (176 if wide else 128)
+    assert default_config(128, False, True, 4096, variant=True, wide=True).block_n == 128
 
 
 HARNESS = r"""

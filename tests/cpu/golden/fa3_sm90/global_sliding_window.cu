@@ -115,6 +115,8 @@ __device__ __forceinline__ int tile_mask_class_wg(const VariantArgs& va, const K
   if (!tile_may(va, w, n, k_lo, k_hi, 1)) return -1;
   return tile_mask_class(va, w, n);
 }
+// session10_codegen (cubridge/lower/fa3_sm90.py): kernel.cu's kNewCodegen for this variant too.
+#define CUIR_VARIANT_CODEGEN 1
 // ===== region score
 constexpr bool kScoreModIdentity = true;
 constexpr float kScoreFactor = 1.f;
@@ -150,7 +152,7 @@ __device__ __forceinline__ bool mask_pred_class(const VariantArgs& va, int b, in
 }
 // Row intervals (cubridge/lower/rowint.py): row q_idx keeps the keys lo[i] <= kv_idx < hi[i], i < kMaskPieces.
 // CUIR_MASK_ROWS 1: partial tiles compare each column against them (0: mask_pred per element).
-#define CUIR_MASK_ROWS 0
+#define CUIR_MASK_ROWS 1
 constexpr bool kMaskRowLo = true;
 constexpr int kMaskPieces = 2;
 __device__ __forceinline__ void mask_rows(const VariantArgs& va, int b, int h, int q_idx,

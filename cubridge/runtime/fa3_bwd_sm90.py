@@ -28,11 +28,13 @@ H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCH
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
-DEFAULT_OPTION is "bulk_overlap_lse_lean" since session 10: on an H100 (session 10 mid call, bf16
-D = 128, 16k tokens, 8k, round-robin) it ran 476 / 502 TFLOPS causal / full against bulk_overlap_lse's
-450 / 503 (session 9's default: 450 / 514 causal 8k / 16k, 510 / 548 full), cuDNN 476 / 544 and FA4
-547 / 619; and it is compute-sanitizer racecheck clean (0 hazards, the variant path too), where
-bulk_overlap_lse reports 10240 potential write-after-read hazards (NOTES.md "Session 10").
+DEFAULT_OPTION (and VARIANT_OPTION, the variant backwards') is "bulk_overlap_lse_lean_issue_pf32_epi"
+since session 12: on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
+537 / 541 / 554 / 543 TFLOPS causal 8k / full 8k / causal 16k / full 16k against the session-10
+default bulk_overlap_lse_lean's 496 / 540 / 536 / 520 (cuDNN 533 / 583 / 577 / 599), passed every
+case of tests/gpu/test_bwd_sm90.py and is compute-sanitizer racecheck clean (0 hazards). lean had
+replaced bulk_overlap_lse in session 10: racecheck clean where bulk_overlap_lse's lane-0 stage release
+drew 10240 potential write-after-read reports (NOTES.md "Session 10").
 
 Status: every option passed tests/gpu/test_bwd_sm90.py on an H100 (446 cases, session 9), so
 cubridge.runtime.autograd routes sm_90 backwards here by default (atomic dQ mode);
@@ -89,11 +91,14 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue_pf32_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
-DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, racecheck clean (docstring)
+DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"   # fastest of OPTIONS on an H100, tested (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
-VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean")
-VARIANT_OPTION = "bulk_overlap_lse_lean"   # racecheck clean on the variant path (session 10)
+VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
+                   "bulk_overlap_lse_lean_issue_pf32_epi")
+# the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
+# fp16 / bf16; session 12); lean stays in VARIANT_OPTIONS as the A/B baseline
+VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
 BLOCK_N = 128            # keys per CTA

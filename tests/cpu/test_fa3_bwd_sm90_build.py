@@ -113,6 +113,10 @@ def test_variant_options_carry_the_hooks():
     # the defaults release stages from every thread: racecheck clean (session 10, H100: 0 hazards on the
     # dense and the variant path; bulk_overlap_lse's lane-0 release drew 10240 reports)
     assert hb.OPTIONS[hb.DEFAULT_OPTION].arrive_all == 1 and hb.OPTIONS[hb.VARIANT_OPTION].arrive_all == 1
+    # session 12: the default is ISSUE 2 + EPILOGUE (session 11 H100: faster than lean on all four
+    # dense shapes, every test_bwd_sm90 case, racecheck 0 hazards), and variants build on the same body
+    assert hb.DEFAULT_OPTION == hb.VARIANT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi"
+    assert hb.OPTIONS[hb.DEFAULT_OPTION] == hb.OPTIONS["bulk_overlap_lse_lean"]._replace(issue=2, epilogue=1)
     assert hb.OPTIONS["bulk_overlap_lse_arriveall"] == hb.OPTIONS["bulk_overlap_lse"]._replace(arrive_all=1)
     assert hb.OPTIONS["bulk_overlap_lse_lean"] == hb.OPTIONS["bulk_overlap_lse_arriveall"]._replace(lean=1)
     for name in ("bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean"):

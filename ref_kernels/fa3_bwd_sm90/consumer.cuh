@@ -351,6 +351,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
                                              const Problem& pb, int st, int it, int g, int m0, uint32_t kr,
                                              uint32_t vr, uint32_t kt,
                                              float (&dk_acc)[kAccRegs], float (&dv_acc)[kAccRegs],
+                                             uint32_t (&ds16)[kPRegs],
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float* __restrict__ dq_accum, float scale_log2) {
   float s[kSRegs], dp[kSRegs];
@@ -370,6 +371,11 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   if constexpr (kSplitPasses) wgmma_wait<1>();  // S^T landed, dP^T in flight
   else wgmma_wait<0>();
   reg_fence(s);
+  if constexpr (kCarry) {   // CARRY: the previous step's dK (committed before S^T) has landed as well
+    reg_fence(dk_acc);
+    reg_fence_u(ds16);
+    if (it > 0) release_stage(cs, sm, (it + kStages - 1) % kStages);
+  }
   if constexpr (kSplitPasses) {
     probs_only(va, kRangeRuns ? variant_partial : kIssue ? pre_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse,
                scale_log2, pb, g,
@@ -378,7 +384,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
     reg_fence(dp);
     probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));
   }
-  uint32_t p16[kPRegs], ds16[kPRegs];
+  uint32_t p16[kPRegs];
   pack_frag(p16, s);
   wgmma_fence();
   gemm_rs(dv_acc, p16, sm.do_tile(st));          // dV += P^T dO runs under the dS pass
@@ -416,10 +422,12 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_wait<1>();                               // dQ landed, dK in flight
   reg_fence(dq);
   emit_dq(cs, sm, dq_accum, dq, pb.bh_q(g), m0, pb.seqlen_q, it);
-  wgmma_wait<0>();
-  reg_fence(dk_acc);
-  reg_fence_u(ds16);
-  release_stage(cs, sm, st);
+  if constexpr (!kCarry) {   // CARRY: waited for at the next step's first wait (or after the loop)
+    wgmma_wait<0>();
+    reg_fence(dk_acc);
+    reg_fence_u(ds16);
+    release_stage(cs, sm, st);
+  }
 }
 
 __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& cs, const Smem& sm,
@@ -447,6 +455,10 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
     // ISSUE 1: (g, i) counted along (no division per step: ~30 instructions at the step's top,
     // where the tensor pipe has drained; they fit in uniform registers now).
     int g_run = 0, i_run = 0;
+    // dS^T of the step (dK's A operand): loop-carried so that CARRY keeps it live until dK landed
+    uint32_t ds16[kPRegs];
+#pragma unroll
+    for (int i = 0; i < kPRegs; ++i) ds16[i] = 0u;
     for (int it = 0; it < total; ++it) {
       const int g = kIssue ? g_run : it / steps, i = kIssue ? i_run : it - g * steps,
                 m0 = (kRangeRuns ? q_runs_tile(i) : kIssue ? qr.m_begin + i : qr.m_begin + it - g * steps) * kBlockM,
@@ -458,7 +470,13 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
       mbar_wait(sm.q_full() + 8 * st, (it / kStages) & 1);
       uint32_t kr = k_rows, vr = v_rows, kt = sm.k();   // opaque per step, as below
       asm volatile("" : "+r"(kr), "+r"(vr), "+r"(kt));
-      overlap_step(va, cs, sm, pb, st, it, g, m0, kr, vr, kt, dk_acc, dv_acc, lse, dvec, dq_accum, scale_log2);
+      overlap_step(va, cs, sm, pb, st, it, g, m0, kr, vr, kt, dk_acc, dv_acc, ds16, lse, dvec, dq_accum, scale_log2);
+    }
+    if constexpr (kCarry) {   // the last step's dK (waited for on every path: else ptxas injects a wait)
+      wgmma_wait<0>();
+      reg_fence(dk_acc);
+      reg_fence_u(ds16);
+      if (total > 0) release_stage(cs, sm, (total - 1) % kStages);
     }
   }
   int it = 0;

@@ -76,6 +76,9 @@ typedef unsigned long long uint64_t;
 #ifndef EPILOGUE
 #define EPILOGUE 0
 #endif
+#ifndef CARRY
+#define CARRY 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"

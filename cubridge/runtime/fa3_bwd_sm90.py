@@ -26,7 +26,9 @@ H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCH
 "bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores),
 "bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4),
 "bulk_overlap_lse_lean_issue_pf32_epi_carry" (that with CARRY: each step's dK GEMM waited for at the
-next step's first wgmma wait instead of at its own end; session 12, off until an H100 run passes), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+next step's first wgmma wait instead of at its own end; session 12, off until an H100 run passes),
+"bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate" (that with DV_LATE: FA4's order, dV issued after the dS
+pass and dQ queued behind it; session 12, off), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -83,6 +85,7 @@ class Modes(NamedTuple):
     issue: int = 0
     epilogue: int = 0
     carry: int = 0
+    dv_late: int = 0
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
@@ -94,6 +97,8 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue_pf32_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
                                                                carry=1),
+           "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                      epilogue=1, carry=1, dv_late=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"   # fastest of OPTIONS on an H100, tested (docstring)
@@ -101,6 +106,7 @@ DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"   # fastest of OPTIONS o
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
                    "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry")
+# (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
 # the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
 # fp16 / bf16; session 12); lean stays in VARIANT_OPTIONS as the A/B baseline
 VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"

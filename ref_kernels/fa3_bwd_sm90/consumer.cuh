@@ -386,23 +386,31 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   }
   uint32_t p16[kPRegs];
   pack_frag(p16, s);
-  wgmma_fence();
-  gemm_rs(dv_acc, p16, sm.do_tile(st));          // dV += P^T dO runs under the dS pass
-  wgmma_commit();
+  if constexpr (!kDvLate) {
+    wgmma_fence();
+    gemm_rs(dv_acc, p16, sm.do_tile(st));        // dV += P^T dO runs under the dS pass
+    wgmma_commit();
+  }
   if constexpr (kSplitPasses) {
     preload_row_terms(row_pre, cs, sm.dvec_tile(st));   // ISSUE 1: Dvec under the dP / dV GEMMs
-    wgmma_wait<1>();                             // dP^T landed
+    if constexpr (kDvLate) wgmma_wait<0>();     // dP^T landed (DV_LATE: nothing else in flight)
+    else wgmma_wait<1>();                        // dP^T landed
     reg_fence(dp);
     ds_only16(va, cs, p16, s, dp, dvec, pb, g, m0, sm.dvec_tile(st), row_pre);
   }
   pack_frag(ds16, dp);
   const uint32_t slot = sm.ds_slot(it % kDsSlots);
   store_ds(cs, slot, ds16);
+  if constexpr (kDvLate) {   // DV_LATE (FA4's order): dV issued after the dS pass, runs under the barrier
+    wgmma_fence();
+    gemm_rs(dv_acc, p16, sm.do_tile(st));
+    wgmma_commit();
+  }
   fa3::fence_async_smem();                       // generic stores -> the wgmma (async proxy) reads
   dq_slot_wait(cs);
   if (kDqSplitN) named_sync(kBarDsReady, kConsumers * kWgThreads);
   else cs.wg_sync();
-  if constexpr (!kDqFirst) {
+  if constexpr (!kDqFirst && !kDvLate) {
     wgmma_wait<0>();   // dV (long done: the dS pass, store and barrier ran under it) frees P^T's
     reg_fence(dv_acc); // registers before dQ's 32 are taken: waiting after the dQ issue spilled 8
     reg_fence_u(p16);  // bytes at D = 128 causal fp16 (SCHED 1's form)
@@ -411,7 +419,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_fence();
   gemm_dq(dq, slot, kt, cs.c);
   wgmma_commit();
-  if constexpr (kDqFirst) {   // SCHED 2: dQ queued behind dV, then dV waited for
+  if constexpr (kDqFirst || kDvLate) {   // SCHED 2 / DV_LATE: dQ queued behind dV, then dV waited for
     wgmma_wait<1>();
     reg_fence(dv_acc);
     reg_fence_u(p16);

@@ -79,6 +79,9 @@ typedef unsigned long long uint64_t;
 #ifndef CARRY
 #define CARRY 0
 #endif
+#ifndef DV_LATE
+#define DV_LATE 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"

@@ -244,11 +244,14 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
                                    (1, 2, 2, 2048, 2048, 128, F16)], ids=["gqa-q333-k517-d128", "mqa-q1000-k300-d64",
                                                                           "q2048-d128"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_carry_gradients_equal_pf32(causal, shape):
+@pytest.mark.parametrize("option", ["bulk_overlap_lse_lean_issue_pf32_epi_carry",
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate"])
+def test_carry_gradients_equal_pf32(option, causal, shape):
     """CARRY (session 12) only moves where each step waits for its dK GEMM (the next step's first
-    wgmma wait) and when the stage is released: the same operations on the same values, so dK and
-    dV are bitwise bulk_overlap_lse_lean_issue_pf32_epi's (a dS^T register reused while dK still
-    read it, or a stage reloaded under it, would change dK), dQ equal up to the reduce-add order
+    wgmma wait) and when the stage is released, DV_LATE where dV is issued: the same operations on
+    the same values in the same order per accumulator, so dK and dV are bitwise
+    bulk_overlap_lse_lean_issue_pf32_epi's (a dS^T or P^T register reused while a GEMM still read
+    it, or a stage reloaded under it, would change them), dQ equal up to the reduce-add order
     (within 2^-6 of max |dQ|). GQA (the stage ring wraps across heads), Nq > Nk, many steps."""
     from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
     from cubridge.runtime.fa3_sm90 import fa3_forward
@@ -258,8 +261,7 @@ def test_carry_gradients_equal_pf32(causal, shape):
     k, v = (torch.randn(b, hkv, nk, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
     out, lse = fa3_forward(q, k, v, causal=causal)
     dq_p, dk_p, dv_p = fa3_backward(dout, q, k, v, out, lse, causal=causal, option="bulk_overlap_lse_lean_issue_pf32_epi")
-    dq_c, dk_c, dv_c = fa3_backward(dout, q, k, v, out, lse, causal=causal,
-                                    option="bulk_overlap_lse_lean_issue_pf32_epi_carry")
+    dq_c, dk_c, dv_c = fa3_backward(dout, q, k, v, out, lse, causal=causal, option=option)
     assert torch.equal(dk_c, dk_p) and torch.equal(dv_c, dv_p)
     scale = dq_p.float().abs().max().item()
     assert scale > 0 and (dq_c.float() - dq_p.float()).abs().max().item() <= scale * 2 ** -6

@@ -216,7 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, nargs="+", default=[8192, 1024, 4096, 16384])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variants", nargs="+", default=VARIANTS)
-    ap.add_argument("--peers", nargs="+", default=["flex", "flex_flash"])
+    ap.add_argument("--peers", nargs="*", default=["flex", "flex_flash"],
+                    help="peers to time beside ours (none: `--peers` alone, e.g. an A/B of --hopper-options)")
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     ap.add_argument("--bwd-kernel", choices=["fa2", "hopper"], default="fa2",
                     help="our backward kernel: fa2_bwd_sm80 or the Hopper fa3_bwd_sm90 (sm_90)")

@@ -14,8 +14,7 @@ dP^T: keys are rows, queries columns):
   SCHED 1 order (P^T under the dP GEMM, dS^T from the 16-bit P^T, or from the f32 P^T on
   ISSUE 2 options such as VARIANT_OPTION); otherwise P^T and dS^T come
   from one pass after both GEMMs, which still has the f32 score the derivative needs (also relu:
-  its dS tests P != 0, which an fp16 P^T fails where relu(s) c underflows; on ISSUE 2 options such as
-  VARIANT_OPTION relu keeps the split passes: their dS pass reads the f32 P^T).
+  its dS tests P != 0, which an fp16 P^T fails where relu(s) c underflows).
 - mask_pred: as the forward's (hooks.mask).
 - softmax_bwd: softmax P = exp2(y - LSE2), dS = P (dP - Dvec); sigmoid P = sigmoid(s + bias),
   dS = dP P (1 - P); relu P = relu(s) c, dS = dP c [P != 0].

@@ -26,9 +26,9 @@ H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCH
 "bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores),
 "bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4),
 "bulk_overlap_lse_lean_issue_pf32_epi_carry" (that with CARRY: each step's dK GEMM waited for at the
-next step's first wgmma wait instead of at its own end; session 12, off until an H100 run passes),
+next step's first wgmma wait instead of at its own end; session 12: racecheck clean, 2-4% slower, off),
 "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate" (that with DV_LATE: FA4's order, dV issued after the dS
-pass and dQ queued behind it; session 12, off), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+pass and dQ queued behind it; session 12: 2-6% slower than the default, off), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -36,7 +36,9 @@ DEFAULT_OPTION (and VARIANT_OPTION, the variant backwards') is "bulk_overlap_lse
 since session 12: on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
 537 / 541 / 554 / 543 TFLOPS causal 8k / full 8k / causal 16k / full 16k against the session-10
 default bulk_overlap_lse_lean's 496 / 540 / 536 / 520 (cuDNN 533 / 583 / 577 / 599), passed every
-case of tests/gpu/test_bwd_sm90.py and is compute-sanitizer racecheck clean (0 hazards). lean had
+case of tests/gpu/test_bwd_sm90.py and is compute-sanitizer racecheck clean (0 hazards); session 12's
+mid call: 528 / 557 / 576 / 544 vs lean 486 / 532 / 537 / 539, racecheck / synccheck clean on the
+variant path too. lean had
 replaced bulk_overlap_lse in session 10: racecheck clean where bulk_overlap_lse's lane-0 stage release
 drew 10240 potential write-after-read reports (NOTES.md "Session 10").
 
@@ -108,7 +110,8 @@ VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overl
                    "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry")
 # (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
 # the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
-# fp16 / bf16; session 12); lean stays in VARIANT_OPTIONS as the A/B baseline
+# fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule); lean stays in
+# VARIANT_OPTIONS as the A/B baseline
 VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).

@@ -24,7 +24,8 @@ once its last dQ add has read shared memory instead of once it completed; sessio
 wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; session 11: timed on an
 H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2),
 "bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores),
-"bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+"bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4),
+"bulk_overlap_lse_lean_l2lpt" (lean in TILE_ORDER 2's order; a variant option), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -88,11 +89,18 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1),
            "bulk_overlap_lse_lean_issue_pf32_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
+           "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, racecheck clean (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
-VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean")
+# bulk_overlap_lse_lean_l2lpt (session 12, not yet timed on a GPU): lean in TILE_ORDER 2's order, the
+# KV tiles of a section of heads lowest first. A variant's CTAs are as uneven as causal's (host count,
+# experiments/bwd_visit_counts.py, 8k: share_question 2-128 steps per CTA, mean 41; global_sliding_window
+# 1-128, mean 8.8) and its long ones are its low tiles; TILE_ORDER 0 starts the last head's long
+# tiles near the end of the grid.
+VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
+                   "bulk_overlap_lse_lean_l2lpt")
 VARIANT_OPTION = "bulk_overlap_lse_lean"   # racecheck clean on the variant path (session 10)
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
@@ -320,7 +328,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     section = 1
     if modes.tile_order == 2:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
-        section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal), l2)
+        # a variant's tiles are uneven like causal's (VARIANT_OPTIONS): sections sized the same way
+        section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal) or variant is not None, l2)
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
     scalars += [ctypes.c_int32(section)]   # l2_section
     scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs

@@ -7,7 +7,7 @@ mask_pred compiled with g++ (FA3B_HOST_SCAN, as tests/cpu/test_fa3_bwd_variant_r
 - exact: query tiles whose tile predicate / block class says "may attend" (an exact list's count);
 - attended: (KV tile, query tile) steps with an attended pair (brute force, pair by pair);
 - masked: consumer half-steps (64 keys x 64 queries) q_step_partial sends down the masked path,
-  against the half-steps that hold an attended and a masked pair (truly partial);
+  against the visited half-steps that need it (some pair masked: partial or empty halves);
 - max_steps / mean_steps: the CTA with the most steps vs the mean (load balance).
 With CUBRIDGE_BWD_Q_LIST=1 the region is the exact list (cubridge.lower.fa3_bwd_sm90).
 
@@ -75,7 +75,7 @@ int main() {
               all &= att;
             }
         any_tile |= any;
-        if (seen[m] && any && !all) ++partial;
+        if (seen[m] && !all) ++partial;   // the mask is needed: a masked pair (or an empty half)
         if (seen[m] && q_step_partial(va, b, hk, G, n0, kv_lo, m, Nq, Nk)) ++masked;
         if (any && !seen[m]) { printf("missed tile\n"); return 1; }
       }
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                 rows.append(count(name, n, Path(tmp)))
                 r = rows[-1]
                 print(f"{name:22s} {n:6d} visited {r['visited']:6d} exact {r['exact']:6d} attended {r['attended']:6d} "
-                      f"waste {100 * r['waste']:5.1f}%  masked {r['masked_half_steps']:6d} / partial "
+                      f"waste {100 * r['waste']:5.1f}%  masked {r['masked_half_steps']:6d} / needed "
                       f"{r['partial_half_steps']:6d}  steps max {r['max_steps']} mean {r['mean_steps']}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

@@ -8,7 +8,10 @@ dP^T: keys are rows, queries columns):
   into shared-memory runs (kRangeRuns: the producer and both consumers read the tile of step i
   back from there), by the 32 lanes of warp 0 (one tile predicate each per ballot). A block table
   indexed by head (document) is read for every head of the CTA's GQA group (their union).
-  q_step_partial decides the mask per consumer (its 64 keys) and query tile.
+  q_step_partial decides the mask per consumer (its 64 keys) and query tile. With
+  CUBRIDGE_BWD_Q_LIST=1 (off until a GPU run times it) the region is instead an exact list of
+  the visited tiles with their mask flags (q_list_range: no empty step where a block table
+  forms more than 3 runs, e.g. the corpus's bitpacked_blocks).
 - score: score_mod of the natural score s = x * scale in the kernel's log2 units, and its symbolic
   derivative (cubridge.lower.derive). kScoreGradOne (ALiBi-like biases, no score_mod) keeps the
   SCHED 1 order (P^T under the dP GEMM, dS^T from the 16-bit P^T); otherwise P^T and dS^T come

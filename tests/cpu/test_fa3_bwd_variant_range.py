@@ -193,3 +193,21 @@ def test_q_range_covers_corpus_tables(case, q_list, tmp_path):
     bwd = VariantBackward(str(CORPUS / f"{name}.py"), **params)
     assert bwd.ir.table, f"{name} has no block table"
     _check(bwd, q_list, [(2, 4, 2, 700, 1300), (1, 2, 1, 2200, 2200)], tmp_path, name)
+
+
+def test_q_list_knob(monkeypatch):
+    """CUBRIDGE_BWD_Q_LIST picks the region (default: the runs); another value is a clear error."""
+    from cubridge.errors import CubridgeError
+    from cubridge.lower.fa3_bwd_sm90 import Q_LIST_ENV, lower_source
+    from cubridge.runtime.fa3_bwd_sm90 import KERNEL_SOURCE
+    ir, ref = VariantBackward("prefixlm").ir, KERNEL_SOURCE.read_text()
+    monkeypatch.delenv(Q_LIST_ENV, raising=False)
+    assert "FA3B_Q_TILE_LIST" not in regions.body(lower_source(ref, ir), "q_range")
+    monkeypatch.setenv(Q_LIST_ENV, "1")
+    assert "#define FA3B_Q_TILE_LIST" in lower_source(ref, ir)
+    assert "#define FA3B_Q_TILE_LIST" not in lower_source(ref, ir, q_list=False)
+    monkeypatch.setenv(Q_LIST_ENV, "yes")
+    with pytest.raises(CubridgeError, match="CUBRIDGE_BWD_Q_LIST='yes'"):
+        lower_source(ref, ir)
+    with pytest.raises(CubridgeError, match="multiple of 32"):
+        q_list_range(ir, 48)

@@ -4,7 +4,8 @@ hopper_option=...)) and the peers' autograd backward, timed round-robin (cubridg
 bench_round_robin: L2 flushed, median). Our options should agree (a row says DISAGREES otherwise): dK / dV
 bitwise (each CTA sums its own tile in a fixed order, whatever order the CTAs run in; an empty step
 adds exact zeros), dQ within 2^-6 of its max (reduce-add order). An option "OPTION+qlist" is OPTION
-with q_range lowered as the exact query-tile list (cubridge.lower.fa3_bwd_sm90, CUBRIDGE_BWD_Q_LIST).
+with q_range lowered as the exact query-tile list (cubridge.lower.fa3_bwd_sm90, CUBRIDGE_BWD_Q_LIST);
+"OPTION+maskall" runs every step down the masked path (the cost of the mask per half-step).
 Writes $OUT-style JSON (--out) and prints a table last.
 
     python3 experiments/ab_bwd_variant_order.py --out $OUT/x.json [--n 8192] [--variants ...]
@@ -25,12 +26,18 @@ import torch
 from cubridge.runtime.timing import bench_round_robin, tflops
 from cubridge.transfer.pairs import count_attended
 
+# "+maskall": the runs region's q_step_partial made to answer "masked" for every step (experiment
+# only: what one masked half-step costs beside an unmasked one)
+STEP_PARTIAL = "int m, int len_q, int len_k) {\n  return q_partial_at(va, b, h_kv, group, n0, kv_lo, m, len_q, len_k);\n}"
+MASK_ALL = "int m, int len_q, int len_k) {\n  return true;\n}"
 DEFAULT_OPTIONS = ["bulk_overlap_lse_lean", "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean+qlist"]
 
 
 def ours_option(name, option, q, k, v, dout, out, lse):
     """Our backward on `option`; "OPTION+qlist" lowers q_range as the exact list (CUBRIDGE_BWD_Q_LIST=1
     while the source is lowered: VariantBackward.hopper lowers once, on first use)."""
+    import dataclasses
+
     from cubridge.lower.fa3_bwd_sm90 import Q_LIST_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, _, extra = option.partition("+")
@@ -45,6 +52,9 @@ def ours_option(name, option, q, k, v, dout, out, lse):
         else:
             os.environ[Q_LIST_ENV] = saved
     assert ("#define FA3B_Q_TILE_LIST" in source) == (extra == "qlist"), f"{option}: q_range not as asked"
+    if extra == "maskall":   # every step down the masked path: correct, slower by the mask's cost
+        assert source.count(STEP_PARTIAL) == 1, f"{option}: q_step_partial not found"
+        bwd._hopper = dataclasses.replace(bwd.hopper, source=source.replace(STEP_PARTIAL, MASK_ALL))
     return {"bwd": lambda: bwd(dout, q, k, v, out, lse), "grads": bwd(dout, q, k, v, out, lse)}
 
 

@@ -5,7 +5,9 @@ bench_round_robin: L2 flushed, median). Our options should agree (a row says DIS
 bitwise (each CTA sums its own tile in a fixed order, whatever order the CTAs run in; an empty step
 adds exact zeros), dQ within 2^-6 of its max (reduce-add order). An option "OPTION+qlist" is OPTION
 with q_range lowered as the exact query-tile list (cubridge.lower.fa3_bwd_sm90, CUBRIDGE_BWD_Q_LIST);
-"OPTION+maskall" runs every step down the masked path (the cost of the mask per half-step).
+"OPTION+maskall" runs every step down the masked path (the cost of the mask per half-step);
+"OPTION+wide" (TILE_ORDER 2 options) makes one section of all (batch, head) pairs (l2_bytes unbounded).
+Suffixes combine ("bulk_overlap_lse_lean_l2lpt+qlist+wide").
 Writes $OUT-style JSON (--out) and prints a table last.
 
     python3 experiments/ab_bwd_variant_order.py --out $OUT/x.json [--n 8192] [--variants ...]
@@ -13,6 +15,7 @@ Writes $OUT-style JSON (--out) and prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -40,7 +43,10 @@ def ours_option(name, option, q, k, v, dout, out, lse):
 
     from cubridge.lower.fa3_bwd_sm90 import Q_LIST_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
-    base, _, extra = option.partition("+")
+    base, *extras = option.split("+")
+    unknown = set(extras) - {"qlist", "maskall", "wide"}
+    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} (qlist, maskall, wide)"
+    extra = "qlist" if "qlist" in extras else ""
     bwd = VariantBackward(name, use_hopper=True, hopper_option=base)
     saved = os.environ.get(Q_LIST_ENV)
     os.environ[Q_LIST_ENV] = "1" if extra == "qlist" else "0"
@@ -52,10 +58,23 @@ def ours_option(name, option, q, k, v, dout, out, lse):
         else:
             os.environ[Q_LIST_ENV] = saved
     assert ("#define FA3B_Q_TILE_LIST" in source) == (extra == "qlist"), f"{option}: q_range not as asked"
-    if extra == "maskall":   # every step down the masked path: correct, slower by the mask's cost
+    if "maskall" in extras:   # every step down the masked path: correct, slower by the mask's cost
         assert source.count(STEP_PARTIAL) == 1, f"{option}: q_step_partial not found"
         bwd._hopper = dataclasses.replace(bwd.hopper, source=source.replace(STEP_PARTIAL, MASK_ALL))
+    if "wide" in extras:      # TILE_ORDER 2 with one section of every (batch, head): an unbounded L2 budget
+        return {"bwd": lambda: _wide(bwd, dout, q, k, v, out, lse), "grads": _wide(bwd, dout, q, k, v, out, lse)}
     return {"bwd": lambda: bwd(dout, q, k, v, out, lse), "grads": bwd(dout, q, k, v, out, lse)}
+
+
+def _wide(bwd, *args):
+    """bwd(*args) with fa3_backward's l2_bytes unbounded (VariantBackward looks it up at each call)."""
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    orig = hb.fa3_backward
+    hb.fa3_backward = functools.partial(orig, l2_bytes=1 << 50)
+    try:
+        return bwd(*args)
+    finally:
+        hb.fa3_backward = orig
 
 
 def run_shape(name, n, options, peers, reps, fwd_ours):

@@ -155,6 +155,8 @@ def test_q_list_compiles_spill_free_within_shared_memory(backwards, tmp_path):
         log = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{name}: nvcc failed\n{log[-3000:]}"
         assert all(r == ("0", "0") for r in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)), log
+        for warning in ("C7508", "C7510", "C7515", "serializ"):   # setmaxnreg ignored / wgmma serialized
+            assert warning not in log, f"{name}: ptxas warning {warning}\n{log}"
         smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]   # per entry; the backward's is the largest
         assert smem, f"{name}: no ptxas smem report\n{log}"
         static = max(smem)

@@ -17,8 +17,7 @@ Flex cannot express) is recorded with its reason, never a crash. Rows are writte
     python experiments/bench_bwd_variants.py --out $OUT/x.json [--n 1024 8192] [--reps 10] [--bwd-kernel hopper]
 
 --bwd-kernel hopper: our backward is the variant lowered onto the Hopper fa3_bwd_sm90
-(cubridge.lower.fa3_bwd_sm90, VariantBackward(use_hopper=True), sm_90 only) instead of fa2_bwd_sm80;
---hopper-option picks its option (one of fa3_bwd_sm90.VARIANT_OPTIONS, default VARIANT_OPTION).
+(cubridge.lower.fa3_bwd_sm90, VariantBackward(use_hopper=True), sm_90 only) instead of fa2_bwd_sm80.
     python experiments/bench_bwd_variants.py --table $OUT/x.json
 """
 from __future__ import annotations
@@ -66,7 +65,7 @@ def _inputs(n: int, b: int):
 def variant_backward(name: str):
     """One VariantBackward per variant (the rules transfer runs once; its kernel keeps its builds)."""
     from cubridge.runtime.variant_bwd import VariantBackward
-    return VariantBackward(name, use_hopper=BWD_KERNEL["kernel"] == "hopper", hopper_option=BWD_KERNEL.get("option"))
+    return VariantBackward(name, use_hopper=BWD_KERNEL["kernel"] == "hopper")
 
 
 def ours(name, q, k, v, dout, fwd_ours):
@@ -137,7 +136,7 @@ def bench_shape(name: str, n: int, b: int, peers: list[str], reps: int, fwd_ours
     flops = 4.0 * D * count_attended(hooks, b, H, n, n, device="cuda")
     q, k, v, dout = _inputs(n, b)
     base = dict(direction="backward", variant=name, N=n, B=b, Hq=H, Hkv=H, D=D, dtype="bf16", gpu=gpu,
-                bwd_kernel=BWD_KERNEL["kernel"], hopper_option=BWD_KERNEL.get("option"))
+                bwd_kernel=BWD_KERNEL["kernel"])
     systems, rows = {OURS: ours(name, q, k, v, dout, fwd_ours)}, []
     makers = {"flex": lambda: flex(name, hooks, q, k, v, dout, "triton"),
               "flex_flash": lambda: flex(name, hooks, q, k, v, dout, "flash"),
@@ -182,7 +181,7 @@ def prebuild(variants, ns) -> None:
         futs = [pool.submit(build_cubin, cfg, source=src) for src, cfg in set(jobs)]
         if BWD_KERNEL["kernel"] == "hopper":
             from cubridge.runtime import fa3_bwd_sm90 as hb
-            futs += [pool.submit(hb.build_cubin, D, False, True, option=b.hopper_option, source=b.hopper.source)
+            futs += [pool.submit(hb.build_cubin, D, False, True, option=hb.VARIANT_OPTION, source=b.hopper.source)
                      for b in bwds]
         else:
             futs += [pool.submit(b.kernel.build, D, torch.bfloat16, False, False, arch, source=b.source) for b in bwds]
@@ -213,16 +212,13 @@ def main(argv=None) -> int:
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     ap.add_argument("--bwd-kernel", choices=["fa2", "hopper"], default="fa2",
                     help="our backward kernel: fa2_bwd_sm80 or the Hopper fa3_bwd_sm90 (sm_90)")
-    ap.add_argument("--hopper-option", help="with --bwd-kernel hopper: one of fa3_bwd_sm90.VARIANT_OPTIONS "
-                    "(default VARIANT_OPTION)")
     args = ap.parse_args(argv)
     BWD_KERNEL["kernel"] = args.bwd_kernel
-    BWD_KERNEL["option"] = args.hopper_option
     if args.table:
         print_table(json.loads(args.table.read_text())["rows"])
         return 0
     gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "bwd_kernel": args.bwd_kernel, "hopper_option": args.hopper_option, "versions": expkit.versions(), "protocol": "round-robin, L2 flushed, 2 warm-ups, "
+    result = {"gpu": gpu, "bwd_kernel": args.bwd_kernel, "versions": expkit.versions(), "protocol": "round-robin, L2 flushed, 2 warm-ups, "
               f"{args.reps} reps, median (cubridge.runtime.timing.bench_round_robin)", "rows": [], "failed": []}
     try:
         prebuild(args.variants, args.n)

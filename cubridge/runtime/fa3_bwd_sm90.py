@@ -25,7 +25,8 @@ wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; sess
 H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2),
 "bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores),
 "bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4),
-"bulk_overlap_lse_lean_l2lpt" (lean in TILE_ORDER 2's order; a variant option), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+"bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
+order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -90,6 +91,7 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue_pf32_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
+           "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, racecheck clean (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
@@ -99,8 +101,12 @@ DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, race
 # experiments/bwd_visit_counts.py, 8k: share_question 2-128 steps per CTA, mean 41; global_sliding_window
 # 1-128, mean 8.8) and its long ones are its low tiles; TILE_ORDER 0 starts the last head's long
 # tiles near the end of the grid.
+# Session 12 mid call (H100, 8k, lean): TILE_ORDER 2 ran 1.035-1.076x lean's speed on share_question,
+# global_sliding_window, prefixlm and bitpacked_blocks (experiments/jobs/s12_vbwd12_mid.txt); the
+# same order on the new default pf32_epi (bwd12) is bulk_overlap_lse_lean_issue_pf32_epi_l2lpt.
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
-                   "bulk_overlap_lse_lean_l2lpt")
+                   "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi",
+                   "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt")
 VARIANT_OPTION = "bulk_overlap_lse_lean"   # racecheck clean on the variant path (session 10)
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).

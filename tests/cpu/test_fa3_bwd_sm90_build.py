@@ -32,7 +32,8 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # dtype / mask corners; TILE_ORDER 2 only decodes blockIdx.x differently: one each.
     ("bulk_dqfirst_lse", s) for s in SPECS] + [
     ("bulk_overlap_lse_l2lpt", (128, True, True)), ("bulk_dqfirst_lse_l2lpt", (128, False, False)),
-    ("bulk_overlap_lse_lean_l2lpt", (128, False, False))] + [
+    ("bulk_overlap_lse_lean_l2lpt", (128, False, False)),
+    ("bulk_overlap_lse_lean_issue_pf32_epi_l2lpt", (128, True, True))] + [
     # ISSUE (uniform descriptors, stmatrix dS stores): its registers move, so all four corners
     ("bulk_overlap_lse_lean_issue", s) for s in SPECS] + [
     ("bulk_dqfirst_lse_lean_issue", (128, True, True)), ("bulk_dqfirst_lse_lean_issue", (128, False, False))] + [

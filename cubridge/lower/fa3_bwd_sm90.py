@@ -9,9 +9,10 @@ dP^T: keys are rows, queries columns):
   back from there), by the 32 lanes of warp 0 (one tile predicate each per ballot). A block table
   indexed by head (document) is read for every head of the CTA's GQA group (their union).
   q_step_partial decides the mask per consumer (its 64 keys) and query tile. With
-  CUBRIDGE_BWD_Q_LIST=1 (off until a GPU run times it) the region is instead an exact list of
-  the visited tiles with their mask flags (q_list_range: no empty step where a block table
-  forms more than 3 runs, e.g. the corpus's bitpacked_blocks).
+  CUBRIDGE_BWD_Q_LIST=1 (off until a GPU run passes its tests) the region is instead an exact list
+  of the visited tiles with their mask flags (q_list_range: no empty step where a block table
+  forms more than 3 runs, e.g. the corpus's bitpacked_blocks); =auto takes the list only for such
+  a table (wants_q_list, at each call's bind: VariantBackward.launchable).
 - score: score_mod of the natural score s = x * scale in the kernel's log2 units, and its symbolic
   derivative (cubridge.lower.derive). kScoreGradOne (ALiBi-like biases, no score_mod) keeps the
   SCHED 1 order (P^T under the dP GEMM, dS^T from the 16-bit P^T); otherwise P^T and dS^T come
@@ -366,13 +367,43 @@ __device__ __forceinline__ void softmax_bwd(const VariantArgs& va, float& p, flo
 """
 
 
-def q_list_enabled() -> bool:
-    """Q_LIST_ENV=1: lower q_range as the exact list (q_list_range); 0 or unset: the runs."""
+def q_list_mode() -> str:
+    """Q_LIST_ENV: "0" or unset, the runs; "1", the exact list (q_list_range) for every variant;
+    "auto", the list where a block table forms more than MAX_RUNS runs (wants_q_list, per call)."""
     value = os.environ.get(Q_LIST_ENV, "0")
-    if value not in ("0", "1"):
-        raise LowerError(f"{Q_LIST_ENV}={value!r} is neither 0 nor 1", where="environment",
-                         hint=f"unset {Q_LIST_ENV} (query-tile runs) or set it to 1 (the exact list)")
-    return value == "1"
+    if value not in ("0", "1", "auto"):
+        raise LowerError(f"{Q_LIST_ENV}={value!r} is not 0, 1 or auto", where="environment",
+                         hint=f"unset {Q_LIST_ENV} (query-tile runs), 1 (the exact list) or auto (the list "
+                              "where a block table forms more runs than the runs hold)")
+    return value
+
+
+def q_list_enabled() -> bool:
+    return q_list_mode() == "1"
+
+
+_RUNS_SEEN: dict[int, tuple] = {}   # id(block table) -> (table, group, answer): bind caches its tables
+
+
+def wants_q_list(block_class, group: int) -> bool:
+    """Whether a block table [(B, Hq,) query tiles, KV tiles] forms more than MAX_RUNS runs of
+    non-empty query tiles in some KV-tile column (per-head tables: the union over each kv head's
+    group, as q_group_class visits): the runs would then visit empty tiles, the list would not
+    (session 12 mid call: bitpacked_blocks 2.09x with the list, the exact specs +-2%)."""
+    seen = _RUNS_SEEN.get(id(block_class))
+    if seen is not None and seen[0] is block_class and seen[1] == group:
+        return seen[2]
+    nz = block_class != 0
+    if nz.dim() == 4:
+        b, h, m, n = nz.shape
+        nz = nz.reshape(b, h // group, group, m, n).any(2)
+    starts = nz.clone()
+    starts[..., 1:, :] &= ~nz[..., :-1, :]
+    answer = bool(starts.numel()) and int(starts.sum(-2).max()) > MAX_RUNS
+    if len(_RUNS_SEEN) > 64:
+        _RUNS_SEEN.clear()
+    _RUNS_SEEN[id(block_class)] = (block_class, group, answer)
+    return answer
 
 
 def lower_source(reference: str, ir: VariantIR, q_list: bool | None = None) -> str:

@@ -211,3 +211,24 @@ def test_q_list_knob(monkeypatch):
         lower_source(ref, ir)
     with pytest.raises(CubridgeError, match="multiple of 32"):
         q_list_range(ir, 48)
+
+
+def test_q_list_auto_picks_the_list_where_the_runs_are_not_exact(monkeypatch):
+    """CUBRIDGE_BWD_Q_LIST=auto: the list's source only for a block table with more than 3 runs in a
+    KV-tile column (bitpacked_blocks at 8k: its runs visit 3226 steps for 1356 attended), the runs'
+    elsewhere; per-head tables count the union over a kv head's group."""
+    from cubridge.lower.fa3_bwd_sm90 import Q_LIST_ENV, wants_q_list
+    shape = (1, 2, 1, 8192, 8192, 128, torch.device("cpu"))
+    monkeypatch.setenv(Q_LIST_ENV, "auto")
+    picks = {name: "#define FA3B_Q_TILE_LIST" in VariantBackward(spec).launchable(*shape, hopper=True).source
+             for name, spec in [("bitpacked", str(CORPUS / "bitpacked_blocks.py")), ("share_question", "share_question"),
+                                ("prefixlm", "prefixlm"), ("document", "document")]}
+    assert picks == {"bitpacked": True, "share_question": False, "prefixlm": False, "document": False}, picks
+    monkeypatch.setenv(Q_LIST_ENV, "0")
+    assert "#define FA3B_Q_TILE_LIST" not in VariantBackward(str(CORPUS / "bitpacked_blocks.py")).launchable(
+        *shape, hopper=True).source
+    col = torch.tensor([1, 0, 1, 0, 1, 0, 0, 0])[:, None]            # 3 runs: exact
+    assert not wants_q_list(col, 1) and wants_q_list(torch.tensor([1, 0, 1, 0, 1, 0, 2, 0])[:, None], 1)
+    a, b = torch.tensor([1, 0, 1, 0, 0, 0, 1, 0]), torch.tensor([0, 0, 0, 0, 1, 0, 0, 0])
+    per_head = torch.stack([a, b])[None, :, :, None]                 # [B 1, H 2, M 8, N 1]: 3 runs each
+    assert not wants_q_list(per_head, 1) and wants_q_list(per_head.clone(), 2)   # their union: 4 runs

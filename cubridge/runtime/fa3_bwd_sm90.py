@@ -28,7 +28,9 @@ H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCH
 "bulk_overlap_lse_lean_issue_pf32_epi_carry" (that with CARRY: each step's dK GEMM waited for at the
 next step's first wgmma wait instead of at its own end; session 12: racecheck clean, 2-4% slower, off),
 "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate" (that with DV_LATE: FA4's order, dV issued after the dS
-pass and dQ queued behind it; session 12: 2-6% slower than the default, off), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+pass and dQ queued behind it; session 12: 2-6% slower than the default, off),
+"bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
+order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -102,12 +104,22 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
                                                                       epilogue=1, carry=1, dv_late=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
+           "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
+           "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
 DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"   # fastest of OPTIONS on an H100, tested (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
+# bulk_overlap_lse_lean_l2lpt (session 12): lean in TILE_ORDER 2's order, the KV tiles of a section of
+# heads lowest first. A variant's CTAs are as uneven as causal's (host count,
+# experiments/bwd_visit_counts.py, 8k: share_question 2-128 steps per CTA, mean 41; global_sliding_window
+# 1-128, mean 8.8) and its long ones are its low tiles; TILE_ORDER 0 starts the last head's long
+# tiles near the end of the grid. Session 12 mid call (H100, 8k, lean): TILE_ORDER 2 ran 1.035-1.076x
+# lean's speed on share_question, global_sliding_window, prefixlm and bitpacked_blocks; the same order
+# on the default pf32_epi is bulk_overlap_lse_lean_issue_pf32_epi_l2lpt (its A/B: jobs/s12_vbwd12.txt).
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
-                   "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry")
+                   "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry",
+                   "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt")
 # (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
 # the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
 # fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule); lean stays in
@@ -339,7 +351,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     section = 1
     if modes.tile_order == 2:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
-        section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal), l2)
+        # a variant's tiles are uneven like causal's (VARIANT_OPTIONS): sections sized the same way
+        section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal) or variant is not None, l2)
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
     scalars += [ctypes.c_int32(section)]   # l2_section
     scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs

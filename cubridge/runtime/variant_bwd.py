@@ -64,6 +64,7 @@ class VariantBackward:
         self.config = config
         self.use_hopper = use_hopper
         self._hopper = None
+        self._hopper_list = None
 
     @property
     def hopper(self) -> LoweredKernel:
@@ -110,7 +111,21 @@ class VariantBackward:
             tiles, lowered = (cfg.block_m, cfg.block_n), self.lowered
         inputs = self.candidate.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B,
                                      params={"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]})
+        if hopper and self.ir.table:   # CUBRIDGE_BWD_Q_LIST=auto: the exact list where the runs are not
+            from cubridge.lower.fa3_bwd_sm90 import q_list_mode, wants_q_list
+            if q_list_mode() == "auto" and wants_q_list(inputs["BLOCK_CLASS"], Hq // Hkv):
+                lowered = self.hopper_list
         return lowered.args(inputs, device)
+
+    @property
+    def hopper_list(self) -> LoweredKernel:
+        """The Hopper lowering with q_range as the exact query-tile list (CUBRIDGE_BWD_Q_LIST=auto)."""
+        if self._hopper_list is None:
+            from cubridge.lower.fa3_bwd_sm90 import lower_source as lower_hopper
+            from cubridge.runtime.fa3_bwd_sm90 import KERNEL_SOURCE
+            self._hopper_list = LoweredKernel("fa3_bwd_sm90", lower_hopper(KERNEL_SOURCE.read_text(), self.ir, q_list=True),
+                                              struct_fields(self.ir), self.ir)
+        return self._hopper_list
 
     def __call__(self, dout, q, k, v, out, lse, sm_scale: float | None = None, deterministic: bool = False,
                  dq=None, dk=None, dv=None):

@@ -186,7 +186,10 @@ __shared__ int g_q_shift;
 __device__ __forceinline__ int step_q_shift() { return *static_cast<volatile int*>(&g_q_shift); }
 // kRangeRuns (variants): warp 0's q_scan writes [count, lo_0, len_0, lo_1, len_1, ...]: the
 // CTA's query tiles are runs [lo_k, lo_k + len_k), read back at every step (volatile: a few
-// shared loads per step instead of 2 kQRuns + 1 registers held through the loops).
+// shared loads per step instead of 2 kQRuns + 1 registers held through the loops). A q_range
+// region that defines FA3B_Q_TILE_LIST (an exact tile list) brings its own g_qruns, q_runs_count
+// and q_runs_tile instead.
+#ifndef FA3B_Q_TILE_LIST
 __shared__ int g_qruns[1 + 2 * kQRuns];
 __device__ __forceinline__ int q_runs_count() { return *static_cast<volatile int*>(&g_qruns[0]); }
 __device__ __forceinline__ int q_runs_tile(int i) {
@@ -199,6 +202,7 @@ __device__ __forceinline__ int q_runs_tile(int i) {
   }
   return runs[2 * kQRuns - 1] + i;
 }
+#endif
 // One register (the aligned base); every region is base + a constant, folded into the shared
 // memory instructions' immediate offsets. Ten separate addresses kept 8-10 more registers live
 // through the consumer loop (4-8 bytes of spill at D = 128 with DQ_MODE 1).

@@ -134,3 +134,30 @@ def test_block_table_is_bound_at_the_hopper_tile(backwards):
     va = bwd.launchable(2, 8, 2, 700, 1300, 128, torch.device("cpu"), hopper=True)
     # [ceil(Nq / 64) query tiles, ceil(Nk / 128) key tiles]
     assert (va.args.BLOCK_CLASS_n0, va.args.BLOCK_CLASS_n1) == (11, 11)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_q_list_compiles_spill_free_within_shared_memory(backwards, tmp_path):
+    """The exact query-tile list (CUBRIDGE_BWD_Q_LIST=1): spill-free like the runs, and its static
+    shared memory fits beside the dynamic (227 KB per block; D = 128 leaves 984 bytes): a block
+    table (share_question), a per-head one (document, D = 64), the one-pass path (composite)."""
+    from cubridge.lower.fa3_bwd_sm90 import lower_source
+    jobs = [("share_question", 128, True), ("document", 64, True), ("composite", 128, False)]
+    procs = []
+    for name, d, bf16 in jobs:
+        cu, out = tmp_path / f"{name}_list.cu", tmp_path / f"{name}_list.cubin"
+        cu.write_text(lower_source(hb.KERNEL_SOURCE.read_text(), backwards[name].ir, q_list=True))
+        procs.append(((name, d, bf16), subprocess.run(
+            [shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+             *hb.options(d, False, bf16, hb.VARIANT_OPTION), "-Xptxas", "-v", "-o", str(out), str(cu)],
+            capture_output=True, text=True)))
+    for (name, d, bf16), proc in procs:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{name}: nvcc failed\n{log[-3000:]}"
+        assert all(r == ("0", "0") for r in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)), log
+        for warning in ("C7508", "C7510", "C7515", "serializ"):   # setmaxnreg ignored / wgmma serialized
+            assert warning not in log, f"{name}: ptxas warning {warning}\n{log}"
+        smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]   # per entry; the backward's is the largest
+        assert smem, f"{name}: no ptxas smem report\n{log}"
+        static = max(smem)
+        assert static + hb.smem_bytes(d, hb.VARIANT_OPTION) <= 227 * 1024, f"{name}: {static} bytes static smem"

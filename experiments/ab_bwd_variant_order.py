@@ -1,0 +1,174 @@
+"""A/B of the Hopper variant backward's options in one process, beside FlexAttention (Triton, FLASH):
+per variant at N, our backward on each --options entry (VariantBackward(use_hopper=True,
+hopper_option=...)) and the peers' autograd backward, timed round-robin (cubridge.runtime.timing.
+bench_round_robin: L2 flushed, median). Our options should agree (a row says DISAGREES otherwise): dK / dV
+bitwise (each CTA sums its own tile in a fixed order, whatever order the CTAs run in; an empty step
+adds exact zeros), dQ within 2^-6 of its max (reduce-add order). An option "OPTION+qlist" is OPTION
+with q_range lowered as the exact query-tile list (cubridge.lower.fa3_bwd_sm90, CUBRIDGE_BWD_Q_LIST);
+"OPTION+maskall" runs every step down the masked path (the cost of the mask per half-step);
+"OPTION+wide" (TILE_ORDER 2 options) makes one section of all (batch, head) pairs (l2_bytes unbounded).
+Suffixes combine ("bulk_overlap_lse_lean_l2lpt+qlist+wide").
+Writes $OUT-style JSON (--out) and prints a table last.
+
+    python3 experiments/ab_bwd_variant_order.py --out $OUT/x.json [--n 8192] [--variants ...]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import expkit
+import torch
+
+from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops
+from cubridge.spec import load_spec
+from cubridge.transfer.pairs import count_attended
+
+# bench_bwd_variants.py's shapes: bf16, D = 128, 16 heads (MHA), B = 16384 // N
+TOKENS, H, D = 16384, 16, 128
+BWD_FLOP_FACTOR = 2.5
+
+# "+maskall": the runs region's q_step_partial made to answer "masked" for every step (experiment
+# only: what one masked half-step costs beside an unmasked one)
+STEP_PARTIAL = "int m, int len_q, int len_k) {\n  return q_partial_at(va, b, h_kv, group, n0, kv_lo, m, len_q, len_k);\n}"
+MASK_ALL = "int m, int len_q, int len_k) {\n  return true;\n}"
+DEFAULT_OPTIONS = ["bulk_overlap_lse_lean", "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean+qlist"]
+
+
+def ours_option(name, option, q, k, v, dout, out, lse):
+    """Our backward on `option`; "OPTION+qlist" lowers q_range as the exact list (CUBRIDGE_BWD_Q_LIST=1
+    while the source is lowered: VariantBackward.hopper lowers once, on first use)."""
+    import dataclasses
+
+    from cubridge.lower.fa3_bwd_sm90 import Q_LIST_ENV
+    from cubridge.runtime.variant_bwd import VariantBackward
+    base, *extras = option.split("+")
+    unknown = set(extras) - {"qlist", "maskall", "wide"}
+    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} (qlist, maskall, wide)"
+    extra = "qlist" if "qlist" in extras else ""
+    bwd = VariantBackward(name, use_hopper=True, hopper_option=base)
+    saved = os.environ.get(Q_LIST_ENV)
+    os.environ[Q_LIST_ENV] = "1" if extra == "qlist" else "0"
+    try:
+        source = bwd.hopper.source
+    finally:
+        if saved is None:
+            del os.environ[Q_LIST_ENV]
+        else:
+            os.environ[Q_LIST_ENV] = saved
+    assert ("#define FA3B_Q_TILE_LIST" in source) == (extra == "qlist"), f"{option}: q_range not as asked"
+    if "maskall" in extras:   # every step down the masked path: correct, slower by the mask's cost
+        assert source.count(STEP_PARTIAL) == 1, f"{option}: q_step_partial not found"
+        bwd._hopper = dataclasses.replace(bwd.hopper, source=source.replace(STEP_PARTIAL, MASK_ALL))
+    if "wide" in extras:      # TILE_ORDER 2 with one section of every (batch, head): an unbounded L2 budget
+        return {"bwd": lambda: _wide(bwd, dout, q, k, v, out, lse), "grads": _wide(bwd, dout, q, k, v, out, lse)}
+    return {"bwd": lambda: bwd(dout, q, k, v, out, lse), "grads": bwd(dout, q, k, v, out, lse)}
+
+
+def _wide(bwd, *args):
+    """bwd(*args) with fa3_backward's l2_bytes unbounded (VariantBackward looks it up at each call)."""
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    orig = hb.fa3_backward
+    hb.fa3_backward = functools.partial(orig, l2_bytes=1 << 50)
+    try:
+        return bwd(*args)
+    finally:
+        hb.fa3_backward = orig
+
+
+def _inputs(n: int, b: int):
+    g = torch.Generator(device="cuda").manual_seed(n * 131 + b)
+    return [torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(4)]   # q, dout, k, v
+
+
+def flex_backward(hooks, q, k, v, dout, backend: str) -> dict:
+    """FlexAttention's backward (autograd.grad on a retained graph) with the spec's mask / score mods;
+    backend "flash": kernel_options={"BACKEND": "FLASH"}. Raises what the backend raises."""
+    if not hooks.flex_expressible:
+        raise RuntimeError(f"{hooks.normalization.kind} normalisation: FlexAttention is softmax only")
+    fx, cbm = compiled_flex_attention()
+    n = q.shape[2]
+    kw = {"score_mod": hooks.score_mod,
+          "block_mask": cbm(hooks.mask_mod, None, None, n, n, device=q.device) if hooks.mask_mod else None}
+    if backend == "flash":
+        kw["kernel_options"] = {"BACKEND": "FLASH"}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fx(*leaves, **kw)
+    grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    return {"bwd": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), "grads": grads}
+
+
+def run_shape(name, n, options, peers, reps, fwd_ours):
+    b = TOKENS // n
+    hooks = load_spec(name).hooks_for(n, n, H, H, "cuda")
+    flops = BWD_FLOP_FACTOR * 4.0 * D * count_attended(hooks, b, H, n, n, device="cuda")
+    q, dout, k, v = _inputs(n, b)
+    out, lse = fwd_ours.fn(name, q, k, v)()
+    systems = {f"ours:{o}": ours_option(name, o, q, k, v, dout, out, lse) for o in options}
+    for peer in peers:
+        try:
+            systems[peer] = flex_backward(hooks, q, k, v, dout, "triton" if peer == "flex" else "flash")
+        except Exception as e:  # noqa: BLE001 - the backend's refusal is recorded, the others still run
+            print(f"  {name} {peer} refused: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            torch.cuda.empty_cache()
+    base = systems[f"ours:{options[0]}"]["grads"]
+    agree = {}
+    for o in options[1:]:
+        g = systems[f"ours:{o}"]["grads"]
+        rel = (g[0].float() - base[0].float()).abs().max().item() / max(base[0].float().abs().max().item(), 1e-30)
+        agree[f"ours:{o}"] = {"dkdv_bitwise": bool(torch.equal(g[1], base[1]) and torch.equal(g[2], base[2])),
+                              "dq_rel": rel, "agrees": bool(torch.equal(g[1], base[1]) and torch.equal(g[2], base[2])
+                                                            and rel <= 2 ** -6)}
+    names = [s for s, sy in systems.items() if sy.get("bwd") is not None]   # the backward alone
+    timed = bench_round_robin([systems[s]["bwd"] for s in names], warmup=2, reps=reps)
+    times = {s: {"bwd_ms": round(t.median_ms, 4)} for s, t in zip(names, timed)}
+    ref = times[f"ours:{options[0]}"]["bwd_ms"]
+    rows = []
+    for s, t in times.items():
+        rows.append({"variant": name, "N": n, "B": b, "system": s, "bwd_ms": t["bwd_ms"],
+                     "bwd_tflops": round(tflops(flops, t["bwd_ms"]) or 0, 1),
+                     "vs_first_option": round(ref / t["bwd_ms"], 3), **agree.get(s, {})})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--n", type=int, nargs="+", default=[8192])
+    ap.add_argument("--variants", nargs="+",
+                    default=["share_question", "global_sliding_window", "prefixlm", "causal_blockwise"])
+    ap.add_argument("--options", nargs="+", default=DEFAULT_OPTIONS)
+    ap.add_argument("--peers", nargs="*", default=["flex", "flex_flash"])
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    result = {"gpu": torch.cuda.get_device_name(), "options": args.options, "rows": [], "failed": [],
+              "protocol": f"round-robin, L2 flushed, {args.reps} reps, median (bench_round_robin, backward only)"}
+    fwd_ours = expkit.Ours()
+    for n in args.n:
+        for name in args.variants:
+            try:
+                result["rows"] += run_shape(name, n, args.options, args.peers, args.reps, fwd_ours)
+            except Exception:  # noqa: BLE001 - one variant failing is reported, the others still run
+                result["failed"].append({"variant": name, "N": n, "error": traceback.format_exc()[-1500:]})
+                print(f"# {name} N={n}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+            torch.cuda.empty_cache()
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+    print("| variant | N | system | bwd ms | bwd TFLOPS | speedup vs first option |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in result["rows"]:
+        note = "" if r.get("agrees", True) else f" DISAGREES (dK/dV bitwise {r['dkdv_bitwise']}, dQ {r['dq_rel']:.1e})"
+        print(f"| {r['variant']} | {r['N']} | {r['system']} | {r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | "
+              f"{r['vs_first_option']:.3f}{note} |")
+    for f in result["failed"]:
+        print(f"| {f['variant']} | {f['N']} | FAILED | {f['error'].splitlines()[-1][:80]} | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -224,23 +224,47 @@ class TunedOp:
 
 
 def _fast_call(plan, prep, shape: tuple, dtype, device, out_bnhd: bool):
-    """The repeated eager call of one checked signature: apply the plan, allocate only the output
-    (in the memory order out_like gives these strides), launch (LSE goes to the prepared scratch;
-    no other allocation, no GPU work beside the kernel)."""
+    """The repeated eager call of one checked signature: allocate only the output, in the caller's
+    layout and q's memory order (what out_like and the bnhd transpose give), and launch (LSE goes
+    to the prepared scratch; no other allocation, no GPU work beside the kernel). A launch with
+    `fixed_layout` (runtime.fa3_fast) is entered by addresses alone: no views, no stride reads."""
     bnhd, copies = plan[0] == "bnhd", plan[1]
-    any_copy, launch, lse = any(copies), prep.launch, prep.lse_scratch
     b, h, n, d = shape
+    # the output as the caller gets it: [B, H, N, D] (or its [B, N, H, D] transpose for layout bnhd)
+    # over memory in q's order; one empty_strided instead of empty + one or two transposes
+    bhnd_out = (torch.empty((b, n, h, d), device="meta").transpose(1, 2) if out_bnhd
+                else torch.empty(shape, device="meta"))
+    final = bhnd_out.transpose(1, 2) if bnhd else bhnd_out
+    size, stride = tuple(final.shape), final.stride()
+    fixed = getattr(prep.launch, "fixed_layout", None)
+    if fixed is not None and not any(copies):
+        views = _bhnd_views if bnhd else _same
+        launch, lse = fixed(views), prep.lse_scratch
 
-    def call(q, k, v):
+        def call(q, k, v):
+            out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+            launch(q, k, v, out, lse)
+            return out
+        return call
+    launch, lse, any_copy = prep.launch, prep.lse_scratch, any(copies)
+
+    def checked(q, k, v):
         if bnhd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if any_copy:
             q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), copies))
-        out = (torch.empty((b, n, h, d), dtype=dtype, device=device).transpose(1, 2) if out_bnhd
-               else torch.empty(shape, dtype=dtype, device=device))
-        launch(q, k, v, out, lse)
-        return out.transpose(1, 2) if bnhd else out
-    return call
+        out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        launch(q, k, v, out.transpose(1, 2) if bnhd else out, lse)
+        return out
+    return checked
+
+
+def _same(q, k, v, out):
+    return q, k, v, out
+
+
+def _bhnd_views(q, k, v, out):
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)
 
 
 def _declared_runtime_inputs(directory: Path, dispatch: dict) -> tuple[str, ...]:

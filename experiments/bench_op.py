@@ -43,7 +43,7 @@ from cubridge.op import build
 from cubridge.runtime.timing import bench_round_robin
 from cubridge.spec import builtin_specs
 from expkit import CALLS, gpu_ms, host_us_per_call
-from expkit.hosttime import ROUNDS, rounds
+from expkit.hosttime import ROUNDS, host_info, rounds
 
 HQ, HKV, D = 16, 4, 128
 TOKENS = 16384                      # B * N: B = 16 at 1k, 2 at 8k
@@ -87,6 +87,7 @@ def host_rounds(cases: dict, n_rounds: int, pin: bool) -> dict:
         op, launch = table[(key, "op")], table[(key, "launch")]
         fields[key] = {"host_us_per_call": op["median_us"], "host_us_mean": op["mean_us"],
                        "host_us_rounds": op["rounds_us"], "host_us_spread": op["spread_us"],
+                       "host_us_p10": op["p10_us"], "host_us_p90": op["p90_us"],
                        "host_launch_us": launch["median_us"], "host_launch_us_rounds": launch["rounds_us"],
                        "host_calib_us": op["calib_us"], "host_cpu": op["cpu"], "host_mhz": op["mhz"]}
     return fields
@@ -125,6 +126,7 @@ def main() -> None:
     print(f"built {len(dirs)} run directories in {time.time() - t0:.0f} s", flush=True)
     gpu = torch.cuda.get_device_name()
     result = {"gpu": gpu, "torch": torch.__version__, "calls": CALLS, "rounds": args.rounds, "pinned": args.pin,
+              "host": host_info(),
               "rows": [], "errors": []}
     attns = {name: cubridge.load(dirs[name]) for name in names}
     warm_up(attns)

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import tempfile
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import torch.nn.functional as F
 import cubridge
 from cubridge.op import build
 from cubridge.runtime.driver import current_stream
-from expkit.hosttime import ROUNDS, calib_us, rounds
+from expkit.hosttime import ROUNDS, calib_us, host_info, rounds
 
 HQ, HKV, D = 16, 4, 128
 TOKENS = 16384
@@ -90,21 +88,6 @@ def pieces(attn, n: int) -> dict:
     except Exception as e:   # noqa: BLE001 - the peer anchor is optional
         print(f"sdpa: {type(e).__name__}: {str(e)[:200]}", flush=True)
     return fns
-
-
-def host_info() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "affinity": len(os.sched_getaffinity(0))}
-    try:
-        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                                 if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        info["governor"] = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor").read_text().strip()
-    except OSError:
-        info["governor"] = None
-    return info
 
 
 def main() -> None:

@@ -122,7 +122,8 @@ class TunedOp:
         """Keep the checked plan and the prepared launch of this call signature as one closure, so a
         repeated eager call costs one key, one lookup, the output's allocation and the launch: the
         separate plan and prepared-launch lookups (two keys with torch.Size / device objects) were
-        ~7 us of a 19-33 us host path on the H100 host (session 7 op_bench)."""
+        ~7 us of a 19-33 us host path on the H100 host (session 7 op_bench). The closure enters
+        the launch by addresses (op/NOTES.md 10): the key fixed every shape and stride."""
         prep = self._prepared.get((qh.shape, kh.shape, qh.device, scale))
         if prep is None:     # an empty shape: nothing was prepared
             return

@@ -6,7 +6,9 @@ of that again: `Fa3Launch` is built once per (kernel, shape) and keeps the loade
 grid, the tile order (computed on the GPU once, at build time, never inside a CUDA-graph capture)
 and the packed scalar tail of the argument list. A call then only encodes (or finds in the cache
 fa3_sm90.tensor_map keeps for both paths) the four TMA descriptors, fetches the stream's tile counter and calls cuLaunchKernel: no host sync, no
-allocation, no host-to-device copy, so it can be captured in a CUDA graph.
+allocation, no host-to-device copy, so it can be captured in a CUDA graph. A caller that fixes the
+shapes and strides (the op's checked call signature) takes `fixed_layout`'s call, keyed by the
+addresses alone.
 
 Strided inputs: the kernel's TMA maps are 4-D, (D, N, H, B) with a box of one head, so a
 [B, H, N, D] view is read (and O written) in place when its last dim is contiguous and its other

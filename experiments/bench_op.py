@@ -75,8 +75,8 @@ def measure(attn, n: int, gpu: str, case) -> dict:
 
 
 def host_rounds(cases: dict, n_rounds: int, pin: bool) -> dict:
-    """{(variant, N): host fields}: every row's op call and bare launch timed in n_rounds
-    interleaved rounds (expkit.hosttime.rounds)."""
+    """{(variant, N): host fields, or {"error": ...}}: every row's op call and bare launch timed in
+    n_rounds interleaved rounds (expkit.hosttime.rounds)."""
     fns = {}
     for key, (attn, (q, k, v, prep, out)) in cases.items():
         fns[(key, "op")] = lambda attn=attn, q=q, k=k, v=v: attn(q, k, v)
@@ -85,11 +85,15 @@ def host_rounds(cases: dict, n_rounds: int, pin: bool) -> dict:
     fields = {}
     for key in cases:
         op, launch = table[(key, "op")], table[(key, "launch")]
+        if op["median_us"] is None or launch["median_us"] is None:
+            fields[key] = {"error": op["error"] or launch["error"]}
+            continue
         fields[key] = {"host_us_per_call": op["median_us"], "host_us_mean": op["mean_us"],
                        "host_us_rounds": op["rounds_us"], "host_us_spread": op["spread_us"],
                        "host_us_p10": op["p10_us"], "host_us_p90": op["p90_us"],
                        "host_launch_us": launch["median_us"], "host_launch_us_rounds": launch["rounds_us"],
-                       "host_calib_us": op["calib_us"], "host_cpu": op["cpu"], "host_mhz": op["mhz"]}
+                       "host_calib_us": op["calib_us"], "host_cpu": op["cpu"], "host_mhz": op["mhz"],
+                       "host_pinned_cpu": op["pinned"]}
     return fields
 
 
@@ -141,7 +145,10 @@ def main() -> None:
                 result["errors"].append({"variant": name, "N": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 print(f"{name} N={n}: {type(e).__name__}: {e}", flush=True)
     for key, fields in host_rounds(cases, args.rounds, args.pin).items():
-        result["rows"].append({**rows[key], **fields})
+        if "error" in fields:
+            result["errors"].append({"variant": key[0], "N": key[1], "error": fields["error"]})
+        else:
+            result["rows"].append({**rows[key], **fields})
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'variant':<22} {'N':>5} {'config':<11} {'host us':>8} {'spread':>6} {'launch':>6} {'mean us':>8} "
           f"{'op ms':>8} {'kernel ms':>9} {'op/kern':>7} {'idle o/k':>8}")

@@ -117,8 +117,8 @@ def main() -> None:
                                                      for c in result["cases"]))
     for p in names:
         cells = [c["pieces"].get(p) for c in result["cases"]]
-        print(f"{p:<22}" + "".join(f" {s['median_us']:8.2f} /{s['spread_us']:6.2f}" if s else f" {'-':>16}"
-                                   for s in cells))
+        print(f"{p:<22}" + "".join(f" {s['median_us']:8.2f} /{s['spread_us']:6.2f}" if s and s["median_us"] is not None
+                                   else f" {'-' if not s else 'error':>16}" for s in cells))
 
 
 if __name__ == "__main__":

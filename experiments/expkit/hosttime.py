@@ -112,38 +112,63 @@ def rounds(fns: dict, n_rounds: int = ROUNDS, calls: int = CALLS, seed: int = 0,
     """{name: summary} for each callable of `fns`: median_us (the median of its round medians),
     rounds_us, spread_us (max - min of the round medians), mean_us, p10_us, p90_us (of every
     call: a slow mode inside each window shows as a wide p10-p90, one across windows as a wide
-    spread), and per round
-    the CPU, its clock and the calibration loop's time. pin=True holds the thread on the CPU it
-    starts on for the whole measurement (restored after)."""
+    spread), and per round the CPU, its clock and the calibration loop's time. A window that
+    raises is recorded in the summary's "error" (median_us None if no window ran). pin=True holds
+    the thread on the CPU it starts on for the whole measurement (restored after; "pinned" says
+    whether the host allowed it)."""
     names = list(fns)
-    per = {name: {"rounds_us": [], "calls": [], "cpu": [], "mhz": [], "calib_us": []} for name in names}
-    affinity = os.sched_getaffinity(0) if pin else None
+    per = {name: {"rounds_us": [], "calls": [], "cpu": [], "mhz": [], "calib_us": [], "error": None}
+           for name in names}
+    affinity, pinned = (os.sched_getaffinity(0) if pin else None), None
     try:
         if pin:
-            os.sched_setaffinity(0, {cpu_now() if cpu_now() is not None else min(affinity)})
+            pinned = _pin(affinity)
         for order in orders(names, n_rounds, seed):
             for name in order:
-                rec = per[name]
-                cpu = cpu_now()
-                rec["cpu"].append(cpu)
-                rec["mhz"].append(cpu_mhz(cpu))
-                rec["calib_us"].append(round(calib_us(), 1))
-                times = window(fns[name], calls)
-                rec["rounds_us"].append(round(statistics.median(times), 2))
-                rec["calls"].extend(times)
+                _round(per[name], fns[name], calls)
     finally:
-        if affinity is not None:
+        if pinned is not None:
             os.sched_setaffinity(0, affinity)
-    return {name: summarize(rec) for name, rec in per.items()}
+    return {name: {**summarize(rec), "pinned": pinned} for name, rec in per.items()}
+
+
+def _pin(affinity: set) -> int | None:
+    """Hold this thread on the CPU it runs on; that CPU, or None where the host refuses."""
+    cpu = cpu_now()
+    cpu = cpu if cpu is not None else min(affinity)
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:
+        return None
+    return cpu
+
+
+def _round(rec: dict, fn, calls: int) -> None:
+    """One window of fn into rec, with the CPU, its clock and the calibration loop just before."""
+    if rec["error"]:
+        return
+    cpu = cpu_now()
+    rec["cpu"].append(cpu)
+    rec["mhz"].append(cpu_mhz(cpu))
+    rec["calib_us"].append(round(calib_us(), 1))
+    try:
+        times = window(fn, calls)
+    except Exception as e:   # noqa: BLE001 - recorded; the other callables' rounds still run
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return
+    rec["rounds_us"].append(round(statistics.median(times), 2))
+    rec["calls"].extend(times)
 
 
 def summarize(rec: dict) -> dict:
     r, calls = rec["rounds_us"], sorted(rec["calls"])
+    extra = {"cpu": rec["cpu"], "mhz": rec["mhz"], "calib_us": rec["calib_us"], "error": rec.get("error")}
+    if not r:
+        return {"median_us": None, "spread_us": None, "rounds_us": [], **extra}
     return {"median_us": round(statistics.median(r), 2), "spread_us": round(max(r) - min(r), 2),
             "min_round_us": min(r), "max_round_us": max(r), "rounds_us": r,
             "mean_us": round(statistics.fmean(calls), 2), "p10_us": round(calls[len(calls) // 10], 2),
-            "p90_us": round(calls[len(calls) * 9 // 10], 2), "cpu": rec["cpu"], "mhz": rec["mhz"],
-            "calib_us": rec["calib_us"]}
+            "p90_us": round(calls[len(calls) * 9 // 10], 2), **extra}
 
 
 def host_info() -> dict:

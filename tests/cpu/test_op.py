@@ -433,12 +433,16 @@ def test_the_op_enters_the_launch_by_address_and_returns_the_callers_layout(run_
                         lambda self, views: entered.append(1) or real_fixed(self, views))
     bhnd = qkv()
     bnhd = [t.transpose(1, 2).contiguous() for t in bhnd]
-    for layout, (q, k, v) in (("bhnd", bhnd), ("bnhd", bnhd)):
+    padded = [torch.randn(2, 8, 64, 136, dtype=BF)[..., :128], bhnd[1], bhnd[2]]   # read in place, not dense:
+    for layout, (q, k, v) in (("bhnd", bhnd), ("bnhd", bnhd), ("bhnd", padded)):  # O contiguous, not like q
         attn(q, k, v, layout=layout)                                   # checked, prepared, remembered
+        fa3_fast.fa3._TENSOR_MAPS.clear()                              # the closure's first call packs all four
+        lib.maps.clear()
         out = attn(q, k, v, layout=layout)                             # the cached closure
         assert out.shape == q.shape and out.is_contiguous() and out.dtype == BF
+        assert [m["ptr"] for m in lib.maps] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()]
         o_map = lib.maps[-1]
         assert o_map["ptr"] == out.data_ptr() and o_map["dims"] == [128, 64, 8, 2]
         row, head = (2 * 128, 2 * 64 * 128) if layout == "bhnd" else (2 * 8 * 128, 2 * 128)
         assert o_map["strides"][:2] == [row, head]
-    assert len(attn._fast) == 2 and len(lib.launches) == 4 and entered == [1, 1]
+    assert len(attn._fast) == 3 and len(lib.launches) == 6 and entered == [1, 1, 1]

@@ -14,6 +14,9 @@ the GPU busy, GC off; the median of the round medians and the spread):
     closure         the op's cached per-signature call (allocation + launch_fixed)
     closure_before  the same call as it was before session 12 (torch.empty + launch_call): the A/B
     op_eager        attn(q, k, v): the whole eager call (key, lookup, grad check, closure)
+    closure_before_bnhd  the layout='bnhd' call's closure before session 12 (transposes in and out)
+    op_eager_bnhd   attn(q, k, v, layout='bnhd') on [B, N, H, D] tensors; op_eager_views: transformers'
+                    call (layout None, [B, H, N, D] views of [B, N, H, D] memory)
     op_custom_op    torch.ops.cubridge.attention(...): the dispatcher's path (what torch.compile calls)
     sdpa            torch's SDPA (its own backend choice, enable_gqa) on the same tensors: a peer's host path
 
@@ -71,6 +74,19 @@ def pieces(attn, n: int) -> dict:
                 q.device, k.device, v.device)
     closure = attn._fast[key()]
     shape, stride = tuple(q.shape), q.stride()
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))     # [B, N, H, D] memory
+    views = tuple(t.transpose(1, 2) for t in (qt, kt, vt))              # what transformers hands over
+    for _ in range(2):
+        attn(qt, kt, vt, layout="bnhd")
+        attn(*views)
+
+    def closure_before_bnhd():
+        """The closure for layout='bnhd' before session 12: three transposes in, O allocated as
+        [B, N, H, D] and transposed for the launch, transposed back for the caller."""
+        qh, kh, vh = qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2)
+        o = torch.empty((b, n, HQ, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+        launch(qh, kh, vh, o, lse)
+        return o.transpose(1, 2)
     fns = {"timer_floor": lambda: None, "calib": calib_us, "key": key,
            "empty_strided": lambda: torch.empty_strided(shape, stride, dtype=q.dtype, device=q.device),
            "empty": lambda: torch.empty(shape, dtype=q.dtype, device=q.device),
@@ -82,6 +98,9 @@ def pieces(attn, n: int) -> dict:
            "closure": lambda: closure(q, k, v),
            "closure_before": lambda: launch(q, k, v, torch.empty(shape, dtype=q.dtype, device=q.device), lse),
            "op_eager": lambda: attn(q, k, v),
+           "closure_before_bnhd": closure_before_bnhd,
+           "op_eager_bnhd": lambda: attn(qt, kt, vt, layout="bnhd"),
+           "op_eager_views": lambda: attn(*views),
            "op_custom_op": lambda: torch.ops.cubridge.attention(q, k, v, attn.handle, scale, [])}
     try:
         fns["sdpa"] = sdpa(q, k, v)

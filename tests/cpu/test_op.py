@@ -446,3 +446,29 @@ def test_the_op_enters_the_launch_by_address_and_returns_the_callers_layout(run_
         row, head = (2 * 128, 2 * 64 * 128) if layout == "bhnd" else (2 * 8 * 128, 2 * 128)
         assert o_map["strides"][:2] == [row, head]
     assert len(attn._fast) == 3 and len(lib.launches) == 6 and entered == [1, 1, 1]
+
+
+def test_the_custom_op_repeats_through_its_own_closure(run_dir):
+    """cubridge::attention's implementation (what a compiled graph runs) remembers a closure per
+    signature in its own cache: the same data and the fake implementation's strides (q's memory
+    order) on the first and the repeated call, for [B, H, N, D] memory, [B, N, H, D] memory seen as
+    [B, H, N, D], and a view the kernel cannot read in place (copied; O still in q's order); an
+    eager call with a layout string never finds these closures."""
+    from cubridge.op.checks import out_like
+    attn = stubbed(run_dir)
+    q, k, v = qkv()
+    bnhd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    wide = torch.randn(2, 8, 64, 130, dtype=BF)[..., :128]                 # 260-byte rows: copied
+    served = []
+    for i, args in enumerate(((q, k, v), bnhd, (wide, k, v))):
+        first = torch.ops.cubridge.attention(*args, attn.handle, 0.125, [])
+        assert len(attn._fast_op) == i + 1
+        key, closure = next(reversed(attn._fast_op.items()))
+        attn._fast_op[key] = lambda *a, f=closure: served.append(1) or f(*a)
+        again = torch.ops.cubridge.attention(*args, attn.handle, 0.125, [])
+        assert len(served) == i + 1, "the repeated call did not run the remembered closure"
+        for out in (first, again):
+            assert torch.equal(out, args[0]) and out.stride() == out_like(args[0]).stride()
+    assert len(attn._fast_op) == 3 and not attn._fast
+    with pytest.raises(LaunchError, match="layout="):
+        attn(q, k, v, layout="op", scale=0.125)

@@ -19,7 +19,8 @@ the GPU busy, GC off; the median of the round medians and the spread):
     closure_before_bnhd  the layout='bnhd' call's closure before session 12 (transposes in and out)
     op_eager_bnhd   attn(q, k, v, layout='bnhd') on [B, N, H, D] tensors; op_eager_views: transformers'
                     call (layout None, [B, H, N, D] views of [B, N, H, D] memory)
-    op_custom_op    torch.ops.cubridge.attention(...): the dispatcher's path (what torch.compile calls)
+    op_custom_op    torch.ops.cubridge.attention(...): the dispatcher's path (what torch.compile calls);
+                    custom_op_body / custom_op_body_before: its implementation now / before session 12
     sdpa            torch's SDPA (its own backend choice, enable_gqa) on the same tensors: a peer's host path
 
 then op_eager, launch_call, cu_launch and calib again with the process pinned to one CPU (pinned_*),
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import cubridge
-from cubridge.op import build
+from cubridge.op import build, library
 from cubridge.op.checks import bnhd_order
 from cubridge.runtime.driver import current_stream
 from expkit.hosttime import ROUNDS, calib_us, host_info, rounds
@@ -146,7 +147,10 @@ def pieces(attn, n: int) -> dict:
            "closure_before_bnhd": closure_before_bnhd,
            "op_eager_bnhd": lambda: attn(qt, kt, vt, layout="bnhd"),
            "op_eager_views": lambda: attn(*views),
-           "op_custom_op": lambda: torch.ops.cubridge.attention(q, k, v, attn.handle, scale, [])}
+           "op_custom_op": lambda: torch.ops.cubridge.attention(q, k, v, attn.handle, scale, []),
+           "custom_op_body": lambda: attn.op_forward(q, k, v, scale),
+           "custom_op_body_before": lambda: library._in_order_of(
+               attn.forward(*library._readable(attn, q, k, v), scale, [], False)[0], q)}
     try:
         fns["sdpa"] = sdpa(q, k, v)
     except Exception as e:   # noqa: BLE001 - the peer anchor is optional

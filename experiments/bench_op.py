@@ -7,7 +7,7 @@ on the device), loaded with cubridge.load, and measured three ways:
                       enqueued first, so the calls only enqueue: no launch waits for the GPU), each
                       call timed alone with Python's GC off (one GC pass inside the window made
                       causal_blockwise 8k read 96 us as a mean in session 7), in windows of CALLS
-                      calls; every row is timed in ROUNDS rounds, the rows interleaved in a different
+                      calls; every row is timed in ROUNDS (3) rounds, the rows interleaved in a different
                       order each round (expkit.hosttime), and the row's number is the median of its
                       round medians (session 12's single window per row read 16 or 25 us at random);
                       host_us_rounds / host_us_spread give the rounds, host_us_mean the mean of every
@@ -43,10 +43,11 @@ from cubridge.op import build
 from cubridge.runtime.timing import bench_round_robin
 from cubridge.spec import builtin_specs
 from expkit import CALLS, gpu_ms, host_us_per_call
-from expkit.hosttime import ROUNDS, host_info, rounds
+from expkit.hosttime import host_info, rounds
 
 HQ, HKV, D = 16, 4, 128
 TOKENS = 16384                      # B * N: B = 16 at 1k, 2 at 8k
+ROUNDS = 3                          # host-time rounds: 79 s for the whole bench on the H100 (session 12 mid)
 
 
 def inputs(attn, n: int):

@@ -18,6 +18,8 @@ Flex cannot express) is recorded with its reason, never a crash. Rows are writte
 
 --bwd-kernel hopper: our backward is the variant lowered onto the Hopper fa3_bwd_sm90
 (cubridge.lower.fa3_bwd_sm90, VariantBackward(use_hopper=True), sm_90 only) instead of fa2_bwd_sm80.
+--hopper-options A [B ...] (with --bwd-kernel hopper): "cubridge" is option A (default VARIANT_OPTION);
+each further option is one more system "cubridge[B]" in the same round-robin (an A/B of the options).
     python experiments/bench_bwd_variants.py --table $OUT/x.json
 """
 from __future__ import annotations
@@ -47,7 +49,7 @@ BWD_FLOP_FACTOR = 2.5
 AGREE_REL = 0.05
 OURS = "cubridge"
 BARS = {"flex": 1.3, "flex_flash": 1.1, "eager_autograd": 10.0}
-BWD_KERNEL = {"kernel": "fa2"}   # --bwd-kernel: "fa2" (fa2_bwd_sm80) or "hopper" (fa3_bwd_sm90)
+BWD_KERNEL = {"kernel": "fa2", "options": [None]}   # --bwd-kernel, --hopper-options (None: VARIANT_OPTION)
 
 
 class Refused(Exception):
@@ -62,16 +64,18 @@ def _inputs(n: int, b: int):
 
 
 @functools.lru_cache(maxsize=None)
-def variant_backward(name: str):
-    """One VariantBackward per variant (the rules transfer runs once; its kernel keeps its builds)."""
+def variant_backward(name: str, option: str | None = None):
+    """One VariantBackward per (variant, Hopper option) (the rules transfer runs once per variant's
+    object; its kernel keeps its builds)."""
     from cubridge.runtime.variant_bwd import VariantBackward
-    return VariantBackward(name, use_hopper=BWD_KERNEL["kernel"] == "hopper")
+    hopper = BWD_KERNEL["kernel"] == "hopper"
+    return VariantBackward(name, use_hopper=hopper, **({"hopper_option": option} if hopper and option else {}))
 
 
-def ours(name, q, k, v, dout, fwd_ours):
+def ours(name, q, k, v, dout, fwd_ours, option: str | None = None):
     """{fwd, bwd, fwd_bwd, grads}: forward = the variant lowered onto fa3_sm90 (out, LSE), backward
     = VariantBackward on that out / LSE (its Dvec from our out: end to end)."""
-    bwd = variant_backward(name)
+    bwd = variant_backward(name, option)
     fwd = fwd_ours.fn(name, q, k, v)
     out, lse = fwd()
     return {"fwd": fwd, "bwd": lambda: bwd(dout, q, k, v, out, lse),
@@ -137,7 +141,10 @@ def bench_shape(name: str, n: int, b: int, peers: list[str], reps: int, fwd_ours
     q, k, v, dout = _inputs(n, b)
     base = dict(direction="backward", variant=name, N=n, B=b, Hq=H, Hkv=H, D=D, dtype="bf16", gpu=gpu,
                 bwd_kernel=BWD_KERNEL["kernel"])
-    systems, rows = {OURS: ours(name, q, k, v, dout, fwd_ours)}, []
+    options = BWD_KERNEL["options"]
+    systems, rows = {OURS: ours(name, q, k, v, dout, fwd_ours, options[0])}, []
+    for option in options[1:]:   # --hopper-options: the other options, same round-robin
+        systems[f"{OURS}[{option}]"] = ours(name, q, k, v, dout, fwd_ours, option)
     makers = {"flex": lambda: flex(name, hooks, q, k, v, dout, "triton"),
               "flex_flash": lambda: flex(name, hooks, q, k, v, dout, "flash"),
               "eager_autograd": lambda: eager(name, q, k, v, dout)}
@@ -176,15 +183,16 @@ def prebuild(variants, ns) -> None:
     arch = device_arch(torch.device("cuda"))
     fwd_ours = expkit.Ours()
     jobs = [(fwd_ours.lowered(v)[2], default_config(D, False, True, n, variant=True)) for v in variants for n in ns]
-    bwds = [variant_backward(v) for v in variants]
+    bwds = [(variant_backward(v, o), o) for v in variants for o in BWD_KERNEL["options"]]
     with ThreadPoolExecutor(16) as pool:
         futs = [pool.submit(build_cubin, cfg, source=src) for src, cfg in set(jobs)]
         if BWD_KERNEL["kernel"] == "hopper":
             from cubridge.runtime import fa3_bwd_sm90 as hb
-            futs += [pool.submit(hb.build_cubin, D, False, True, option=hb.VARIANT_OPTION, source=b.hopper.source)
-                     for b in bwds]
+            futs += [pool.submit(hb.build_cubin, D, False, True, option=o or hb.VARIANT_OPTION, source=b.hopper.source)
+                     for b, o in bwds]
         else:
-            futs += [pool.submit(b.kernel.build, D, torch.bfloat16, False, False, arch, source=b.source) for b in bwds]
+            futs += [pool.submit(b.kernel.build, D, torch.bfloat16, False, False, arch, source=b.source)
+                     for b, _ in bwds]
         for f in futs:
             f.result()
 
@@ -208,17 +216,27 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, nargs="+", default=[8192, 1024, 4096, 16384])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variants", nargs="+", default=VARIANTS)
-    ap.add_argument("--peers", nargs="+", default=["flex", "flex_flash"])
+    ap.add_argument("--peers", nargs="*", default=["flex", "flex_flash"],
+                    help="peers to time beside ours (none: `--peers` alone, e.g. an A/B of --hopper-options)")
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     ap.add_argument("--bwd-kernel", choices=["fa2", "hopper"], default="fa2",
                     help="our backward kernel: fa2_bwd_sm80 or the Hopper fa3_bwd_sm90 (sm_90)")
+    ap.add_argument("--hopper-options", nargs="+", default=None,
+                    help="fa3_bwd_sm90 VARIANT_OPTIONS to time (with --bwd-kernel hopper): the first is 'cubridge', "
+                         "each other one the system 'cubridge[OPTION]' (default: VARIANT_OPTION alone)")
     args = ap.parse_args(argv)
     BWD_KERNEL["kernel"] = args.bwd_kernel
+    if args.hopper_options:
+        from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTIONS
+        bad = [o for o in args.hopper_options if o not in VARIANT_OPTIONS]
+        if args.bwd_kernel != "hopper" or bad:
+            ap.error(f"--hopper-options needs --bwd-kernel hopper and options of {list(VARIANT_OPTIONS)} (got {bad})")
+        BWD_KERNEL["options"] = list(args.hopper_options)
     if args.table:
         print_table(json.loads(args.table.read_text())["rows"])
         return 0
     gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "bwd_kernel": args.bwd_kernel, "versions": expkit.versions(), "protocol": "round-robin, L2 flushed, 2 warm-ups, "
+    result = {"gpu": gpu, "bwd_kernel": args.bwd_kernel, "hopper_options": BWD_KERNEL["options"], "versions": expkit.versions(), "protocol": "round-robin, L2 flushed, 2 warm-ups, "
               f"{args.reps} reps, median (cubridge.runtime.timing.bench_round_robin)", "rows": [], "failed": []}
     try:
         prebuild(args.variants, args.n)

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from expkit import Ours, versions  # noqa: E402
 
 from cubridge import rule  # noqa: E402
+from cubridge.lower.fa3_sm90 import wide_tile  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config  # noqa: E402
 from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops  # noqa: E402
 from cubridge.spec import load_spec  # noqa: E402
@@ -149,7 +150,7 @@ def bench_spec(ours: Ours, name: str, n: int, reps: int, no_flash: str | None) -
            "count_s": round(time.time() - t0, 2), "flex_expressible": hooks.flex_expressible}
     q = torch.randn(b, hq, n, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    cfg = default_config(D, False, True, n, variant=True)
+    cfg = default_config(D, False, True, n, variant=True, wide=wide_tile(ours.lowered(spec_path(name))[1].ir))
     row["config"] = {"block_m": cfg.block_m, "block_n": cfg.block_n}
     systems = [("cubridge", ours.fn(spec_path(name), q, k, v))] + peer_fns(row, hooks, q, k, v, no_flash)
     t0 = time.time()
@@ -165,20 +166,20 @@ def bench_spec(ours: Ours, name: str, n: int, reps: int, no_flash: str | None) -
 
 def prebuild(ours: Ours, names, workers: int = 12) -> list[dict]:
     """Transfer, lower and compile every spec's kernel up front, in parallel (nvcc runs outside the
-    GIL; a lowered variant's config at D = 128 is the same at every N). Returns the
+    GIL; at the config the product runs at 8k: 128x176 where wide_tile, else 128x128). Returns the
     specs that failed to transfer, lower or build, with why (reported, not timed)."""
     from concurrent.futures import ThreadPoolExecutor
-    cfg = default_config(D, False, True, 8192, variant=True)
-    sources, failed = {}, []
+    sources, configs, failed = {}, {}, []
     for name in names:
         try:
-            sources[name] = ours.lowered(spec_path(name))[2]
+            _, kern, sources[name] = ours.lowered(spec_path(name))
+            configs[name] = default_config(D, False, True, 8192, variant=True, wide=wide_tile(kern.ir))
         except Exception as e:       # a transfer or lowering refusal: the main loop reports it again
             failed.append({"spec": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
     def build(name):
         try:
-            build_cubin(cfg, source=sources[name])
+            build_cubin(configs[name], source=sources[name])
         except Exception as e:       # noqa: BLE001 - an nvcc failure is reported per spec
             failed.append({"spec": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -44,6 +44,11 @@ _PRECISE_FN = {**_FLOAT_FN, "exp": "expf", "log": "logf", "log2": "log2f", "tanh
                "sigmoid": None}      # written out: 1 / (1 + expf(-x))
 
 
+def to_c_typed(e, names: dict, tables: dict | None = None) -> tuple[str, str]:
+    """(C++ text, its type: "int", "float" or "bool") of expression e; as to_c."""
+    return _Lower(names, tables or {}).expr(e)
+
+
 class LowerError(CubridgeError):
     """A CuIR construct has no CUDA lowering here."""
 

@@ -11,7 +11,8 @@ dP^T: keys are rows, queries columns):
   q_step_partial decides the mask per consumer (its 64 keys) and query tile.
 - score: score_mod of the natural score s = x * scale in the kernel's log2 units, and its symbolic
   derivative (cubridge.lower.derive). kScoreGradOne (ALiBi-like biases, no score_mod) keeps the
-  SCHED 1 order (P^T under the dP GEMM, dS^T from the 16-bit P^T); otherwise P^T and dS^T come
+  SCHED 1 order (P^T under the dP GEMM, dS^T from the 16-bit P^T, or from the f32 P^T on
+  ISSUE 2 options such as VARIANT_OPTION); otherwise P^T and dS^T come
   from one pass after both GEMMs, which still has the f32 score the derivative needs (also relu:
   its dS tests P != 0, which an fp16 P^T fails where relu(s) c underflows).
 - mask_pred: as the forward's (hooks.mask).

@@ -11,9 +11,10 @@ run as partial, fully masked: correct, a little slower). Full tiles skip the mas
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from cubridge.cuir import nodes as N
-from cubridge.lower import fusion, itspace, maskclass, regions, saturate
+from cubridge.lower import fusion, itspace, maskclass, regions, rowint, saturate
 from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
@@ -33,17 +34,61 @@ EPILOGUE_NORMALISE = """\
 """
 
 
+def session10_codegen(ir: VariantIR) -> bool:
+    """Does the variant take the dense kernel's session-10 codegen (kernel.cu kNewCodegen)? A softmax
+    variant with no score_mod and no block table: session 12's mid call measured prefixlm,
+    causal_blockwise, ag_causal (+3.4-4.9% at 128 x 176) and global_sliding_window (+1-2% at 128 x 128)
+    with it, every one spill-free; block-table producers spill with it (share_question 6 / 40 bytes)
+    and the score_mod / normalisation variants were not measured."""
+    return ir.norm == "softmax" and ir.score is None and not ir.table
+
+
+def _pieces(ir: VariantIR):
+    names = c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
+    return rowint.row_pieces(ir.mask, names, c_tables(ir))
+
+
+def wide_tile(ir: VariantIR) -> bool:
+    """Does the variant default to the dense kernel's 128 x 176 from 8k (runtime default_config's
+    `wide`)? session10_codegen and one interval of keys per row (a near-dense mask: prefix, block
+    causal, causal, windows, chunks); global_sliding_window (two pieces) lost its partial tiles'
+    share at wider tiles and keeps 128 x 128."""
+    pieces = _pieces(ir)
+    return session10_codegen(ir) and pieces is not None and len(pieces) == 1
+
+
 def kv_range(ir: VariantIR) -> str:
     """The iteration space, then the partial tiles' mask classes (maskclass.py; used by a consumer
-    that dispatches on them, experiments/patches/mask_classes.patch, else dead code)."""
+    that dispatches on them, experiments/patches/mask_classes.patch, else dead code), and
+    CUIR_VARIANT_CODEGEN where session10_codegen."""
     t = itspace.FA3
     classes = maskclass.tile_class_fn(ir, itspace.region_names(ir, t), c_tables(ir), t.block_n, t.len_k)
-    return itspace.kv_range_region(ir, t) + classes
+    codegen = ("// session10_codegen (cubridge/lower/fa3_sm90.py): kernel.cu's kNewCodegen for this variant too.\n"
+               "#define CUIR_VARIANT_CODEGEN 1\n") if session10_codegen(ir) else ""
+    return itspace.kv_range_region(ir, t) + classes + codegen
+
+
+# Row-interval masks (rowint.py): partial tiles test [lo, hi) per column. Session 12's mid call:
+# global_sliding_window (two pieces) +7.2 / +5.1 / +5.9% at 1k / 4k / 8k; one-piece masks (prefixlm,
+# causal_blockwise, ag_causal at 128 x 176) -0.8..+0.2%: on by default for two-piece masks only.
+# CUBRIDGE_MASK_ROWS=1 / 0 turns it on / off for every proven mask; the generated mask_rows is
+# emitted either way (unused when off).
+MASK_ROWS_ENV = "CUBRIDGE_MASK_ROWS"
+
+
+def mask_rows_enabled(pieces: int) -> bool:
+    value = os.environ.get(MASK_ROWS_ENV, "auto")
+    if value not in ("0", "1", "auto"):
+        raise LowerError(f"{MASK_ROWS_ENV}={value!r} is neither 0, 1 nor auto",
+                         hint=f"unset {MASK_ROWS_ENV} (auto: two-piece masks) or set it to 0 / 1")
+    return value == "1" or (value == "auto" and pieces == 2)
 
 
 def mask_region(ir: VariantIR) -> str:
     names = c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
-    return mask(ir) + maskclass.mask_class_fn(ir, names, c_tables(ir))
+    pieces = _pieces(ir)
+    return (mask(ir) + maskclass.mask_class_fn(ir, names, c_tables(ir))
+            + rowint.mask_rows_region(ir.mask, names, c_tables(ir), mask_rows_enabled(len(pieces or ()))))
 
 
 ELEMENTWISE_REGION = """\

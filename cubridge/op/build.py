@@ -21,11 +21,19 @@ from cubridge.errors import CubridgeError
 DEFAULT_LENGTHS = (1024, 8192)
 
 
-def default_points(reference: str, head_dim: int, lengths) -> dict:
-    """seqlen -> tile config point: the reference kernel's untuned defaults for a lowered variant."""
+def default_points(reference: str, head_dim: int, lengths, wide: bool = False) -> dict:
+    """seqlen -> tile config point: the reference kernel's untuned defaults for a lowered variant
+    (wide: the generator's wide_tile of its VariantIR, see wide_tile)."""
     from cubridge.runtime.kernels import reference_kernel
     kernel = reference_kernel(reference)
-    return {n: kernel.variant_default(head_dim, n) for n in lengths}
+    return {n: kernel.variant_default(head_dim, n, wide) for n in lengths}
+
+
+def wide_tile(reference: str, ir) -> bool:
+    """The generator's wide_tile(ir) (a measured wider default tile for this variant), else False."""
+    import importlib
+    from cubridge.runtime.kernels import reference_kernel
+    return bool(getattr(importlib.import_module(reference_kernel(reference).generator), "wide_tile", lambda _: False)(ir))
 
 
 def build_run(spec: str, out, *, reference: str = "fa3_sm90", dtype: str = "bf16", head_dim: int = 128,
@@ -41,14 +49,15 @@ def build_run(spec: str, out, *, reference: str = "fa3_sm90", dtype: str = "bf16
     from cubridge.transfer.rules import transfer
     out, kernel = Path(out), reference_kernel(reference)
     spec_obj = load_spec(spec)
-    points = {int(n): dict(p) for n, p in (configs or default_points(reference, head_dim, lengths)).items()}
     cand = transfer(parse_file(kernel.cuir_path()), spec_obj, spec_params=spec_params or {})
+    lowered = lower(cand.program, reference)
+    points = {int(n): dict(p) for n, p in (configs or default_points(reference, head_dim, lengths,
+                                                                       wide_tile(reference, lowered.ir))).items()}
     cid = hashlib.sha256(cand.text.encode()).hexdigest()[:16]
     (out / "kernel").mkdir(parents=True, exist_ok=True)
     (out / "cubins").mkdir(exist_ok=True)
     (out / "kernel" / f"{cid}.cuir").write_text(cand.text)
     shutil.copyfile(spec_obj.path, out / "spec.py")
-    lowered = lower(cand.program, reference)
     ordered = sorted(points)
     buckets = []
     for i, n in enumerate(ordered):

@@ -24,15 +24,23 @@ once its last dQ add has read shared memory instead of once it completed; sessio
 wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; session 11: timed on an
 H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2),
 "bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores),
-"bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+"bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4),
+"bulk_overlap_lse_lean_issue_pf32_epi_carry" (that with CARRY: each step's dK GEMM waited for at the
+next step's first wgmma wait instead of at its own end; session 12: racecheck clean, 2-4% slower, off),
+"bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate" (that with DV_LATE: FA4's order, dV issued after the dS
+pass and dQ queued behind it; session 12: 2-6% slower than the default, off), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
-DEFAULT_OPTION is "bulk_overlap_lse_lean" since session 10: on an H100 (session 10 mid call, bf16
-D = 128, 16k tokens, 8k, round-robin) it ran 476 / 502 TFLOPS causal / full against bulk_overlap_lse's
-450 / 503 (session 9's default: 450 / 514 causal 8k / 16k, 510 / 548 full), cuDNN 476 / 544 and FA4
-547 / 619; and it is compute-sanitizer racecheck clean (0 hazards, the variant path too), where
-bulk_overlap_lse reports 10240 potential write-after-read hazards (NOTES.md "Session 10").
+DEFAULT_OPTION (and VARIANT_OPTION, the variant backwards') is "bulk_overlap_lse_lean_issue_pf32_epi"
+since session 12: on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
+537 / 541 / 554 / 543 TFLOPS causal 8k / full 8k / causal 16k / full 16k against the session-10
+default bulk_overlap_lse_lean's 496 / 540 / 536 / 520 (cuDNN 533 / 583 / 577 / 599), passed every
+case of tests/gpu/test_bwd_sm90.py and is compute-sanitizer racecheck clean (0 hazards); session 12's
+mid call: 528 / 557 / 576 / 544 vs lean 486 / 532 / 537 / 539, racecheck / synccheck clean on the
+variant path too. lean had
+replaced bulk_overlap_lse in session 10: racecheck clean where bulk_overlap_lse's lane-0 stage release
+drew 10240 potential write-after-read reports (NOTES.md "Session 10").
 
 Status: every option passed tests/gpu/test_bwd_sm90.py on an H100 (446 cases, session 9), so
 cubridge.runtime.autograd routes sm_90 backwards here by default (atomic dQ mode);
@@ -78,6 +86,8 @@ class Modes(NamedTuple):
     lean: int = 0
     issue: int = 0
     epilogue: int = 0
+    carry: int = 0
+    dv_late: int = 0
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
@@ -87,13 +97,22 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_dqfirst_lse_lean_issue": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=1),
            "bulk_overlap_lse_lean_issue_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1),
            "bulk_overlap_lse_lean_issue_pf32_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1),
+           "bulk_overlap_lse_lean_issue_pf32_epi_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
+                                                               carry=1),
+           "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                      epilogue=1, carry=1, dv_late=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
-DEFAULT_OPTION = "bulk_overlap_lse_lean"   # fastest of OPTIONS on an H100, racecheck clean (docstring)
+DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"   # fastest of OPTIONS on an H100, tested (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
-VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean")
-VARIANT_OPTION = "bulk_overlap_lse_lean"   # racecheck clean on the variant path (session 10)
+VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
+                   "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry")
+# (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
+# the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
+# fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule); lean stays in
+# VARIANT_OPTIONS as the A/B baseline
+VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
 BLOCK_N = 128            # keys per CTA

@@ -124,16 +124,21 @@ class Fa3Config:
 
 
 def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int = 8192,
-                   variant: bool = False) -> Fa3Config:
+                   variant: bool = False, wide: bool = False) -> Fa3Config:
     """Tile sizes and grid mode for a shape class. Pure; each branch cites its measurement
     (H100, bf16, 16k tokens; experiments/results/fa3_sm90_v3_sweep_h100.json, then
     fa3_sm90_v11_sweep_h100.json after the scale fold; P = persistent with the dynamic tile
     scheduler, G = one tile per CTA). `variant`: a lowered variant (its own mask) runs with the
-    pre-v11 tiles, the ones its benchmarks measured; the tuner searches the rest.
+    pre-v11 tiles, the ones its benchmarks measured, unless `wide` (cubridge.lower.fa3_sm90.wide_tile:
+    a softmax variant with no score_mod, no block table and one interval of keys per row, e.g.
+    prefixlm, causal_blockwise, the corpus's causal / window / chunk masks), which takes the dense
+    causal kernel's 128 x 176 from 8k at D 128 (session 12); the tuner searches the rest.
 
     >>> default_config(128, causal=True, seqlen=1024).block_n
     128
     >>> default_config(128, causal=False, seqlen=8192).block_n, default_config(128, False, variant=True).block_n
+    (176, 128)
+    >>> default_config(128, False, variant=True, wide=True).block_n, default_config(128, False, seqlen=4096, variant=True, wide=True).block_n
     (176, 128)
     """
     if head_dim == 256:
@@ -156,7 +161,10 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     # v11 (softmax scale in the exp2 FFMA): 128x176 wins full at 8k (646 vs 614; GQA 64/8 656 vs
     # 618, 128/8 648 vs 610) and causal at 8k (587 vs 574; 615 vs 599; 611 vs 599); at 1k 128x128
     # stays (causal 457 vs 396, full 519 vs 523).
-    if not variant and seqlen >= (8192 if causal else 2048):
+    # Lowered variants, `wide` ones (session 12 mid call, variant_tiles beside our dense causal, 8k /
+    # 16k): 128x176 with session 10's codegen vs 128x128: prefixlm 0.992 / 0.962 vs 0.960 / 0.917,
+    # causal_blockwise 0.985 / 0.964 vs 0.950 / 0.923, ag_causal 0.972 / 0.953 vs 0.936 / 0.912.
+    if (not variant or wide) and seqlen >= (8192 if causal or variant else 2048):
         return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True)
     return Fa3Config(head_dim, 128, 128, 2, causal, bf16, persistent=True)
 

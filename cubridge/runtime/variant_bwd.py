@@ -5,7 +5,7 @@ Hopper fa3_bwd_sm90 (cubridge.lower.fa3_bwd_sm90, option fa3_bwd_sm90.VARIANT_OP
 Which kernel: `use_hopper=None` (default) takes the Hopper one on an sm_90 GPU unless
 CUBRIDGE_HOPPER_VARIANT_BWD=0 (the default since session 10: its gradient tests pass on an H100 and,
 on option bulk_overlap_lse_lean, compute-sanitizer racecheck reports 0 hazards; 1.2-2x fa2_bwd_sm80's
-speed there), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
+speed there; since session 12 on the dense default's option, bulk_overlap_lse_lean_issue_pf32_epi), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
 runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs). `hopper_option`:
 which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION).
 

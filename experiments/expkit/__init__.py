@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from cubridge import rule  # noqa: E402
 from cubridge.cuir.parser import parse_file  # noqa: E402
 from cubridge.lower import lower  # noqa: E402
+from cubridge.lower.fa3_sm90 import wide_tile  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward  # noqa: E402
 from cubridge.runtime.kernels import reference_kernel  # noqa: E402
 from cubridge.runtime.timing import bench_round_robin  # noqa: E402
@@ -175,7 +176,7 @@ class Ours:
         """overrides: Fa3Config fields to replace in the variant default (e.g. stages)."""
         cand, kern, source = self.lowered(name)
         B, Hq, N, Dh = q.shape
-        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N, variant=True)
+        cfg = default_config(Dh, False, q.dtype == torch.bfloat16, N, variant=True, wide=wide_tile(kern.ir))
         if block_n:
             cfg = replace(cfg, block_n=block_n)
         if overrides:

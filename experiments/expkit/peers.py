@@ -16,6 +16,7 @@ cover every mask's special regions (global rows, prefix, diagonal, the last answ
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -69,7 +70,20 @@ def product_point(name: str, d: int, n: int, runs: dict | None = None) -> tuple[
             for b in dispatch["buckets"]:
                 if b["min_seqlen"] <= n and (b["max_seqlen"] is None or n <= b["max_seqlen"]):
                     return dict(b["config"]), f"tuned run {run} ({b['shape']})"
-    return default_points("fa3_sm90", d, [n])[n], "untuned default (build_run / variant_default)"
+    return default_points("fa3_sm90", d, [n], _wide(name))[n], "untuned default (build_run / variant_default)"
+
+
+@functools.lru_cache(maxsize=None)
+def _wide(name: str) -> bool:
+    """cubridge.lower.fa3_sm90.wide_tile of the lowered variant (its untuned default tile depends on it)."""
+    from cubridge.cuir.parser import parse_file
+    from cubridge.lower import lower
+    from cubridge.runtime.kernels import reference_kernel
+    from cubridge.spec import load_spec
+    from cubridge.transfer.rules import transfer
+    cand = transfer(parse_file(reference_kernel("fa3_sm90").cuir_path()), load_spec(name))
+    from cubridge.lower.fa3_sm90 import wide_tile
+    return wide_tile(lower(cand.program, "fa3_sm90").ir)
 
 
 def make_ours(name, q, k, v, ours_variants, point: dict | None = None):

@@ -351,6 +351,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
                                              const Problem& pb, int st, int it, int g, int m0, uint32_t kr,
                                              uint32_t vr, uint32_t kt,
                                              float (&dk_acc)[kAccRegs], float (&dv_acc)[kAccRegs],
+                                             uint32_t (&ds16)[kPRegs],
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float* __restrict__ dq_accum, float scale_log2) {
   float s[kSRegs], dp[kSRegs];
@@ -370,6 +371,11 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   if constexpr (kSplitPasses) wgmma_wait<1>();  // S^T landed, dP^T in flight
   else wgmma_wait<0>();
   reg_fence(s);
+  if constexpr (kCarry) {   // CARRY: the previous step's dK (committed before S^T) has landed as well
+    reg_fence(dk_acc);
+    reg_fence_u(ds16);
+    if (it > 0) release_stage(cs, sm, (it + kStages - 1) % kStages);
+  }
   if constexpr (kSplitPasses) {
     probs_only(va, kRangeRuns ? variant_partial : kIssue ? pre_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse,
                scale_log2, pb, g,
@@ -378,25 +384,33 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
     reg_fence(dp);
     probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));
   }
-  uint32_t p16[kPRegs], ds16[kPRegs];
+  uint32_t p16[kPRegs];
   pack_frag(p16, s);
-  wgmma_fence();
-  gemm_rs(dv_acc, p16, sm.do_tile(st));          // dV += P^T dO runs under the dS pass
-  wgmma_commit();
+  if constexpr (!kDvLate) {
+    wgmma_fence();
+    gemm_rs(dv_acc, p16, sm.do_tile(st));        // dV += P^T dO runs under the dS pass
+    wgmma_commit();
+  }
   if constexpr (kSplitPasses) {
     preload_row_terms(row_pre, cs, sm.dvec_tile(st));   // ISSUE 1: Dvec under the dP / dV GEMMs
-    wgmma_wait<1>();                             // dP^T landed
+    if constexpr (kDvLate) wgmma_wait<0>();     // dP^T landed (DV_LATE: nothing else in flight)
+    else wgmma_wait<1>();                        // dP^T landed
     reg_fence(dp);
     ds_only16(va, cs, p16, s, dp, dvec, pb, g, m0, sm.dvec_tile(st), row_pre);
   }
   pack_frag(ds16, dp);
   const uint32_t slot = sm.ds_slot(it % kDsSlots);
   store_ds(cs, slot, ds16);
+  if constexpr (kDvLate) {   // DV_LATE (FA4's order): dV issued after the dS pass, runs under the barrier
+    wgmma_fence();
+    gemm_rs(dv_acc, p16, sm.do_tile(st));
+    wgmma_commit();
+  }
   fa3::fence_async_smem();                       // generic stores -> the wgmma (async proxy) reads
   dq_slot_wait(cs);
   if (kDqSplitN) named_sync(kBarDsReady, kConsumers * kWgThreads);
   else cs.wg_sync();
-  if constexpr (!kDqFirst) {
+  if constexpr (!kDqFirst && !kDvLate) {
     wgmma_wait<0>();   // dV (long done: the dS pass, store and barrier ran under it) frees P^T's
     reg_fence(dv_acc); // registers before dQ's 32 are taken: waiting after the dQ issue spilled 8
     reg_fence_u(p16);  // bytes at D = 128 causal fp16 (SCHED 1's form)
@@ -405,7 +419,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_fence();
   gemm_dq(dq, slot, kt, cs.c);
   wgmma_commit();
-  if constexpr (kDqFirst) {   // SCHED 2: dQ queued behind dV, then dV waited for
+  if constexpr (kDqFirst || kDvLate) {   // SCHED 2 / DV_LATE: dQ queued behind dV, then dV waited for
     wgmma_wait<1>();
     reg_fence(dv_acc);
     reg_fence_u(p16);
@@ -416,10 +430,12 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   wgmma_wait<1>();                               // dQ landed, dK in flight
   reg_fence(dq);
   emit_dq(cs, sm, dq_accum, dq, pb.bh_q(g), m0, pb.seqlen_q, it);
-  wgmma_wait<0>();
-  reg_fence(dk_acc);
-  reg_fence_u(ds16);
-  release_stage(cs, sm, st);
+  if constexpr (!kCarry) {   // CARRY: waited for at the next step's first wait (or after the loop)
+    wgmma_wait<0>();
+    reg_fence(dk_acc);
+    reg_fence_u(ds16);
+    release_stage(cs, sm, st);
+  }
 }
 
 __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& cs, const Smem& sm,
@@ -447,6 +463,10 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
     // ISSUE 1: (g, i) counted along (no division per step: ~30 instructions at the step's top,
     // where the tensor pipe has drained; they fit in uniform registers now).
     int g_run = 0, i_run = 0;
+    // dS^T of the step (dK's A operand): loop-carried so that CARRY keeps it live until dK landed
+    uint32_t ds16[kPRegs];
+#pragma unroll
+    for (int i = 0; i < kPRegs; ++i) ds16[i] = 0u;
     for (int it = 0; it < total; ++it) {
       const int g = kIssue ? g_run : it / steps, i = kIssue ? i_run : it - g * steps,
                 m0 = (kRangeRuns ? q_runs_tile(i) : kIssue ? qr.m_begin + i : qr.m_begin + it - g * steps) * kBlockM,
@@ -458,7 +478,13 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
       mbar_wait(sm.q_full() + 8 * st, (it / kStages) & 1);
       uint32_t kr = k_rows, vr = v_rows, kt = sm.k();   // opaque per step, as below
       asm volatile("" : "+r"(kr), "+r"(vr), "+r"(kt));
-      overlap_step(va, cs, sm, pb, st, it, g, m0, kr, vr, kt, dk_acc, dv_acc, lse, dvec, dq_accum, scale_log2);
+      overlap_step(va, cs, sm, pb, st, it, g, m0, kr, vr, kt, dk_acc, dv_acc, ds16, lse, dvec, dq_accum, scale_log2);
+    }
+    if constexpr (kCarry) {   // the last step's dK (waited for on every path: else ptxas injects a wait)
+      wgmma_wait<0>();
+      reg_fence(dk_acc);
+      reg_fence_u(ds16);
+      if (total > 0) release_stage(cs, sm, (total - 1) % kStages);
     }
   }
   int it = 0;

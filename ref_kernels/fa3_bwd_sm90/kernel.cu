@@ -76,6 +76,12 @@ typedef unsigned long long uint64_t;
 #ifndef EPILOGUE
 #define EPILOGUE 0
 #endif
+#ifndef CARRY
+#define CARRY 0
+#endif
+#ifndef DV_LATE
+#define DV_LATE 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
@@ -168,7 +174,8 @@ __device__ __forceinline__ float softmax_ds(const VariantArgs& va, float p, floa
 // the one the GPU measured fastest, and the only one whose per-step passes take the variant hooks.
 static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs DQ_MODE=1 SCHED=1 LSE_SMEM=1");
 // SCHED 1's split passes (P^T under the dP GEMM, dS^T from the 16-bit P^T), or one pass after both
-// GEMMs from the f32 scores: a score_mod' != 1 needs the score, relu's [s > 0] the unrounded P.
+// GEMMs from the f32 scores: a score_mod' != 1 needs the score, relu's [s > 0] the unrounded P. (ISSUE
+// 2's dS pass reads the f32 P^T, so relu could split there: not yet run on a GPU, NOTES.md "Session 12".)
 constexpr bool kSplitPasses = kScoreGradOne && kDsFromP16;
 static_assert(kSplitPasses || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
 

@@ -76,6 +76,21 @@ constexpr bool kDsFromP32 = ISSUE == 2;
 //   EPILOGUE 1 (with DQ_MODE 1): dK / dV leave through the consumer's dQ slots by stmatrix and 16-byte
 //              row copies instead of 64 half-sector STG.32 per thread (epilogue.cuh; session 11).
 constexpr bool kEpilogue = EPILOGUE == 1;
+//   CARRY 1 (with SCHED 1; session 12): the step does not end by waiting for its dK GEMM. dK stays in
+//              flight (its dS^T registers carried in the loop) while the warpgroup goes on to the next
+//              step's q_full wait and issues S^T, dP^T behind it; that step's first wgmma wait (S^T
+//              landed) then also covers dK, and the previous stage is released there. SCHED 1 drained
+//              the tensor pipe at every step's end (wait 0, arrive, loop, wait, issue: the next S^T
+//              queues behind nothing of its own warpgroup); FA4 drains the same way. Costs: the stage
+//              is freed one S^T GEMM later (the producer's next load starts that much later) and the 16
+//              dS^T registers stay live across the next issue.
+constexpr bool kCarry = CARRY == 1;
+//   DV_LATE 1 (with SCHED 1, ISSUE 2; session 12): FA4's order after the P pass. SCHED 1 issues dV
+//              before the dS pass (dV runs under it) and waits for dV after the dS barrier, before
+//              issuing dQ (the tensor pipe idles from dV's end to dQ's issue: dS pass tail, stores,
+//              barrier). DV_LATE waits for dP^T, runs the dS pass, stores dS^T, then issues dV, so dV
+//              runs under the fence and the dS barrier, and dQ is queued behind it (wait 1 = dV).
+constexpr bool kDvLate = DV_LATE == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -168,6 +183,8 @@ static_assert(TILE_ORDER == 0 || TILE_ORDER == 2, "TILE_ORDER must be 0 or 2 (1 
 static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
 static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
 static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSUE=1 or 2 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");
+static_assert(DV_LATE == 0 || (DV_LATE == 1 && SCHED == 1 && ISSUE == 2), "DV_LATE=1 needs SCHED=1 and ISSUE=2");
+static_assert(CARRY == 0 || (CARRY == 1 && SCHED == 1), "CARRY=1 needs SCHED=1 (it changes SCHED 1's step end)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,

@@ -156,7 +156,15 @@ constexpr bool kDenseKernel = false;
 // And to two consumers: three (D 64's 192 x 128) ran 3-6% slower with the descriptors and the
 // producer loop below (session 10 mid call, fwd_mid_ab.json, all eight D 64 shapes), so they keep
 // session 9's code, with its 4-18 spilled bytes in the producer of 20 causal builds of the space.
-constexpr bool kNewCodegen = kDenseKernel && kConsumers == 2;
+// Lowered variants whose kv_range region defines CUIR_VARIANT_CODEGEN get it too (session 12: softmax
+// variants with no score_mod and no block table, cubridge/lower/fa3_sm90.py session10_codegen;
+// spill-free at 128 x 128 and 128 x 176 with it, +3.4-4.9% at 128 x 176 in the mid call).
+#ifdef CUIR_VARIANT_CODEGEN
+constexpr bool kVariantCodegen = true;
+#else
+constexpr bool kVariantCodegen = false;
+#endif
+constexpr bool kNewCodegen = (kDenseKernel || kVariantCodegen) && kConsumers == 2;
 
 // @cuir-region score
 // score = kScoreFactor * score_mod(va, x, scale, ...), x the raw q.k and scale the softmax scale
@@ -191,13 +199,48 @@ constexpr bool kSaturates = false;
 constexpr int kSatLo = 0, kSatHi = 0;
 #endif
 
-// Scale and score_mod (skipped for an identity score_mod: the softmax scales), and on partial
-// tiles the mask, in one pass over S with each element's indices. kSat: 0 score_mod at each
-// pair's own kv_idx; +1 / -1 at d = kSatHi / kSatLo (a full tile wholly past that bound).
-template <bool kPartial, int kSat = 0>
-__device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)[kSRegs],
-                                               float softmax_scale, HeadMap hm, int q_row0,
-                                               int kv_col0, int seqlen_k) {
+// kMaskRows (a generated mask region defines CUIR_MASK_ROWS and mask_rows: cubridge/lower/rowint.py):
+// the mask keeps the keys of each row in kMaskPieces intervals [lo, hi), so a partial tile takes them
+// once per row, moves them to the tile's column origin, and tests each element against its column
+// offset (an immediate): one or two compares per element, not the whole predicate. Two pieces
+// (global_sliding_window's global columns and window) are clipped to the tile and merged; where a
+// row of the warp keeps two disjoint pieces in this tile, the warp evaluates mask_pred instead.
+#ifdef CUIR_MASK_ROWS
+constexpr bool kMaskRows = CUIR_MASK_ROWS;
+#else                                                      // no row-interval form: mask_pred per element
+constexpr bool kMaskRows = false, kMaskRowLo = true;
+constexpr int kMaskPieces = 1;
+__device__ __forceinline__ void mask_rows(const VariantArgs&, int, int, int, int (&lo)[1], int (&hi)[1]) { lo[0] = hi[0] = 0; }
+#endif
+
+// (tile_row_interval: tests/cpu/test_rowint.py compiles it from here with g++.)
+// The keys row q keeps among the tile's columns, relative to kv_col0, as one interval [row_lo,
+// row_hi), the key bound applied: true; false where they are two disjoint pieces in this tile.
+// Two pieces are clipped to the columns [0, kBlockN) and merged where one is empty or they touch.
+__device__ __forceinline__ bool tile_row_interval(const int (&lo)[kMaskPieces], const int (&hi)[kMaskPieces],
+                                                  int kv_col0, int seqlen_k, int& row_lo, int& row_hi) {
+  if constexpr (kMaskPieces == 1) {
+    row_lo = lo[0] - kv_col0;
+    row_hi = min(hi[0], seqlen_k) - kv_col0;
+    return true;
+  } else {
+    const int lo0 = max(lo[0] - kv_col0, 0), hi0 = min(min(hi[0], seqlen_k) - kv_col0, kBlockN);
+    const int lo1 = max(lo[1] - kv_col0, 0), hi1 = min(min(hi[1], seqlen_k) - kv_col0, kBlockN);
+    const bool empty0 = lo0 >= hi0, empty1 = lo1 >= hi1;
+    row_lo = empty0 ? lo1 : empty1 ? lo0 : min(lo0, lo1);
+    row_hi = empty0 ? hi1 : empty1 ? hi0 : max(hi0, hi1);
+    return empty0 | empty1 | ((lo0 <= hi1) & (lo1 <= hi0));
+  }
+}
+// (end tile_row_interval)
+
+// One pass over S with each element's indices: score_mod (skipped for an identity score_mod: the
+// softmax scales) and on partial tiles the mask, per element (mask_pred) or, kRows, against the
+// rows' column interval [row_lo, row_hi) relative to kv_col0.
+template <bool kPartial, int kSat, bool kRows>
+__device__ __forceinline__ void score_mask_pass(const VariantArgs& va, float (&s)[kSRegs],
+                                                float softmax_scale, HeadMap hm, int q_row0, int kv_col0,
+                                                int seqlen_k, const int (&row_lo)[2], const int (&row_hi)[2]) {
 #pragma unroll
   for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
@@ -208,8 +251,36 @@ __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)
         const int q_idx = q_row0 + 8 * half, kv_idx = kv_col0 + 8 * j + e;
         const int kv_mod = kSat > 0 ? q_idx + kSatHi : kSat < 0 ? q_idx + kSatLo : kv_idx;
         if constexpr (!kScoreModIdentity) x = score_mod(va, x, softmax_scale, hm.b, hm.h, q_idx, kv_mod);
-        if (kPartial && !((kv_idx < seqlen_k) & mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) x = kNegInf;
+        if constexpr (kPartial && kRows) {
+          const int c = 8 * j + e;                       // kv_idx - kv_col0
+          if (!(((!kMaskRowLo) | (c >= row_lo[half])) & (c < row_hi[half]))) x = kNegInf;
+        } else if (kPartial && !((kv_idx < seqlen_k) & mask_pred(va, hm.b, hm.h, q_idx, kv_idx))) {
+          x = kNegInf;
+        }
       }
+}
+
+// Scale and score_mod, and on partial tiles the mask (score_mask_pass). kSat: 0 score_mod at each
+// pair's own kv_idx; +1 / -1 at d = kSatHi / kSatLo (a full tile wholly past that bound).
+template <bool kPartial, int kSat = 0>
+__device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)[kSRegs],
+                                               float softmax_scale, HeadMap hm, int q_row0,
+                                               int kv_col0, int seqlen_k) {
+  int row_lo[2] = {0, 0}, row_hi[2] = {0, 0};             // kMaskRows: [lo, hi) - kv_col0 per row
+  if constexpr (kPartial && kMaskRows) {
+    bool one = true;                                       // every row's kept keys: one interval here
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      int lo[kMaskPieces], hi[kMaskPieces];
+      mask_rows(va, hm.b, hm.h, q_row0 + 8 * half, lo, hi);
+      one &= tile_row_interval(lo, hi, kv_col0, seqlen_k, row_lo[half], row_hi[half]);
+    }
+    if (kMaskPieces == 1 || __all_sync(kFullMask, one)) {
+      score_mask_pass<kPartial, kSat, true>(va, s, softmax_scale, hm, q_row0, kv_col0, seqlen_k, row_lo, row_hi);
+      return;
+    }
+  }
+  score_mask_pass<kPartial, kSat, false>(va, s, softmax_scale, hm, q_row0, kv_col0, seqlen_k, row_lo, row_hi);
 }
 
 // @cuir-region softmax

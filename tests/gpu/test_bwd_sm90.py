@@ -238,3 +238,30 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
     for mine, lean in close:
         scale = lean.float().abs().max().item()
         assert scale > 0 and (mine.float() - lean.float()).abs().max().item() <= scale * 2 ** -6
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 2, 333, 517, 128, BF16), (1, 4, 1, 1000, 300, 64, F16),
+                                   (1, 2, 2, 2048, 2048, 128, F16)], ids=["gqa-q333-k517-d128", "mqa-q1000-k300-d64",
+                                                                          "q2048-d128"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("option", ["bulk_overlap_lse_lean_issue_pf32_epi_carry",
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate"])
+def test_carry_gradients_equal_pf32(option, causal, shape):
+    """CARRY (session 12) only moves where each step waits for its dK GEMM (the next step's first
+    wgmma wait) and when the stage is released, DV_LATE where dV is issued: the same operations on
+    the same values in the same order per accumulator, so dK and dV are bitwise
+    bulk_overlap_lse_lean_issue_pf32_epi's (a dS^T or P^T register reused while a GEMM still read
+    it, or a stage reloaded under it, would change them), dQ equal up to the reduce-add order
+    (within 2^-6 of max |dQ|). GQA (the stage ring wraps across heads), Nq > Nk, many steps."""
+    from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
+    from cubridge.runtime.fa3_sm90 import fa3_forward
+    b, hq, hkv, nq, nk, d, dtype = shape
+    gen = torch.Generator(device="cuda").manual_seed(17 + nq)
+    q, dout = (torch.randn(b, hq, nq, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, hkv, nk, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    out, lse = fa3_forward(q, k, v, causal=causal)
+    dq_p, dk_p, dv_p = fa3_backward(dout, q, k, v, out, lse, causal=causal, option="bulk_overlap_lse_lean_issue_pf32_epi")
+    dq_c, dk_c, dv_c = fa3_backward(dout, q, k, v, out, lse, causal=causal, option=option)
+    assert torch.equal(dk_c, dk_p) and torch.equal(dv_c, dv_p)
+    scale = dq_p.float().abs().max().item()
+    assert scale > 0 and (dq_c.float() - dq_p.float()).abs().max().item() <= scale * 2 ** -6

@@ -105,6 +105,8 @@ __device__ __forceinline__ int tile_mask_class_wg(const VariantArgs& va, const K
   if (!tile_may(va, w, n, k_lo, k_hi, 1)) return -1;
   return tile_mask_class(va, w, n);
 }
+// session10_codegen (cubridge/lower/fa3_sm90.py): kernel.cu's kNewCodegen for this variant too.
+#define CUIR_VARIANT_CODEGEN 1
 // ===== region score
 constexpr bool kScoreModIdentity = true;
 constexpr float kScoreFactor = 1.f;
@@ -125,6 +127,16 @@ __device__ __forceinline__ bool mask_pred_class(const VariantArgs& va, int b, in
   else {
     return mask_pred(va, b, h, q_idx, kv_idx);
   }
+}
+// Row intervals (cubridge/lower/rowint.py): row q_idx keeps the keys lo[i] <= kv_idx < hi[i], i < kMaskPieces.
+// CUIR_MASK_ROWS 1: partial tiles compare each column against them (0: mask_pred per element).
+#define CUIR_MASK_ROWS 0
+constexpr bool kMaskRowLo = false;
+constexpr int kMaskPieces = 1;
+__device__ __forceinline__ void mask_rows(const VariantArgs& va, int b, int h, int q_idx,
+                                          int (&lo)[kMaskPieces], int (&hi)[kMaskPieces]) {
+  lo[0] = -(1 << 30);
+  hi[0] = (((q_idx >> 8)) + 1) * 256;
 }
 // ===== region softmax
 // Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds

@@ -105,6 +105,8 @@ __device__ __forceinline__ int tile_mask_class_wg(const VariantArgs& va, const K
   if (!tile_may(va, w, n, k_lo, k_hi, 1)) return -1;
   return tile_mask_class(va, w, n);
 }
+// session10_codegen (cubridge/lower/fa3_sm90.py): kernel.cu's kNewCodegen for this variant too.
+#define CUIR_VARIANT_CODEGEN 1
 // ===== region score
 constexpr bool kScoreModIdentity = true;
 constexpr float kScoreFactor = 1.f;

@@ -129,6 +129,16 @@ __device__ __forceinline__ bool mask_pred_class(const VariantArgs& va, int b, in
     return mask_pred(va, b, h, q_idx, kv_idx);
   }
 }
+// Row intervals (cubridge/lower/rowint.py): row q_idx keeps the keys lo[i] <= kv_idx < hi[i], i < kMaskPieces.
+// CUIR_MASK_ROWS 1: partial tiles compare each column against them (0: mask_pred per element).
+#define CUIR_MASK_ROWS 0
+constexpr bool kMaskRowLo = false;
+constexpr int kMaskPieces = 1;
+__device__ __forceinline__ void mask_rows(const VariantArgs& va, int b, int h, int q_idx,
+                                          int (&lo)[kMaskPieces], int (&hi)[kMaskPieces]) {
+  lo[0] = -(1 << 30);
+  hi[0] = (q_idx) + 1;
+}
 // ===== region softmax
 // Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds
 // scores / score_scale (raw q.k when score_mod is the identity, else score_mod's results with

@@ -1,0 +1,271 @@
+"""Row-interval masks: where a mask, for each query row, keeps one interval of keys.
+
+For a mask whose kept keys in every row q are {k : lo(q) <= k < hi(q)} (lo, hi free of the key
+index), a partial tile can compute [lo, hi) once per row and tile, move it to the tile's column
+origin, and test each element with one compare pair against an immediate column offset (FA4's
+"column limit per row" for causal) instead of the whole predicate per element: prefixlm's
+`(kv <= q) | (kv < P)` is k < max(q + 1, P); causal_blockwise's `q // 256 >= kv // 256` is
+k < (q // 256 + 1) * 256.
+
+The analysis is structural and refuses (returns None) whatever it cannot prove:
+- an atom compares the key index, as +-ik plus key-free int terms (or ik // c, c > 0), with a
+  key-free int: ik < t, ik <= t, ik > t, ik >= t, ik == t;
+- a key-free boolean p (q < 64, a head test) is the whole row or none of it;
+- `&` intersects piece by piece, `|` unites; pieces that are provably one interval (both unbounded
+  below, or both above) merge; more than MAX_PIECES (2) pieces are refused;
+- `not` is pushed through atoms and connectives (De Morgan).
+global_sliding_window, (kv <= q & q - kv < 256) | kv < 64 | q < 64, is two pieces: the window and
+the global columns (both the whole row where q < 64). kernel.cu clips them to each tile and
+merges them there (tile_row_interval); a warp with a row of two disjoint pieces in a tile (tile 0
+of rows 320-382 at 128 x 128) evaluates mask_pred. A gathered key (share_question) is refused.
+
+`mask_rows_region` emits `mask_rows(va, b, h, q_idx, lo, hi)` (arrays of kMaskPieces) and
+`kMaskRowLo` (false where no piece is bounded below: the kernel then skips that compare). The
+kernel uses it on partial tiles where CUIR_MASK_ROWS is 1 (off by default until a GPU run says it
+wins: CUBRIDGE_MASK_ROWS=1, or the knob experiments/patches/knobs/mask_rows.patch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cubridge.cuir import nodes as N
+from cubridge.lower.cexpr import LowerError, to_c_typed
+
+KEY = "ik"
+BIG = "(1 << 30)"          # past any position (positions stay below 2^30): an unbounded side
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+_NEG = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Keys lo <= k < hi of a row (C int expressions; None: unbounded on that side)."""
+    lo: str | None
+    hi: str | None
+
+
+@dataclass(frozen=True)
+class Pred:
+    """A key-free boolean (C expression): the whole row where true, no key where false."""
+    c: str
+
+
+class _Refuse(Exception):
+    pass
+
+
+def _has_key(e) -> bool:
+    if isinstance(e, N.Name):
+        return e.id == KEY
+    if isinstance(e, (N.Const, type(None), str, int, float, bool)):
+        return False
+    if isinstance(e, tuple):
+        return any(_has_key(x) for x in e)
+    return any(_has_key(getattr(e, f)) for f in getattr(e, "__dataclass_fields__", {}) if f != "line")
+
+
+class _Analysis:
+    def __init__(self, names: dict, tables: dict):
+        self.names, self.tables = names, tables
+
+    def c(self, e, want: str) -> str:
+        text, ty = to_c_typed(e, self.names, self.tables)
+        if ty != want:
+            raise _Refuse()
+        return text
+
+    def formula(self, e, negate: bool = False):
+        """Rows or Pred of e (of not e when negate)."""
+        if not _has_key(e):
+            text = self.c(e, "bool")
+            return Pred(f"(!{text})" if negate else text)
+        if isinstance(e, N.UnaryOp) and e.op in ("not", "~"):
+            return self.formula(e.operand, not negate)
+        if isinstance(e, N.BinOp) and e.op in ("&", "|"):
+            parts = [self.formula(e.left, negate), self.formula(e.right, negate)]
+            return _join((e.op == "&") ^ negate, *parts)
+        if isinstance(e, N.BoolOp):
+            parts = [self.formula(v, negate) for v in e.values]
+            out = parts[0]
+            for p in parts[1:]:
+                out = _join((e.op == "and") ^ negate, out, p)
+            return out
+        if isinstance(e, N.Compare):
+            return self.atom(_NEG[e.op] if negate else e.op, e.left, e.right)
+        raise _Refuse()
+
+    def atom(self, op: str, left, right) -> tuple:
+        return (self._atom(op, left, right),)
+
+    def _atom(self, op: str, left, right) -> Rows:
+        if _has_key(left) and _has_key(right):
+            sl, rl = self.linear(left)
+            sr, rr = self.linear(right)
+            if sl - sr not in (1, -1):
+                raise _Refuse()
+            # (sl - sr) ik + rl - rr  op  0
+            rest = f"({_sub(rl, rr)})"
+            return _bound(op, f"(-{rest})") if sl - sr == 1 else _bound(_FLIP[op], rest)
+        if _has_key(right):
+            left, right, op = right, left, _FLIP[op]
+        t = self.c(right, "int")
+        div = self.floor_key(left)
+        if div is not None:
+            return _bound_div(op, t, div)
+        sign, rest = self.linear(left)
+        t = f"({_sub(t, rest)})"                      # sign ik op t - rest
+        return _bound(op, t) if sign == 1 else _bound(_FLIP[op], f"(-{t})")
+
+    def floor_key(self, e):
+        """c where e is ik // c with c a positive int constant, else None."""
+        if (isinstance(e, N.BinOp) and e.op == "//" and isinstance(e.left, N.Name) and e.left.id == KEY
+                and isinstance(e.right, N.Const) and type(e.right.value) is int and e.right.value > 0):
+            return e.right.value
+        return None
+
+    def linear(self, e) -> tuple[int, str | None]:
+        """(s, r) with e = s * ik + r, s in {1, -1}, r key-free int C text (None: 0)."""
+        if isinstance(e, N.Name) and e.id == KEY:
+            return 1, None
+        if isinstance(e, N.UnaryOp) and e.op == "-":
+            s, r = self.linear(e.operand)
+            return -s, (None if r is None else f"(-{r})")
+        if isinstance(e, N.BinOp) and e.op in ("+", "-"):
+            if _has_key(e.left) and not _has_key(e.right):
+                s, r = self.linear(e.left)
+                other = self.c(e.right, "int")
+                return s, _add(r, other if e.op == "+" else f"(-{other})")
+            if _has_key(e.right) and not _has_key(e.left):
+                s, r = self.linear(e.right)
+                if e.op == "-":
+                    s, r = -s, (None if r is None else f"(-{r})")
+                return s, _add(r, self.c(e.left, "int"))
+        raise _Refuse()
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else f"{a} + {b}"
+
+
+def _sub(a, b):
+    return a if b is None else f"{a} - ({b})"
+
+
+def _bound(op: str, t: str) -> Rows:
+    """ik op t."""
+    if op == "<":
+        return Rows(None, t)
+    if op == "<=":
+        return Rows(None, f"{t} + 1")
+    if op == ">":
+        return Rows(f"{t} + 1", None)
+    if op == ">=":
+        return Rows(t, None)
+    if op == "==":
+        return Rows(t, f"{t} + 1")
+    raise _Refuse()                                   # !=: two pieces
+
+
+def _bound_div(op: str, t: str, c: int) -> Rows:
+    """ik // c op t (floor division, c > 0): ik // c < t iff ik < t c, <= t iff ik < (t + 1) c."""
+    if op == "<":
+        return Rows(None, f"({t}) * {c}")
+    if op == "<=":
+        return Rows(None, f"(({t}) + 1) * {c}")
+    if op == ">":
+        return Rows(f"(({t}) + 1) * {c}", None)
+    if op == ">=":
+        return Rows(f"({t}) * {c}", None)
+    if op == "==":
+        return Rows(f"({t}) * {c}", f"(({t}) + 1) * {c}")
+    raise _Refuse()
+
+
+def _both(f, a, b):
+    return a if b is None else b if a is None else f"{f}({a}, {b})"
+
+
+MAX_PIECES = 2          # intervals per row the kernel merges per tile (kMaskPieces)
+
+
+def _cond(p: str, r: Rows, full: bool) -> Rows:
+    """p ? everything : r (full), or p ? r : nothing."""
+    if full:
+        return Rows(None if r.lo is None else f"({p} ? -{BIG} : {r.lo})",
+                    None if r.hi is None else f"({p} ? {BIG} : {r.hi})")
+    return Rows(r.lo, f"({p} ? {r.hi or BIG} : -{BIG})")
+
+
+def _meet(a: Rows, b: Rows) -> Rows:
+    return Rows(_both("max", a.lo, b.lo), _both("min", a.hi, b.hi))
+
+
+def _either(f, a, b):
+    """The looser of two bounds of a union (None: unbounded wins)."""
+    return None if a is None or b is None else f"{f}({a}, {b})"
+
+
+def _unite(pieces: list) -> tuple:
+    """Pieces with those that provably form one interval merged (both unbounded below or above)."""
+    out = []
+    for r in pieces:
+        for i, o in enumerate(out):
+            if r.lo is None and o.lo is None:
+                out[i] = Rows(None, _either("max", o.hi, r.hi))
+                break
+            if r.hi is None and o.hi is None:
+                out[i] = Rows(_either("min", o.lo, r.lo), None)
+                break
+        else:
+            out.append(r)
+    if len(out) > MAX_PIECES:
+        raise _Refuse()
+    return tuple(out)
+
+
+def _join(conj: bool, a, b):
+    """a & b (conj) or a | b: Pred, or a tuple of Rows whose union is the kept keys."""
+    if isinstance(a, Pred) and isinstance(b, Pred):
+        return Pred(f"({a.c} {'&' if conj else '|'} {b.c})")
+    if isinstance(b, Pred):
+        a, b = b, a
+    if isinstance(a, Pred):                            # p & R: R or nothing; p | R: everything or R
+        return tuple(_cond(a.c, r, not conj) for r in b)
+    if conj:
+        return _unite([_meet(x, y) for x in a for y in b])
+    return _unite([*a, *b])
+
+
+def row_pieces(mask, names: dict, tables: dict) -> tuple | None:
+    """The mask's kept keys per row as a union of at most MAX_PIECES intervals, or None where that
+    is not proven."""
+    if mask is None:
+        return None
+    try:
+        out = _Analysis(names, tables).formula(mask)
+    except (_Refuse, LowerError):
+        return None
+    return None if isinstance(out, Pred) else out      # a key-free mask: no per-key work to save
+
+
+def row_interval(mask, names: dict, tables: dict) -> Rows | None:
+    """The mask's kept keys per row as one interval, or None."""
+    pieces = row_pieces(mask, names, tables)
+    return pieces[0] if pieces is not None and len(pieces) == 1 else None
+
+
+def mask_rows_region(mask, names: dict, tables: dict, enabled: bool) -> str:
+    """mask_rows() and the defines kernel.cu's score_and_mask reads, or "" where refused."""
+    pieces = row_pieces(mask, names, tables)
+    if pieces is None:
+        return ""
+    has_lo = len(pieces) > 1 or pieces[0].lo is not None
+    sets = "".join(f"  lo[{i}] = {r.lo or '-' + BIG};\n  hi[{i}] = {r.hi or BIG};\n" for i, r in enumerate(pieces))
+    return (f"// Row intervals (cubridge/lower/rowint.py): row q_idx keeps the keys lo[i] <= kv_idx < hi[i], i < kMaskPieces.\n"
+            f"// CUIR_MASK_ROWS 1: partial tiles compare each column against them (0: mask_pred per element).\n"
+            f"#define CUIR_MASK_ROWS {1 if enabled else 0}\n"
+            f"constexpr bool kMaskRowLo = {'true' if has_lo else 'false'};\n"
+            f"constexpr int kMaskPieces = {len(pieces)};\n"
+            "__device__ __forceinline__ void mask_rows(const VariantArgs& va, int b, int h, int q_idx,\n"
+            "                                          int (&lo)[kMaskPieces], int (&hi)[kMaskPieces]) {\n"
+            f"{sets}}}\n")

@@ -30,7 +30,7 @@ import torch
 
 from cubridge.errors import LaunchError
 from cubridge.op import handles, library  # noqa: F401 - library registers the custom ops torch.compile sees
-from cubridge.op.checks import apply_plan, bnhd_order, check_plan, out_like
+from cubridge.op.checks import apply_plan, bnhd_order, check_plan, copy_reason, out_like
 from cubridge.op.autograd import check_trainable
 from cubridge.op.kernels import DTYPES, Bucket, RuntimePrepared, device_checked
 
@@ -55,6 +55,7 @@ class TunedOp:
         self._prepared: dict = {}
         self._plans: dict = {}
         self._fast: dict = {}              # eager call signature -> _fast_call closure (see _remember)
+        self._fast_op: dict = {}           # the same for the custom op's calls (op_forward)
         self._captured: list = []          # per-call launches (runtime inputs) a CUDA graph holds
         self.device_type = "cuda"          # CPU tests set "cpu" and stub the launch
         self.handle = handles.register(self)
@@ -113,22 +114,48 @@ class TunedOp:
         else:
             out, lse = self.forward(qh, kh, vh, scale, rt, return_lse)
             if key is not None:
-                self._remember(key, plan, qh, kh, scale)
+                self._remember(key, plan, q, qh, kh, scale)
         if layout == "bnhd":
             out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
 
-    def _remember(self, key, plan, qh, kh, scale: float) -> None:
+    def _remember(self, key, plan, q, qh, kh, scale: float) -> None:
         """Keep the checked plan and the prepared launch of this call signature as one closure, so a
         repeated eager call costs one key, one lookup, the output's allocation and the launch: the
         separate plan and prepared-launch lookups (two keys with torch.Size / device objects) were
-        ~7 us of a 19-33 us host path on the H100 host (session 7 op_bench)."""
+        ~7 us of a 19-33 us host path on the H100 host (session 7 op_bench). The closure enters
+        the launch by addresses (op/NOTES.md 10): the key fixed every shape and stride."""
         prep = self._prepared.get((qh.shape, kh.shape, qh.device, scale))
         if prep is None:     # an empty shape: nothing was prepared
             return
         if len(self._fast) >= PLAN_CACHE:
             self._fast.pop(next(iter(self._fast)))
-        self._fast[key] = _fast_call(plan, prep, tuple(qh.shape), qh.dtype, qh.device, bnhd_order(qh))
+        self._fast[key] = _fast_call(plan, prep, q, tuple(qh.shape), qh.dtype, qh.device, bnhd_order(qh))
+
+    def op_forward(self, q, k, v, scale: float):
+        """cubridge::attention's implementation without runtime inputs (what a compiled graph runs):
+        out in q's memory order (the fake implementation's out_like), q / k / v the kernel cannot
+        read in place copied first. A repeated signature runs a _fast_call closure from its own
+        cache (a key shared with the eager call's layout strings could serve a refused layout):
+        `_readable`'s three copy_reason checks, the prepared-launch lookup, out_like and
+        `_in_order_of` were ~13 us of the custom op's path on the CPU host (op/NOTES.md 10)."""
+        plain = type(q) is type(k) is type(v) is torch.Tensor
+        key = (scale, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device) if plain else None
+        fast = self._fast_op.get(key) if plain else None
+        if fast is not None:
+            return fast(q, k, v)
+        copies = tuple(copy_reason(self, t) is not None for t in (q, k, v))
+        qh, kh, vh = (t.contiguous() if c else t for t, c in zip((q, k, v), copies))
+        out = self.forward(qh, kh, vh, scale, [], False)[0]
+        out = out if bnhd_order(out) == bnhd_order(q) else out_like(q).copy_(out)
+        prep = self._prepared.get((qh.shape, kh.shape, qh.device, scale))
+        if plain and prep is not None:
+            if len(self._fast_op) >= PLAN_CACHE:
+                self._fast_op.pop(next(iter(self._fast_op)))
+            self._fast_op[key] = _fast_call(("bhnd", copies), prep, q, tuple(q.shape), q.dtype, q.device,
+                                            bnhd_order(q))
+        return out
 
     def _plan(self, q, k, v, layout, compiling: bool):
         """check_plan, remembered per (layout, shapes, strides, dtypes, devices) when eager: a
@@ -223,24 +250,54 @@ class TunedOp:
         self(q, k, v, **kw)
 
 
-def _fast_call(plan, prep, shape: tuple, dtype, device, out_bnhd: bool):
-    """The repeated eager call of one checked signature: apply the plan, allocate only the output
-    (in the memory order out_like gives these strides), launch (LSE goes to the prepared scratch;
-    no other allocation, no GPU work beside the kernel)."""
+def _fast_call(plan, prep, q, shape: tuple, dtype, device, out_bnhd: bool):
+    """The repeated eager call of the checked signature of the caller's `q` (its shape and strides
+    are the key's): allocate only the output, in the caller's layout and q's memory order (what
+    out_like and the bnhd transpose give), and launch (LSE goes to the prepared scratch; no other
+    allocation, no GPU work beside the kernel). A launch with `fixed_layout` (runtime.fa3_fast)
+    is entered by addresses alone: no views, no stride reads."""
     bnhd, copies = plan[0] == "bnhd", plan[1]
-    any_copy, launch, lse = any(copies), prep.launch, prep.lse_scratch
     b, h, n, d = shape
+    # the output as the caller gets it: [B, H, N, D] (or its [B, N, H, D] transpose for layout bnhd)
+    # over memory in q's order; one empty_strided instead of empty + one or two transposes (and
+    # cheaper than torch.empty even where contiguous: 0.85 vs 1.09 us on the CPU host, which goes
+    # through empty's memory-format handling)
+    bhnd_out = (torch.empty((b, n, h, d), device="meta").transpose(1, 2) if out_bnhd
+                else torch.empty(shape, device="meta"))
+    final = bhnd_out.transpose(1, 2) if bnhd else bhnd_out
+    size, stride = tuple(final.shape), final.stride()
+    fixed = getattr(prep.launch, "fixed_layout", None)
+    if fixed is not None and not any(copies):
+        views = _bhnd_views if bnhd else _same
+        launch, lse = fixed(views), prep.lse_scratch
+        # where empty_like(q) gives O's strides (q dense: the usual case, either layout) it makes O
+        # with one tensor argument to parse: 0.74 vs 1.04 us for empty_strided on the CPU host
+        like = torch.empty_like(torch.empty_strided(q.shape, q.stride(), device="meta")).stride() == stride
 
-    def call(q, k, v):
+        def call(q, k, v):
+            out = torch.empty_like(q) if like else torch.empty_strided(size, stride, dtype=dtype, device=device)
+            launch(q, k, v, out, lse)
+            return out
+        return call
+    launch, lse, any_copy = prep.launch, prep.lse_scratch, any(copies)
+
+    def checked(q, k, v):
         if bnhd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if any_copy:
             q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), copies))
-        out = (torch.empty((b, n, h, d), dtype=dtype, device=device).transpose(1, 2) if out_bnhd
-               else torch.empty(shape, dtype=dtype, device=device))
-        launch(q, k, v, out, lse)
-        return out.transpose(1, 2) if bnhd else out
-    return call
+        out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        launch(q, k, v, out.transpose(1, 2) if bnhd else out, lse)
+        return out
+    return checked
+
+
+def _same(q, k, v, out):
+    return q, k, v, out
+
+
+def _bhnd_views(q, k, v, out):
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)
 
 
 def _declared_runtime_inputs(directory: Path, dispatch: dict) -> tuple[str, ...]:

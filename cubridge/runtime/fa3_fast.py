@@ -6,7 +6,9 @@ of that again: `Fa3Launch` is built once per (kernel, shape) and keeps the loade
 grid, the tile order (computed on the GPU once, at build time, never inside a CUDA-graph capture)
 and the packed scalar tail of the argument list. A call then only encodes (or finds in the cache
 fa3_sm90.tensor_map keeps for both paths) the four TMA descriptors, fetches the stream's tile counter and calls cuLaunchKernel: no host sync, no
-allocation, no host-to-device copy, so it can be captured in a CUDA graph.
+allocation, no host-to-device copy, so it can be captured in a CUDA graph. A caller that fixes the
+shapes and strides (the op's checked call signature) takes `fixed_layout`'s call, keyed by the
+addresses alone.
 
 Strided inputs: the kernel's TMA maps are 4-D, (D, N, H, B) with a box of one head, so a
 [B, H, N, D] view is read (and O written) in place when its last dim is contiguous and its other
@@ -77,10 +79,33 @@ class Fa3Launch:
         argv = self._argvs.get(key)
         if argv is None:
             argv = self._pack(key, q, k, v, out, lse, stream)
-        result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, self._threads, 1, 1, self._smem,
-                                          ctypes.c_void_p(stream), argv[0], None)
+        # the stream as a plain int (argtypes make it a void *): a c_void_p object per call is host time
+        result = self._lib.cuLaunchKernel(self.func, self.grid, 1, 1, self._threads, 1, 1, self._smem, stream,
+                                          argv[0], None)
         if result:
             driver().check(result, "cuLaunchKernel")
+
+    def fixed_layout(self, views):
+        """call(q, k, v, out, lse) for a caller whose tensors always have one shape and one set of
+        strides (the tuned op's checked call signature): the argument array is found by the five
+        addresses and the stream alone, and `views(q, k, v, out)` (the [B, H, N, D] views the
+        kernel reads) runs only to pack a new one. Four stride() calls, a 10-tuple and the views'
+        transposes per call were ~1-3 us of the op's host path on the CPU host (cubridge/op/NOTES.md 10).
+        The caller guarantees the fixed shapes and strides; anything else must use __call__."""
+        tag = object()      # this caller's keys never meet __call__'s or another caller's
+        argvs, lib, func, grid, threads, smem, index = (self._argvs, self._lib, self.func, self.grid,
+                                                        self._threads, self._smem, self.device.index)
+
+        def call(q, k, v, out, lse) -> None:
+            stream = current_stream(index)
+            key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), stream, tag)
+            argv = argvs.get(key)
+            if argv is None:
+                argv = self._pack(key, *views(q, k, v, out), lse, stream)
+            result = lib.cuLaunchKernel(func, grid, 1, 1, threads, 1, 1, smem, stream, argv[0], None)
+            if result:
+                driver().check(result, "cuLaunchKernel")
+        return call
 
     def rebind(self, variant, scratch: dict | None = None) -> None:
         """Point the next launches at `variant` (a call's runtime inputs: new tables, same layout)

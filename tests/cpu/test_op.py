@@ -14,6 +14,7 @@ import torch
 import cubridge
 from cubridge.errors import LaunchError
 from cubridge.runtime.fa3_sm90 import map_strides as layout_strides
+from support.fake_driver import FakeLib
 from support.tuned_run import cpu_op, replayed_run
 
 BF = torch.bfloat16
@@ -244,31 +245,13 @@ def test_a_moved_run_loads_its_cubins_without_a_compiler(run_dir, tmp_path, monk
 
 
 # ------------------------------------------------------------------ the launch, driver stubbed
-class _FakeLib:
-    """Records cuTensorMapEncodeTiled / cuLaunchKernel calls; every call succeeds."""
-
-    def __init__(self):
-        self.encoded, self.launches, self.maps = 0, [], []
-
-    def cuTensorMapEncodeTiled(self, out, dtype, rank, ptr, dims, strides, box, elem_strides, *modes):
-        self.encoded += 1
-        self.maps.append(dict(rank=rank, ptr=ptr.value, dims=list(dims[:rank]), strides=list(strides[:rank - 1]),
-                              box=list(box[:rank]), elem_strides=list(elem_strides[:rank])))
-        return 0
-
-    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-        import ctypes
-        self.launches.append(((gx, bx, smem), [argv[i] for i in range(14)]))
-        return 0
-
-
 def test_fa3_launch_packs_the_kernels_arguments(monkeypatch):
     import ctypes
 
     from cubridge.runtime import driver as drv
     from cubridge.runtime import fa3_fast
     from cubridge.runtime.fa3_sm90 import Fa3Config
-    lib = _FakeLib()
+    lib = FakeLib()
     real = drv.Driver.__new__(drv.Driver)      # the real tensor_map / check, on the recording lib
     real.lib = lib
     monkeypatch.setattr(fa3_fast, "driver", lambda: real)
@@ -302,7 +285,7 @@ def test_tma_maps_express_both_layouts(monkeypatch):
 
     from cubridge.runtime import driver as drv
     from cubridge.runtime import fa3_fast
-    lib = _FakeLib()
+    lib = FakeLib()
     real = drv.Driver.__new__(drv.Driver)
     real.lib = lib
     monkeypatch.setattr(fa3_fast.fa3, "driver", lambda: real)

@@ -56,6 +56,16 @@ def parse_tile(text: str) -> tuple[int, int]:
     return int(m), int(n)
 
 
+def parse_tile_at(text: str) -> tuple[int, int, int]:
+    """'128x160' -> (128, 128, 160) (D 128); 'd64:128x128' -> (64, 128, 128): a tile row at that head dim."""
+    d, sep, tile = text.partition(":")
+    if not sep:
+        return (128, *parse_tile(text))
+    if not (d.startswith("d") and d[1:].isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: a tile at a head dim is dD:BLOCK_MxBLOCK_N, e.g. d64:128x128")
+    return (int(d[1:]), *parse_tile(tile))
+
+
 def split_patch(spec: str) -> tuple[list[str], tuple[int, int] | None]:
     """'a+b@128x160' -> (['a', 'b'], (128, 160)); no '@': the shape's default tile (None)."""
     names, _, tile = spec.partition("@")
@@ -76,7 +86,7 @@ def patch_names() -> list[str]:
 
 def configs_for(shape, tiles=(), grid=True, options=()):
     """name -> Fa3Config: the default, FA4's choices where they differ from ours (its tile; its
-    one-tile-per-CTA grid unless grid=False), `tiles` (BLOCK_M, BLOCK_N) at D 128 as
+    one-tile-per-CTA grid unless grid=False), `tiles` (D, BLOCK_M, BLOCK_N) at their D as
     `tileMxN` where they differ from both, and the default with each of `options` (Fa3Config
     bool fields, NAME+NAME for several) set as `opt_NAME`."""
     from cubridge.runtime.fa3_sm90 import Fa3Config, default_config
@@ -90,7 +100,9 @@ def configs_for(shape, tiles=(), grid=True, options=()):
     if grid:
         out["fa4_grid"] = replace(base, persistent=False)   # one tile per CTA, as FA4's SM90 forward
     seen = {(c.block_m, c.block_n, c.stages) for c in out.values()}
-    for bm, bn in tiles if d == 128 else ():
+    for td, bm, bn in tiles:
+        if td != d:
+            continue
         cfg = replace(base, block_m=bm, block_n=bn)
         if (bm, bn, cfg.stages) not in seen:
             out[f"tile{bm}x{bn}"] = cfg
@@ -307,8 +319,9 @@ def main(argv=None) -> int:
                     help="full and causal D128, MHA 32/32 and GQA 64/8, 8k and 16k (session 9's gap to FA4)")
     ap.add_argument("--head-dims", nargs="*", type=int, default=[128],
                     help="with --long: these head dims (e.g. 128 64)")
-    ap.add_argument("--tiles", nargs="*", type=parse_tile, default=[],
-                    help="also time the product kernel at these BLOCK_MxBLOCK_N tiles (D 128 shapes)")
+    ap.add_argument("--tiles", nargs="*", type=parse_tile_at, default=[],
+                    help="also time the product kernel at these BLOCK_MxBLOCK_N tiles (D 128 shapes; "
+                         "dD:MxN at head dim D, e.g. d64:128x128)")
     ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                     help="the fa4_grid row (one tile per CTA); --no-grid leaves it out")
     ap.add_argument("--options", nargs="*", default=[],

@@ -56,6 +56,16 @@ def parse_tile(text: str) -> tuple[int, int]:
     return int(m), int(n)
 
 
+def parse_tile_at(text: str) -> tuple[int, int, int, int | None]:
+    """'128x160' -> (128, 128, 160, None) (D 128, the default's stages); 'd64:192x128s3' ->
+    (64, 192, 128, 3): a tile row at that head dim with that many K/V stages."""
+    d, sep, tile = text.partition(":") if ":" in text else ("d128", ":", text)
+    tile, s_sep, stages = tile.partition("s")
+    if not (d.startswith("d") and d[1:].isdigit()) or (s_sep and not stages.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: a tile row is [dD:]BLOCK_MxBLOCK_N[sSTAGES], e.g. d64:192x128s3")
+    return (int(d[1:]), *parse_tile(tile), int(stages) if s_sep else None)
+
+
 def split_patch(spec: str) -> tuple[list[str], tuple[int, int] | None]:
     """'a+b@128x160' -> (['a', 'b'], (128, 160)); no '@': the shape's default tile (None)."""
     names, _, tile = spec.partition("@")
@@ -76,7 +86,7 @@ def patch_names() -> list[str]:
 
 def configs_for(shape, tiles=(), grid=True, options=()):
     """name -> Fa3Config: the default, FA4's choices where they differ from ours (its tile; its
-    one-tile-per-CTA grid unless grid=False), `tiles` (BLOCK_M, BLOCK_N) at D 128 as
+    one-tile-per-CTA grid unless grid=False), `tiles` (D, BLOCK_M, BLOCK_N, stages or None) at their D as
     `tileMxN` where they differ from both, and the default with each of `options` (Fa3Config
     bool fields, NAME+NAME for several) set as `opt_NAME`."""
     from cubridge.runtime.fa3_sm90 import Fa3Config, default_config
@@ -90,10 +100,12 @@ def configs_for(shape, tiles=(), grid=True, options=()):
     if grid:
         out["fa4_grid"] = replace(base, persistent=False)   # one tile per CTA, as FA4's SM90 forward
     seen = {(c.block_m, c.block_n, c.stages) for c in out.values()}
-    for bm, bn in tiles if d == 128 else ():
-        cfg = replace(base, block_m=bm, block_n=bn)
+    for td, bm, bn, stages in tiles:
+        if td != d:
+            continue
+        cfg = replace(base, block_m=bm, block_n=bn, stages=stages or base.stages)
         if (bm, bn, cfg.stages) not in seen:
-            out[f"tile{bm}x{bn}"] = cfg
+            out[f"tile{bm}x{bn}" + (f"s{stages}" if stages else "")] = cfg
     for spec in options:
         out[f"opt_{spec}"] = replace(base, **parse_options(spec))
     return out
@@ -307,8 +319,9 @@ def main(argv=None) -> int:
                     help="full and causal D128, MHA 32/32 and GQA 64/8, 8k and 16k (session 9's gap to FA4)")
     ap.add_argument("--head-dims", nargs="*", type=int, default=[128],
                     help="with --long: these head dims (e.g. 128 64)")
-    ap.add_argument("--tiles", nargs="*", type=parse_tile, default=[],
-                    help="also time the product kernel at these BLOCK_MxBLOCK_N tiles (D 128 shapes)")
+    ap.add_argument("--tiles", nargs="*", type=parse_tile_at, default=[],
+                    help="also time the product kernel at these BLOCK_MxBLOCK_N tiles (D 128 shapes; "
+                         "dD:MxN at head dim D, MxNsK with K stages, e.g. d64:192x128s3)")
     ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                     help="the fa4_grid row (one tile per CTA); --no-grid leaves it out")
     ap.add_argument("--options", nargs="*", default=[],

@@ -87,6 +87,7 @@ class TunedOp:
         compiling, key = torch.compiler.is_compiling(), None
         if (not (compiling or runtime or return_lse) and type(q) is type(k) is type(v) is torch.Tensor
                 and type(scale) in _KEY_SCALARS and type(layout) in _KEY_SCALARS):   # hashable, checked later
+            # _signature inline: this is the repeated call's hot path (one function call less)
             key = (layout, scale, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
                    v.dtype, q.device, k.device, v.device)
             fast = self._fast.get(key)
@@ -128,9 +129,7 @@ class TunedOp:
         prep = self._prepared.get((qh.shape, kh.shape, qh.device, scale))
         if prep is None:     # an empty shape: nothing was prepared
             return
-        if len(self._fast) >= PLAN_CACHE:
-            self._fast.pop(next(iter(self._fast)))
-        self._fast[key] = _fast_call(plan, prep, q, tuple(qh.shape), qh.dtype, qh.device, bnhd_order(qh))
+        _remember_bounded(self._fast, key, _fast_call(plan, prep, q, tuple(qh.shape), qh.dtype, qh.device, bnhd_order(qh)))
 
     def op_forward(self, q, k, v, scale: float):
         """cubridge::attention's implementation without runtime inputs (what a compiled graph runs):
@@ -140,8 +139,7 @@ class TunedOp:
         `_readable`'s three copy_reason checks, the prepared-launch lookup, out_like and
         `_in_order_of` were ~13 us of the custom op's path on the CPU host (op/NOTES.md 10)."""
         plain = type(q) is type(k) is type(v) is torch.Tensor
-        key = (scale, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device) if plain else None
+        key = (scale, *_signature(q, k, v)) if plain else None
         fast = self._fast_op.get(key) if plain else None
         if fast is not None:
             return fast(q, k, v)
@@ -151,10 +149,8 @@ class TunedOp:
         out = out if bnhd_order(out) == bnhd_order(q) else out_like(q).copy_(out)
         prep = self._prepared.get((qh.shape, kh.shape, qh.device, scale))
         if plain and prep is not None:
-            if len(self._fast_op) >= PLAN_CACHE:
-                self._fast_op.pop(next(iter(self._fast_op)))
-            self._fast_op[key] = _fast_call(("bhnd", copies), prep, q, tuple(q.shape), q.dtype, q.device,
-                                            bnhd_order(q))
+            _remember_bounded(self._fast_op, key, _fast_call(("bhnd", copies), prep, q, tuple(q.shape), q.dtype,
+                                                             q.device, bnhd_order(q)))
         return out
 
     def _plan(self, q, k, v, layout, compiling: bool):
@@ -162,13 +158,11 @@ class TunedOp:
         repeated call costs one dictionary lookup, not the checks (~7 us of Python)."""
         if compiling or not (type(q) is type(k) is type(v) is torch.Tensor):
             return check_plan(self, q, k, v, layout)
-        key = (layout, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device)
+        key = (layout, *_signature(q, k, v))
         plan = self._plans.get(key)
         if plan is None:
-            if len(self._plans) >= PLAN_CACHE:
-                self._plans.pop(next(iter(self._plans)))
-            plan = self._plans[key] = check_plan(self, q, k, v, layout)
+            plan = check_plan(self, q, k, v, layout)
+            _remember_bounded(self._plans, key, plan)
         return plan
 
     def _scale(self, scale) -> float:
@@ -248,6 +242,19 @@ class TunedOp:
     def warmup(self, q, k, v, **kw) -> None:
         """Build the per-shape state for these inputs (what a first call does), e.g. before a capture."""
         self(q, k, v, **kw)
+
+
+def _signature(q, k, v) -> tuple:
+    """What a checked call depends on: the three tensors' shapes, strides, dtypes and devices."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device)
+
+
+def _remember_bounded(cache: dict, key, value) -> None:
+    """cache[key] = value, the oldest entry dropped first once PLAN_CACHE are kept."""
+    if len(cache) >= PLAN_CACHE:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def _fast_call(plan, prep, q, shape: tuple, dtype, device, out_bnhd: bool):

@@ -20,14 +20,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from expkit import sass_opcodes
+
 OPCODES = ["HGMMA", "MUFU.EX2", "FMNMX", "FADD", "FMUL", "FFMA", "SHFL", "BAR.SYNC", "BAR.ARV", "R2UR",
            "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "SYNCS", "UTMALDG", "UTMASTG", "STSM", "F2FP", "LDS", "STS",
            "BRA", "IMAD", "MOV", "UMOV", "USETMAXREG", "LDG", "STG", "RED", "ATOM"]
 
 
 def histogram(sass: str) -> dict:
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    count = collections.Counter(ops)
+    count = collections.Counter(sass_opcodes(sass))
     out = {"instructions": sum(count.values())}
     for op in OPCODES:
         out[op] = sum(c for name, c in count.items() if name == op or name.startswith(op + "."))

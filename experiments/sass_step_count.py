@@ -23,10 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from expkit import disassembler
+from expkit import SASS_INSN as INSN, disassembler
 from cubridge.runtime import fa3_bwd_sm90 as hb
 
-INSN = re.compile(r"^\s*/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P[0-9T] )?([A-Z][A-Z0-9_.]*)(.*)$")
 LABEL = re.compile(r"^(\.L_x_\d+):")
 UNIFORM = ("R2UR", "S2UR", "ELECT")
 CLASSES = {"fp32": ("FFMA", "FMUL", "FADD", "FSEL", "FMNMX"), "mufu": ("MUFU",), "convert": ("F2FP",),

@@ -11,9 +11,7 @@ Overlap means the loop's MUFU sit between the two waits.
 from __future__ import annotations
 
 import argparse
-import glob
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,15 +22,6 @@ from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin  # noqa: E402
 CONFIGS = [Fa3Config(128, 128, 128, 2, False, True), Fa3Config(128, 128, 128, 2, True, True),
            Fa3Config(128, 128, 176, 2, False, True), Fa3Config(64, 192, 128, 2, True, True)]
 INSTR = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);")
-
-
-def nvdisasm() -> str:
-    found = shutil.which("nvdisasm") or next(iter(glob.glob(
-        str(Path(sys.prefix) / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / "nvdisasm"))), None)
-    if not found:
-        raise SystemExit("error: sass_wait_order.py: no nvdisasm on PATH (CUDA toolkit) and no "
-                         "nvidia-cuda-nvdisasm wheel; install one of them")
-    return found
 
 
 def waits(sass: str) -> list[tuple[int, int]]:
@@ -66,14 +55,15 @@ def main(argv=None) -> int:
         from expkit import inline_headers, patched_files
         changed = patched_files(args.patch) if args.patch else {}
         source = inline_headers(Ours().lowered(args.variant)[2], changed)
-    tool = nvdisasm()
+    from expkit import disassembler
+    tool = disassembler()
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in CONFIGS:
             if args.variant and (cfg.head_dim != 128 or cfg.causal):
                 continue
             cubin = Path(tmp) / "k.cubin"
             cubin.write_bytes(build_cubin(cfg, source=source))
-            sass = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+            sass = subprocess.run([*tool, str(cubin)], capture_output=True, text=True, check=True).stdout
             pairs = waits(sass)
             label = f"D{cfg.head_dim} {cfg.block_m}x{cfg.block_n} {'causal' if cfg.causal else 'full'}"
             print(f"{label:<22} (MUFU between wait 1 and wait 0, MUFU after wait 0) per pair: {pairs}")

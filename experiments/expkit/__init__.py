@@ -17,6 +17,7 @@ import ctypes
 import gc
 import glob
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -319,6 +320,16 @@ def header_only(*names: str) -> dict[str, str] | None:
     lowered variant too, which includes the same headers), else None."""
     changed = patched_files(*names)
     return None if "kernel.cu" in changed else changed
+
+
+# One SASS instruction line of cuobjdump -sass / nvdisasm -c: /*address*/, an optional predicate
+# (@P0, @!PT, @UP1), the opcode with its modifiers, the rest (operands, ';', scheduling comment).
+SASS_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P[0-9T] )?([A-Z][A-Z0-9_.]*)(.*)$")
+
+
+def sass_opcodes(sass: str) -> list[str]:
+    """The opcode (with modifiers, e.g. HGMMA.64x128x16.F32.BF16) of every instruction, in order."""
+    return [m.group(2) for m in map(SASS_INSN.match, sass.splitlines()) if m]
 
 
 def disassembler() -> list[str]:

@@ -58,7 +58,12 @@ from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
 
 DEVICE = "cuda"          # the CPU tests dry-run the flow with "cpu", a tiny model and a stubbed op
 CAUSAL_N, PREFIX_N = (2048, 8192), 8192      # forward lengths
-FLEX = {"auto": ("flex_flash", "flex_triton"), "flash": ("flex_flash",), "triton": ("flex_triton",)}
+FLEX = {"auto": ("flex_flash", "flex_triton"), "flash": ("flex_flash",), "triton": ("flex_triton",),
+        "both": ("flex_flash", "flex_triton")}
+# training: transformers' flex_attention asks for the LSE, which Flex-FLASH's backward refuses (session 10);
+# flex_flash_nolse is the same Flex call without it (expkit.llama_train.FLEX_NOLSE)
+FLEX_TRAIN = {"auto": ("flex_flash", "flex_flash_nolse", "flex_triton"), "flash": ("flex_flash", "flex_flash_nolse"),
+              "triton": ("flex_triton",), "both": ("flex_flash", "flex_flash_nolse", "flex_triton")}
 GRAD_PARAMS = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
 
 
@@ -74,18 +79,23 @@ def parse(argv=None):
     ap.add_argument("--train-variants", nargs="+", default=["prefixlm", "causal"], choices=["prefixlm", "causal"])
     ap.add_argument("--steps", type=int, default=50, help="loss-curve steps (prefixlm)")
     ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the loss curves")
-    ap.add_argument("--seeds", type=int, default=3, help="loss-curve seeds (init and data), the noise bound's sample")
+    ap.add_argument("--seeds", type=int, default=3,
+                    help="loss-curve seeds (init and data), the noise bound's sample; 0: no loss curves")
     ap.add_argument("--alt-configs", nargs="*", default=[], metavar="BMxBNsSp",
                     help="prefixlm tile configs timed beside the default (forward and layer attention)")
     ap.add_argument("--prefixlm-run", type=Path, metavar="DIR",
                     help="a tuned prefixlm run directory (heads 16 / 4, D 128, bf16) instead of the default-config build")
     ap.add_argument("--flex-backend", default="auto", choices=list(FLEX),
-                    help="auto: FLASH where it runs (its backward too, for training), else Triton")
+                    help="auto: FLASH where it runs (its backward too, for training), else Triton; "
+                         "both: every backend that runs is timed (loss curves: the first)")
+    ap.add_argument("--layer-reps", type=int, default=30, help="timed calls per system of layer 0's attention alone")
+    ap.add_argument("--layer-only", action="store_true",
+                    help="prefixlm forward: layer 0's attention alone (layouts, --alt-configs), not the model")
     args = ap.parse_args(argv)
-    if args.reps < 1:
-        ap.error(f"--reps {args.reps}: time at least one call per system")
-    if args.seeds < 1:
-        ap.error(f"--seeds {args.seeds}: at least one seed")
+    if min(args.reps, args.layer_reps) < 1:
+        ap.error(f"--reps {args.reps} / --layer-reps {args.layer_reps}: time at least one call per system")
+    if args.seeds < 0:
+        ap.error(f"--seeds {args.seeds}: 0 (no loss curves) or more")
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: a loss curve needs at least 2 steps")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -101,6 +111,9 @@ def parse(argv=None):
         ap.error(f"--prefixlm-run {args.prefixlm_run}: no dispatch.json there (a run directory of cubridge tune)")
     if args.no_forward and not args.train:
         ap.error("--no-forward without --train: nothing to run")
+    if args.layer_only and (args.no_forward or "prefixlm" not in args.fwd_variants):
+        ap.error("--layer-only times the prefixlm forward's layer attention: drop --no-forward, keep "
+                 "--fwd-variants prefixlm")
     return args
 
 
@@ -156,9 +169,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def flex_systems(args, table: dict, try_fn, errors: dict) -> list:
+    """The Flex systems to time: the first of table[--flex-backend] that runs, or (both) every one."""
+    found = []
+    for system in table[args.flex_backend]:
+        if first_flex((system,), try_fn, errors):
+            found.append(system)
+            if args.flex_backend != "both":
+                break
+    return found
+
+
 def run_forward(args, registered, result) -> None:
     fwd = Forward(registered)
-    for n in CAUSAL_N if "causal" in args.fwd_variants else ():
+    for n in CAUSAL_N if "causal" in args.fwd_variants and not args.layer_only else ():
         ids = random_ids(n, n)
         result["checks"].append({"direction": "forward", "variant": "causal", "N": n,
                                  **fwd.checks("causal", ids, ["cubridge"], "sdpa")})
@@ -168,22 +192,26 @@ def run_forward(args, registered, result) -> None:
         return
     n = PREFIX_N
     ids = random_ids(n, 7)
-    flex = first_flex(FLEX[args.flex_backend], lambda s: fwd.fn(s, "prefixlm", ids)(),
-                      result["system_errors"].setdefault("forward", {}))
-    systems = ["sdpa_bool_mask", "cubridge"] + ([flex] if flex else [])
+    flexes = flex_systems(args, FLEX, lambda s: fwd.fn(s, "prefixlm", ids)(), result["system_errors"].setdefault("forward", {}))
+    if args.layer_only:
+        layer_attention(args, fwd, ids, flexes, result)
+        return
+    systems = ["sdpa_bool_mask", "cubridge"] + flexes
     systems += [f"cubridge@{label}" for label in args.alt_configs]     # the model at other tiles too
     systems += ["cubridge_nomask"]     # no attention_mask: transformers' packed-sequence sync per forward
     result["checks"].append({"direction": "forward", "variant": "prefixlm", "N": n,
                              **fwd.checks("prefixlm", ids, [s for s in systems if s != "sdpa_bool_mask"],
                                           "sdpa_bool_mask")})
     timed(result, "forward", "prefixlm", n, {s: fwd.fn(s, "prefixlm", ids) for s in systems}, args.reps)
-    layer_attention(args, fwd, ids, flex, result)
+    layer_attention(args, fwd, ids, flexes, result)
 
 
-def layer_attention(args, fwd, ids, flex, result) -> None:
+def layer_attention(args, fwd, ids, flexes: list, result) -> None:
     """The forward gap, isolated: layer 0's attention call alone, as the model makes it (its own
     q, k, v: [B, N, H, D] memory), per system, and again on contiguous [B, H, N, D] copies (the
-    layout's share); outputs compared with SDPA + mask's."""
+    layout's share; ours also with only q or only k / v copied: O follows q's memory order, so
+    cubridge_q_bhnd moves the Q load and the O store, cubridge_kv_bhnd the K / V loads); outputs
+    compared with SDPA + mask's. GPU time only (bench_round_robin hides the host path)."""
     n, name = ids.shape[1], fwd.registered["prefixlm"]
     module, q, k, v, extra = capture_attention(fwd.model("sdpa"), ids)
     result["model_layout"] = {t: {"shape": list(x.shape), "stride": list(x.stride())} for t, x in zip("qkv", (q, k, v))}
@@ -191,10 +219,12 @@ def layer_attention(args, fwd, ids, flex, result) -> None:
     mask = call_kwargs("sdpa_bool_mask", "prefixlm", n, fwd.masks, DEVICE)["attention_mask"]
     fns = {"sdpa_bool_mask": attention_call("sdpa", module, q, k, v, mask, extra),
            "cubridge": attention_call(name, module, q, k, v, None, extra),
-           "cubridge_bhnd": attention_call(name, module, qc, kc, vc, None, extra)}
+           "cubridge_bhnd": attention_call(name, module, qc, kc, vc, None, extra),
+           "cubridge_q_bhnd": attention_call(name, module, qc, k, v, None, extra),
+           "cubridge_kv_bhnd": attention_call(name, module, q, kc, vc, None, extra)}
     for label in args.alt_configs:    # the same kernel at other tiles (default: 128x128s2p)
         fns[f"cubridge_{label}"] = attention_call(fwd.registered[f"prefixlm@{label}"], module, q, k, v, None, extra)
-    if flex:
+    for flex in flexes:
         kw = call_kwargs(flex, "prefixlm", n, fwd.masks, DEVICE)
         block = kw.pop("attention_mask")
         fns[flex] = attention_call("flex_attention", module, q, k, v, block, extra, **kw)
@@ -206,7 +236,7 @@ def layer_attention(args, fwd, ids, flex, result) -> None:
         except Exception as e:   # noqa: BLE001 - one system that cannot run is recorded, the rest timed
             result["system_errors"].setdefault("layer_attention", {})[system] = f"{type(e).__name__}: {str(e)[:300]}"
             del fns[system]
-    timed(result, "layer_attention", "prefixlm", n, fns, args.reps, extra_rows)
+    timed(result, "layer_attention", "prefixlm", n, fns, args.layer_reps, extra_rows)
 
 
 def timed(result, direction, variant, n, fns: dict, reps: int, extra: dict | None = None) -> None:
@@ -220,40 +250,64 @@ def timed(result, direction, variant, n, fns: dict, reps: int, extra: dict | Non
 
 # ------------------------------------------------------------------ training
 def run_train(args, registered, result) -> None:
-    n, masks = args.train_n, {}
+    """Per variant: the training step of cubridge, free attention ("none": the floor any attention
+    kernel reaches, expkit.llama_train), SDPA (+ mask) and the Flex backends, timed round-robin;
+    one profiled step each split into attention forward / backward, GEMMs, optimizer, the rest;
+    result["train_bound"]: what free attention allows against each Flex. Then the loss curves."""
+    from expkit.llama_train import register_train_systems, unregister
+    names = register_train_systems()
+    try:
+        train_parts(args, registered, result)
+    finally:       # no implementation left registered behind a caller (the CPU tests)
+        unregister(*set(names.values()))
+
+
+def train_parts(args, registered, result) -> None:
+    from expkit.llama_train import bound
+    n, masks, models = args.train_n, {}, {}
     ids = random_ids(n, 11)
 
     def step_of(system, variant):
-        model = make_model(DEVICE, train=True)
+        model = models[system] = make_model(DEVICE, train=True)
         model.set_attn_implementation(implementation(system, registered, variant))
         return train_step(model, optimizer(model, args.lr), ids, **call_kwargs(system, variant, n, masks, DEVICE))
 
     for variant in args.train_variants:
-        fns = {"cubridge": step_of("cubridge", variant)}
+        fns = {"cubridge": step_of("cubridge", variant), "none": step_of("none", variant)}
         if variant == "prefixlm":
             fns["sdpa_bool_mask"] = step_of("sdpa_bool_mask", variant)
             made = {}
-            flex = first_flex(FLEX[args.flex_backend], lambda s: made.setdefault(s, step_of(s, variant))(),
-                              result["system_errors"].setdefault(f"train_{variant}", {}))
-            if flex:
+            for flex in flex_systems(args, FLEX_TRAIN, lambda s: made.setdefault(s, step_of(s, variant))(),
+                                     result["system_errors"].setdefault(f"train_{variant}", {})):
                 fns[flex] = made[flex]
             made.clear()
         else:
             fns["sdpa"] = step_of("sdpa", variant)
-        extra = {}
-        for system, fn in fns.items():
-            try:
-                extra[system] = backward_kernels(profiled_kernels(fn))
-                if system != "cubridge":
-                    extra[system].pop("cubridge_backward")
-            except Exception as e:   # noqa: BLE001 - the profiler is a record, not the measurement
-                extra[system] = {"profile_error": f"{type(e).__name__}: {str(e)[:200]}"}
+        extra = {system: step_profile(models[system], fn) for system, fn in fns.items()}
+        for system in fns:
+            if system != "cubridge":
+                extra[system].pop("cubridge_backward", None)
         timed(result, "train_step", variant, n, fns, args.reps, extra)
+        result.setdefault("train_bound", {})[variant] = bound(result["rows"], variant)
         fns.clear()
+        models.clear()
         torch.cuda.empty_cache()
         write(args.out, result)        # kept if a later step runs past the job's time limit
-    if "prefixlm" in args.train_variants:
+    if "prefixlm" in args.train_variants and args.seeds:
         result["loss_curves"] = curves(args, registered, masks)
+
+
+def step_profile(model, fn) -> dict:
+    """One profiled step: the backward kernels that ran (backward_kernels) and the parts
+    (expkit.llama_train.step_parts); a profiler failure is recorded, not raised."""
+    from expkit.llama_train import profile_step
+    try:
+        parts = profile_step(model, fn, Path(tempfile.mkdtemp(prefix="llama_step_")), DEVICE)
+        out = backward_kernels(parts.pop("kernel_names"))
+        out["parts"] = parts
+        return out
+    except Exception as e:   # noqa: BLE001 - the profiler is a record, not the measurement
+        return {"profile_error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 def curves(args, registered, masks) -> dict:
@@ -287,7 +341,7 @@ def seed_curves(args, registered, masks, seed: int, flex, errors: dict) -> tuple
     n = args.train_n
     batches = [random_ids(n, 23 + 1000 * seed + i) for i in range(4)]
     curves, grads = {}, {}
-    for system in ["cubridge", "sdpa_bool_mask", *([flex] if flex else FLEX[args.flex_backend])]:
+    for system in ["cubridge", "sdpa_bool_mask", *([flex] if flex else FLEX_TRAIN[args.flex_backend])]:
         if system.startswith("flex") and system != flex and flex:
             continue
         t0 = time.time()
@@ -326,8 +380,30 @@ def print_table(result) -> None:
               f"{v.get('reason', '')}; step-0 grads passed {lc.get('grad_step0', {}).get('passed')}")
     for r in result["rows"]:
         if r["system"] == "cubridge" and r["direction"] == "train_step":
+            ours = [k for k in r.get("kernels", []) if k.startswith(("fa3_", "fa2_"))]
             print(f"backward of cubridge {r['variant']}: {r.get('cubridge_backward')} "
-                  f"({', '.join(r.get('kernels', [])) or r.get('profile_error', '')}); env {result['env']}")
+                  f"({', '.join(ours) or r.get('profile_error', '')}); env {result['env']}")
+    print_train_parts(result)
+
+
+def print_train_parts(result) -> None:
+    """The training step per part (ms of CUDA kernel time in one profiled step) and the bound."""
+    rows = [r for r in result["rows"] if r["direction"] == "train_step"]
+    if not rows:
+        return
+    print(f"\n{'train step':<24} {'step':>8} {'attn fwd':>8} {'attn bwd':>8} {'gemm':>8} {'optim':>8} {'other':>8} "
+          f"{'busy':>8}  (ms; parts from one profiled step)")
+    for r in rows:
+        p = r.get("parts")
+        cells = ([p["us"][k] / 1e3 for k in ("attention_fwd", "attention_bwd", "gemm", "optimizer", "other")]
+                 + [p["busy_us"] / 1e3] if p else [])
+        print(f"{r['variant'] + ' ' + r['system']:<24} {r['ms']:8.2f} " + " ".join(f"{c:8.2f}" for c in cells)
+              + ("" if p else f" {r.get('profile_error', 'no profile')}"))
+    for variant, b in result.get("train_bound", {}).items():
+        for flex, v in b.get("vs_flex", {}).items():
+            print(f"bound {variant} vs {flex}: free attention {b['free_attention_ms']:.2f} ms -> at most "
+                  f"{v['max_speedup_free_attention']:.3f}x (bar 1.3 reachable: {v['bar_reachable']}); "
+                  f"cubridge {v['cubridge_speedup']}x")
 
 
 def main(argv=None) -> int:
@@ -357,14 +433,17 @@ def build_runs(args, root: Path) -> tuple[dict, dict]:
 
     from cubridge.integrations.transformers import register
     from cubridge.op import build
-    jobs = {s: (s, {}) for s in ("causal", "prefixlm") if s != "prefixlm" or args.prefixlm_run is None}
+    needed = set(args.train_variants if args.train else ()) | set(() if args.no_forward or args.layer_only
+                                                                   else args.fwd_variants)
+    needed |= {"prefixlm"} if not args.no_forward and "prefixlm" in args.fwd_variants else set()
+    jobs = {s: (s, {}) for s in ("causal", "prefixlm") if s in needed and (s != "prefixlm" or args.prefixlm_run is None)}
     for label in args.alt_configs:
         point = parse_config(label)
         jobs[f"prefixlm@{label}"] = ("prefixlm", {"configs": {1024: point, 8192: point}})
     with ThreadPoolExecutor(max_workers=4) as pool:
         dirs = dict(zip(jobs, pool.map(lambda kv: build(kv[1][0], root / kv[0].replace("@", "_"), heads_q=HQ,
                                                         heads_kv=HKV, head_dim=D, **kv[1][1]), jobs.items())))
-    if args.prefixlm_run is not None:
+    if args.prefixlm_run is not None and "prefixlm" in needed:
         dirs["prefixlm"] = tuned_run(args.prefixlm_run)
     runs = {key: register(d, name=f"cubridge_{key.replace('@', '_')}") for key, d in dirs.items()}
     return runs, {key: run_info(d) for key, d in dirs.items()}
@@ -394,9 +473,11 @@ def tuned_run(directory: Path):
 
 
 def run_parts(args, registered: dict, result: dict) -> int:
-    """The forward and / or train parts, the JSON rewritten after each (a failing part is recorded
-    and the rest still runs); 1 if a part failed."""
+    """The forward and / or train parts (train first with --layer-only), the JSON rewritten after
+    each (a failing part is recorded and the rest still runs); 1 if a part failed."""
     parts = ([] if args.no_forward else [("forward", run_forward)]) + ([("train", run_train)] if args.train else [])
+    if args.layer_only:      # the short part last: a job cut at its time limit keeps the training step
+        parts.reverse()
     failed = False
     for part, run in parts:
         try:

@@ -60,10 +60,13 @@ def call_kwargs(system: str, variant: str, n: int, masks: dict, device="cuda") -
     cubridge.integrations.transformers.spec_mask, built once per shape as Flex's BlockMask is, so
     transformers skips its per-forward packed-sequence sync), cubridge_nomask (no attention_mask:
     that check and its sync run, as for sdpa), sdpa (causal: transformers' default), sdpa_bool_mask
-    (prefixlm), flex_flash / flex_triton (a BlockMask). `masks` caches the masks per (kind, variant, n)."""
+    (prefixlm), flex_flash / flex_triton (a BlockMask; their *_nolse twins too), none (as
+    cubridge). `masks` caches the masks per (kind, variant, n)."""
     if system == "cubridge_nomask" or system == "sdpa":
         return {}
-    if system.startswith("cubridge"):
+    if system.endswith("_nolse"):       # expkit.llama_train.FLEX_NOLSE: Flex's keywords
+        return call_kwargs(system[:-len("_nolse")], variant, n, masks, device)
+    if system.startswith("cubridge") or system == "none":      # none: llama_train.FREE, cubridge's mask function
         from cubridge.integrations.transformers import spec_mask
         return {"attention_mask": masks.setdefault(("spec", n), spec_mask(B, n))}
     if system == "sdpa_bool_mask":
@@ -83,7 +86,11 @@ def call_kwargs(system: str, variant: str, n: int, masks: dict, device="cuda") -
 
 
 def implementation(system: str, registered: dict, variant: str) -> str:
-    """The attn_implementation name of a system ("cubridge@LABEL": the variant's run at that tile config)."""
+    """The attn_implementation name of a system ("cubridge@LABEL": the variant's run at that tile
+    config; none / *_nolse: expkit.llama_train's free attention / Flex without the LSE)."""
+    if system == "none" or system.endswith("_nolse"):
+        from expkit.llama_train import FLEX_NOLSE, FREE
+        return FREE if system == "none" else FLEX_NOLSE
     if system.startswith("cubridge@"):
         return registered[f"{variant}@{system.partition('@')[2]}"]
     if system.startswith("cubridge"):

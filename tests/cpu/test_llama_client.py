@@ -308,6 +308,7 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
     monkeypatch.setattr(client, "PREFIX_N", 128)
     monkeypatch.setattr(client, "VOCAB", 96)
     monkeypatch.setattr(client, "FLEX", {"auto": ()})
+    monkeypatch.setattr(client, "FLEX_TRAIN", {"auto": ()})
     monkeypatch.setattr(client, "bench_round_robin", bench)
     monkeypatch.setattr(client, "make_model",
                         lambda device, train=False, seed=0: llama.make_model(device, train=train, seed=seed, **shape))
@@ -318,18 +319,31 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
                              "--train-variants", "prefixlm", "--reps", "2"])
         result = {"rows": [], "checks": [], "system_errors": {}, "env": llama.env_opt_ins()}
         rc = client.run_parts(args, {"causal": name, "prefixlm": name}, result)
+        layer_args = client.parse(["--out", str(tmp_path / "l.json"), "--layer-only", "--fwd-variants", "prefixlm",
+                                   "--layer-reps", "2"])
+        layer_rc = client.run_parts(layer_args, {"prefixlm": name}, {"rows": [], "checks": [], "system_errors": {},
+                                                                     "env": {}})
     finally:
         AttentionInterface._global_mapping.pop(name, None)
         AttentionMaskInterface._global_mapping.pop(name, None)
     saved = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and "errors" not in saved, saved.get("errors")
+    layer = json.loads((tmp_path / "l.json").read_text())      # --layer-only: no model forward, no check
+    assert layer_rc == 0 and not layer["checks"] and {r["direction"] for r in layer["rows"]} == {"layer_attention"}
     got = {(r["direction"], r["variant"], r["system"]) for r in saved["rows"]}
     assert got == {("forward", "causal", "sdpa"), ("forward", "causal", "cubridge"), ("forward", "causal", "cubridge_nomask"),
                    ("forward", "prefixlm", "sdpa_bool_mask"), ("forward", "prefixlm", "cubridge"),
                    ("forward", "prefixlm", "cubridge_nomask"),
                    ("layer_attention", "prefixlm", "sdpa_bool_mask"), ("layer_attention", "prefixlm", "cubridge"),
-                   ("layer_attention", "prefixlm", "cubridge_bhnd"),
+                   ("layer_attention", "prefixlm", "cubridge_bhnd"), ("layer_attention", "prefixlm", "cubridge_q_bhnd"),
+                   ("layer_attention", "prefixlm", "cubridge_kv_bhnd"), ("train_step", "prefixlm", "none"),
                    ("train_step", "prefixlm", "cubridge"), ("train_step", "prefixlm", "sdpa_bool_mask")}
+    train = {r["system"]: r for r in saved["rows"] if r["direction"] == "train_step"}
+    for system, r in train.items():      # one profiled step each, both attention ranges seen per layer
+        assert r["parts"]["marks"] == {"attention_forward": 2, "attention_backward": 2}, (system, r)
+    assert saved["train_bound"]["prefixlm"]["free_attention_ms"] == train["none"]["ms"]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    assert not {"expkit_free_attention", "expkit_flex_nolse"} & set(ALL_ATTENTION_FUNCTIONS._global_mapping)
     prefix = [c for c in saved["checks"] if c["variant"] == "prefixlm"][0]
     assert prefix["cubridge"]["passed"] is True                 # the float64 stub against the float64 golden
     layer = {r["system"]: r for r in saved["rows"] if r["direction"] == "layer_attention"}

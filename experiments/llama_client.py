@@ -192,7 +192,8 @@ def run_forward(args, registered, result) -> None:
         return
     n = PREFIX_N
     ids = random_ids(n, 7)
-    flexes = flex_systems(args, FLEX, lambda s: fwd.fn(s, "prefixlm", ids)(), result["system_errors"].setdefault("forward", {}))
+    flexes = flex_systems(args, FLEX, lambda s: fwd.fn(s, "prefixlm", ids)(),
+                          result["system_errors"].setdefault("forward", {}))
     if args.layer_only:
         layer_attention(args, fwd, ids, flexes, result)
         return
@@ -436,7 +437,8 @@ def build_runs(args, root: Path) -> tuple[dict, dict]:
     needed = set(args.train_variants if args.train else ()) | set(() if args.no_forward or args.layer_only
                                                                    else args.fwd_variants)
     needed |= {"prefixlm"} if not args.no_forward and "prefixlm" in args.fwd_variants else set()
-    jobs = {s: (s, {}) for s in ("causal", "prefixlm") if s in needed and (s != "prefixlm" or args.prefixlm_run is None)}
+    jobs = {s: (s, {}) for s in ("causal", "prefixlm")
+            if s in needed and (s != "prefixlm" or args.prefixlm_run is None)}
     for label in args.alt_configs:
         point = parse_config(label)
         jobs[f"prefixlm@{label}"] = ("prefixlm", {"configs": {1024: point, 8192: point}})

@@ -185,7 +185,8 @@ def step_parts(events: list[dict], top: int = 4) -> dict:
     marks = {m: [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name") == m] for m in (FWD_MARK, BWD_MARK)}
     launches = {e["args"]["correlation"]: e["ts"] for e in spans
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    kernels = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    kernels = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                     key=lambda e: e["ts"])
     us = dict.fromkeys(PARTS, 0.0)
     count = dict.fromkeys(PARTS, 0)
     names: dict = {p: {} for p in PARTS}

@@ -335,7 +335,8 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
                    ("forward", "prefixlm", "sdpa_bool_mask"), ("forward", "prefixlm", "cubridge"),
                    ("forward", "prefixlm", "cubridge_nomask"),
                    ("layer_attention", "prefixlm", "sdpa_bool_mask"), ("layer_attention", "prefixlm", "cubridge"),
-                   ("layer_attention", "prefixlm", "cubridge_bhnd"), ("layer_attention", "prefixlm", "cubridge_q_bhnd"),
+                   ("layer_attention", "prefixlm", "cubridge_bhnd"),
+                   ("layer_attention", "prefixlm", "cubridge_q_bhnd"),
                    ("layer_attention", "prefixlm", "cubridge_kv_bhnd"), ("train_step", "prefixlm", "none"),
                    ("train_step", "prefixlm", "cubridge"), ("train_step", "prefixlm", "sdpa_bool_mask")}
     train = {r["system"]: r for r in saved["rows"] if r["direction"] == "train_step"}

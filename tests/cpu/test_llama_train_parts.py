@@ -168,3 +168,22 @@ def test_flex_systems_first_or_every(mods, monkeypatch):
     args = client.parse(["--out", "x.json"])
     assert client.flex_systems(args, client.FLEX_TRAIN, try_fn, {}) == ["flex_flash_nolse"]
     assert tried == ["flex_flash", "flex_flash_nolse"]
+
+
+def test_flex_nolse_is_flex_without_the_lse(mods, monkeypatch):
+    """FLEX_NOLSE's call (eager flex_attention standing in for the compiled one): the prefix-LM
+    BlockMask, GQA and the module's scale give SDPA + the boolean mask's output, in transformers'
+    [B, N, Hq, D] (Flex has no backward on CPU: the gradient path is the GPU run's)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    llama, lt = mods[1], mods[2]
+    monkeypatch.setattr(lt, "_FLEX", [flex_attention])
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 256, 16, generator=g)
+    k, v = (torch.randn(2, 2, 256, 16, generator=g) for _ in range(2))
+    block = llama.flex_block_mask("prefixlm", 256, "cpu")
+    out, w = lt.flex_nolse(None, q, k, v, block, scaling=0.3, dropout=0.0)
+    mask = llama.prefix_mask(256, device="cpu")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           attn_mask=mask, scale=0.3).transpose(1, 2)
+    assert w is None and out.shape == (2, 256, 4, 16) and out.is_contiguous()
+    assert torch.allclose(out, ref, atol=1e-5)

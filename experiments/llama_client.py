@@ -265,7 +265,7 @@ def run_train(args, registered, result) -> None:
 
 def train_parts(args, registered, result) -> None:
     from expkit.llama_train import bound
-    n, masks, models = args.train_n, {}, {}
+    n, masks, models, trained = args.train_n, {}, {}, []
     ids = random_ids(n, 11)
 
     def step_of(system, variant):
@@ -281,6 +281,7 @@ def train_parts(args, registered, result) -> None:
             for flex in flex_systems(args, FLEX_TRAIN, lambda s: made.setdefault(s, step_of(s, variant))(),
                                      result["system_errors"].setdefault(f"train_{variant}", {})):
                 fns[flex] = made[flex]
+                trained.append(flex)
             made.clear()
         else:
             fns["sdpa"] = step_of("sdpa", variant)
@@ -295,7 +296,7 @@ def train_parts(args, registered, result) -> None:
         torch.cuda.empty_cache()
         write(args.out, result)        # kept if a later step runs past the job's time limit
     if "prefixlm" in args.train_variants and args.seeds:
-        result["loss_curves"] = curves(args, registered, masks)
+        result["loss_curves"] = curves(args, registered, masks, trained[0] if trained else None)
 
 
 def step_profile(model, fn) -> dict:
@@ -311,11 +312,12 @@ def step_profile(model, fn) -> dict:
         return {"profile_error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
-def curves(args, registered, masks) -> dict:
+def curves(args, registered, masks, flex: str | None = None) -> dict:
     """The prefixlm loss curves per seed (same init and data for every system of a seed; seed 0 is
-    session 9's run) and their verdicts (expkit.llama.seeds_verdict); "curves" keeps seed 0's."""
+    session 9's run) and their verdicts (expkit.llama.seeds_verdict); "curves" keeps seed 0's. The
+    Flex reference: `flex` (the first that ran the training step), else the first of FLEX_TRAIN
+    that trains."""
     out = {"N": args.train_n, "steps": args.steps, "lr": args.lr, "batches": 4, "seeds": [], "errors": {}}
-    flex = None
     for seed in range(args.seeds):
         c, grads, flex = seed_curves(args, registered, masks, seed, flex, out["errors"])
         out["seeds"].append({"seed": seed, "curves": c})

@@ -395,13 +395,14 @@ def print_train_parts(result) -> None:
     if not rows:
         return
     print(f"\n{'train step':<24} {'step':>8} {'attn fwd':>8} {'attn bwd':>8} {'gemm':>8} {'optim':>8} {'other':>8} "
-          f"{'busy':>8}  (ms; parts from one profiled step)")
+          f"{'busy':>8} marks  (ms; parts from one profiled step; marks: attention fwd / bwd ranges seen)")
     for r in rows:
         p = r.get("parts")
         cells = ([p["us"][k] / 1e3 for k in ("attention_fwd", "attention_bwd", "gemm", "optimizer", "other")]
                  + [p["busy_us"] / 1e3] if p else [])
+        marks = f" {p['marks']['attention_forward']}/{p['marks']['attention_backward']}" if p else ""
         print(f"{r['variant'] + ' ' + r['system']:<24} {r['ms']:8.2f} " + " ".join(f"{c:8.2f}" for c in cells)
-              + ("" if p else f" {r.get('profile_error', 'no profile')}"))
+              + (marks if p else f" {r.get('profile_error', 'no profile')}"))
     for variant, b in result.get("train_bound", {}).items():
         for flex, v in b.get("vs_flex", {}).items():
             print(f"bound {variant} vs {flex}: free attention {b['free_attention_ms']:.2f} ms -> at most "

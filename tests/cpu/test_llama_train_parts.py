@@ -106,6 +106,8 @@ def _ev(name, ts, dur, cat, corr=None, tid=1):
 
 
 def test_step_parts_places_each_kernel(mods):
+    """Launch times against the CPU ranges; the GPU timeline's copies of the annotations (which
+    span the launches of the GEMMs and the optimizer here) place nothing."""
     lt = mods[2]
     events = [_ev(lt.FWD_MARK, 0, 10, "user_annotation"), _ev(lt.BWD_MARK, 100, 20, "user_annotation", tid=2),
               _ev("cudaLaunchKernel", 5, 1, "cuda_runtime", 1), _ev("cuLaunchKernel", 110, 1, "cuda_driver", 2),
@@ -114,7 +116,8 @@ def test_step_parts_places_each_kernel(mods):
               _ev("fa3_sm90_fwd", 20, 30, "kernel", 1), _ev("fa3_bwd_sm90", 200, 50, "kernel", 2),
               _ev("nvjet_tst_gemm", 60, 40, "kernel", 3), _ev("sm90_xmma_gemm", 90, 20, "kernel", 4),
               _ev("multi_tensor_apply_kernel adam", 300, 5, "kernel", 5), _ev("silu", 310, 2, "kernel", 6),
-              _ev("Memset (Device)", 320, 1, "gpu_memset")]
+              _ev("Memset (Device)", 320, 1, "gpu_memset"),
+              _ev(lt.FWD_MARK, 20, 30, "gpu_user_annotation"), _ev(lt.BWD_MARK, 40, 300, "gpu_user_annotation")]
     p = lt.step_parts(events)
     assert p["us"] == {"attention_fwd": 30.0, "attention_bwd": 50.0, "gemm": 60.0, "optimizer": 5.0, "other": 3.0}
     assert p["kernels"]["gemm"] == 2 and p["kernel_us_total"] == 148.0

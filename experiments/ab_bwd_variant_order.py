@@ -6,7 +6,8 @@ bitwise (each CTA sums its own tile in a fixed order, whatever order the CTAs ru
 adds exact zeros), dQ within 2^-6 of its max (reduce-add order). An option "OPTION+qlist" is OPTION
 with q_range lowered as the exact query-tile list (cubridge.lower.fa3_bwd_sm90, CUBRIDGE_BWD_Q_LIST);
 "OPTION+maskall" runs every step down the masked path (the cost of the mask per half-step);
-"OPTION+wide" (TILE_ORDER 2 options) makes one section of all (batch, head) pairs (l2_bytes unbounded).
+"OPTION+wide" (TILE_ORDER 2 options) makes one section of all (batch, head) pairs (l2_bytes unbounded);
+"OPTION+split" lowers with CUBRIDGE_BWD_RELU_SPLIT=1 (relu on the split passes on ISSUE 2 options).
 Suffixes combine ("bulk_overlap_lse_lean_l2lpt+qlist+wide").
 Writes $OUT-style JSON (--out) and prints a table last.
 
@@ -19,6 +20,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -38,33 +40,64 @@ BWD_FLOP_FACTOR = 2.5
 STEP_PARTIAL = "int m, int len_q, int len_k) {\n  return q_partial_at(va, b, h_kv, group, n0, kv_lo, m, len_q, len_k);\n}"
 MASK_ALL = "int m, int len_q, int len_k) {\n  return true;\n}"
 DEFAULT_OPTIONS = ["bulk_overlap_lse_lean", "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean+qlist"]
+_ENV_LOCK = threading.Lock()   # lowered_option sets the lowering's env around one lowering (prebuild's threads)
 
 
-def ours_option(name, option, q, k, v, dout, out, lse):
-    """Our backward on `option`; "OPTION+qlist" lowers q_range as the exact list (CUBRIDGE_BWD_Q_LIST=1
-    while the source is lowered: VariantBackward.hopper lowers once, on first use)."""
+def lowered_option(name, option):
+    """(VariantBackward on `option`'s base, its suffixes) with the source lowered as the suffixes ask:
+    "+qlist" the exact list (CUBRIDGE_BWD_Q_LIST=1), "+split" relu's split passes (CUBRIDGE_BWD_RELU_SPLIT=1),
+    both set only while the source is lowered (VariantBackward.hopper lowers once, on first use)."""
     import dataclasses
 
-    from cubridge.lower.fa3_bwd_sm90 import Q_LIST_ENV
+    from cubridge.lower.fa3_bwd_sm90 import Q_LIST_ENV, RELU_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    unknown = set(extras) - {"qlist", "maskall", "wide"}
-    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} (qlist, maskall, wide)"
+    unknown = set(extras) - {"qlist", "maskall", "wide", "split"}
+    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} (qlist, maskall, wide, split)"
     extra = "qlist" if "qlist" in extras else ""
     bwd = VariantBackward(name, use_hopper=True, hopper_option=base)
-    saved = os.environ.get(Q_LIST_ENV)
-    os.environ[Q_LIST_ENV] = "1" if extra == "qlist" else "0"
-    try:
-        source = bwd.hopper.source
-    finally:
-        if saved is None:
-            del os.environ[Q_LIST_ENV]
-        else:
-            os.environ[Q_LIST_ENV] = saved
+    envs = {Q_LIST_ENV: "1" if extra == "qlist" else "0", RELU_SPLIT_ENV: "1" if "split" in extras else "0"}
+    with _ENV_LOCK:
+        saved = {key: os.environ.get(key) for key in envs}
+        os.environ.update(envs)
+        try:
+            source = bwd.hopper.source
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value
+    if "split" in extras and bwd.ir.norm == "relu":
+        assert "constexpr bool kDsFromP16 = kDsFromP32;" in source, f"{option}: relu split not lowered"
     assert ("#define FA3B_Q_TILE_LIST" in source) == (extra == "qlist"), f"{option}: q_range not as asked"
     if "maskall" in extras:   # every step down the masked path: correct, slower by the mask's cost
         assert source.count(STEP_PARTIAL) == 1, f"{option}: q_step_partial not found"
         bwd._hopper = dataclasses.replace(bwd.hopper, source=source.replace(STEP_PARTIAL, MASK_ALL))
+    return bwd, extras
+
+
+def prebuild(variants, options) -> None:
+    """Every (variant, option) cubin at D 128 bf16 built up front, 16 at a time (nvcc releases the GIL;
+    built one by one on first call they took most of a device call). Failures surface at the call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+
+    def build(job):
+        name, option = job
+        try:
+            bwd, _ = lowered_option(name, option)
+            hb.build_cubin(D, False, True, option=option.split("+")[0], source=bwd.hopper.source)
+        except Exception as e:  # noqa: BLE001 - reported again where the variant runs
+            print(f"  prebuild {name} {option}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(build, [(n, o) for n in variants for o in options]))
+
+
+def ours_option(name, option, q, k, v, dout, out, lse):
+    """Our backward on `option` (lowered_option's suffixes; "+wide" as the module's docstring)."""
+    bwd, extras = lowered_option(name, option)
     if "wide" in extras:      # TILE_ORDER 2 with one section of every (batch, head): an unbounded L2 budget
         return {"bwd": lambda: _wide(bwd, dout, q, k, v, out, lse), "grads": _wide(bwd, dout, q, k, v, out, lse)}
     return {"bwd": lambda: bwd(dout, q, k, v, out, lse), "grads": bwd(dout, q, k, v, out, lse)}
@@ -149,6 +182,7 @@ def main(argv=None) -> int:
     result = {"gpu": torch.cuda.get_device_name(), "options": args.options, "rows": [], "failed": [],
               "protocol": f"round-robin, L2 flushed, {args.reps} reps, median (bench_round_robin, backward only)"}
     fwd_ours = expkit.Ours()
+    prebuild(args.variants, args.options)
     for n in args.n:
         for name in args.variants:
             try:

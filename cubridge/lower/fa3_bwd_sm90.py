@@ -38,6 +38,9 @@ from cubridge.lower.variant import VariantIR
 MAX_RUNS = itspace.MAX_RUNS
 # Off by default until a GPU run times it (session 12): 1 lowers q_range as the exact list.
 Q_LIST_ENV = "CUBRIDGE_BWD_Q_LIST"
+# Off by default until a GPU run passes and times it (session 13): 1 lets relu take the split passes
+# on ISSUE 2 options (softmax_bwd).
+RELU_SPLIT_ENV = "CUBRIDGE_BWD_RELU_SPLIT"
 # The tile sizes a block table is built at (ref_kernels/fa3_bwd_sm90/params.cuh kBlockM, kBlockN).
 BLOCK_M, BLOCK_N = 64, 128
 
@@ -342,8 +345,11 @@ def softmax_bwd(ir: VariantIR, reference_body: str) -> str:
         p, ds = "fmaxf(y * kLn2, 0.f) * va_arg", "p != 0.f ? dp * va_arg : 0.f"
         what = "P = relu(s) c, dS = dP c [s > 0]"
         # [P != 0] of an fp16 P is wrong where relu(s) c underflows (c = 1/Nk: s below ~2e-5), which
-        # moved dQ by up to 1e-2 on the H100 (session 9, three fp16 cases): dS from the f32 P.
-        from_p16 = "false"
+        # moved dQ by up to 1e-2 on the H100 (session 9, three fp16 cases): dS from the f32 P. ISSUE 2
+        # options' dS pass reads the f32 P^T, never the 16-bit copy, so there the split passes are
+        # exact: RELU_SPLIT_ENV=1 lets relu split on them (P pass under the dP GEMM; off until a GPU
+        # run passes relu's rule tests and times it, session 13).
+        from_p16 = "kDsFromP32" if relu_split_enabled() else "false"
     else:
         raise LowerError(f"normalisation {ir.norm!r} has no backward rule",
                          hint="add one to cubridge/lower/fa3_bwd_sm90.py")
@@ -377,6 +383,16 @@ def q_list_mode() -> str:
                          hint=f"unset {Q_LIST_ENV} (query-tile runs), 1 (the exact list) or auto (the list "
                               "where a block table forms more runs than the runs hold)")
     return value
+
+
+def relu_split_enabled() -> bool:
+    """RELU_SPLIT_ENV: "0" or unset, relu's one-pass P / dS; "1", the split passes where dS reads
+    the f32 P (ISSUE 2 options; the region's kDsFromP16 = kDsFromP32, read by kernel.cu's kSplitPasses)."""
+    value = os.environ.get(RELU_SPLIT_ENV, "0")
+    if value not in ("0", "1"):
+        raise LowerError(f"{RELU_SPLIT_ENV}={value!r} is not 0 or 1", where="environment",
+                         hint=f"unset {RELU_SPLIT_ENV} (relu's one-pass P / dS) or 1 (split passes on ISSUE 2 options)")
+    return value == "1"
 
 
 def q_list_enabled() -> bool:

@@ -161,3 +161,47 @@ def test_q_list_compiles_spill_free_within_shared_memory(backwards, tmp_path):
         assert smem, f"{name}: no ptxas smem report\n{log}"
         static = max(smem)
         assert static + hb.smem_bytes(d, hb.VARIANT_OPTION) <= 227 * 1024, f"{name}: {static} bytes static smem"
+
+
+def test_relu_split_knob(monkeypatch):
+    """CUBRIDGE_BWD_RELU_SPLIT=1 (off by default): relu's region lets it take the split passes where
+    the dS pass reads the f32 P^T (kDsFromP16 = kDsFromP32: ISSUE 2 options only); others unchanged;
+    a bad value is refused naming the variable."""
+    from cubridge.lower.cexpr import LowerError
+    from cubridge.lower.fa3_bwd_sm90 import RELU_SPLIT_ENV, lower_source
+    dense = hb.KERNEL_SOURCE.read_text()
+    relu, sigmoid = VariantBackward("relu").ir, VariantBackward("sigmoid").ir
+    monkeypatch.delenv(RELU_SPLIT_ENV, raising=False)
+    off = lower_source(dense, relu)
+    assert "constexpr bool kDsFromP16 = false;" in off
+    monkeypatch.setenv(RELU_SPLIT_ENV, "1")
+    on = lower_source(dense, relu)
+    assert "constexpr bool kDsFromP16 = kDsFromP32;" in on and "kDsFromP16 = false" not in on
+    assert on.replace("kDsFromP16 = kDsFromP32;", "").count("kDsFromP32") == off.count("kDsFromP32")
+    monkeypatch.delenv(RELU_SPLIT_ENV)
+    sig_off = lower_source(dense, sigmoid)
+    monkeypatch.setenv(RELU_SPLIT_ENV, "1")
+    assert lower_source(dense, sigmoid) == sig_off, "the knob touches relu only"
+    monkeypatch.setenv(RELU_SPLIT_ENV, "yes")
+    with pytest.raises(LowerError, match=RELU_SPLIT_ENV):
+        lower_source(dense, relu)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_relu_split_compiles_spill_free(monkeypatch, tmp_path):
+    """relu on the split passes (VARIANT_OPTION, ISSUE 2) compiles without spills or ptxas warnings at
+    D 128 bf16 and D 64 fp16 (the other two specialisations were spill-free too, session 13)."""
+    from cubridge.lower.fa3_bwd_sm90 import RELU_SPLIT_ENV
+    monkeypatch.setenv(RELU_SPLIT_ENV, "1")
+    bwd = VariantBackward("relu")
+    assert "constexpr bool kDsFromP16 = kDsFromP32;" in bwd.hopper.source
+    jobs = [(bwd, "relu_split", d, bf16, hb.VARIANT_OPTION) for d, bf16 in ((128, True), (64, False))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
+    for spec, proc in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) in (2, 3) and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
+        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
+            assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"

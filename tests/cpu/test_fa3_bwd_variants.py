@@ -187,15 +187,42 @@ def test_relu_split_knob(monkeypatch):
         lower_source(dense, relu)
 
 
+def test_norm_fold_knob(monkeypatch):
+    """CUBRIDGE_BWD_NORM_FOLD=1 (off by default): sigmoid's score region returns (score + bias) / 2 and
+    softmax_p is one tanh and one FFMA (a softcap's tanh shared with its derivative), relu's score stays
+    natural; softmax specs are untouched; a bad value is refused naming the variable."""
+    from cubridge.lower.cexpr import LowerError
+    from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, lower_source
+    dense = hb.KERNEL_SOURCE.read_text()
+    irs = {n: VariantBackward(n).ir for n in ("sigmoid", "composite", "relu", "prefixlm")}
+    monkeypatch.delenv(NORM_FOLD_ENV, raising=False)
+    off = {n: lower_source(dense, ir) for n, ir in irs.items()}
+    monkeypatch.setenv(NORM_FOLD_ENV, "1")
+    on = {n: lower_source(dense, ir) for n, ir in irs.items()}
+    assert on["prefixlm"] == off["prefixlm"]
+    sig = regions.body(on["sigmoid"], "score") + regions.body(on["sigmoid"], "softmax_bwd")
+    assert "fmaf(x, scale_log2 * (0.5f * kLn2), 0.5f * (va.C0))" in sig and "cuir_sigmoid_half(y)" in sig
+    comp = regions.body(on["composite"], "score")
+    assert comp.count("cuir_tanh(") == 2 and "fmaf(-t, t, 1.f)" in comp and "kLog2e" not in comp
+    assert "constexpr bool kScoreGradOne = false;" in comp   # composite stays on the one-pass path
+    assert "fmaxf(y, 0.f) * va_arg" in regions.body(on["relu"], "softmax_bwd")
+    assert "x * (scale_log2 * kLn2)" in regions.body(on["relu"], "score")
+    monkeypatch.setenv(NORM_FOLD_ENV, "2")
+    with pytest.raises(LowerError, match=NORM_FOLD_ENV):
+        lower_source(dense, irs["sigmoid"])
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
-def test_relu_split_compiles_spill_free(monkeypatch, tmp_path):
-    """relu on the split passes (VARIANT_OPTION, ISSUE 2) compiles without spills or ptxas warnings at
-    D 128 bf16 and D 64 fp16 (the other two specialisations were spill-free too, session 13)."""
-    from cubridge.lower.fa3_bwd_sm90 import RELU_SPLIT_ENV
+def test_relu_split_and_norm_fold_compile_spill_free(monkeypatch, tmp_path):
+    """relu on the split passes and the folded sigmoid / relu / softcapped sigmoid (VARIANT_OPTION)
+    compile without spills or ptxas warnings (D 128 bf16, D 64 fp16; all four spill-free, session 13)."""
+    from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, RELU_SPLIT_ENV
     monkeypatch.setenv(RELU_SPLIT_ENV, "1")
-    bwd = VariantBackward("relu")
-    assert "constexpr bool kDsFromP16 = kDsFromP32;" in bwd.hopper.source
-    jobs = [(bwd, "relu_split", d, bf16, hb.VARIANT_OPTION) for d, bf16 in ((128, True), (64, False))]
+    monkeypatch.setenv(NORM_FOLD_ENV, "1")
+    bwds = {n: VariantBackward(n) for n in ("relu", "sigmoid", "composite")}
+    assert "constexpr bool kDsFromP16 = kDsFromP32;" in bwds["relu"].hopper.source
+    jobs = [(bwd, f"{n}_fold", d, bf16, hb.VARIANT_OPTION) for n, bwd in bwds.items()
+            for d, bf16 in ((128, True), (64, False))]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
     for spec, proc in results:

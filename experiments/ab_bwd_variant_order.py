@@ -8,7 +8,10 @@ adds exact zeros; "+fold": within 2^-6 like dQ), dQ within 2^-6 of its max (redu
 "OPTION+maskall" runs every step down the masked path (the cost of the mask per half-step);
 "OPTION+wide" (TILE_ORDER 2 options) makes one section of all (batch, head) pairs (l2_bytes unbounded);
 "OPTION+split" lowers with CUBRIDGE_BWD_RELU_SPLIT=1 (relu on the split passes on ISSUE 2 options);
-"OPTION+fold" with CUBRIDGE_BWD_NORM_FOLD=1 (sigmoid's / relu's constants folded into the score region).
+"OPTION+fold" with CUBRIDGE_BWD_NORM_FOLD=1 (sigmoid's / relu's constants folded into the score region);
+"OPTION+fit" (TILE_ORDER 2 options) sizes the sections by the attended fraction f of the pairs: l2_bytes =
+L2 / f, i.e. a pair's Q / dO / dQ footprint counted at f (8k: global_sliding_window 32 pairs, share_question
+16, prefixlm 8, against 4 unscaled; "+wide" = all 32).
 Suffixes combine ("bulk_overlap_lse_lean_l2lpt+qlist+wide").
 Writes $OUT-style JSON (--out) and prints a table last.
 
@@ -53,8 +56,8 @@ def lowered_option(name, option):
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    unknown = set(extras) - {"qlist", "maskall", "wide", "split", "fold"}
-    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} (qlist, maskall, wide, split, fold)"
+    unknown = set(extras) - {"qlist", "maskall", "wide", "split", "fold", "fit"}
+    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} (qlist, maskall, wide, split, fold, fit)"
     extra = "qlist" if "qlist" in extras else ""
     bwd = VariantBackward(name, use_hopper=True, hopper_option=base)
     envs = {Q_LIST_ENV: "1" if extra == "qlist" else "0", RELU_SPLIT_ENV: "1" if "split" in extras else "0",
@@ -99,19 +102,25 @@ def prebuild(variants, options) -> None:
         list(pool.map(build, [(n, o) for n in variants for o in options]))
 
 
-def ours_option(name, option, q, k, v, dout, out, lse):
-    """Our backward on `option` (lowered_option's suffixes; "+wide" as the module's docstring)."""
+def ours_option(name, option, q, k, v, dout, out, lse, attended_fraction=1.0):
+    """Our backward on `option` (lowered_option's suffixes; "+wide", "+fit" as the module's docstring)."""
     bwd, extras = lowered_option(name, option)
+    l2 = None
     if "wide" in extras:      # TILE_ORDER 2 with one section of every (batch, head): an unbounded L2 budget
-        return {"bwd": lambda: _wide(bwd, dout, q, k, v, out, lse), "grads": _wide(bwd, dout, q, k, v, out, lse)}
+        l2 = 1 << 50
+    elif "fit" in extras:     # a pair's footprint counted at the attended fraction
+        l2 = int(torch.cuda.get_device_properties(q.device).L2_cache_size / max(attended_fraction, 1e-6))
+    if l2 is not None:
+        return {"bwd": lambda: _with_l2(bwd, l2, dout, q, k, v, out, lse),
+                "grads": _with_l2(bwd, l2, dout, q, k, v, out, lse)}
     return {"bwd": lambda: bwd(dout, q, k, v, out, lse), "grads": bwd(dout, q, k, v, out, lse)}
 
 
-def _wide(bwd, *args):
-    """bwd(*args) with fa3_backward's l2_bytes unbounded (VariantBackward looks it up at each call)."""
+def _with_l2(bwd, l2_bytes, *args):
+    """bwd(*args) with fa3_backward's l2_bytes set (VariantBackward looks fa3_backward up at each call)."""
     from cubridge.runtime import fa3_bwd_sm90 as hb
     orig = hb.fa3_backward
-    hb.fa3_backward = functools.partial(orig, l2_bytes=1 << 50)
+    hb.fa3_backward = functools.partial(orig, l2_bytes=l2_bytes)
     try:
         return bwd(*args)
     finally:
@@ -143,10 +152,11 @@ def flex_backward(hooks, q, k, v, dout, backend: str) -> dict:
 def run_shape(name, n, options, peers, reps, fwd_ours):
     b = TOKENS // n
     hooks = load_spec(name).hooks_for(n, n, H, H, "cuda")
-    flops = BWD_FLOP_FACTOR * 4.0 * D * count_attended(hooks, b, H, n, n, device="cuda")
+    pairs = count_attended(hooks, b, H, n, n, device="cuda")
+    flops = BWD_FLOP_FACTOR * 4.0 * D * pairs
     q, dout, k, v = _inputs(n, b)
     out, lse = fwd_ours.fn(name, q, k, v)()
-    systems = {f"ours:{o}": ours_option(name, o, q, k, v, dout, out, lse) for o in options}
+    systems = {f"ours:{o}": ours_option(name, o, q, k, v, dout, out, lse, pairs / (b * H * n * n)) for o in options}
     for peer in peers:
         try:
             systems[peer] = flex_backward(hooks, q, k, v, dout, "triton" if peer == "flex" else "flash")

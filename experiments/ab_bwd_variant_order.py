@@ -84,22 +84,40 @@ def lowered_option(name, option):
     return bwd, extras
 
 
-def prebuild(variants, options) -> None:
-    """Every (variant, option) cubin at D 128 bf16 built up front, 16 at a time (nvcc releases the GIL;
-    built one by one on first call they took most of a device call). Failures surface at the call."""
+def prebuild(variants, options, ns, fwd_ours) -> None:
+    """Every (variant, option) backward cubin at D 128 bf16 and every variant's forward (as
+    expkit.Ours.fn configures it) built up front, 16 at a time (nvcc releases the GIL; built one by
+    one on first call they took most of a device call). Failures surface again at the call."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from cubridge.lower.fa3_sm90 import wide_tile
     from cubridge.runtime import fa3_bwd_sm90 as hb
+    from cubridge.runtime import fa3_sm90
+
+    def guarded(label, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported again where the variant runs
+            print(f"  prebuild {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # lowered one by one here (the lowering is not made for threads), only nvcc runs in the pool
+    sources = {(o.split("+")[0], guarded(f"{v} {o}", lambda: lowered_option(v, o)[0].hopper.source))
+               for v in variants for o in options}
+    jobs = [(hb.build_cubin, D, False, True, option, src) for option, src in sources if src]
+    for v in variants:
+        lowered = guarded(f"{v} forward", fwd_ours.lowered, v)
+        if lowered:
+            jobs += [(fa3_sm90.build_cubin, fa3_sm90.default_config(D, False, True, n, variant=True,
+                                                                    wide=wide_tile(lowered[1].ir)), lowered[2])
+                     for n in ns]
 
     def build(job):
-        name, option = job
-        try:
-            bwd, _ = lowered_option(name, option)
-            hb.build_cubin(D, False, True, option=option.split("+")[0], source=bwd.hopper.source)
-        except Exception as e:  # noqa: BLE001 - reported again where the variant runs
-            print(f"  prebuild {name} {option}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        fn, *args, source = job
+        if fn is hb.build_cubin:
+            d, causal, bf16, option = args
+            return guarded(f"backward {option}", lambda: fn(d, causal, bf16, option=option, source=source))
+        return guarded("forward", lambda: fn(args[0], source=source))
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(build, [(n, o) for n in variants for o in options]))
+        list(pool.map(build, jobs))
 
 
 def ours_option(name, option, q, k, v, dout, out, lse, attended_fraction=1.0):
@@ -199,7 +217,7 @@ def main(argv=None) -> int:
     result = {"gpu": torch.cuda.get_device_name(), "options": args.options, "rows": [], "failed": [],
               "protocol": f"round-robin, L2 flushed, {args.reps} reps, median (bench_round_robin, backward only)"}
     fwd_ours = expkit.Ours()
-    prebuild(args.variants, args.options)
+    prebuild(args.variants, args.options, args.n, fwd_ours)
     for n in args.n:
         for name in args.variants:
             try:

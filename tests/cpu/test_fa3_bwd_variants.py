@@ -232,3 +232,24 @@ def test_relu_split_and_norm_fold_compile_spill_free(monkeypatch, tmp_path):
         assert len(reports) in (2, 3) and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
         for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
             assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
+
+
+def test_fit_sections_knob(monkeypatch):
+    """CUBRIDGE_BWD_FIT_SECTIONS=1 (off by default): TILE_ORDER 2's L2 budget over the attended fraction of
+    the pairs, so sparse specs get wider sections (8k, B 2 x 16 heads: global_sliding_window 32 pairs,
+    share_question 16, prefixlm 8, against 4); unset: None (fa3_backward takes the device's L2); a bad
+    value is refused naming the variable."""
+    from cubridge.runtime.variant_bwd import FIT_ENV
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 50 << 20}))
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(FIT_ENV, raising=False)
+    assert VariantBackward("share_question").section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
+    monkeypatch.setenv(FIT_ENV, "1")
+    widths = {name: hb.tile_sections(32, 1, 8192, 128, True,
+                                     VariantBackward(name).section_l2_bytes(2, 16, 16, 8192, 8192, cpu))
+              for name in ("global_sliding_window", "share_question", "prefixlm")}
+    assert widths == {"global_sliding_window": 32, "share_question": 16, "prefixlm": 8}, widths
+    assert hb.tile_sections(32, 1, 8192, 128, True, 50 << 20) == 4
+    monkeypatch.setenv(FIT_ENV, "yes")
+    with pytest.raises(LaunchError, match=FIT_ENV):
+        VariantBackward("prefixlm").section_l2_bytes(1, 1, 1, 64, 64, cpu)

@@ -132,7 +132,8 @@ class VariantBackward:
         if value not in ("0", "1"):
             raise LaunchError(f"{FIT_ENV}={value!r} is neither 0 nor 1", where="environment",
                               hint=f"unset {FIT_ENV} (sections sized by the whole L2) or 1 (by the attended fraction)")
-        if value == "0":
+        from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
+        if value == "0" or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
             return None
         key = (B, Hq, Hkv, Nq, Nk)
         if key not in self._fractions:
@@ -165,9 +166,10 @@ class VariantBackward:
         if self.uses_hopper(q.device, deterministic):
             from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
             va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device, hopper=True)
+            l2 = self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device)
+            fit = {} if l2 is None else {"l2_bytes": l2}   # absent unless set: callers may bind their own
             return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
-                                option=self.hopper_option, variant=va,   # default_compiler(), as the dense path
-                                l2_bytes=self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device))
+                                option=self.hopper_option, variant=va, **fit)   # default_compiler(), as the dense path
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

@@ -245,11 +245,13 @@ def test_fit_sections_knob(monkeypatch):
     monkeypatch.delenv(FIT_ENV, raising=False)
     assert VariantBackward("share_question").section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
     monkeypatch.setenv(FIT_ENV, "1")
-    widths = {name: hb.tile_sections(32, 1, 8192, 128, True,
-                                     VariantBackward(name).section_l2_bytes(2, 16, 16, 8192, 8192, cpu))
+    assert VariantBackward("share_question").section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None   # TILE_ORDER 0
+    l2lpt = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+    widths = {name: hb.tile_sections(32, 1, 8192, 128, True, VariantBackward(name, hopper_option=l2lpt)
+                                     .section_l2_bytes(2, 16, 16, 8192, 8192, cpu))
               for name in ("global_sliding_window", "share_question", "prefixlm")}
     assert widths == {"global_sliding_window": 32, "share_question": 16, "prefixlm": 8}, widths
     assert hb.tile_sections(32, 1, 8192, 128, True, 50 << 20) == 4
     monkeypatch.setenv(FIT_ENV, "yes")
     with pytest.raises(LaunchError, match=FIT_ENV):
-        VariantBackward("prefixlm").section_l2_bytes(1, 1, 1, 64, 64, cpu)
+        VariantBackward("prefixlm", hopper_option=l2lpt).section_l2_bytes(1, 1, 1, 64, 64, cpu)

@@ -8,8 +8,8 @@ on option bulk_overlap_lse_lean, compute-sanitizer racecheck reports 0 hazards; 
 speed there; since session 12 on the dense default's option, bulk_overlap_lse_lean_issue_pf32_epi), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
 runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs). `hopper_option`:
 which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION).
-CUBRIDGE_BWD_FIT_SECTIONS=1 (off; session 13) sizes a TILE_ORDER 2 option's head sections by the spec's
-attended fraction (section_l2_bytes).
+CUBRIDGE_BWD_FIT_SECTIONS (1 by default since session 13; 0 off) sizes a TILE_ORDER 2 option's head
+sections by the spec's attended fraction (section_l2_bytes).
 
 Example (GPU):
     >>> bwd = VariantBackward("prefixlm")                                               # doctest: +SKIP
@@ -34,9 +34,10 @@ FORWARD_REF = "fa2_sm80"
 HOPPER_ENV = "CUBRIDGE_HOPPER_VARIANT_BWD"
 # dispatch.json's backward label for the Hopper variant backward (search/backward.py tunes it, op/autograd.py reads it)
 HOPPER_LABEL = "fa3_bwd_sm90:variant"
-# Off until a GPU run times it (session 13): 1 sizes TILE_ORDER 2's head sections by the attended fraction
-# f of the pairs (fa3_backward's l2_bytes = L2 / f: a sparse spec's pairs stream 1 / f times less Q / dO),
-# so a sparse spec's long tiles of every head go out first (host model: global_sliding_window 1.31x at 8k).
+# On by default since session 13's mid call (H100 8k, over l2lpt alone: global_sliding_window 1.29x, the
+# others 0.998-1.010x; rule tests passed): TILE_ORDER 2's head sections sized by the attended fraction f of
+# the pairs (fa3_backward's l2_bytes = L2 / f: a sparse spec's pairs stream 1 / f times less Q / dO), so a
+# sparse spec's long tiles of every head go out first (host model 1.31x). 0 sizes them by the whole L2.
 FIT_ENV = "CUBRIDGE_BWD_FIT_SECTIONS"
 
 
@@ -125,13 +126,14 @@ class VariantBackward:
         return lowered.args(inputs, device)
 
     def section_l2_bytes(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, device) -> int | None:
-        """fa3_backward's l2_bytes for this shape: None (the device's L2) unless FIT_ENV=1, then the L2
-        over the attended fraction of the pairs (counted once per shape: cubridge.transfer.pairs)."""
+        """fa3_backward's l2_bytes for this shape: None (the device's L2) with FIT_ENV=0 or a TILE_ORDER 0
+        option, else the L2 over the attended fraction of the pairs (counted once per shape:
+        cubridge.transfer.pairs; a spec with runtime inputs counts the values sampled at this shape)."""
         from cubridge.errors import LaunchError
-        value = os.environ.get(FIT_ENV, "0")
+        value = os.environ.get(FIT_ENV, "1")
         if value not in ("0", "1"):
             raise LaunchError(f"{FIT_ENV}={value!r} is neither 0 nor 1", where="environment",
-                              hint=f"unset {FIT_ENV} (sections sized by the whole L2) or 1 (by the attended fraction)")
+                              hint=f"unset {FIT_ENV} (sections sized by the attended fraction) or 0 (by the whole L2)")
         from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
         if value == "0" or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
             return None

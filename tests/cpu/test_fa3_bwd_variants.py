@@ -188,25 +188,25 @@ def test_relu_split_knob(monkeypatch):
 
 
 def test_norm_fold_knob(monkeypatch):
-    """CUBRIDGE_BWD_NORM_FOLD=1 (off by default): sigmoid's score region returns (score + bias) / 2 and
-    softmax_p is one tanh and one FFMA (a softcap's tanh shared with its derivative), relu's score stays
-    natural; softmax specs are untouched; a bad value is refused naming the variable."""
+    """CUBRIDGE_BWD_NORM_FOLD (on by default since session 13): sigmoid's score region returns (score +
+    bias) / 2 and softmax_p is one tanh and one FFMA (a softcap's tanh shared with its derivative); relu
+    and softmax specs are untouched; =0 gives the log2-unit score back; a bad value is refused naming
+    the variable."""
     from cubridge.lower.cexpr import LowerError
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, lower_source
     dense = hb.KERNEL_SOURCE.read_text()
     irs = {n: VariantBackward(n).ir for n in ("sigmoid", "composite", "relu", "prefixlm")}
-    monkeypatch.delenv(NORM_FOLD_ENV, raising=False)
+    monkeypatch.setenv(NORM_FOLD_ENV, "0")
     off = {n: lower_source(dense, ir) for n, ir in irs.items()}
-    monkeypatch.setenv(NORM_FOLD_ENV, "1")
+    monkeypatch.delenv(NORM_FOLD_ENV)
     on = {n: lower_source(dense, ir) for n, ir in irs.items()}
-    assert on["prefixlm"] == off["prefixlm"]
+    assert on["prefixlm"] == off["prefixlm"] and on["relu"] == off["relu"]
+    assert "cuir_sigmoid(y * kLn2 + va_arg)" in regions.body(off["sigmoid"], "softmax_bwd")
     sig = regions.body(on["sigmoid"], "score") + regions.body(on["sigmoid"], "softmax_bwd")
     assert "fmaf(x, scale_log2 * (0.5f * kLn2), 0.5f * (va.C0))" in sig and "cuir_sigmoid_half(y)" in sig
     comp = regions.body(on["composite"], "score")
     assert comp.count("cuir_tanh(") == 2 and "fmaf(-t, t, 1.f)" in comp and "kLog2e" not in comp
     assert "constexpr bool kScoreGradOne = false;" in comp   # composite stays on the one-pass path
-    assert "fmaxf(y, 0.f) * va_arg" in regions.body(on["relu"], "softmax_bwd")
-    assert "x * (scale_log2 * kLn2)" in regions.body(on["relu"], "score")
     monkeypatch.setenv(NORM_FOLD_ENV, "2")
     with pytest.raises(LowerError, match=NORM_FOLD_ENV):
         lower_source(dense, irs["sigmoid"])
@@ -214,8 +214,8 @@ def test_norm_fold_knob(monkeypatch):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
 def test_relu_split_and_norm_fold_compile_spill_free(monkeypatch, tmp_path):
-    """relu on the split passes and the folded sigmoid / relu / softcapped sigmoid (VARIANT_OPTION)
-    compile without spills or ptxas warnings (D 128 bf16, D 64 fp16; all four spill-free, session 13)."""
+    """relu on the split passes and the folded sigmoid / softcapped sigmoid (VARIANT_OPTION) compile
+    without spills or ptxas warnings (D 128 bf16, D 64 fp16; all four spill-free, session 13)."""
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, RELU_SPLIT_ENV
     monkeypatch.setenv(RELU_SPLIT_ENV, "1")
     monkeypatch.setenv(NORM_FOLD_ENV, "1")
@@ -235,18 +235,19 @@ def test_relu_split_and_norm_fold_compile_spill_free(monkeypatch, tmp_path):
 
 
 def test_fit_sections_knob(monkeypatch):
-    """CUBRIDGE_BWD_FIT_SECTIONS=1 (off by default): TILE_ORDER 2's L2 budget over the attended fraction of
-    the pairs, so sparse specs get wider sections (8k, B 2 x 16 heads: global_sliding_window 32 pairs,
-    share_question 16, prefixlm 8, against 4); unset: None (fa3_backward takes the device's L2); a bad
-    value is refused naming the variable."""
+    """CUBRIDGE_BWD_FIT_SECTIONS (on by default since session 13): TILE_ORDER 2's L2 budget over the
+    attended fraction of the pairs, so sparse specs get wider sections (8k, B 2 x 16 heads:
+    global_sliding_window 32 pairs, share_question 16, prefixlm 8, against 4); =0 or a TILE_ORDER 0
+    option: None (fa3_backward takes the device's L2); a bad value is refused naming the variable."""
     from cubridge.runtime.variant_bwd import FIT_ENV
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 50 << 20}))
     cpu = torch.device("cpu")
-    monkeypatch.delenv(FIT_ENV, raising=False)
-    assert VariantBackward("share_question").section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
-    monkeypatch.setenv(FIT_ENV, "1")
-    assert VariantBackward("share_question").section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None   # TILE_ORDER 0
     l2lpt = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+    monkeypatch.setenv(FIT_ENV, "0")
+    assert VariantBackward("share_question", hopper_option=l2lpt).section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
+    monkeypatch.delenv(FIT_ENV)
+    lean = "bulk_overlap_lse_lean"   # TILE_ORDER 0: no sections
+    assert VariantBackward("share_question", hopper_option=lean).section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
     widths = {name: hb.tile_sections(32, 1, 8192, 128, True, VariantBackward(name, hopper_option=l2lpt)
                                      .section_l2_bytes(2, 16, 16, 8192, 8192, cpu))
               for name in ("global_sliding_window", "share_question", "prefixlm")}

@@ -1,12 +1,13 @@
 """Instructions per consumer step of the Hopper backward's main loop, by opcode class, from SASS:
-fa3_bwd_sm90 built for one or more options (D = 128, causal, bf16 by default), and optionally a
+fa3_bwd_sm90 built for one or more options (D = 128, causal, bf16 by default; --variants: built-in specs
+lowered onto them, e.g. sigmoid's and composite's per-element work beside softmax's), and optionally a
 SASS listing of FA4's SM90 backward (experiments/results/session11_h100/fa4_sass/02_*.sass, from
 cuobjdump). Session 11 (ref_kernels/fa3_bwd_sm90/NOTES.md "Session 11") used it to tie the tensor
 pipe's 58% (ours) vs 77% (FA4) under ncu to the instructions each step issues. CPU only.
 
 The loop is the backward branch after the last HGMMA that jumps above the first HGMMA. Ours has
 two P-pass bodies (masked / unmasked steps): the count skips the masked one (the first forward
-branch inside the loop over a span with >= 25 MUFU.EX2), i.e. it is an unmasked step. FA4 has one
+branch inside the loop over a span with >= 25 MUFU or FMNMX and the most ISETP), i.e. it is an unmasked step. FA4 has one
 body that masks every step (its FSEL / ISETP are in its count).
 
     python3 experiments/sass_step_count.py --options bulk_overlap_lse_lean bulk_overlap_lse_lean_issue \
@@ -70,22 +71,34 @@ def step_counts(text: str) -> dict:
         raise SystemExit("error: no HGMMA in the listing (not an sm_90a wgmma kernel?)")
     end, head = next((a, t) for a, op, t in ins if op.startswith("BRA") and a > hg[-1] and t is not None
                      and t < hg[0])
-    skip = None
+    # the per-element P bodies: forward spans with >= 25 MUFU (softmax's EX2, sigmoid's TANH) or FMNMX
+    # (relu); the masked one is the span with the most ISETP (its index compares). Composite's masked
+    # body comes second in the listing, the dense kernel's first (the same span the old first-EX2 rule took).
+    spans = []
     for a, op, t in ins:
         if op.startswith("BRA") and head < a < end and t is not None and a < t < end:
-            if sum(1 for b, o, _ in ins if a < b < t and o.startswith("MUFU.EX2")) >= 25:
-                skip = (a + 16, t)
-                break
+            ops = [o for b, o, _ in ins if a < b < t]
+            if sum(1 for o in ops if o.startswith(("MUFU", "FMNMX"))) >= 25:
+                spans.append((sum(1 for o in ops if o.startswith("ISETP")), -a, (a + 16, t)))
+    skip = max(spans)[2] if spans else None
     body = [op for a, op, _ in ins if head <= a <= end and not (skip and skip[0] <= a < skip[1])]
     classes = collections.Counter(op_class(op) for op in body)
     ops = collections.Counter(op.split(".")[0] for op in body)
     return dict(instructions=len(body), classes=dict(classes.most_common()), opcodes=dict(ops.most_common()))
 
 
-def ours(option: str, d: int, causal: bool, bf16: bool, work: Path) -> str:
-    cubin = work / f"{option}.cubin"
+def ours(option: str, d: int, causal: bool, bf16: bool, work: Path, variant: str | None = None) -> str:
+    """The main kernel's SASS; `variant`: that built-in spec lowered (cubridge.lower.fa3_bwd_sm90), built
+    non-causal as the runtime builds it (its mask is the variant's)."""
+    source = hb.KERNEL_SOURCE
+    if variant is not None:
+        from cubridge.runtime.variant_bwd import VariantBackward
+        source = work / f"{variant}.cu"
+        source.write_text(VariantBackward(variant).hopper.source)
+        causal = False
+    cubin = work / f"{option}_{variant}.cubin"
     subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", *hb.options(d, causal, bf16, option),
-                    "-o", str(cubin), str(hb.KERNEL_SOURCE)], check=True, capture_output=True, text=True)
+                    f"-I{hb.KERNEL_DIR}", "-o", str(cubin), str(source)], check=True, capture_output=True, text=True)
     text = subprocess.run([*disassembler(), str(cubin)], check=True, capture_output=True, text=True).stdout
     start = text.find(".text.fa3_bwd_sm90:")   # the main kernel only (the cubin also holds the convert / prep)
     return text[start:] if start >= 0 else text
@@ -98,12 +111,17 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="full attention instead of causal")
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--fa4", type=Path, help="a SASS listing of FA4's SM90 backward main kernel")
+    ap.add_argument("--variants", nargs="+", default=[],
+                    help="built-in specs lowered onto each option (a VARIANT_OPTIONS one), counted beside it")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for option in args.options:
             results[option] = step_counts(ours(option, args.d, not args.full, not args.fp16, Path(tmp)))
+            for variant in args.variants:
+                results[f"{variant}@{option}"] = step_counts(ours(option, args.d, not args.full, not args.fp16,
+                                                                  Path(tmp), variant))
     if args.fa4:
         results["fa4"] = step_counts(args.fa4.read_text())
     names = list(results)

@@ -34,8 +34,8 @@ order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4'
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
-DEFAULT_OPTION (and VARIANT_OPTION, the variant backwards') is "bulk_overlap_lse_lean_issue_pf32_epi"
-since session 12: on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
+DEFAULT_OPTION is "bulk_overlap_lse_lean_issue_pf32_epi" since session 12 (VARIANT_OPTION, the variant
+backwards', that body in TILE_ORDER 2's order since session 13: bulk_overlap_lse_lean_issue_pf32_epi_l2lpt): on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
 537 / 541 / 554 / 543 TFLOPS causal 8k / full 8k / causal 16k / full 16k against the session-10
 default bulk_overlap_lse_lean's 496 / 540 / 536 / 520 (cuDNN 533 / 583 / 577 / 599), passed every
 case of tests/gpu/test_bwd_sm90.py and is compute-sanitizer racecheck clean (0 hazards); session 12's
@@ -122,9 +122,11 @@ VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overl
                    "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt")
 # (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
 # the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
-# fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule); lean stays in
+# fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule) in TILE_ORDER 2's
+# order (session 13 mid call, H100 8k: 1.030-1.058x pf32_epi on share_question, prefixlm,
+# global_sliding_window, relu, sigmoid, composite; the Hopper rule cases passed on it); lean stays in
 # VARIANT_OPTIONS as the A/B baseline
-VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"
+VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
 BLOCK_N = 128            # keys per CTA

@@ -8,6 +8,8 @@ on option bulk_overlap_lse_lean, compute-sanitizer racecheck reports 0 hazards; 
 speed there; since session 12 on the dense default's option, bulk_overlap_lse_lean_issue_pf32_epi), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
 runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs). `hopper_option`:
 which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION).
+CUBRIDGE_BWD_FIT_SECTIONS (1 by default since session 13; 0 off) sizes a TILE_ORDER 2 option's head
+sections by the spec's attended fraction (section_l2_bytes).
 
 Example (GPU):
     >>> bwd = VariantBackward("prefixlm")                                               # doctest: +SKIP
@@ -32,6 +34,11 @@ FORWARD_REF = "fa2_sm80"
 HOPPER_ENV = "CUBRIDGE_HOPPER_VARIANT_BWD"
 # dispatch.json's backward label for the Hopper variant backward (search/backward.py tunes it, op/autograd.py reads it)
 HOPPER_LABEL = "fa3_bwd_sm90:variant"
+# On by default since session 13's mid call (H100 8k, over l2lpt alone: global_sliding_window 1.29x, the
+# others 0.998-1.010x; rule tests passed): TILE_ORDER 2's head sections sized by the attended fraction f of
+# the pairs (fa3_backward's l2_bytes = L2 / f: a sparse spec's pairs stream 1 / f times less Q / dO), so a
+# sparse spec's long tiles of every head go out first (host model 1.31x). 0 sizes them by the whole L2.
+FIT_ENV = "CUBRIDGE_BWD_FIT_SECTIONS"
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +72,7 @@ class VariantBackward:
         self.use_hopper = use_hopper
         self._hopper = None
         self._hopper_list = None
+        self._fractions: dict[tuple, float] = {}
 
     @property
     def hopper(self) -> LoweredKernel:
@@ -117,6 +125,26 @@ class VariantBackward:
                 lowered = self.hopper_list
         return lowered.args(inputs, device)
 
+    def section_l2_bytes(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, device) -> int | None:
+        """fa3_backward's l2_bytes for this shape: None (the device's L2) with FIT_ENV=0 or a TILE_ORDER 0
+        option, else the L2 over the attended fraction of the pairs (counted once per shape:
+        cubridge.transfer.pairs; a spec with runtime inputs counts the values sampled at this shape)."""
+        from cubridge.errors import LaunchError
+        value = os.environ.get(FIT_ENV, "1")
+        if value not in ("0", "1"):
+            raise LaunchError(f"{FIT_ENV}={value!r} is neither 0 nor 1", where="environment",
+                              hint=f"unset {FIT_ENV} (sections sized by the attended fraction) or 0 (by the whole L2)")
+        from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
+        if value == "0" or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
+            return None
+        key = (B, Hq, Hkv, Nq, Nk)
+        if key not in self._fractions:
+            from cubridge.transfer.pairs import count_attended
+            hooks = self.spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, **self.spec_params)
+            self._fractions[key] = count_attended(hooks, B, Hq, Nq, Nk, device=device) / (B * Hq * Nq * Nk)
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        return int(l2 / max(self._fractions[key], 1e-6))
+
     @property
     def hopper_list(self) -> LoweredKernel:
         """The Hopper lowering with q_range as the exact query-tile list (CUBRIDGE_BWD_Q_LIST=auto)."""
@@ -140,8 +168,10 @@ class VariantBackward:
         if self.uses_hopper(q.device, deterministic):
             from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
             va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device, hopper=True)
+            l2 = self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device)
+            fit = {} if l2 is None else {"l2_bytes": l2}   # absent unless set: callers may bind their own
             return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
-                                option=self.hopper_option, variant=va)   # default_compiler(), as the dense path
+                                option=self.hopper_option, variant=va, **fit)   # default_compiler(), as the dense path
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

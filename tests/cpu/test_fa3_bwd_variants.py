@@ -161,3 +161,98 @@ def test_q_list_compiles_spill_free_within_shared_memory(backwards, tmp_path):
         assert smem, f"{name}: no ptxas smem report\n{log}"
         static = max(smem)
         assert static + hb.smem_bytes(d, hb.VARIANT_OPTION) <= 227 * 1024, f"{name}: {static} bytes static smem"
+
+
+def test_relu_split_knob(monkeypatch):
+    """CUBRIDGE_BWD_RELU_SPLIT=1 (off by default): relu's region lets it take the split passes where
+    the dS pass reads the f32 P^T (kDsFromP16 = kDsFromP32: ISSUE 2 options only); others unchanged;
+    a bad value is refused naming the variable."""
+    from cubridge.lower.cexpr import LowerError
+    from cubridge.lower.fa3_bwd_sm90 import RELU_SPLIT_ENV, lower_source
+    dense = hb.KERNEL_SOURCE.read_text()
+    relu, sigmoid = VariantBackward("relu").ir, VariantBackward("sigmoid").ir
+    monkeypatch.delenv(RELU_SPLIT_ENV, raising=False)
+    off = lower_source(dense, relu)
+    assert "constexpr bool kDsFromP16 = false;" in off
+    monkeypatch.setenv(RELU_SPLIT_ENV, "1")
+    on = lower_source(dense, relu)
+    assert "constexpr bool kDsFromP16 = kDsFromP32;" in on and "kDsFromP16 = false" not in on
+    assert on.replace("kDsFromP16 = kDsFromP32;", "").count("kDsFromP32") == off.count("kDsFromP32")
+    monkeypatch.delenv(RELU_SPLIT_ENV)
+    sig_off = lower_source(dense, sigmoid)
+    monkeypatch.setenv(RELU_SPLIT_ENV, "1")
+    assert lower_source(dense, sigmoid) == sig_off, "the knob touches relu only"
+    monkeypatch.setenv(RELU_SPLIT_ENV, "yes")
+    with pytest.raises(LowerError, match=RELU_SPLIT_ENV):
+        lower_source(dense, relu)
+
+
+def test_norm_fold_knob(monkeypatch):
+    """CUBRIDGE_BWD_NORM_FOLD (on by default since session 13): sigmoid's score region returns (score +
+    bias) / 2 and softmax_p is one tanh and one FFMA (a softcap's tanh shared with its derivative); relu
+    and softmax specs are untouched; =0 gives the log2-unit score back; a bad value is refused naming
+    the variable."""
+    from cubridge.lower.cexpr import LowerError
+    from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, lower_source
+    dense = hb.KERNEL_SOURCE.read_text()
+    irs = {n: VariantBackward(n).ir for n in ("sigmoid", "composite", "relu", "prefixlm")}
+    monkeypatch.setenv(NORM_FOLD_ENV, "0")
+    off = {n: lower_source(dense, ir) for n, ir in irs.items()}
+    monkeypatch.delenv(NORM_FOLD_ENV)
+    on = {n: lower_source(dense, ir) for n, ir in irs.items()}
+    assert on["prefixlm"] == off["prefixlm"] and on["relu"] == off["relu"]
+    assert "cuir_sigmoid(y * kLn2 + va_arg)" in regions.body(off["sigmoid"], "softmax_bwd")
+    sig = regions.body(on["sigmoid"], "score") + regions.body(on["sigmoid"], "softmax_bwd")
+    assert "fmaf(x, scale_log2 * (0.5f * kLn2), 0.5f * (va.C0))" in sig and "cuir_sigmoid_half(y)" in sig
+    comp = regions.body(on["composite"], "score")
+    assert comp.count("cuir_tanh(") == 2 and "fmaf(-t, t, 1.f)" in comp and "kLog2e" not in comp
+    assert "constexpr bool kScoreGradOne = false;" in comp   # composite stays on the one-pass path
+    monkeypatch.setenv(NORM_FOLD_ENV, "2")
+    with pytest.raises(LowerError, match=NORM_FOLD_ENV):
+        lower_source(dense, irs["sigmoid"])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_relu_split_and_norm_fold_compile_spill_free(monkeypatch, tmp_path):
+    """relu on the split passes and the folded sigmoid / softcapped sigmoid (VARIANT_OPTION) compile
+    without spills or ptxas warnings (D 128 bf16, D 64 fp16; all four spill-free, session 13)."""
+    from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, RELU_SPLIT_ENV
+    monkeypatch.setenv(RELU_SPLIT_ENV, "1")
+    monkeypatch.setenv(NORM_FOLD_ENV, "1")
+    bwds = {n: VariantBackward(n) for n in ("relu", "sigmoid", "composite")}
+    assert "constexpr bool kDsFromP16 = kDsFromP32;" in bwds["relu"].hopper.source
+    jobs = [(bwd, f"{n}_fold", d, bf16, hb.VARIANT_OPTION) for n, bwd in bwds.items()
+            for d, bf16 in ((128, True), (64, False))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
+    for spec, proc in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) in (2, 3) and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
+        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
+            assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
+
+
+def test_fit_sections_knob(monkeypatch):
+    """CUBRIDGE_BWD_FIT_SECTIONS (on by default since session 13): TILE_ORDER 2's L2 budget over the
+    attended fraction of the pairs, so sparse specs get wider sections (8k, B 2 x 16 heads:
+    global_sliding_window 32 pairs, share_question 16, prefixlm 8, against 4); =0 or a TILE_ORDER 0
+    option: None (fa3_backward takes the device's L2); a bad value is refused naming the variable."""
+    from cubridge.runtime.variant_bwd import FIT_ENV
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 50 << 20}))
+    cpu = torch.device("cpu")
+    l2lpt = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+    monkeypatch.setenv(FIT_ENV, "0")
+    assert VariantBackward("share_question", hopper_option=l2lpt).section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
+    monkeypatch.delenv(FIT_ENV)
+    lean = "bulk_overlap_lse_lean"   # TILE_ORDER 0: no sections
+    assert VariantBackward("share_question", hopper_option=lean).section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
+    widths = {name: hb.tile_sections(32, 1, 8192, 128, True, VariantBackward(name, hopper_option=l2lpt)
+                                     .section_l2_bytes(2, 16, 16, 8192, 8192, cpu))
+              for name in ("global_sliding_window", "share_question", "prefixlm")}
+    assert widths == {"global_sliding_window": 32, "share_question": 16, "prefixlm": 8}, widths
+    assert hb.tile_sections(32, 1, 8192, 128, True, 50 << 20) == 4
+    monkeypatch.setenv(FIT_ENV, "yes")
+    with pytest.raises(LaunchError, match=FIT_ENV):
+        VariantBackward("prefixlm", hopper_option=l2lpt).section_l2_bytes(1, 1, 1, 64, 64, cpu)

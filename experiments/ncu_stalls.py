@@ -103,16 +103,20 @@ def raw_metrics(text: str) -> dict:
     return got
 
 
-def print_tables(result: dict) -> None:
-    for run in result["runs"]:
-        name = f"{run['system']} {run['variant']} {run['N']}"
-        if "error" in run:
-            print(f"== {name}: error: {run['error'][:300]}")
-            continue
-        us = run.get("gpu__time_duration.sum")
-        head = f"{name}" + (f" ({us / 1e3:.0f} us" if isinstance(us, float) else " (") + \
-            f", {run.get('launch__registers_per_thread', '?')} regs)"
-        print(sass_stalls.table(head, run))
+def print_run(run: dict) -> None:
+    name = f"{run['system']} {run['variant']} {run['N']}"
+    if "error" in run:
+        print(f"== {name}: error: {run['error'][:300]}", flush=True)
+        return
+    us = run.get("gpu__time_duration.sum")
+    head = f"{name}" + (f" ({us / 1e3:.0f} us" if isinstance(us, float) else " (") + \
+        f", {run.get('launch__registers_per_thread', '?')} regs)"
+    print(sass_stalls.table(head, run), flush=True)
+
+
+def print_tables(result: dict, each: bool = True) -> None:
+    for run in result["runs"] if each else []:
+        print_run(run)
     print("\nsystem variant  us      samples  top phases (share of samples)")
     for run in result["runs"]:
         if "error" in run:
@@ -154,10 +158,10 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 got = {"error": f"ncu timed out after {args.timeout} s"}
             result["runs"].append({"system": system, "variant": variant, "N": args.n, **got})
-            print(f"ncu {system} {variant}: " + (got.get("error", "")[:200] or f"{got['samples']} samples"), flush=True)
+            print_run(result["runs"][-1])   # each kernel's table as it comes: a call cut short keeps them
             if args.out:
                 args.out.write_text(json.dumps(result, indent=1))
-    print_tables(result)
+    print_tables(result, each=False)
     return 0
 
 

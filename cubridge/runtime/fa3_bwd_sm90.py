@@ -29,6 +29,8 @@ H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCH
 next step's first wgmma wait instead of at its own end; session 12: racecheck clean, 2-4% slower, off),
 "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate" (that with DV_LATE: FA4's order, dV issued after the dS
 pass and dQ queued behind it; session 12: 2-6% slower than the default, off),
+"bulk_overlap_lse_lean_issue_pf32_epi_dqw" (the default with DQ_WRITER: FA4's dQ writer warp in the producer
+warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, dense only, off until timed),
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
 order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
@@ -90,6 +92,7 @@ class Modes(NamedTuple):
     epilogue: int = 0
     carry: int = 0
     dv_late: int = 0
+    dq_writer: int = 0
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
@@ -103,6 +106,8 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
                                                                carry=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
                                                                       epilogue=1, carry=1, dv_late=1),
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
+                                                             dq_writer=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),

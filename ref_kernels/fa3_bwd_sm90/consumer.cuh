@@ -486,6 +486,7 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
       reg_fence_u(ds16);
       if (total > 0) release_stage(cs, sm, (total - 1) % kStages);
     }
+    dq_drain(cs, total);   // DQ_WRITER: its last adds have read the slots
   }
   int it = 0;
   for (int g = 0; !kOverlap && has_work && g < pb.group; ++g)
@@ -539,7 +540,7 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
     store_rows(cs, dv, dv_acc, 1.f, pb);
     store_rows(cs, dk, dk_acc, softmax_scale, pb);
   }
-  if (kDqBulk && cs.wg_thread == 0) {   // shared memory stays valid until read
+  if (kDqBulk && !kDqWriter && cs.wg_thread == 0) {   // shared memory stays valid until read
     if constexpr (kLean) bulk_wait_read<0>();   // params.cuh LEAN
     else bulk_wait_all();
   }

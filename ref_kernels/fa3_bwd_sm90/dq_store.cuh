@@ -49,24 +49,71 @@ __device__ __forceinline__ void bulk_wait_all() {
 // read slot it % 2, so after the barrier every thread may overwrite it. The bulk groups are per
 // thread: thread 0 commits one per step, so "all but the newest one read" is that add.
 __device__ __forceinline__ void dq_slot_wait(const Consumer& cs) {
-  if (kDqBulk && cs.wg_thread == 0) bulk_wait_read<kDqSlots - 1>();
+  if (kDqBulk && !kDqWriter && cs.wg_thread == 0) bulk_wait_read<kDqSlots - 1>();
+}
+
+__device__ __forceinline__ uint32_t dq_slot(uint32_t dq_smem, int it, int c) {
+  return dq_smem + ((it % kDqSlots) * kConsumers + c) * kDqPartBytes;
 }
 
 // Store the fragment into slot it % 2 of this consumer, make it visible to the bulk copy (async
-// proxy), and let thread 0 add the 16 KB block into the tiled accumulator.
+// proxy), and let thread 0 add the 16 KB block into the tiled accumulator. DQ_WRITER: the slot is
+// first waited for (dq_empty of the slot: the writer's add of step it - 2 has read it), and the writer
+// warp is told (dq_full of the slot, an arrive: the warpgroup goes on to its dK wait at once) instead.
 __device__ __forceinline__ void put_dq_smem(const Consumer& cs, uint32_t dq_smem, const float (&dq)[kDqRegs],
                                             int it, float* __restrict__ dst) {
-  const uint32_t slot = dq_smem + ((it % kDqSlots) * kConsumers + cs.c) * kDqPartBytes;
+  const uint32_t slot = dq_slot(dq_smem, it, cs.c);
   const uint32_t base = slot + cs.wg_thread * 16;
+  if (kDqWriter && it >= kDqSlots) named_sync(dq_empty_bar(cs.c, it), kDqBarThreads);
 #pragma unroll
   for (int j = 0; j < kDqChunks; ++j)
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(base + j * kWgThreads * 16),
                  "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3]) : "memory");
   fa3::fence_async_smem();
+  if constexpr (kDqWriter) {
+    named_arrive(dq_full_bar(cs.c, it), kDqBarThreads);
+    return;
+  }
   cs.wg_sync();
   if (cs.wg_thread == 0) {
     bulk_reduce_add(dst, slot, kDqPartBytes);
     fa3::tma_store_commit();
+  }
+}
+
+// DQ_WRITER: the consumer's last kDqSlots parts are read before its slots are reused (EPILOGUE
+// stages dK / dV there) or the CTA ends: one dq_empty wait per writer arrive the loop did not wait
+// for (steps total - 2, total - 1), so every barrier phase the writer opened completes.
+__device__ __forceinline__ void dq_drain(const Consumer& cs, int total) {
+  if constexpr (kDqWriter)
+    for (int it = max(total - kDqSlots, 0); it < total; ++it) named_sync(dq_empty_bar(cs.c, it), kDqBarThreads);
+}
+
+// DQ_WRITER: warp kDqWriterWarp of the producer warpgroup (24 registers), the steps in the consumers'
+// order (g, then the query tiles). Per step and consumer: wait for its part (dq_full), lane 0 adds it;
+// then lane 0 waits until both adds have read shared memory and the warp frees the slots (dq_empty).
+__device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRange qr, bool has_work,
+                                          float* __restrict__ dq_accum, int lane) {
+  const int num_m = (pb.seqlen_q + kBlockM - 1) / kBlockM;
+  const int steps = kRangeRuns ? q_runs_count() : qr.m_end - qr.m_begin, total = has_work ? steps * pb.group : 0;
+  int g = 0, i = 0;
+  for (int it = 0; it < total; ++it) {
+    const int m = kRangeRuns ? q_runs_tile(i) : qr.m_begin + i;
+    float* tile = dq_accum + dq_tile_offset(pb.bh_q(g), m, 0, num_m);
+#pragma unroll
+    for (int c = 0; c < kConsumers; ++c) {
+      named_sync(dq_full_bar(c, it), kDqBarThreads);
+      if (lane == 0) {
+        bulk_reduce_add(tile + (kDqSplitN ? c : 0) * kDqPartFloats, dq_slot(sm.dq(), it, c), kDqPartBytes);
+        fa3::tma_store_commit();
+      }
+    }
+    if (lane == 0) bulk_wait_read<0>();
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < kConsumers; ++c) named_arrive(dq_empty_bar(c, it), kDqBarThreads);
+    i = i + 1 == steps ? 0 : i + 1;
+    g += i == 0;
   }
 }
 

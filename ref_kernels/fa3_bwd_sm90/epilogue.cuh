@@ -60,7 +60,7 @@ __device__ __forceinline__ void store_rows_staged(const Consumer& cs, const Smem
                                                   const float (&dv_acc)[kAccRegs], float softmax_scale,
                                                   const Problem& pb) {
   const uint32_t tile_v = sm.dq() + cs.c * kDqPartBytes, tile_k = sm.dq() + (kConsumers + cs.c) * kDqPartBytes;
-  if (cs.wg_thread == 0) bulk_wait_read<0>();
+  if (!kDqWriter && cs.wg_thread == 0) bulk_wait_read<0>();   // DQ_WRITER: dq_drain waited instead
   cs.wg_sync();
   stage_rows(cs, tile_v, dv_acc, 1.f);
   stage_rows(cs, tile_k, dk_acc, softmax_scale);

@@ -82,13 +82,16 @@ typedef unsigned long long uint64_t;
 #ifndef DV_LATE
 #define DV_LATE 0
 #endif
+#ifndef DQ_WRITER
+#define DQ_WRITER 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
 
 namespace fa3b {
 using fa3::fast_exp2; using fa3::make_desc; using fa3::mbar_arrive; using fa3::mbar_expect_tx;
-using fa3::mbar_init; using fa3::mbar_wait; using fa3::named_sync; using fa3::pack2;
+using fa3::mbar_init; using fa3::mbar_wait; using fa3::named_arrive; using fa3::named_sync; using fa3::pack2;
 using fa3::tma_load_3d; using fa3::wgmma_commit; using fa3::wgmma_fence; using fa3::wgmma_wait;
 using fa3::kDescUnit;
 
@@ -348,7 +351,12 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   const int wg = threadIdx.x / kWgThreads;
   if (wg == 0) {
     fa3::reg_dealloc<kProducerRegs>();
-    if (threadIdx.x == 0 && has_work) {
+    // DQ_WRITER (params.cuh): the warp index broadcast from lane 0 (ptxas then sees a warp-uniform
+    // branch; with threadIdx.x / 32 the producer's loop spilled 104 bytes under its 24 registers,
+    // D = 128 causal, even with an empty writer)
+    if (kDqWriter && __shfl_sync(0xffffffffu, threadIdx.x / kWarpSize, 0) == kDqWriterWarp) {
+      dq_writer(sm, pb, qr, has_work, dq_accum, int(threadIdx.x % kWarpSize));
+    } else if (threadIdx.x == 0 && has_work) {
       fa3::tma_prefetch_map(&tm_q);
       fa3::tma_prefetch_map(&tm_do);
       producer(sm, &tm_q, &tm_k, &tm_v, &tm_do, pb, qr, lse, dvec);

@@ -91,6 +91,15 @@ constexpr bool kCarry = CARRY == 1;
 //              barrier). DV_LATE waits for dP^T, runs the dS pass, stores dS^T, then issues dV, so dV
 //              runs under the fence and the dS barrier, and dQ is queued behind it (wait 1 = dV).
 constexpr bool kDvLate = DV_LATE == 1;
+//   DQ_WRITER 1 (with DQ_MODE 1, SCHED 1; session 13): FA4's dQ writer warp. Warp 1 of the producer
+//              warpgroup owns the dQ bulk adds: consumer c stores its part to slot s = it % 2,
+//              fences and arrives on dq_full[c][s] (bar.arrive, no wait), and waits on dq_empty[c][s]
+//              only before overwriting the slot (step it - 2's add has read it). The writer syncs on
+//              dq_full[c][s], issues the 16 KB cp.reduce.async.bulk, waits until it has read shared
+//              memory and arrives on dq_empty[c][s]. DQ_WRITER 0: each consumer's thread 0 issues the add after a
+//              warpgroup barrier and waits for its bulk group (wait_group.read) before the ds_ready
+//              barrier, so a slow add stalls thread 0's warp and with it the 256-thread barrier.
+constexpr bool kDqWriter = DQ_WRITER == 1;
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -164,6 +173,18 @@ constexpr int kEmptyArrivals = kConsumers * (kArriveAll ? kWgThreads : kWarpsPer
 // Named barriers (0 is __syncthreads).
 constexpr int kBarDsReady = 1;                    // both consumers wrote their dS^T rows
 constexpr int kBarWg0 = 2;                        // wg_sync[c] = kBarWg0 + c, 128 threads
+// DQ_WRITER: dq_full and dq_empty per consumer c AND slot s (id base + s * kConsumers + c), each a
+// consumer warpgroup and the writer warp. Per slot, not per consumer: with two slots a consumer
+// reaches step it + 1's dq_full arrive without waiting for anything of the writer's, and a second
+// arrive on a barrier phase its first has not completed would complete it early (count reached by
+// 4 + 1 of 5 warps). Per slot, each arrive is ordered after the previous phase's completion by the
+// other barrier of the pair.
+constexpr int kBarDqFull0 = 4;
+constexpr int kBarDqEmpty0 = kBarDqFull0 + kDqSlots * kConsumers;
+__device__ __forceinline__ constexpr int dq_full_bar(int c, int it) { return kBarDqFull0 + (it % kDqSlots) * kConsumers + c; }
+__device__ __forceinline__ constexpr int dq_empty_bar(int c, int it) { return kBarDqEmpty0 + (it % kDqSlots) * kConsumers + c; }
+constexpr int kDqWriterWarp = 1;                  // warp 1 of the producer warpgroup (warp 0: TMA)
+constexpr int kDqBarThreads = kWgThreads + kWarpSize;
 
 // Register budgets after setmaxnreg: 24 for the one-thread producer, 240 for the consumers
 // (dK, dV: 2 x D/2, S^T, dP^T: 2 x 32, dQ 32), inside the 65536 / 384 = 170 per thread that
@@ -184,6 +205,9 @@ static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane 
 static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
 static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSUE=1 or 2 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");
 static_assert(DV_LATE == 0 || (DV_LATE == 1 && SCHED == 1 && ISSUE == 2), "DV_LATE=1 needs SCHED=1 and ISSUE=2");
+static_assert(DQ_WRITER == 0 || (DQ_WRITER == 1 && DQ_MODE == 1 && SCHED == 1),
+              "DQ_WRITER=1 needs DQ_MODE=1 and SCHED=1 (it hands SCHED 1's bulk dQ adds to a writer warp)");
+static_assert(kBarDqEmpty0 + kDqSlots * kConsumers <= 16, "DQ_WRITER's named barriers exceed the 16 ids");
 static_assert(CARRY == 0 || (CARRY == 1 && SCHED == 1), "CARRY=1 needs SCHED=1 (it changes SCHED 1's step end)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");

@@ -245,11 +245,13 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
                                                                           "q2048-d128"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("option", ["bulk_overlap_lse_lean_issue_pf32_epi_carry",
-                                    "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate"])
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate",
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw"])
 def test_carry_gradients_equal_pf32(option, causal, shape):
     """CARRY (session 12) only moves where each step waits for its dK GEMM (the next step's first
-    wgmma wait) and when the stage is released, DV_LATE where dV is issued: the same operations on
-    the same values in the same order per accumulator, so dK and dV are bitwise
+    wgmma wait) and when the stage is released, DV_LATE where dV is issued, DQ_WRITER (session 13)
+    who adds the dQ parts (a writer warp; dK / dV then staged in the slots it read last): the same
+    operations on the same values in the same order per accumulator, so dK and dV are bitwise
     bulk_overlap_lse_lean_issue_pf32_epi's (a dS^T or P^T register reused while a GEMM still read
     it, or a stage reloaded under it, would change them), dQ equal up to the reduce-add order
     (within 2^-6 of max |dQ|). GQA (the stage ring wraps across heads), Nq > Nk, many steps."""

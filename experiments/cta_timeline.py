@@ -46,7 +46,8 @@ def timeline_source(address: int) -> str:
 
 
 def parse(row: list[int]) -> list[tuple[str, int]]:
-    return [(EV.get(s & 0xFF, "?"), s >> 8) for s in row if s]
+    # (torch's int64: a globaltimer stamp may set bit 63; read the word unsigned)
+    return [(EV.get(s & 0xFF, "?"), (s % (1 << 64)) >> 8) for s in row if s]
 
 
 def consumer_tiles(marks):

@@ -38,7 +38,9 @@ EV = {1: "g_entry", 2: "entry", 3: "tile", 4: "kv", 5: "first_turn", 6: "first_s
       8: "epilogue", 9: "epilogue_done", 10: "exit", 11: "g_exit", 12: "first_k"}
 # (label, D, causal, Hq, Hkv, N); B = 16384 // N as in the peer benchmarks
 CASES = [("full_d128_8k", 128, False, 32, 32, 8192), ("causal_d128_8k", 128, True, 32, 32, 8192),
-         ("full_d64_8k", 64, False, 32, 32, 8192), ("causal_d64_8k", 64, True, 32, 32, 8192)]
+         ("full_d64_8k", 64, False, 32, 32, 8192), ("causal_d64_8k", 64, True, 32, 32, 8192),
+         ("full_d128_8k_gqa", 128, False, 64, 8, 8192)]
+DEFAULT_CASES = ["full_d128_8k", "causal_d128_8k", "full_d64_8k"]
 
 
 def timeline_source(address: int) -> str:
@@ -185,7 +187,7 @@ def run_case(case, cubins, args):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--cases", nargs="*", default=[c[0] for c in CASES], choices=[c[0] for c in CASES])
+    ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, choices=[c[0] for c in CASES])
     ap.add_argument("--runs", type=int, default=3, help="recorded launches per case (median of their numbers)")
     ap.add_argument("--reps", type=int, default=20, help="timing reps of product vs timeline build")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
-"""GPU check of experiments/patches/tail_split.patch (full attention: the last #tiles mod #CTAs tiles
-split along KV into chunks, combined by the last chunk's consumer) on whole outputs, where the tail
-tiles are: small shapes with a capped grid (max_ctas) so that tails of 2-5 chunks occur at every head
+"""GPU check of Fa3Config.tail_split (kernel.cu TAIL_SPLIT, off by default; full attention: the last
+#tiles mod #CTAs tiles split along KV into chunks, combined by the last chunk's consumer; session 13's
+mid call ran it as experiments/patches/tail_split.patch) on whole outputs, where the tail tiles are: small shapes with a capped grid (max_ctas) so that tails of 2-5 chunks occur at every head
 dim's default tile, and the peer benchmark's 8k shapes at the full grid (33 / 16 chunks), there on
 the last head of the last batch (the tail tiles in the default order) against float64. Per case:
 output NaN-poisoned, the verification rule on O and on lse (golden float64, ref in bf16), inputs
@@ -18,22 +18,14 @@ from pathlib import Path
 
 import torch
 
-from expkit import patched_source
+from dataclasses import replace
+
 from cubridge import rule
-from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward
+from cubridge.runtime.fa3_sm90 import default_config, fa3_forward, tail_chunks
 
 # (B, Hq, Hkv, N, D, max_ctas or None = one per SM)
 CASES = [(1, 3, 3, 1000, 128, 11), (2, 4, 2, 3000, 128, 7), (1, 8, 1, 2500, 64, 9), (3, 2, 2, 777, 128, 4),
          (2, 32, 32, 8192, 128, None), (2, 64, 8, 8192, 128, None)]
-
-
-def split_of(n_tiles: int, grid: int, kv: int) -> int:
-    """The chunks per tail tile kernel.cu computes (1: no split)."""
-    if n_tiles <= grid or n_tiles % grid == 0:
-        return 1
-    r = n_tiles % grid
-    s = min(grid // r, kv, 160 // r)
-    return s if s >= 2 else 1
 
 
 def reference(q, k, v, b, h, dtype):
@@ -44,10 +36,10 @@ def reference(q, k, v, b, h, dtype):
     return s.softmax(-1) @ vs, (s if s.dtype == torch.float64 else s.float()).logsumexp(-1)
 
 
-def run(case, source):
+def run(case):
     bsz, hq, hkv, n, d, cap = case
-    cfg = default_config(d, False, True, n)
-    cubin = build_cubin(cfg, source=source)
+    base = default_config(d, False, True, n)
+    cfg = replace(base, tail_split=True)
     g = torch.Generator(device="cuda").manual_seed(7 * n + d + hq)
     q = torch.randn(bsz, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(bsz, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -55,11 +47,11 @@ def run(case, source):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n_tiles = math.ceil(n / cfg.block_m) * hq * bsz
     grid = min(n_tiles, sms, cap or sms)
-    split = split_of(n_tiles, grid, math.ceil(n / cfg.block_n))
+    split = tail_chunks(n_tiles, grid, math.ceil(n / cfg.block_n))
     out = torch.full_like(q, float("nan"))
     lse = torch.full((bsz, hq, n), float("nan"), device="cuda")
-    fa3_forward(q, k, v, config=cfg, out=out, lse=lse, cubin=cubin, max_ctas=cap)
-    prod, _ = fa3_forward(q, k, v, config=cfg, max_ctas=cap)
+    fa3_forward(q, k, v, config=cfg, out=out, lse=lse, max_ctas=cap)
+    prod, _ = fa3_forward(q, k, v, config=base, max_ctas=cap)
     torch.cuda.synchronize()
     problems = []
     if bool(torch.isnan(out).any()) or bool(torch.isnan(lse).any()):
@@ -76,7 +68,7 @@ def run(case, source):
                 problems.append(f"{name} of batch {b} head {h}: {verdict}")
     if not all(torch.equal(a, s) for a, s in zip((q, k, v), saved)):
         problems.append("inputs changed")
-    out2, lse2 = fa3_forward(q, k, v, config=cfg, max_ctas=cap, cubin=cubin)
+    out2, lse2 = fa3_forward(q, k, v, config=cfg, max_ctas=cap)
     if not (torch.equal(out2, out) and torch.equal(lse2, lse)):
         problems.append("rerun not bitwise equal")
     return {"case": list(case), "config": f"{cfg.block_m}x{cfg.block_n}", "tiles": n_tiles, "grid": grid,
@@ -89,11 +81,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    source = patched_source("tail_split")
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
-              "patch": "tail_split", "rows": []}
+              "option": "tail_split", "rows": []}
     for case in CASES:
-        result["rows"].append(run(case, source))
+        result["rows"].append(run(case))
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{'B Hq/Hkv N D cap':<26} {'config':<8} {'tiles':>6} {'grid':>5} {'chunks':>6} {'max_err':>9} "

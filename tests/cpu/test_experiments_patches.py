@@ -52,8 +52,7 @@ def test_the_product_kernel_has_no_experiment_knobs():
 # session 10; k_wait_before_turn) compile for sm_90a spill-free at the full-attention tiles they are
 # timed at. (Session 10's s9_kernel spills 2 bytes at 128 x 176 full on top of the split softmax;
 # it is not timed since session 10's final call.)
-# Session 13's tail_split (full attention's last-wave split) likewise, at the tiles its A/B times.
-FULL_PATCHES = ["pv_wait_first", "k_wait_before_turn", "tail_split"]
+FULL_PATCHES = ["pv_wait_first", "k_wait_before_turn"]
 FULL_TILES = [(176, False), (176, True), (160, False)]   # (BLOCK_N, causal) at D 128: the A/B's
 
 

@@ -319,6 +319,12 @@ def tail_counter(device: torch.device, stream: int, config: Fa3Config) -> torch.
     return counter
 
 
+def launch_counter(device: torch.device, stream: int, config: Fa3Config) -> torch.Tensor:
+    """The tile_counter argument of a launch of `config`: the scheduler's pair, or with tail_split
+    the pair and TAIL_SPLIT's state after it (every launch path takes it from here)."""
+    return tail_counter(device, stream, config) if config.tail_split else tile_counter(device, stream)
+
+
 def _function(config: Fa3Config, device: torch.device, source: str | None = None, compiler: str | None = None,
               cubin: bytes | None = None):
     """The loaded entries for `config`: of `cubin` when given (keyed by the bytes object, whose
@@ -447,7 +453,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     maps = [tensor_map(q, config.block_m), tensor_map(k, config.block_n),
             tensor_map(v, config.block_n), tensor_map(out, WG_ROWS)]
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    counter = tail_counter(q.device, stream, config) if config.tail_split else tile_counter(q.device, stream)
+    counter = launch_counter(q.device, stream, config)
     scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),
                ctypes.c_uint64(order.data_ptr() if order is not None else 0),
                ctypes.c_int32(nq), ctypes.c_int32(nk),

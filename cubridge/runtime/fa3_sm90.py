@@ -71,6 +71,9 @@ class Fa3Config:
     # H100 A/B shows the gain (session 9 on the kernel before: +4.0-5.6% together at full 8k / 16k).
     kv_rotate: bool = False
     l2_hints: bool = False
+    # Full attention, persistent grid (kernel.cu TAIL_SPLIT): the last #tiles mod #CTAs tiles split
+    # along KV, combined by the last chunk (session 13, fa3_sm90 NOTES). Off until an H100 A/B shows it.
+    tail_split: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -81,6 +84,7 @@ class Fa3Config:
         if self.q_slots != 2:
             flags.append(f"-DQ_SLOTS={self.q_slots}")
         flags += ["-DKV_ROTATE=1"] * self.kv_rotate + ["-DL2_HINTS=1"] * self.l2_hints
+        flags += ["-DTAIL_SPLIT=1"] * self.tail_split
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property
@@ -276,6 +280,51 @@ def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     return counter
 
 
+# TAIL_SPLIT's per-stream state after the scheduler's pair: ints 2-3 the workspace's address, then
+# TAIL_MAX_CHUNKS * 3 (consumers at most) chunk counters, each left zero by the launch that used it.
+TAIL_MAX_CHUNKS = 160                 # kTailMaxChunks in tiles.cuh
+_TAIL_HEAD = 4
+_TAIL_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_TAIL_WORKSPACES: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+
+def tail_chunks(num_tiles: int, grid: int, kv_tiles: int) -> int:
+    """Chunks per tail tile that kernel.cu's tail_plan picks (1: no split).
+
+    >>> tail_chunks(4096, 132, 47), tail_chunks(8192, 132, 47), tail_chunks(4224, 132, 47), tail_chunks(64, 7, 8)
+    (33, 16, 1, 7)
+    """
+    r = num_tiles % grid
+    if num_tiles <= grid or r == 0:
+        return 1
+    split = min(grid // r, kv_tiles, TAIL_MAX_CHUNKS // r)
+    return split if split >= 2 else 1
+
+
+def tail_counter(device: torch.device, stream: int, config: Fa3Config) -> torch.Tensor:
+    """tile_counter's pair for a TAIL_SPLIT launch, with the workspace address and the chunk
+    counters after it (kernel.cu: Problem.tail_ws / tail_count). The workspace (TAIL_MAX_CHUNKS
+    chunks of BLOCK_M x (D + 2) floats) grows when a config needs more; the address is written in
+    stream order and every workspace stays alive, so launches already queued keep theirs."""
+    key = (device.index, stream)
+    counter = _TAIL_COUNTERS.get(key)
+    if counter is None:
+        counter = _TAIL_COUNTERS[key] = torch.zeros(_TAIL_HEAD + 3 * TAIL_MAX_CHUNKS, device=device,
+                                                    dtype=torch.int32)
+    floats = TAIL_MAX_CHUNKS * config.block_m * (config.head_dim + 2)
+    spaces = _TAIL_WORKSPACES.setdefault(key, [])
+    if not spaces or spaces[-1].numel() < floats:
+        spaces.append(torch.empty(floats, device=device, dtype=torch.float32))
+        counter.view(torch.int64)[1].fill_(spaces[-1].data_ptr())
+    return counter
+
+
+def launch_counter(device: torch.device, stream: int, config: Fa3Config) -> torch.Tensor:
+    """The tile_counter argument of a launch of `config`: the scheduler's pair, or with tail_split
+    the pair and TAIL_SPLIT's state after it (every launch path takes it from here)."""
+    return tail_counter(device, stream, config) if config.tail_split else tile_counter(device, stream)
+
+
 def _function(config: Fa3Config, device: torch.device, source: str | None = None, compiler: str | None = None,
               cubin: bytes | None = None):
     """The loaded entries for `config`: of `cubin` when given (keyed by the bytes object, whose
@@ -365,6 +414,9 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                                 variant=variant is not None)
     if config.causal != causal or config.bf16 != (q.dtype == torch.bfloat16):
         raise LaunchError(f"config {config} does not match causal={causal}, dtype={q.dtype}")
+    if config.tail_split and config.head_dim == 256:
+        # (two more ints in Problem spill 92 bytes in D 256's 24-register producer, nvcc 13.0)
+        raise LaunchError("Fa3Config.tail_split is for head dims 64 and 128", hint="leave tail_split off at D 256")
     check_inputs(q, k, v, config)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -401,7 +453,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     maps = [tensor_map(q, config.block_m), tensor_map(k, config.block_n),
             tensor_map(v, config.block_n), tensor_map(out, WG_ROWS)]
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    counter = tile_counter(q.device, stream)
+    counter = launch_counter(q.device, stream, config)
     scalars = [ctypes.c_uint64(lse.data_ptr()), ctypes.c_uint64(counter.data_ptr()),
                ctypes.c_uint64(order.data_ptr() if order is not None else 0),
                ctypes.c_int32(nq), ctypes.c_int32(nk),

@@ -42,8 +42,20 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   // The previous tile, while its last P V and epilogue are owed (pending).
   bool pending = false;
   int prev_m0 = 0, prev_sv = 0, prev_phase = 0;           // its rows, the ring slot of its last V
+#if TAIL_SPLIT
+  int prev_t = 0;                                          // its work item (a tail chunk or a tile)
+#endif
   HeadMap prev_hm{};
   auto finish_prev = [&]() {                               // its last P V has completed
+#if TAIL_SPLIT
+    if (kTailSplit && prev_t >= pb.tail_start) {           // a chunk of a split tail tile
+      reg_fence(o);
+      cs.release(sm.v_empty + 8 * prev_sv);
+      tail_epilogue(cs, sm, tm_o, lse, o, st, Tile{prev_m0, prev_hm, KvRange{}}, pb, prev_t);
+      pending = false;
+      return;
+    }
+#endif
     reg_fence(o);
     cs.release(sm.v_empty + 8 * prev_sv);
     epilogue(cs, sm, tm_o, lse, o, st, Tile{prev_m0, prev_hm, KvRange{}}, pb.seqlen_q, true);
@@ -190,6 +202,9 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     // The last P V and the epilogue are owed: issued with the next tile's first QK, or here.
     pending = true;
     prev_m0 = tl.m0;
+#if TAIL_SPLIT
+    prev_t = t;
+#endif
     prev_hm = tl.hm;
     prev_sv = ring_stage(it + tiles - 1);
     prev_phase = ring_phase(it + tiles - 1);

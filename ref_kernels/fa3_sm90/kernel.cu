@@ -79,6 +79,13 @@ typedef unsigned long long uint64_t;
 #ifndef L2_HINTS
 #define L2_HINTS 0
 #endif
+// TAIL_SPLIT (full attention of the dense kernel, persistent grid): the last #tiles mod #CTAs tiles,
+// which would run alone on a few SMs while the rest idle, are split along KV into chunks whose
+// partial results the last chunk combines (tiles.cuh). Its workspace pointer and counters follow the
+// scheduler's pair in tile_counter (Fa3Config.tail_split). Off by default (session 13: A/B pending).
+#ifndef TAIL_SPLIT
+#define TAIL_SPLIT 0
+#endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
 
@@ -613,6 +620,10 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
   // @cuir-end epilogue
 }
 
+#if TAIL_SPLIT
+#include "tail_split.cuh"   // tail_epilogue: a chunk of a split tail tile, and the combine
+#endif
+
 #include "consumer.cuh"   // the consumer warpgroups' loop over tiles and KV tiles
 
 }  // namespace fa3
@@ -645,8 +656,14 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   sm.tile_empty = sm.tile_full + 8 * kTileSlots;
   sm.tile_slot = sm.tile_empty + 8 * kTileSlots;
   const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
+#if TAIL_SPLIT
+  const TailPlan tail = tail_plan(num_m * heads_q * batch, seqlen_k);
+  const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, num_m, tail.items, tile_counter, tile_order, va,
+                   tail.start, tail.split};
+#else
   const Problem pb{seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_m * heads_q * batch,
                    tile_counter, tile_order, va};
+#endif
 
   // kUniformWg: the warpgroup index through a lane-0 shuffle, which ptxas knows to be
   // warp-uniform, so a consumer's Q descriptors live in uniform registers (no R2UR of the Q

@@ -47,12 +47,50 @@ __device__ __forceinline__ Tile decode_tile(const VariantArgs& va, const int* ti
 struct TileMsg { int t; Tile tl; };
 static_assert(sizeof(TileMsg) <= kTileSlotBytes, "a variant's KvRange is too large for a tile slot");
 
+#if TAIL_SPLIT
+// kTailSplit: with G CTAs and T > G tiles, the last R = T mod G tiles become R x S work items, S =
+// min(G / R, KV tiles, kTailMaxChunks / R) chunks each (8k x 32 heads x B 2 at 128 rows on 132 SMs:
+// R 4, S 33). A chunk keeps its tile and narrows the KV range to its share of the visit order.
+// The workspace holds kTailMaxChunks chunks of kTailChunkFloats (O rows, then row max, row sum);
+// the counters kTailMaxChunks * kConsumers ints (cubridge/runtime/fa3_sm90.py TAIL_MAX_CHUNKS).
+constexpr bool kTailSplit = !kCausal && kDenseKernel && !KV_ROTATE;   // (TAIL_SPLIT set)
+constexpr int kTailMaxChunks = 160;
+constexpr int kTailChunkFloats = kBlockM * (kHeadDim + 2);
+struct TailPlan { int items, start, split; };
+__device__ __forceinline__ TailPlan tail_plan(int num_tiles, int seqlen_k) {
+  const int grid = int(gridDim.x), r = num_tiles % grid;
+  if (!kTailSplit || num_tiles <= grid || r == 0) return TailPlan{num_tiles, num_tiles, 1};
+  const int split = min(min(grid / r, (seqlen_k + kBlockN - 1) / kBlockN), kTailMaxChunks / r);
+  if (split < 2) return TailPlan{num_tiles, num_tiles, 1};
+  return TailPlan{num_tiles - r + r * split, num_tiles - r, split};
+}
+#endif
+
 struct Problem {
-  int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;
+  int seqlen_q, seqlen_k, heads_q, heads_kv, num_m, num_tiles;   // (with TAIL_SPLIT: work items)
   int* tile_counter;
   const int* tile_order;          // nullptr: the default order
   VariantArgs va;
+#if TAIL_SPLIT
+  // items >= tail_start: chunk j % split of tile tail_start + j / split. The workspace's address and
+  // the chunk counters follow the scheduler's pair in tile_counter (tail_epilogue reads them).
+  int tail_start, tail_split;
+  __device__ __forceinline__ Tile tile(int t) const {
+    if (!kTailSplit || t < tail_start)
+      return decode_tile(va, tile_order, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
+    const int j = t - tail_start, chunk = j % tail_split;
+    Tile tl = decode_tile(va, tile_order, tail_start + j / tail_split, num_m, seqlen_q, seqlen_k, heads_q,
+                          heads_kv);
+    // visit indices [a, b) of the tile's KV list (tile_at visits n = n_end - 1 - i; no rotation here)
+    const int kv = tl.r.n_end - tl.r.n_begin, end = tl.r.n_end;
+    const int a = chunk * kv / tail_split, b = (chunk + 1) * kv / tail_split;
+    tl.r.n_begin = end - b;
+    tl.r.n_end = end - a;
+    return tl;
+  }
+#else
   __device__ __forceinline__ Tile tile(int t) const {
     return decode_tile(va, tile_order, t, num_m, seqlen_q, seqlen_k, heads_q, heads_kv);
   }
+#endif
 };

@@ -1,5 +1,5 @@
 """experiments/patches/: the A/B patches and the experiment knobs that left the product kernel
-(knobs/: kv_ascending, serial_tiles, timeline; issue 16) are diffs against ref_kernels/fa3_sm90.
+(knobs/: kv_ascending, serial_tiles, timeline, cta_timeline; issue 16) are diffs against ref_kernels/fa3_sm90.
 A kernel change that breaks one must regenerate it, so each must still apply, change what it
 names and nothing else, and the knob it carries must be absent from the product kernel."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ def patched() -> dict:
 
 
 def test_the_knobs_are_patches():
-    assert {"knobs/kv_ascending", "knobs/serial_tiles", "knobs/timeline"} <= set(NAMES)
+    assert {"knobs/kv_ascending", "knobs/serial_tiles", "knobs/timeline", "knobs/cta_timeline"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -43,7 +43,8 @@ def test_each_patch_applies_to_the_kernel(name, patched):
 
 def test_the_product_kernel_has_no_experiment_knobs():
     text = "".join((ROOT / "ref_kernels" / "fa3_sm90" / f).read_text() for f in ("kernel.cu", "consumer.cuh"))
-    for knob in ("KV_ASCENDING", "OVERLAP_TILES", "CUIR_TIMELINE", "timeline.cuh", "TimelineMark"):
+    for knob in ("KV_ASCENDING", "OVERLAP_TILES", "CUIR_TIMELINE", "timeline.cuh", "TimelineMark",
+                  "CUIR_CTA_TIMELINE", "CtaMark"):
         assert knob not in text, f"{knob} is back in the product kernel: experiments/patches/knobs/ holds it"
 
 

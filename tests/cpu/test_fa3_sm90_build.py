@@ -12,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
-from cubridge.runtime.fa3_sm90 import KERNEL_DIR, KERNEL_SOURCE, NVCC_FLAGS, Fa3Config
+from cubridge.errors import LaunchError
+from cubridge.runtime.fa3_sm90 import KERNEL_DIR, KERNEL_SOURCE, NVCC_FLAGS, Fa3Config, fa3_forward
 
 REGIONS = ["head_map", "extra_io", "kv_range", "load_q", "load_kv", "qk", "score", "mask", "softmax", "pv",
            "epilogue"]
@@ -186,3 +188,32 @@ def test_full_attention_options_build_spill_free_and_compile_out_under_causal(tm
              .stdout.splitlines() if str(tmp_path) not in ln] for _, _, cubin in results]
     assert sass[0] != sass[1], "the options changed nothing in a full-attention build"
     assert sass[2] == sass[3], "the options changed a causal build"
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_tail_split_builds_spill_free_at_the_default_full_tiles(tmp_path):
+    """tail_split (off by default, session 13) sets TAIL_SPLIT, changes a full-attention build and
+    builds spill-free at the tiles default_config picks for full attention at D 64 / 128."""
+    assert "-DTAIL_SPLIT=1" in Fa3Config(tail_split=True).defines()
+    assert not any("TAIL_SPLIT" in f for f in Fa3Config().defines())
+    configs = [Fa3Config(head_dim=128, block_n=176, tail_split=True), Fa3Config(head_dim=128, block_n=176),
+               Fa3Config(head_dim=128, tail_split=True), Fa3Config(head_dim=64, block_m=192, tail_split=True),
+               Fa3Config(head_dim=64, tail_split=True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda c: _compile(c, tmp_path), configs))
+    for config, proc, _ in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{config}: nvcc failed\n{log[-3000:]}"
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, f"{config}: spills\n{log}"
+        assert "C7512" not in log, f"{config}: wgmma serialised\n{log}"
+    tool = _disassembler()
+    if tool is not None:
+        sass = [[ln for ln in subprocess.run([*tool, str(cubin)], capture_output=True, text=True, check=True)
+                 .stdout.splitlines() if str(tmp_path) not in ln] for _, _, cubin in results[:2]]
+        assert sass[0] != sass[1], "tail_split changed nothing in a full-attention build"
+
+
+def test_tail_split_is_refused_at_head_dim_256():
+    q = torch.zeros(1, 1, 8, 256, dtype=torch.bfloat16)
+    with pytest.raises(LaunchError, match="tail_split"):
+        fa3_forward(q, q, q, config=Fa3Config(head_dim=256, block_n=80, tail_split=True))

@@ -130,6 +130,24 @@ def test_full_attention_options(opts, tile, nq, nk, causal):
              max_ctas=7, block_m=block_m, block_n=block_n, **opts)   # B = 1 at long rows: the float64 golden
 
 
+# tail_split (off by default): capped grids that leave R = #tiles mod #CTAs tail tiles, each split into
+# 2-11 chunks (tail_chunks), at the full-attention default tiles; Nq != Nk; a case with one KV tile
+# (no split) and causal (compiled out) run the same option.
+TAIL_CASES = [(1, 8, 2, 1000, 1000, 128, 128, 128, 7, 7), (2, 8, 2, 2500, 2531, 128, 128, 176, 11, 11),
+              (1, 8, 2, 2500, 2500, 64, 192, 128, 9, 2), (1, 8, 1, 1000, 1000, 64, 128, 128, 10, 2),
+              (1, 8, 2, 300, 1000, 128, 128, 176, 10, 2), (1, 8, 2, 1000, 17, 128, 128, 128, 11, 1)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: "b%d_h%d/%d_%dx%d_d%d_%dx%d_g%d_s%d" % c)
+def test_tail_split(case, causal):
+    from cubridge.runtime.fa3_sm90 import tail_chunks
+    b, hq, hkv, nq, nk, d, block_m, block_n, grid, chunks = case
+    assert tail_chunks(math.ceil(nq / block_m) * hq * b, grid, math.ceil(nk / block_n)) == chunks
+    run_case(b, hq, hkv, nq, nk, d, torch.bfloat16, causal, persistent=True, max_ctas=grid,
+             block_m=block_m, block_n=block_n, tail_split=True)
+
+
 def _cfg_id(cfg: dict) -> str:
     return "_".join(f"{k}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 

@@ -27,34 +27,37 @@ from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench_round_robin  # noqa: E402
 
 D = 256
-# Our rows: BLOCK_M x BLOCK_N, persistent (P: grid = #SMs, dynamic scheduler) or one tile per CTA
-# (G: FA4's SM90 launch); --rows picks them.
+# Our rows: BLOCK_M x BLOCK_N, then flags: g = one tile per CTA (FA4's SM90 launch; default
+# persistent: grid = #SMs, dynamic scheduler), f = free consumers (Fa3Config.wg_turns=False: no GEMM
+# turns, FA4's schedule at D 256); --rows picks them.
 ROWS = ("128x80", "128x64")
 
 
-def parse_row(text: str) -> tuple[int, int, bool]:
-    """'128x80' -> (128, 80, True); '128x80g' -> (128, 80, False): one tile per CTA.
+def parse_row(text: str) -> tuple[int, int, dict]:
+    """'128x80' -> (128, 80, {}); '128x80gf' -> (128, 80, Fa3Config overrides).
 
-    >>> parse_row("128x80"), parse_row("128x64g")
-    ((128, 80, True), (128, 64, False))
+    >>> parse_row("128x80"), parse_row("128x64g"), parse_row("128x80f")
+    ((128, 80, {}), (128, 64, {'persistent': False}), (128, 80, {'wg_turns': False}))
     """
-    body = text[:-1] if text.endswith("g") else text
+    body = text.rstrip("gf")
+    flags = text[len(body):]
     m, _, n = body.partition("x")
-    if not (m.isdigit() and n.isdigit()):
-        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g], e.g. 128x80 or 128x80g")
-    return int(m), int(n), not text.endswith("g")
+    if not (m.isdigit() and n.isdigit()) or len(set(flags)) != len(flags):
+        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f], e.g. 128x80, 128x80g, 128x80f")
+    return int(m), int(n), {**({"persistent": False} if "g" in flags else {}),
+                            **({"wg_turns": False} if "f" in flags else {})}
 GEMMA2 = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "gemma2_local.py"
 WINDOW, SOFTCAP = 4096, 50.0
 
 
-def _ours_dense(q, k, v, bm, bn, persistent=True):
-    cfg = Fa3Config(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=True, bf16=True, persistent=persistent)
+def _ours_dense(q, k, v, bm, bn, options):
+    cfg = Fa3Config(**{**dict(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=True, bf16=True, persistent=True), **options})
     out = torch.full_like(q, float("nan"))
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     return lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out, lse=lse)[0]
 
 
-def _ours_gemma2(q, k, v, bm, bn, persistent=True):
+def _ours_gemma2(q, k, v, bm, bn, options):
     from cubridge.cuir.parser import parse_file
     from cubridge.lower import lower
     from cubridge.paths import ref_kernel_dir
@@ -66,7 +69,7 @@ def _ours_gemma2(q, k, v, bm, bn, persistent=True):
     b, hq, n, _ = q.shape
     inputs = cand.bind(Nq=n, Nk=n, Hq=hq, Hkv=k.shape[1], B=b, params={"BLOCK_M": bm, "BLOCK_N": bn}, device=q.device)
     launch = kern.args(inputs, q.device)               # kept alive by the closure
-    cfg = Fa3Config(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=False, bf16=True, persistent=persistent)
+    cfg = Fa3Config(**{**dict(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=False, bf16=True, persistent=True), **options})
     out = torch.full_like(q, float("nan"))
     return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)[0]
 
@@ -98,9 +101,9 @@ def systems(shape: str, q, k, v, hooks, rows=ROWS):
     """system -> zero-argument maker of its callable."""
     out = {}
     for row in rows:
-        bm, bn, persistent = parse_row(row)
+        bm, bn, options = parse_row(row)
         make = _ours_dense if shape == "dense_causal" else _ours_gemma2
-        out[f"cubridge/fa3_sm90 {row}"] = (lambda bm=bm, bn=bn, p=persistent: make(q, k, v, bm, bn, p))
+        out[f"cubridge/fa3_sm90 {row}"] = (lambda bm=bm, bn=bn, o=options: make(q, k, v, bm, bn, o))
     if shape == "dense_causal":
         out["fa4"] = lambda: _fa4(q, k, v)
         out["sdpa_cudnn"] = lambda: make_cudnn("causal", q, k, v)[0]
@@ -183,7 +186,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="dense_causal,gemma2_local")
     ap.add_argument("--rows", nargs="*", default=list(ROWS),
-                    help="our configs, BLOCK_MxBLOCK_N[g] (g: one tile per CTA, FA4's grid); default: %(default)s")
+                    help="our configs, BLOCK_MxBLOCK_N[g][f] (g: one tile per CTA, FA4's grid; f: no GEMM "
+                         "turns between the consumers, FA4's D 256 schedule); default: %(default)s")
     a = ap.parse_args()
     for row in a.rows:
         try:

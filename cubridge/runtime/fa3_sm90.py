@@ -71,6 +71,10 @@ class Fa3Config:
     # H100 A/B shows the gain (session 9 on the kernel before: +4.0-5.6% together at full 8k / 16k).
     kv_rotate: bool = False
     l2_hints: bool = False
+    # The consumers' GEMM turns (ping-pong, consumer.cuh kWgTurns). False drops them, as
+    # FlashAttention-4's SM90 forward does at head dim 256 (no scheduler barrier above D 128).
+    # On until an H100 A/B at D 256 shows the gain (session 13, experiments/bench_d256.py rows "f").
+    wg_turns: bool = True
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -81,6 +85,7 @@ class Fa3Config:
         if self.q_slots != 2:
             flags.append(f"-DQ_SLOTS={self.q_slots}")
         flags += ["-DKV_ROTATE=1"] * self.kv_rotate + ["-DL2_HINTS=1"] * self.l2_hints
+        flags += ["-DWG_TURNS=0"] * (not self.wg_turns)
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

@@ -16,6 +16,15 @@ constexpr bool kOverlapTiles = kSeparateO;
 // before the whole softmax as before (sigmoid / relu / composite regions always do).
 constexpr bool kSplitPvWait = kConsumers == 2;   // (and FA3_SOFTMAX_SPLIT, in the loop)
 
+// The GEMM turns (ping-pong) between the consumers; WG_TURNS=0 drops them: each consumer issues
+// its wgmma as soon as its operands are there. FA4's SM90 forward does so at head dim 256
+// (flash_fwd_sm90.py: use_scheduler_barrier only where tile_hdim <= 128), where a KV step is
+// twice the GEMM work per score and the softmax's share of it halves. An option until measured.
+#ifndef WG_TURNS
+#define WG_TURNS 1
+#endif
+constexpr bool kWgTurns = WG_TURNS != 0;
+
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
@@ -27,13 +36,17 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   // that pass to the start of its next turn, so that no arrival is left pending at exit.
   bool owe_turn = last_consumer;
   auto turn_begin = [&]() {
-    if (owe_turn) named_arrive(kBarWgTurn0, 2 * kWgThreads);
-    owe_turn = false;
-    cs.turn_wait();
+    if constexpr (kWgTurns) {
+      if (owe_turn) named_arrive(kBarWgTurn0, 2 * kWgThreads);
+      owe_turn = false;
+      cs.turn_wait();
+    }
   };
   auto turn_end = [&](bool maybe_last) {
-    if (last_consumer && maybe_last) owe_turn = true;
-    else cs.turn_pass();
+    if constexpr (kWgTurns) {
+      if (last_consumer && maybe_last) owe_turn = true;
+      else cs.turn_pass();
+    }
   };
   float o[kORegs];
   uint32_t p[kPRegs];

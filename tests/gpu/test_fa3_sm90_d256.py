@@ -27,8 +27,12 @@ TILES = [dict(block_m=128, block_n=80, stages=2), dict(block_m=128, block_n=64, 
 GEMMA2 = Path(__file__).resolve().parents[1] / "corpus" / "gemma2_local.py"
 
 
+# Without the consumers' GEMM turns (Fa3Config.wg_turns=False, off by default; FA4's D 256 schedule)
+FREE = [dict(t, wg_turns=False) for t in TILES]
+
+
 def _tile_id(t: dict) -> str:
-    return f"{t['block_m']}x{t['block_n']}"
+    return f"{t['block_m']}x{t['block_n']}" + ("_free" if t.get("wg_turns") is False else "")
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
@@ -94,4 +98,28 @@ def test_gemma2_local_softcap_window(tiles, n, window):
     """Lengths past the window, so its lower edge cuts KV tiles (4096 is Gemma-2's own). Past 4096
     rows, 4 / 2 heads: the dense float64 reference of 16 heads ran out of memory beside 11 other
     test workers (session 10 mid call)."""
+    _gemma2(n, window, tiles, *((4, 2) if n > 4096 else (16, 8)))
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 8)], ids=["mha", "gqa16_8"])
+@pytest.mark.parametrize("n", [17, 2500], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("tiles", FREE, ids=_tile_id)
+def test_d256_free_square(tiles, n, heads, causal, persistent):
+    """The kernel without GEMM turns: the same checks as test_d256_square."""
+    hq, hkv = heads
+    run_case(2 if n < 1000 else 1, hq, hkv, n, n, D, torch.bfloat16, causal, persistent=persistent, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(17, 1000), (1000, 17), (300, 129), (1, 4096)])
+def test_d256_free_ragged(nq, nk, causal):
+    """Few CTAs over many tiles, rows before key 0: without turns each consumer runs ahead alone."""
+    run_case(2, 16, 8, nq, nk, D, torch.bfloat16, causal, persistent=True, max_ctas=7, **FREE[0])
+
+
+@pytest.mark.parametrize("n, window", [(2500, 1000), (4500, 4096)], ids=lambda x: str(x))
+@pytest.mark.parametrize("tiles", FREE, ids=_tile_id)
+def test_gemma2_local_free(tiles, n, window):
     _gemma2(n, window, tiles, *((4, 2) if n > 4096 else (16, 8)))

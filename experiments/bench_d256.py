@@ -29,23 +29,25 @@ from cubridge.runtime.timing import attention_flops, bench_round_robin  # noqa: 
 D = 256
 # Our rows: BLOCK_M x BLOCK_N, then flags: g = one tile per CTA (FA4's SM90 launch; default
 # persistent: grid = #SMs, dynamic scheduler), f = free consumers (Fa3Config.wg_turns=False: no GEMM
-# turns, FA4's schedule at D 256); --rows picks them.
+# turns, FA4's schedule at D 256), r = O rescaled while the next QK runs (rescale_before_pv, FA4's
+# rescale_O_before_gemm); --rows picks them.
 ROWS = ("128x80", "128x64")
 
 
 def parse_row(text: str) -> tuple[int, int, dict]:
     """'128x80' -> (128, 80, {}); '128x80gf' -> (128, 80, Fa3Config overrides).
 
-    >>> parse_row("128x80"), parse_row("128x64g"), parse_row("128x80f")
-    ((128, 80, {}), (128, 64, {'persistent': False}), (128, 80, {'wg_turns': False}))
+    >>> parse_row("128x80"), parse_row("128x64g"), parse_row("128x80fr")
+    ((128, 80, {}), (128, 64, {'persistent': False}), (128, 80, {'wg_turns': False, 'rescale_before_pv': True}))
     """
-    body = text.rstrip("gf")
+    body = text.rstrip("gfr")
     flags = text[len(body):]
     m, _, n = body.partition("x")
     if not (m.isdigit() and n.isdigit()) or len(set(flags)) != len(flags):
-        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f], e.g. 128x80, 128x80g, 128x80f")
+        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r], e.g. 128x80, 128x80g, 128x80fr")
     return int(m), int(n), {**({"persistent": False} if "g" in flags else {}),
-                            **({"wg_turns": False} if "f" in flags else {})}
+                            **({"wg_turns": False} if "f" in flags else {}),
+                            **({"rescale_before_pv": True} if "r" in flags else {})}
 GEMMA2 = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "gemma2_local.py"
 WINDOW, SOFTCAP = 4096, 50.0
 
@@ -186,8 +188,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="dense_causal,gemma2_local")
     ap.add_argument("--rows", nargs="*", default=list(ROWS),
-                    help="our configs, BLOCK_MxBLOCK_N[g][f] (g: one tile per CTA, FA4's grid; f: no GEMM "
-                         "turns between the consumers, FA4's D 256 schedule); default: %(default)s")
+                    help="our configs, BLOCK_MxBLOCK_N[g][f][r] (g: one tile per CTA, FA4's grid; f: no GEMM "
+                         "turns between the consumers, FA4's D 256 schedule; r: O rescaled before the P V "
+                         "issue); default: %(default)s")
     a = ap.parse_args()
     for row in a.rows:
         try:

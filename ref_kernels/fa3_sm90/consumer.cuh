@@ -25,6 +25,16 @@ constexpr bool kSplitPvWait = kConsumers == 2;   // (and FA3_SOFTMAX_SPLIT, in t
 #endif
 constexpr bool kWgTurns = WG_TURNS != 0;
 
+// Where O is rescaled by the softmax's factor: after this warpgroup's P V completed (default), or,
+// RESCALE_BEFORE_PV=1, at the next KV step between the QK issue and the P V issue, while QK runs
+// on the tensor cores (FA4's SM90 rescale_O_before_gemm, on where the O tile is wider than 128):
+// the 64 x D rescale (128 FMUL per thread at D 256) leaves the path from the P V wait to the next
+// GEMM issue. Same arithmetic, bitwise equal output. An option until measured.
+#ifndef RESCALE_BEFORE_PV
+#define RESCALE_BEFORE_PV 0
+#endif
+constexpr bool kRescaleBeforePv = RESCALE_BEFORE_PV != 0;
+
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
@@ -51,7 +61,15 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   float o[kORegs];
   uint32_t p[kPRegs];
   float s[kSRegs];
+  float rescale[2];   // the last softmax step's factor for O (owed until the next P V with kRescaleBeforePv)
   SoftmaxState st;
+  // kRescaleBeforePv: O takes the factor it is owed just before the P V that accumulates into it.
+  auto rescale_owed = [&]() {
+    if constexpr (kRescaleBeforePv) {
+      reg_fence(o);                                        // not hoisted above the QK issue
+      rescale_o(o, rescale);
+    }
+  };
   // The previous tile, while its last P V and epilogue are owed (pending).
   bool pending = false;
   int prev_m0 = 0, prev_sv = 0, prev_phase = 0;           // its rows, the ring slot of its last V
@@ -64,6 +82,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   };
   auto drain_alone = [&]() {
     turn_begin();
+    rescale_owed();
     mbar_wait(sm.v_full + 8 * prev_sv, prev_phase);
     gemm_pv(o, p, sm.v_tile(prev_sv));
     turn_end(true);
@@ -101,7 +120,6 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     }
     const int qs = q_iter % kQSlots;                        // this tile's Q slot
     const uint32_t q_rows = sm.q_tile(qs) + cs.c * kWgQBytes;
-    float rescale[2];
     const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0 + pb.seqlen_k - pb.seqlen_q;   // a position
     // tile_partial of the next tile is asked one step ahead: for a block-table variant it is a
     // global load, whose latency then hides behind this tile's GEMMs.
@@ -136,6 +154,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     };
     turn_begin();
     if (kOverlapTiles && pending) {
+      rescale_owed();
       mbar_wait(sm.v_full + 8 * prev_sv, prev_phase);
       gemm_pv(o, p, sm.v_tile(prev_sv));
       first_qk();
@@ -164,6 +183,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       turn_begin();
       mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
       gemm_qk(s, q_rows, sm.k_tile(sk));
+      rescale_owed();                                      // (kRescaleBeforePv) while QK_i runs
       mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
       gemm_pv(o, p, sm.v_tile(sv));
       turn_end(false);
@@ -195,7 +215,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       }
       reg_fence(o);
       cs.release(sm.v_empty + 8 * sv);
-      rescale_o(o, rescale);
+      if constexpr (!kRescaleBeforePv) rescale_o(o, rescale);
       convert_p(p, s);
     }
     if (kSeparateO) cs.release(sm.q_empty + 8 * qs);     // every QK of this tile is done

@@ -48,6 +48,8 @@ def parse_row(text: str) -> tuple[int, int, dict]:
     return int(m), int(n), {**({"persistent": False} if "g" in flags else {}),
                             **({"wg_turns": False} if "f" in flags else {}),
                             **({"rescale_before_pv": True} if "r" in flags else {})}
+
+
 GEMMA2 = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "gemma2_local.py"
 WINDOW, SOFTCAP = 4096, 50.0
 

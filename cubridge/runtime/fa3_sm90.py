@@ -79,6 +79,9 @@ class Fa3Config:
     # (consumer.cuh kRescaleBeforePv; FA4's rescale_O_before_gemm at D > 128). Off until measured;
     # at D 256 128 x 80 causal spill-free only with wg_turns=False (with turns: 8 bytes).
     rescale_before_pv: bool = False
+    # With the split P V wait, the exponentials before the wait too (consumer.cuh kSoftmaxFirst;
+    # FA4's source order). Off until measured; spill-free at D 256 with wg_turns=False.
+    softmax_first: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -90,6 +93,7 @@ class Fa3Config:
             flags.append(f"-DQ_SLOTS={self.q_slots}")
         flags += ["-DKV_ROTATE=1"] * self.kv_rotate + ["-DL2_HINTS=1"] * self.l2_hints
         flags += ["-DWG_TURNS=0"] * (not self.wg_turns) + ["-DRESCALE_BEFORE_PV=1"] * self.rescale_before_pv
+        flags += ["-DSOFTMAX_FIRST=1"] * self.softmax_first
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

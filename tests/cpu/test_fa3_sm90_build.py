@@ -190,16 +190,19 @@ def test_full_attention_options_build_spill_free_and_compile_out_under_causal(tm
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
 def test_d256_without_turns_builds_spill_free_and_drops_the_turn_barriers(tmp_path):
-    """wg_turns=False (off by default: WG_TURNS=0), alone and with rescale_before_pv, builds D 256
-    128 x 80 causal spill-free, and
+    """wg_turns=False (off by default: WG_TURNS=0), alone and with rescale_before_pv (and
+    softmax_first), builds D 256 128 x 80 spill-free, and
     removes the consumers' turn barriers (BAR.SYNC / BAR.ARV of 256 threads, 0x100: the only
     named barriers that count both consumers; the epilogue's count 128)."""
     assert "-DWG_TURNS=0" in Fa3Config(wg_turns=False).defines()
     assert not any("WG_TURNS" in f for f in Fa3Config().defines())
     assert "-DRESCALE_BEFORE_PV=1" in Fa3Config(rescale_before_pv=True).defines()
+    assert "-DSOFTMAX_FIRST=1" in Fa3Config(softmax_first=True).defines()
     configs = [Fa3Config(head_dim=256, block_n=80, causal=True, wg_turns=False),
                Fa3Config(head_dim=256, block_n=80, causal=True),
-               Fa3Config(head_dim=256, block_n=80, causal=True, wg_turns=False, rescale_before_pv=True)]
+               Fa3Config(head_dim=256, block_n=80, causal=True, wg_turns=False, rescale_before_pv=True),
+               Fa3Config(head_dim=256, block_n=80, causal=False, wg_turns=False, rescale_before_pv=True,
+                         softmax_first=True)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda c: _compile(c, tmp_path), configs))
     for config, proc, _ in results:

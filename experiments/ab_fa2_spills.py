@@ -47,7 +47,7 @@ CHECK = (1, 4, 2, 1000)      # B, Hq, Hkv, N: ragged tail, GQA
 
 def option(text: str) -> tuple[Config, str]:
     """'128x64s2w4+split2+qkroll' -> (config, the source prefix that sets its knobs): +splitN sets
-    KV_SPLIT, +qkroll QK_ROLLED=1 (S = Q K^T's k-steps not unrolled; session 13).
+    KV_SPLIT, +qkrollN QK_ROLLED=N (S = Q K^T's k-steps unrolled N-fold, +qkroll: not unrolled; session 13).
 
     >>> option("128x64s2w4+split2+qkroll")[1]
     '#define KV_SPLIT 2\\n#define QK_ROLLED 1\\n'
@@ -57,10 +57,10 @@ def option(text: str) -> tuple[Config, str]:
     for knob in knobs:
         if knob.startswith("split") and knob[5:].isdigit():
             prefix += f"#define KV_SPLIT {int(knob[5:])}\n"
-        elif knob == "qkroll":
-            prefix += "#define QK_ROLLED 1\n"
+        elif knob.startswith("qkroll") and (knob[6:].isdigit() or not knob[6:]):
+            prefix += f"#define QK_ROLLED {int(knob[6:] or 1)}\n"
         else:
-            raise SystemExit(f"--options {text!r}: unknown knob {knob!r} (knobs: +splitN, +qkroll)")
+            raise SystemExit(f"--options {text!r}: unknown knob {knob!r} (knobs: +splitN, +qkroll[N])")
     return Config.parse(cfg), prefix
 
 

@@ -46,11 +46,21 @@ CHECK = (1, 4, 2, 1000)      # B, Hq, Hkv, N: ragged tail, GQA
 
 
 def option(text: str) -> tuple[Config, str]:
-    """'128x64s2w4+split2' -> (config, the source prefix that sets KV_SPLIT)."""
-    cfg, _, knob = text.partition("+")
-    prefix = f"#define KV_SPLIT {int(knob[5:])}\n" if knob.startswith("split") else ""
-    if knob and not prefix:
-        raise SystemExit(f"--options {text!r}: the only knob is +splitN")
+    """'128x64s2w4+split2+qkroll' -> (config, the source prefix that sets its knobs): +splitN sets
+    KV_SPLIT, +qkrollN QK_ROLLED=N (S = Q K^T's k-steps unrolled N-fold, +qkroll: not unrolled; session 13).
+
+    >>> option("128x64s2w4+split2+qkroll")[1]
+    '#define KV_SPLIT 2\\n#define QK_ROLLED 1\\n'
+    """
+    cfg, *knobs = text.split("+")
+    prefix = ""
+    for knob in knobs:
+        if knob.startswith("split") and knob[5:].isdigit():
+            prefix += f"#define KV_SPLIT {int(knob[5:])}\n"
+        elif knob.startswith("qkroll") and (knob[6:].isdigit() or not knob[6:]):
+            prefix += f"#define QK_ROLLED {int(knob[6:] or 1)}\n"
+        else:
+            raise SystemExit(f"--options {text!r}: unknown knob {knob!r} (knobs: +splitN, +qkroll[N])")
     return Config.parse(cfg), prefix
 
 

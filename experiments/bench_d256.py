@@ -27,19 +27,44 @@ from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench_round_robin  # noqa: E402
 
 D = 256
-TILES = ((128, 80), (128, 64))
+# Our rows: BLOCK_M x BLOCK_N, then flags: g = one tile per CTA (FA4's SM90 launch; default
+# persistent: grid = #SMs, dynamic scheduler), f = free consumers (Fa3Config.wg_turns=False: no GEMM
+# turns, FA4's schedule at D 256), r = O rescaled while the next QK runs (rescale_before_pv, FA4's
+# rescale_O_before_gemm), s = the whole softmax before the P V wait (softmax_first); --rows picks them.
+ROWS = ("128x80", "128x64")
+
+
+def parse_row(text: str) -> tuple[int, int, dict]:
+    """'128x80' -> (128, 80, {}); '128x80gf' -> (128, 80, Fa3Config overrides).
+
+    >>> parse_row("128x80"), parse_row("128x64g"), parse_row("128x80fr")
+    ((128, 80, {}), (128, 64, {'persistent': False}), (128, 80, {'wg_turns': False, 'rescale_before_pv': True}))
+    >>> parse_row("128x80frs")[2]["softmax_first"]
+    True
+    """
+    body = text.rstrip("gfrs")
+    flags = text[len(body):]
+    m, _, n = body.partition("x")
+    if not (m.isdigit() and n.isdigit()) or len(set(flags)) != len(flags):
+        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r][s], e.g. 128x80, 128x80g, 128x80frs")
+    return int(m), int(n), {**({"persistent": False} if "g" in flags else {}),
+                            **({"wg_turns": False} if "f" in flags else {}),
+                            **({"rescale_before_pv": True} if "r" in flags else {}),
+                            **({"softmax_first": True} if "s" in flags else {})}
+
+
 GEMMA2 = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "gemma2_local.py"
 WINDOW, SOFTCAP = 4096, 50.0
 
 
-def _ours_dense(q, k, v, bm, bn):
-    cfg = Fa3Config(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=True, bf16=True, persistent=True)
+def _ours_dense(q, k, v, bm, bn, options):
+    cfg = Fa3Config(**{**dict(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=True, bf16=True, persistent=True), **options})
     out = torch.full_like(q, float("nan"))
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     return lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out, lse=lse)[0]
 
 
-def _ours_gemma2(q, k, v, bm, bn):
+def _ours_gemma2(q, k, v, bm, bn, options):
     from cubridge.cuir.parser import parse_file
     from cubridge.lower import lower
     from cubridge.paths import ref_kernel_dir
@@ -51,7 +76,7 @@ def _ours_gemma2(q, k, v, bm, bn):
     b, hq, n, _ = q.shape
     inputs = cand.bind(Nq=n, Nk=n, Hq=hq, Hkv=k.shape[1], B=b, params={"BLOCK_M": bm, "BLOCK_N": bn}, device=q.device)
     launch = kern.args(inputs, q.device)               # kept alive by the closure
-    cfg = Fa3Config(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=False, bf16=True, persistent=True)
+    cfg = Fa3Config(**{**dict(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=False, bf16=True, persistent=True), **options})
     out = torch.full_like(q, float("nan"))
     return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)[0]
 
@@ -79,12 +104,13 @@ def _sdpa_flash(q, k, v):
     return fn
 
 
-def systems(shape: str, q, k, v, hooks):
+def systems(shape: str, q, k, v, hooks, rows=ROWS):
     """system -> zero-argument maker of its callable."""
     out = {}
-    for bm, bn in TILES:
+    for row in rows:
+        bm, bn, options = parse_row(row)
         make = _ours_dense if shape == "dense_causal" else _ours_gemma2
-        out[f"cubridge/fa3_sm90 {bm}x{bn}"] = (lambda bm=bm, bn=bn: make(q, k, v, bm, bn))
+        out[f"cubridge/fa3_sm90 {row}"] = (lambda bm=bm, bn=bn, o=options: make(q, k, v, bm, bn, o))
     if shape == "dense_causal":
         out["fa4"] = lambda: _fa4(q, k, v)
         out["sdpa_cudnn"] = lambda: make_cudnn("causal", q, k, v)[0]
@@ -105,7 +131,7 @@ def attended_pairs(n: int, window: int | None) -> int:
     return w * (w + 1) // 2 + (n - w) * w
 
 
-def run_shape(shape: str, b: int, hq: int, hkv: int, n: int, reps: int) -> dict:
+def run_shape(shape: str, b: int, hq: int, hkv: int, n: int, reps: int, rows=ROWS) -> dict:
     from cubridge.spec import load_spec
     g = torch.Generator(device="cuda").manual_seed(256)
     q, k, v = (torch.randn(s, device="cuda", generator=g).to(torch.bfloat16)
@@ -118,7 +144,7 @@ def run_shape(shape: str, b: int, hq: int, hkv: int, n: int, reps: int) -> dict:
     flops = 4 * b * hq * D * attended_pairs(n, window)
     res: dict = {"shape": {"B": b, "Hq": hq, "Hkv": hkv, "N": n, "D": D, "dtype": "bf16"}, "flops": flops, "systems": {}}
     fns, names = [], []
-    for name, make in systems(shape, q, k, v, hooks).items():
+    for name, make in systems(shape, q, k, v, hooks, rows).items():
         entry = res["systems"][name] = {}
         try:
             t0 = time.time()
@@ -166,13 +192,22 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="dense_causal,gemma2_local")
+    ap.add_argument("--rows", nargs="*", default=list(ROWS),
+                    help="our configs, BLOCK_MxBLOCK_N[g][f][r][s] (g: one tile per CTA, FA4's grid; f: no GEMM "
+                         "turns between the consumers, FA4's D 256 schedule; r: O rescaled before the P V "
+                         "issue; s: the whole softmax before the P V wait); default: %(default)s")
     a = ap.parse_args()
+    for row in a.rows:
+        try:
+            parse_row(row)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"--rows: {e}")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     heads = {"dense_causal": (16, 16), "gemma2_local": (16, 8)}
     for shape in a.shapes.split(","):
         hq, hkv = heads[shape]
         try:
-            results[shape] = run_shape(shape, a.batch, hq, hkv, a.n, a.reps)
+            results[shape] = run_shape(shape, a.batch, hq, hkv, a.n, a.reps, a.rows)
         except Exception as e:  # noqa: BLE001
             results[shape] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             traceback.print_exc()

@@ -74,6 +74,17 @@ class Fa3Config:
     # Full attention, persistent grid (kernel.cu TAIL_SPLIT): the last #tiles mod #CTAs tiles split
     # along KV, combined by the last chunk (session 13, fa3_sm90 NOTES). Off until an H100 A/B shows it.
     tail_split: bool = False
+    # The consumers' GEMM turns (ping-pong, consumer.cuh kWgTurns). False drops them, as
+    # FlashAttention-4's SM90 forward does at head dim 256 (no scheduler barrier above D 128).
+    # On until an H100 A/B at D 256 shows the gain (session 13, experiments/bench_d256.py rows "f").
+    wg_turns: bool = True
+    # O rescaled between the next QK issue and its P V issue instead of after the P V wait
+    # (consumer.cuh kRescaleBeforePv; FA4's rescale_O_before_gemm at D > 128). Off until measured;
+    # at D 256 128 x 80 causal spill-free only with wg_turns=False (with turns: 8 bytes).
+    rescale_before_pv: bool = False
+    # With the split P V wait, the exponentials before the wait too (consumer.cuh kSoftmaxFirst;
+    # FA4's source order). Off until measured; spill-free at D 256 with wg_turns=False.
+    softmax_first: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -85,6 +96,8 @@ class Fa3Config:
             flags.append(f"-DQ_SLOTS={self.q_slots}")
         flags += ["-DKV_ROTATE=1"] * self.kv_rotate + ["-DL2_HINTS=1"] * self.l2_hints
         flags += ["-DTAIL_SPLIT=1"] * self.tail_split
+        flags += ["-DWG_TURNS=0"] * (not self.wg_turns) + ["-DRESCALE_BEFORE_PV=1"] * self.rescale_before_pv
+        flags += ["-DSOFTMAX_FIRST=1"] * self.softmax_first
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

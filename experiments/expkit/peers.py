@@ -159,12 +159,26 @@ def fa4_backward(causal: bool, q, k, v, dout, bhnd: bool = True):
     return lambda: [g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, do, retain_graph=True)]
 
 
+def flex_block_size(backend: str, head_dim: int) -> tuple[int, int]:
+    """The BlockMask's (Q, KV) block size for a FlexAttention backend. FLASH (FA4's SM90 forward)
+    requires the KV block to be a multiple of its tile_n, which is 80 at head dim 256
+    (`_tile_size_fwd_sm90`: 128 x 80; 128 x 128 at D <= 128, whose 128-block mask fits): with the
+    default 128 x 128 mask it refuses D 256 ("sparse_block_size[1] to be a multiple of tile_n=80",
+    session 13's early call). Triton keeps the default 128 x 128.
+
+    >>> flex_block_size("flash", 256), flex_block_size("flash", 128), flex_block_size("triton", 256)
+    ((128, 80), (128, 128), (128, 128))
+    """
+    return (128, 80) if backend == "flash" and head_dim > 192 else (128, 128)
+
+
 def _flex(name, hooks, q, k, v, backend):
     if not hooks.flex_expressible:
         raise Unsupported(f"{hooks.normalization!r} normalisation: FlexAttention is softmax only")
     fx, cbm = compiled_flex_attention()
     n_q, n_k = q.shape[2], k.shape[2]
-    bm = cbm(hooks.mask_mod, None, None, n_q, n_k, device=q.device) if hooks.mask_mod else None
+    block = flex_block_size(backend, q.shape[3])
+    bm = cbm(hooks.mask_mod, None, None, n_q, n_k, device=q.device, BLOCK_SIZE=block) if hooks.mask_mod else None
     gqa = q.shape[1] != k.shape[1]
     opts = {"BACKEND": "FLASH"} if backend == "flash" else None
 
@@ -172,7 +186,7 @@ def _flex(name, hooks, q, k, v, backend):
         if opts is None:
             return fx(q, k, v, score_mod=hooks.score_mod, block_mask=bm, enable_gqa=gqa)
         return fx(q, k, v, score_mod=hooks.score_mod, block_mask=bm, enable_gqa=gqa, kernel_options=opts)
-    return fn, "BlockMask 128x128" if bm is not None else "no BlockMask"
+    return fn, f"BlockMask {block[0]}x{block[1]}" if bm is not None else "no BlockMask"
 
 
 def make_flex_flash(name, hooks, q, k, v):

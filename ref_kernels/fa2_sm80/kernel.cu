@@ -55,6 +55,11 @@
 #ifndef KV_SPLIT
 #define KV_SPLIT 1       // S, P and the softmax of a KV tile in KV_SPLIT column blocks (fewer live registers)
 #endif
+#ifndef QK_ROLLED
+#define QK_ROLLED 0      // N > 0: S = Q K^T's k16 steps unrolled only N-fold (1 with KV_SPLIT 2: D 128 spill-free)
+#endif
+#define FA2_PRAGMA_STR(x) #x
+#define FA2_PRAGMA(x) _Pragma(FA2_PRAGMA_STR(x))
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1     // __launch_bounds__ minimum resident CTAs per SM (register cap)
 #endif
@@ -290,7 +295,14 @@ __device__ __forceinline__ void qk_tile(float (&s)[M_TILES][N_TILES][4], u32 q_l
     for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[mt][nt][c] = 0.f;
+  // QK_ROLLED: one k-step at a time. Unrolled, ptxas loads later steps' fragments early, into
+  // registers a D 128 tile does not have (NOTES "Session 13"); the step is an XOR of the base
+  // (ldsm_addr), so the loop indexes no array.
+#if QK_ROLLED
+  FA2_PRAGMA(unroll QK_ROLLED)
+#else
 #pragma unroll
+#endif
   for (int kk = 0; kk < QK_K_STEPS; ++kk) {
     u32 a[M_TILES][4];
 #pragma unroll

@@ -16,6 +16,35 @@ constexpr bool kOverlapTiles = kSeparateO;
 // before the whole softmax as before (sigmoid / relu / composite regions always do).
 constexpr bool kSplitPvWait = kConsumers == 2;   // (and FA3_SOFTMAX_SPLIT, in the loop)
 
+// The GEMM turns (ping-pong) between the consumers; WG_TURNS=0 drops them: each consumer issues
+// its wgmma as soon as its operands are there. FA4's SM90 forward does so at head dim 256
+// (flash_fwd_sm90.py: use_scheduler_barrier only where tile_hdim <= 128), where a KV step is
+// twice the GEMM work per score and the softmax's share of it halves. An option until measured.
+#ifndef WG_TURNS
+#define WG_TURNS 1
+#endif
+constexpr bool kWgTurns = WG_TURNS != 0;
+
+// Where O is rescaled by the softmax's factor: after this warpgroup's P V completed (default), or,
+// RESCALE_BEFORE_PV=1, at the next KV step between the QK issue and the P V issue, while QK runs
+// on the tensor cores (FA4's SM90 rescale_O_before_gemm, on where the O tile is wider than 128):
+// the 64 x D rescale (128 FMUL per thread at D 256) leaves the path from the P V wait to the next
+// GEMM issue. Same arithmetic, bitwise equal output. An option until measured.
+#ifndef RESCALE_BEFORE_PV
+#define RESCALE_BEFORE_PV 0
+#endif
+constexpr bool kRescaleBeforePv = RESCALE_BEFORE_PV != 0;
+
+// SOFTMAX_FIRST=1: with the split wait (kSplitPvWait), the exponentials too run before this
+// warpgroup's P V is waited for (FA4's SM90 source order: the whole online softmax, then
+// wait_group 0), so after the P V completes only the rescale and the conversion to P remain before
+// the next GEMM issue. The default splits the softmax around the wait (session 11, measured at
+// D 128 with turns). Same arithmetic, bitwise equal output. An option until measured.
+#ifndef SOFTMAX_FIRST
+#define SOFTMAX_FIRST 0
+#endif
+constexpr bool kSoftmaxFirst = SOFTMAX_FIRST != 0;
+
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
@@ -27,18 +56,30 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   // that pass to the start of its next turn, so that no arrival is left pending at exit.
   bool owe_turn = last_consumer;
   auto turn_begin = [&]() {
-    if (owe_turn) named_arrive(kBarWgTurn0, 2 * kWgThreads);
-    owe_turn = false;
-    cs.turn_wait();
+    if constexpr (kWgTurns) {
+      if (owe_turn) named_arrive(kBarWgTurn0, 2 * kWgThreads);
+      owe_turn = false;
+      cs.turn_wait();
+    }
   };
   auto turn_end = [&](bool maybe_last) {
-    if (last_consumer && maybe_last) owe_turn = true;
-    else cs.turn_pass();
+    if constexpr (kWgTurns) {
+      if (last_consumer && maybe_last) owe_turn = true;
+      else cs.turn_pass();
+    }
   };
   float o[kORegs];
   uint32_t p[kPRegs];
   float s[kSRegs];
+  float rescale[2];   // the last softmax step's factor for O (owed until the next P V with kRescaleBeforePv)
   SoftmaxState st;
+  // kRescaleBeforePv: O takes the factor it is owed just before the P V that accumulates into it.
+  auto rescale_owed = [&]() {
+    if constexpr (kRescaleBeforePv) {
+      reg_fence(o);                                        // not hoisted above the QK issue
+      rescale_o(o, rescale);
+    }
+  };
   // The previous tile, while its last P V and epilogue are owed (pending).
   bool pending = false;
   int prev_m0 = 0, prev_sv = 0, prev_phase = 0;           // its rows, the ring slot of its last V
@@ -63,6 +104,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
   };
   auto drain_alone = [&]() {
     turn_begin();
+    rescale_owed();
     mbar_wait(sm.v_full + 8 * prev_sv, prev_phase);
     gemm_pv(o, p, sm.v_tile(prev_sv));
     turn_end(true);
@@ -100,7 +142,6 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     }
     const int qs = q_iter % kQSlots;                        // this tile's Q slot
     const uint32_t q_rows = sm.q_tile(qs) + cs.c * kWgQBytes;
-    float rescale[2];
     const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0 + pb.seqlen_k - pb.seqlen_q;   // a position
     // tile_partial of the next tile is asked one step ahead: for a block-table variant it is a
     // global load, whose latency then hides behind this tile's GEMMs.
@@ -135,6 +176,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     };
     turn_begin();
     if (kOverlapTiles && pending) {
+      rescale_owed();
       mbar_wait(sm.v_full + 8 * prev_sv, prev_phase);
       gemm_pv(o, p, sm.v_tile(prev_sv));
       first_qk();
@@ -163,6 +205,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       turn_begin();
       mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
       gemm_qk(s, q_rows, sm.k_tile(sk));
+      rescale_owed();                                      // (kRescaleBeforePv) while QK_i runs
       mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
       gemm_pv(o, p, sm.v_tile(sv));
       turn_end(false);
@@ -179,13 +222,14 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
         // top of the softmax (NOTES v17 item 3); a block boundary pins it: a warp-uniform branch
         // on a value of this iteration, whose else arm (NaN only) differs so the arms stay apart.
         softmax_args(pb.va, s, st, rescale, score_scale);
+        if constexpr (kSoftmaxFirst) softmax_exps(s, st, rescale);
         if (__all_sync(kFullMask, s[0] == s[0])) {
           wgmma_wait<0>();
         } else {
           wgmma_wait<0>();
           __threadfence_block();
         }
-        softmax_exps(s, st, rescale);
+        if constexpr (!kSoftmaxFirst) softmax_exps(s, st, rescale);
       } else
 #endif
       {
@@ -194,7 +238,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       }
       reg_fence(o);
       cs.release(sm.v_empty + 8 * sv);
-      rescale_o(o, rescale);
+      if constexpr (!kRescaleBeforePv) rescale_o(o, rescale);
       convert_p(p, s);
     }
     if (kSeparateO) cs.release(sm.q_empty + 8 * qs);     // every QK of this tile is done

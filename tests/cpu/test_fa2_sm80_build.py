@@ -71,6 +71,27 @@ def test_kv_split_builds_and_refuses_a_non_divisor(tmp_path):
 
 
 @needs_nvcc
+def test_split_with_rolled_qk_is_spill_free_at_d128(tmp_path):
+    """KV_SPLIT=2 with QK_ROLLED=1 (options, off by default; session 13, issue 19 item 7): the reference
+    at the default 128 x 64 x 4-warp tile builds with 0 spilled bytes at D 128, causal and full, sm_80
+    and sm_90 (experiments/fa2_spills.py --define KV_SPLIT=2 QK_ROLLED=1: every built-in variant too)."""
+    fa2 = Fa2Sm80(compiler="nvcc", cache_dir=tmp_path)
+
+    def build(job):
+        arch, causal = job
+        opts = [*fa2.options(128, torch.bfloat16, causal), "-DKV_SPLIT=2", "-DQK_ROLLED=1", "--resource-usage"]
+        return job, compile_cubin(fa2.source, arch=arch, options=opts, compiler="nvcc", cache_dir=tmp_path).log
+
+    with ThreadPoolExecutor(2) as pool:
+        logs = dict(pool.map(build, [(a, c) for a in ("sm_80", "sm_90") for c in (False, True)]))
+    for job, log in logs.items():
+        stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+        loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
+        frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
+        assert stores and max(stores + loads + frames) == 0, (job, log)
+
+
+@needs_nvcc
 def test_build_error_carries_the_log(tmp_path):
     with pytest.raises(BuildError) as e:
         compile_cubin('extern "C" __global__ void k() { this is not cuda; }', arch="sm_80",

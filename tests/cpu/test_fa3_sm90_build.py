@@ -217,3 +217,34 @@ def test_tail_split_is_refused_at_head_dim_256():
     q = torch.zeros(1, 1, 8, 256, dtype=torch.bfloat16)
     with pytest.raises(LaunchError, match="tail_split"):
         fa3_forward(q, q, q, config=Fa3Config(head_dim=256, block_n=80, tail_split=True))
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_d256_without_turns_builds_spill_free_and_drops_the_turn_barriers(tmp_path):
+    """wg_turns=False (off by default: WG_TURNS=0), alone and with rescale_before_pv (and
+    softmax_first), builds D 256 128 x 80 spill-free, and
+    removes the consumers' turn barriers (BAR.SYNC / BAR.ARV of 256 threads, 0x100: the only
+    named barriers that count both consumers; the epilogue's count 128)."""
+    assert "-DWG_TURNS=0" in Fa3Config(wg_turns=False).defines()
+    assert not any("WG_TURNS" in f for f in Fa3Config().defines())
+    assert "-DRESCALE_BEFORE_PV=1" in Fa3Config(rescale_before_pv=True).defines()
+    assert "-DSOFTMAX_FIRST=1" in Fa3Config(softmax_first=True).defines()
+    configs = [Fa3Config(head_dim=256, block_n=80, causal=True, wg_turns=False),
+               Fa3Config(head_dim=256, block_n=80, causal=True),
+               Fa3Config(head_dim=256, block_n=80, causal=True, wg_turns=False, rescale_before_pv=True),
+               Fa3Config(head_dim=256, block_n=80, causal=False, wg_turns=False, rescale_before_pv=True,
+                         softmax_first=True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda c: _compile(c, tmp_path), configs))
+    for config, proc, _ in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{config}: nvcc failed\n{log[-3000:]}"
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, f"{config}: spills\n{log}"
+    tool = _disassembler()
+    if tool is None:
+        return
+    sass = [subprocess.run([*tool, str(cubin)], capture_output=True, text=True, check=True).stdout
+            for _, _, cubin in results[:2]]
+    turn_bars = [len(re.findall(r"BAR\.(?:SYNC|ARV)[^;]*,\s*0x100\s*;", s)) for s in sass]
+    assert turn_bars[1] > 0, "the default build has no turn barrier: the pattern needs updating"
+    assert turn_bars[0] == 0, f"WG_TURNS=0 left {turn_bars[0]} turn barriers"

@@ -27,8 +27,17 @@ TILES = [dict(block_m=128, block_n=80, stages=2), dict(block_m=128, block_n=64, 
 GEMMA2 = Path(__file__).resolve().parents[1] / "corpus" / "gemma2_local.py"
 
 
+# Without the consumers' GEMM turns (Fa3Config.wg_turns=False, off by default; FA4's D 256 schedule),
+# and with it O rescaled before the P V issue (rescale_before_pv, FA4's rescale_O_before_gemm)
+FREE = [dict(t, wg_turns=False) for t in TILES] + [dict(TILES[0], wg_turns=False, rescale_before_pv=True),
+                                                   dict(TILES[0], wg_turns=False, rescale_before_pv=True,
+                                                        softmax_first=True)]
+
+
 def _tile_id(t: dict) -> str:
-    return f"{t['block_m']}x{t['block_n']}"
+    return (f"{t['block_m']}x{t['block_n']}" + ("_free" if t.get("wg_turns") is False else "")
+            + ("_rescale_before_pv" if t.get("rescale_before_pv") else "")
+            + ("_softmax_first" if t.get("softmax_first") else ""))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
@@ -94,4 +103,45 @@ def test_gemma2_local_softcap_window(tiles, n, window):
     """Lengths past the window, so its lower edge cuts KV tiles (4096 is Gemma-2's own). Past 4096
     rows, 4 / 2 heads: the dense float64 reference of 16 heads ran out of memory beside 11 other
     test workers (session 10 mid call)."""
+    _gemma2(n, window, tiles, *((4, 2) if n > 4096 else (16, 8)))
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 8)], ids=["mha", "gqa16_8"])
+@pytest.mark.parametrize("n", [17, 2500], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("tiles", FREE, ids=_tile_id)
+def test_d256_free_square(tiles, n, heads, causal, persistent):
+    """The kernel without GEMM turns: the same checks as test_d256_square."""
+    hq, hkv = heads
+    run_case(2 if n < 1000 else 1, hq, hkv, n, n, D, torch.bfloat16, causal, persistent=persistent, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(17, 1000), (1000, 17), (300, 129), (1, 4096)])
+@pytest.mark.parametrize("tiles", [FREE[0], FREE[3]], ids=_tile_id)
+def test_d256_free_ragged(tiles, nq, nk, causal):
+    """Few CTAs over many tiles, rows before key 0: without turns each consumer runs ahead alone."""
+    run_case(2, 16, 8, nq, nk, D, torch.bfloat16, causal, persistent=True, max_ctas=7, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d256_rescale_before_pv_bitwise_equal(causal):
+    """Moving O's rescale before the P V issue, or the exponentials before the P V wait, changes no
+    arithmetic: the output is bitwise the kernel's without them (all without turns, which change no
+    arithmetic either)."""
+    from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward
+    g = torch.Generator(device="cuda").manual_seed(2561)
+    q, k, v = (torch.randn(1, 8, 2500, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    outs = [fa3_forward(q, k, v, causal=causal, config=Fa3Config(head_dim=D, causal=causal, persistent=True, **t))[0]
+            for t in (TILES[0], FREE[0], FREE[2], FREE[3])]
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0], outs[1]), "without turns the output changed"
+    assert torch.equal(outs[1], outs[2]), "rescale_before_pv changed the output"
+    assert torch.equal(outs[2], outs[3]), "softmax_first changed the output"
+
+
+@pytest.mark.parametrize("n, window", [(2500, 1000), (4500, 4096)], ids=lambda x: str(x))
+@pytest.mark.parametrize("tiles", FREE, ids=_tile_id)
+def test_gemma2_local_free(tiles, n, window):
     _gemma2(n, window, tiles, *((4, 2) if n > 4096 else (16, 8)))

@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from cubridge.cuir import nodes as N
-from cubridge.lower import fusion, itspace, maskclass, regions, rowint, saturate
+from cubridge.lower import fusion, itspace, maskclass, regions, rowint, saturate, tileshare
 from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
@@ -48,13 +48,34 @@ def _pieces(ir: VariantIR):
     return rowint.row_pieces(ir.mask, names, c_tables(ir))
 
 
+# Session 13 (win13): 128 x 176 executes more masked pairs than 128 x 128 where the mask has edges
+# inside the visited range (tileshare.py: ag_sliding_window 0.782 vs 0.890 useful at 8k); with
+# CUBRIDGE_WIDE_SHARE=1 a one-interval mask goes wide only if its useful share at 176 stays within
+# WIDE_MIN_RATIO of 128's (causal / prefix / block-causal 0.984: wide; windows up to 4096: not).
+# Off by default until the GPU A/B (experiments/jobs/s13_win13_mid.txt).
+WIDE_SHARE_ENV = "CUBRIDGE_WIDE_SHARE"
+WIDE_MIN_RATIO = 0.975
+
+
+def wide_share_enabled() -> bool:
+    value = os.environ.get(WIDE_SHARE_ENV, "0")
+    if value not in ("0", "1"):
+        raise LowerError(f"{WIDE_SHARE_ENV}={value!r} is neither 0 nor 1",
+                         hint=f"unset {WIDE_SHARE_ENV} (session 12's rule) or set it to 0 / 1")
+    return value == "1"
+
+
 def wide_tile(ir: VariantIR) -> bool:
     """Does the variant default to the dense kernel's 128 x 176 from 8k (runtime default_config's
     `wide`)? session10_codegen and one interval of keys per row (a near-dense mask: prefix, block
     causal, causal, windows, chunks); global_sliding_window (two pieces) lost its partial tiles'
-    share at wider tiles and keeps 128 x 128."""
+    share at wider tiles and keeps 128 x 128. With CUBRIDGE_WIDE_SHARE=1 also the useful share
+    (tileshare.py) at 176 within WIDE_MIN_RATIO of 128's, where the mask can be evaluated."""
     pieces = _pieces(ir)
-    return session10_codegen(ir) and pieces is not None and len(pieces) == 1
+    if not (session10_codegen(ir) and pieces is not None and len(pieces) == 1):
+        return False
+    shares = tileshare.useful_shares(ir.mask) if wide_share_enabled() else None
+    return shares is None or shares[176] >= WIDE_MIN_RATIO * shares[128]
 
 
 def kv_range(ir: VariantIR) -> str:

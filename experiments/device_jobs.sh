@@ -42,7 +42,7 @@ for d in sorted(work.glob("job_*"), key=lambda p: p.stat().st_mtime):
                  "seconds": float((d / "secs").read_text() or 0),
                  "summary": summary[-1].strip("= ") if summary else None,
                  "failed": sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)))[:60]})
-json.dump({"device": env[0] if env else None, "versions": env[1:], "date": datetime.datetime.utcnow().isoformat() + "Z",
+json.dump({"device": env[0] if env else None, "versions": env[1:], "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "jobs": jobs}, open(out / f"{name}.json", "w"), indent=1)
 with open(out / f"{name}.log", "w") as f:
     f.write("\n".join(env) + "\n")

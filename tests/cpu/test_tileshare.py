@@ -1,5 +1,5 @@
 """The useful share of a mask's visited tiles per KV tile width (cubridge/lower/tileshare.py) and
-the wide-tile rule built on it (lower.fa3_sm90.wide_tile under CUBRIDGE_WIDE_SHARE=1): exact
+the rules built on it (lower.fa3_sm90.wide_tile, edge-heavy row intervals): exact
 against brute-force tile counts where every query tile is sampled, windows refused the 176 tile,
 causal / prefix / chunked masks kept on it, masks that read scalars / b / h not evaluated. No GPU."""
 from __future__ import annotations
@@ -62,14 +62,26 @@ def _ir(spec):
     return lower(transfer(prog, load_spec(spec), spec_params={}).program, "fa3_sm90").ir
 
 
-def test_wide_rule_under_the_option(monkeypatch):
-    window, causal, prefix = (_ir("tests/corpus/ag_sliding_window.py"), _ir("tests/corpus/ag_causal.py"),
-                              _ir("prefixlm"))
+def test_wide_rule_and_edge_heavy_row_intervals(monkeypatch):
+    """Default (session 13 mid call): windows stay 128 x 128 and, with many partial tiles, take row
+    intervals; causal / prefix keep 176 and mask_pred; CUBRIDGE_WIDE_SHARE=0 is session 12's rule."""
+    from cubridge.lower.fa3_sm90 import MASK_ROWS_ENV
+    specs = ("tests/corpus/ag_sliding_window.py", "tests/corpus/mistral_sliding_window.py",
+             "tests/corpus/ag_causal.py", "prefixlm")
     monkeypatch.delenv(WIDE_SHARE_ENV, raising=False)
-    assert not wide_share_enabled()
-    assert (wide_tile(window), wide_tile(causal), wide_tile(prefix)) == (True, True, True)   # session 12
-    monkeypatch.setenv(WIDE_SHARE_ENV, "1")
-    assert (wide_tile(window), wide_tile(causal), wide_tile(prefix)) == (False, True, True)  # C0: kept
+    monkeypatch.delenv(MASK_ROWS_ENV, raising=False)
+    irs = [_ir(s) for s in specs]
+    assert wide_share_enabled()
+    assert [wide_tile(ir) for ir in irs] == [False, False, True, True]     # prefixlm: C0, kept
+    rows = ["#define CUIR_MASK_ROWS 1" in _lowered_source(s) for s in specs]
+    assert rows == [True, False, False, False]          # share at 128: 0.89, 0.97, 0.985, (C0)
+    monkeypatch.setenv(WIDE_SHARE_ENV, "0")
+    assert [wide_tile(ir) for ir in irs] == [True, True, True, True]
     monkeypatch.setenv(WIDE_SHARE_ENV, "yes")
     with pytest.raises(LowerError, match=WIDE_SHARE_ENV):
-        wide_tile(window)
+        wide_tile(irs[0])
+
+
+def _lowered_source(spec):
+    prog = parse_file(reference_kernel("fa3_sm90").cuir_path())
+    return lower(transfer(prog, load_spec(spec), spec_params={}).program, "fa3_sm90").source

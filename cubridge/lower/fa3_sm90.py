@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from cubridge.cuir import nodes as N
-from cubridge.lower import fusion, itspace, maskclass, regions, rowint, saturate
+from cubridge.lower import fusion, itspace, maskclass, regions, rowint, saturate, tileshare
 from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
@@ -48,13 +48,37 @@ def _pieces(ir: VariantIR):
     return rowint.row_pieces(ir.mask, names, c_tables(ir))
 
 
+# Session 13 (win13): 128 x 176 executes more masked pairs than 128 x 128 where the mask has edges
+# inside the visited range (tileshare.py: ag_sliding_window 0.782 vs 0.890 useful at 8k): a
+# one-interval mask goes wide only if its useful share at 176 stays within WIDE_MIN_RATIO of 128's
+# (sampled ratios: causal / prefix / block-causal 0.984 wide; mistral 0.967, phi3 0.939,
+# ag_sliding_window 0.896 not). Session 13 mid call (H100, variant_tiles, 8k, all verified; x our
+# dense causal in the same run): ag_sliding_window 128x128 0.728 vs 128x176 0.649 (+12.2%), phi3
+# 0.850 vs 0.813 (+4.5%), mistral 0.924 vs 0.905 (+2.1%). On by default; CUBRIDGE_WIDE_SHARE=0
+# restores session 12's rule.
+WIDE_SHARE_ENV = "CUBRIDGE_WIDE_SHARE"
+WIDE_MIN_RATIO = 0.975
+
+
+def wide_share_enabled() -> bool:
+    value = os.environ.get(WIDE_SHARE_ENV, "1")
+    if value not in ("0", "1"):
+        raise LowerError(f"{WIDE_SHARE_ENV}={value!r} is neither 0 nor 1",
+                         hint=f"unset {WIDE_SHARE_ENV} (session 12's rule) or set it to 0 / 1")
+    return value == "1"
+
+
 def wide_tile(ir: VariantIR) -> bool:
     """Does the variant default to the dense kernel's 128 x 176 from 8k (runtime default_config's
-    `wide`)? session10_codegen and one interval of keys per row (a near-dense mask: prefix, block
-    causal, causal, windows, chunks); global_sliding_window (two pieces) lost its partial tiles'
-    share at wider tiles and keeps 128 x 128."""
+    `wide`)? session10_codegen, one interval of keys per row (a near-dense mask: prefix, block
+    causal, causal, chunks), and (unless CUBRIDGE_WIDE_SHARE=0) a useful share (tileshare.py) at
+    176 within WIDE_MIN_RATIO of 128's where the mask can be evaluated: windows keep 128 x 128, as
+    does global_sliding_window (two pieces)."""
     pieces = _pieces(ir)
-    return session10_codegen(ir) and pieces is not None and len(pieces) == 1
+    if not (session10_codegen(ir) and pieces is not None and len(pieces) == 1):
+        return False
+    shares = tileshare.useful_shares(ir.mask) if wide_share_enabled() else None
+    return shares is None or shares[176] >= WIDE_MIN_RATIO * shares[128]
 
 
 def kv_range(ir: VariantIR) -> str:
@@ -70,25 +94,41 @@ def kv_range(ir: VariantIR) -> str:
 
 # Row-interval masks (rowint.py): partial tiles test [lo, hi) per column. Session 12's mid call:
 # global_sliding_window (two pieces) +7.2 / +5.1 / +5.9% at 1k / 4k / 8k; one-piece masks (prefixlm,
-# causal_blockwise, ag_causal at 128 x 176) -0.8..+0.2%: on by default for two-piece masks only.
+# causal_blockwise, ag_causal at 128 x 176) -0.8..+0.2%: on by default for two-piece masks, and
+# (session 13 mid call, at 128 x 128) for one-piece masks whose useful share at 128 is below
+# EDGE_SHARE (many partial tiles): ag_sliding_window (0.89) +1.9%, phi3 (0.94) +0.6%.
 # CUBRIDGE_MASK_ROWS=1 / 0 turns it on / off for every proven mask; the generated mask_rows is
 # emitted either way (unused when off).
 MASK_ROWS_ENV = "CUBRIDGE_MASK_ROWS"
 
 
-def mask_rows_enabled(pieces: int) -> bool:
+EDGE_SHARE = 0.95
+
+
+def mask_rows_enabled(pieces: int, edge_heavy: bool = False) -> bool:
     value = os.environ.get(MASK_ROWS_ENV, "auto")
     if value not in ("0", "1", "auto"):
         raise LowerError(f"{MASK_ROWS_ENV}={value!r} is neither 0, 1 nor auto",
-                         hint=f"unset {MASK_ROWS_ENV} (auto: two-piece masks) or set it to 0 / 1")
-    return value == "1" or (value == "auto" and pieces == 2)
+                         hint=f"unset {MASK_ROWS_ENV} (auto: two-piece and edge-heavy masks) or set it to 0 / 1")
+    return value == "1" or (value == "auto" and (pieces == 2 or (pieces == 1 and edge_heavy)))
+
+
+def edge_heavy(ir: VariantIR) -> bool:
+    """Is the mask's useful share of its visited 128-wide tiles below EDGE_SHARE (tileshare.py)?
+    Asked of session10_codegen variants only: the measured family (score_mod ones, e.g.
+    fa_local_softcap at 0.91, were not measured with it)."""
+    if not session10_codegen(ir):
+        return False
+    shares = tileshare.useful_shares(ir.mask)
+    return shares is not None and shares[128] < EDGE_SHARE
 
 
 def mask_region(ir: VariantIR) -> str:
     names = c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
     pieces = _pieces(ir)
     return (mask(ir) + maskclass.mask_class_fn(ir, names, c_tables(ir))
-            + rowint.mask_rows_region(ir.mask, names, c_tables(ir), mask_rows_enabled(len(pieces or ()))))
+            + rowint.mask_rows_region(ir.mask, names, c_tables(ir),
+                                      mask_rows_enabled(len(pieces or ()), len(pieces or ()) == 1 and edge_heavy(ir))))
 
 
 ELEMENTWISE_REGION = """\

@@ -26,7 +26,7 @@ wins: CUBRIDGE_MASK_ROWS=1, or the knob experiments/patches/knobs/mask_rows.patc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cubridge.cuir import nodes as N
 from cubridge.lower.cexpr import LowerError, to_c_typed
@@ -42,6 +42,9 @@ class Rows:
     """Keys lo <= k < hi of a row (C int expressions; None: unbounded on that side)."""
     lo: str | None
     hi: str | None
+    # p & R built it (p key-free): (p, R.lo, R.hi); row_pieces(select=True) merges it with its
+    # complement !p & R2 into one piece with selected bounds (a per-head choice of interval)
+    guard: tuple | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,8 @@ def _has_key(e) -> bool:
 
 
 class _Analysis:
-    def __init__(self, names: dict, tables: dict):
-        self.names, self.tables = names, tables
+    def __init__(self, names: dict, tables: dict, select: bool = False):
+        self.names, self.tables, self.select = names, tables, select
 
     def c(self, e, want: str) -> str:
         text, ty = to_c_typed(e, self.names, self.tables)
@@ -83,12 +86,12 @@ class _Analysis:
             return self.formula(e.operand, not negate)
         if isinstance(e, N.BinOp) and e.op in ("&", "|"):
             parts = [self.formula(e.left, negate), self.formula(e.right, negate)]
-            return _join((e.op == "&") ^ negate, *parts)
+            return _join((e.op == "&") ^ negate, *parts, select=self.select)
         if isinstance(e, N.BoolOp):
             parts = [self.formula(v, negate) for v in e.values]
             out = parts[0]
             for p in parts[1:]:
-                out = _join((e.op == "and") ^ negate, out, p)
+                out = _join((e.op == "and") ^ negate, out, p, select=self.select)
             return out
         if isinstance(e, N.Compare):
             return self.atom(_NEG[e.op] if negate else e.op, e.left, e.right)
@@ -193,7 +196,7 @@ def _cond(p: str, r: Rows, full: bool) -> Rows:
     if full:
         return Rows(None if r.lo is None else f"({p} ? -{BIG} : {r.lo})",
                     None if r.hi is None else f"({p} ? {BIG} : {r.hi})")
-    return Rows(r.lo, f"({p} ? {r.hi or BIG} : -{BIG})")
+    return Rows(r.lo, f"({p} ? {r.hi or BIG} : -{BIG})", guard=(p, r.lo, r.hi))
 
 
 def _meet(a: Rows, b: Rows) -> Rows:
@@ -205,11 +208,26 @@ def _either(f, a, b):
     return None if a is None or b is None else f"{f}({a}, {b})"
 
 
-def _unite(pieces: list) -> tuple:
-    """Pieces with those that provably form one interval merged (both unbounded below or above)."""
+def _complement(a: str, b: str) -> bool:
+    return a == f"(!{b})" or b == f"(!{a})"
+
+
+def _select(p: str, a, b) -> str | None:
+    """p ? a : b for two bounds of one side (None: unbounded, BIG with the side's sign)."""
+    return None if a is None and b is None else f"({p} ? {a} : {b})"
+
+
+def _unite(pieces: list, select: bool = False) -> tuple:
+    """Pieces with those that provably form one interval merged (both unbounded below or above;
+    with select, p & R and !p & R2: exactly one holds per row, so p ? R : R2)."""
     out = []
     for r in pieces:
         for i, o in enumerate(out):
+            if select and r.guard and o.guard and _complement(r.guard[0], o.guard[0]):
+                (p, lo1, hi1), (_, lo2, hi2) = o.guard, r.guard
+                out[i] = Rows(_select(p, lo1 or f"-{BIG}", lo2 or f"-{BIG}") if (lo1 or lo2) else None,
+                              _select(p, hi1 or BIG, hi2 or BIG) if (hi1 or hi2) else None)
+                break
             if r.lo is None and o.lo is None:
                 out[i] = Rows(None, _either("max", o.hi, r.hi))
                 break
@@ -223,7 +241,7 @@ def _unite(pieces: list) -> tuple:
     return tuple(out)
 
 
-def _join(conj: bool, a, b):
+def _join(conj: bool, a, b, select: bool = False):
     """a & b (conj) or a | b: Pred, or a tuple of Rows whose union is the kept keys."""
     if isinstance(a, Pred) and isinstance(b, Pred):
         return Pred(f"({a.c} {'&' if conj else '|'} {b.c})")
@@ -232,17 +250,17 @@ def _join(conj: bool, a, b):
     if isinstance(a, Pred):                            # p & R: R or nothing; p | R: everything or R
         return tuple(_cond(a.c, r, not conj) for r in b)
     if conj:
-        return _unite([_meet(x, y) for x in a for y in b])
-    return _unite([*a, *b])
+        return _unite([_meet(x, y) for x in a for y in b], select)
+    return _unite([*a, *b], select)
 
 
-def row_pieces(mask, names: dict, tables: dict) -> tuple | None:
+def row_pieces(mask, names: dict, tables: dict, select: bool = False) -> tuple | None:
     """The mask's kept keys per row as a union of at most MAX_PIECES intervals, or None where that
-    is not proven."""
+    is not proven (select: a key-free choice between two intervals is one piece, _unite)."""
     if mask is None:
         return None
     try:
-        out = _Analysis(names, tables).formula(mask)
+        out = _Analysis(names, tables, select).formula(mask)
     except (_Refuse, LowerError):
         return None
     return None if isinstance(out, Pred) else out      # a key-free mask: no per-key work to save
@@ -255,10 +273,21 @@ def row_interval(mask, names: dict, tables: dict) -> Rows | None:
 
 
 def mask_rows_region(mask, names: dict, tables: dict, enabled: bool) -> str:
-    """mask_rows() and the defines kernel.cu's score_and_mask reads, or "" where refused."""
+    """mask_rows() and the defines kernel.cu's score_and_mask reads, or "" where refused. Where a
+    key-free choice between two intervals (ag_head_mask: causal or window per head) is one piece
+    with select (row_pieces), that form follows under CUIR_ROW_SELECT (knob row_select, row
+    intervals on): not the default until a GPU run measures it against the two-piece merge."""
     pieces = row_pieces(mask, names, tables)
     if pieces is None:
         return ""
+    sel = row_pieces(mask, names, tables, select=True)
+    if sel is None or len(sel) >= len(pieces):
+        return _rows_region(pieces, enabled)
+    return ("#ifdef CUIR_ROW_SELECT   // knob row_select: the per-row choice of interval as one piece\n"
+            + _rows_region(sel, True) + "#else\n" + _rows_region(pieces, enabled) + "#endif\n")
+
+
+def _rows_region(pieces: tuple, enabled: bool) -> str:
     has_lo = len(pieces) > 1 or pieces[0].lo is not None
     sets = "".join(f"  lo[{i}] = {r.lo or '-' + BIG};\n  hi[{i}] = {r.hi or BIG};\n" for i, r in enumerate(pieces))
     return (f"// Row intervals (cubridge/lower/rowint.py): row q_idx keeps the keys lo[i] <= kv_idx < hi[i], i < kMaskPieces.\n"

@@ -148,7 +148,8 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     scheduler, G = one tile per CTA). `variant`: a lowered variant (its own mask) runs with the
     pre-v11 tiles, the ones its benchmarks measured, unless `wide` (cubridge.lower.fa3_sm90.wide_tile:
     a softmax variant with no score_mod, no block table and one interval of keys per row, e.g.
-    prefixlm, causal_blockwise, the corpus's causal / window / chunk masks), which takes the dense
+    prefixlm, causal_blockwise, the corpus's causal / prefix / chunk masks; not a window, whose edges
+    cut more of a 176-wide tile: lower/tileshare.py), which takes the dense
     causal kernel's 128 x 176 from 8k at D 128 (session 12); the tuner searches the rest.
 
     >>> default_config(128, causal=True, seqlen=1024).block_n

@@ -11,6 +11,7 @@ from pathlib import Path
 import subprocess
 
 import pytest
+import torch
 
 from cubridge.cuir.parser import parse_file
 from cubridge.lower import lower, regions, rowint
@@ -217,3 +218,57 @@ def test_two_pieces_global_sliding_window(block_n, tmp_path):
     counts = _check("global_sliding_window", block_n, tmp_path, lengths=(300, 2500, 9000))
     one, two = sum(c[1] for c in counts), sum(c[2] for c in counts)
     assert one > 0 and 0 < two < one / 20, (one, two)
+
+
+SELECT_HARNESS = r"""
+#define __device__
+#define __forceinline__ inline
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+struct VariantArgs {};
+%(region)s
+int main() {
+  VariantArgs va{};
+  long errors = 0, kept = 0;
+  for (int h = 0; h < 4; ++h)
+    for (int q_idx = 0; q_idx < 700; ++q_idx) {
+      int lo[kMaskPieces], hi[kMaskPieces];
+      mask_rows(va, 0, h, q_idx, lo, hi);
+      for (int kv_idx = 0; kv_idx < 700; ++kv_idx) {
+        bool got = false;
+        for (int i = 0; i < kMaskPieces; ++i) got |= lo[i] <= kv_idx && kv_idx < hi[i];
+        const bool want = %(pred)s;
+        kept += want;
+        errors += want != got;
+      }
+    }
+  printf("%%d %%ld %%ld\n", kMaskPieces, kept, errors);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (host C++ compiler)")
+def test_row_select_one_piece_per_head(tmp_path):
+    """A head's choice between a window and causal (ag_head_mask's shape) is two pieces by default
+    and one under CUIR_ROW_SELECT (knob row_select); both equal the mask on every (h, q, kv)."""
+    from cubridge.lower.cexpr import to_c
+    expr = trace_mask(lambda b, h, q, kv: torch.where(h < 2, (kv <= q) & (q - kv <= 64), kv <= q)).expr
+    assert len(rowint.row_pieces(expr, NAMES, {})) == 2
+    assert len(rowint.row_pieces(expr, NAMES, {}, select=True)) == 1
+    region = rowint.mask_rows_region(expr, NAMES, {}, False)
+    assert "#ifdef CUIR_ROW_SELECT" in region
+    cpp = tmp_path / "sel.cpp"
+    cpp.write_text("#include <cstdio>\n" + SELECT_HARNESS % {"region": region, "pred": to_c(expr, NAMES, {})})
+    for define, pieces in (([], 2), (["-DCUIR_ROW_SELECT=1"], 1)):
+        exe = tmp_path / f"sel{pieces}"
+        proc = subprocess.run(["g++", "-O1", "-std=c++17", *define, "-o", str(exe), str(cpp)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split()
+        assert got[0] == str(pieces) and int(got[1]) > 0 and got[2] == "0", got
+
+
+def test_row_select_needs_complementary_choices():
+    """Two guarded pieces whose guards are not each other's negation stay two pieces."""
+    expr = trace_mask(lambda b, h, q, kv: ((h < 2) & (kv <= q) & (q - kv <= 64)) | ((h > 2) & (kv <= q))).expr
+    assert len(rowint.row_pieces(expr, NAMES, {}, select=True)) == 2

@@ -85,6 +85,10 @@ class Fa3Config:
     # With the split P V wait, the exponentials before the wait too (consumer.cuh kSoftmaxFirst;
     # FA4's source order). Off until measured; spill-free at D 256 with wg_turns=False.
     softmax_first: bool = False
+    # Where no O stage fits (D 128 128 x 176), O staged in a 64-row buffer that the two consumers use
+    # in turn, so the Q slot is freed after a tile's last QK and tiles overlap (params.cuh O_HALF,
+    # session 14); no effect where O has its own stage. Off until an H100 A/B shows the gain.
+    o_half: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -97,7 +101,7 @@ class Fa3Config:
         flags += ["-DKV_ROTATE=1"] * self.kv_rotate + ["-DL2_HINTS=1"] * self.l2_hints
         flags += ["-DTAIL_SPLIT=1"] * self.tail_split
         flags += ["-DWG_TURNS=0"] * (not self.wg_turns) + ["-DRESCALE_BEFORE_PV=1"] * self.rescale_before_pv
-        flags += ["-DSOFTMAX_FIRST=1"] * self.softmax_first
+        flags += ["-DSOFTMAX_FIRST=1"] * self.softmax_first + ["-DO_HALF=1"] * self.o_half
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property
@@ -118,8 +122,15 @@ class Fa3Config:
                 + SMEM_ALIGN <= SMEM_LIMIT)
 
     @property
+    def o_half_used(self) -> bool:
+        """O_HALF takes effect: no O stage of its own, two consumers (kOHalf in params.cuh)."""
+        return self.o_half and not self.separate_o and self.block_m == 2 * WG_ROWS
+
+    @property
     def smem_bytes(self) -> int:
         o = self._q_bytes if self.separate_o else 0
+        if self.o_half_used:   # one consumer's O rows and the o_free mbarrier
+            o = WG_ROWS * self.head_dim * ELEM_BYTES + 8
         return self.q_slots_used * self._q_bytes + self._kv_bytes + o + self._barrier_bytes + SMEM_ALIGN
 
     @property
@@ -433,6 +444,13 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                                 variant=variant is not None)
     if config.causal != causal or config.bf16 != (q.dtype == torch.bfloat16):
         raise LaunchError(f"config {config} does not match causal={causal}, dtype={q.dtype}")
+    if config.o_half and config.tail_split:
+        raise LaunchError("Fa3Config.o_half and tail_split together: a tail chunk stages nothing in o_half's "
+                          "shared O stage", hint="set one of them")
+    if config.o_half_used and config.smem_bytes > SMEM_LIMIT:
+        raise LaunchError(f"Fa3Config.o_half: its 64-row O stage does not fit beside {config.block_m} x "
+                          f"{config.block_n} tiles at D {config.head_dim} ({config.smem_bytes} > {SMEM_LIMIT} bytes)",
+                          hint="o_half is for D 128 128 x 176; leave it off here")
     if config.tail_split and config.head_dim == 256:
         # (two more ints in Problem spill 92 bytes in D 256's 24-register producer, nvcc 13.0)
         raise LaunchError("Fa3Config.tail_split is for head dims 64 and 128", hint="leave tail_split off at D 256")

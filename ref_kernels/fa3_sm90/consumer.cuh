@@ -3,11 +3,11 @@
 // its regions and epilogue(), which it calls; it holds no region itself.
 #pragma once
 
-// Tiles overlap where O has its own staging buffer (kSeparateO): a tile's last P V is issued in
-// the same turn as the next tile's first QK, and its epilogue runs while that QK is on the tensor
-// cores. With O staged in the (only) Q slot, the next tile's Q waits for that epilogue's store, so
-// there each tile drains before the next one starts.
-constexpr bool kOverlapTiles = kSeparateO;
+// Tiles overlap where O has its own staging buffer (kSeparateO, or O_HALF's shared one): a tile's
+// last P V is issued in the same turn as the next tile's first QK, and its epilogue runs while that
+// QK is on the tensor cores. With O staged in the (only) Q slot, the next tile's Q waits for that
+// epilogue's store, so there each tile drains before the next one starts.
+constexpr bool kOverlapTiles = kSeparateO || kOHalf;
 
 // The steady loop waits for its P V between the two halves of the softmax (FA4's placement) where
 // the softmax region provides them (FA3_SOFTMAX_SPLIT: the reference's online softmax, which a
@@ -80,6 +80,20 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       rescale_o(o, rescale);
     }
   };
+  // epilogue() through O_HALF's shared O stage (kOHalf): the consumers use it in turn, tile j's use
+  // by consumer c is j * kConsumers + c (every consumer runs one epilogue per tile), and use u waits
+  // for use u - 1's store to have read the stage. Thread 0 waits before epilogue(), whose first
+  // warpgroup sync holds the others; it signals after the store has read O, before the next tile.
+  int o_use = cs.c;
+  auto run_epilogue = [&](const Tile& t, bool holds_q) {
+    if (kOHalf && cs.wg_thread == 0 && o_use > 0) mbar_wait(o_free_bar(sm), (o_use - 1) & 1);
+    epilogue(cs, sm, tm_o, lse, o, st, t, pb.seqlen_q, holds_q);
+    if (kOHalf && cs.wg_thread == 0) {
+      tma_store_wait_read();
+      mbar_arrive(o_free_bar(sm));
+    }
+    o_use += kConsumers;
+  };
   // The previous tile, while its last P V and epilogue are owed (pending).
   bool pending = false;
   int prev_m0 = 0, prev_sv = 0, prev_phase = 0;           // its rows, the ring slot of its last V
@@ -99,7 +113,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
 #endif
     reg_fence(o);
     cs.release(sm.v_empty + 8 * prev_sv);
-    epilogue(cs, sm, tm_o, lse, o, st, Tile{prev_m0, prev_hm, KvRange{}}, pb.seqlen_q, true);
+    run_epilogue(Tile{prev_m0, prev_hm, KvRange{}}, true);
     pending = false;
   };
   auto drain_alone = [&]() {
@@ -133,11 +147,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
       softmax_init(st);
-      if constexpr (!kSeparateO) {                         // O goes through the Q slot: take it
+      if constexpr (kOInQ) {                               // O goes through the Q slot: take it
         mbar_wait(sm.q_full + 8 * (q_iter % kQSlots), (q_iter / kQSlots) & 1);
         ++q_iter;
       }
-      epilogue(cs, sm, tm_o, lse, o, st, tl, pb.seqlen_q, !kSeparateO);
+      run_epilogue(tl, kOInQ);
       continue;
     }
     const int qs = q_iter % kQSlots;                        // this tile's Q slot
@@ -241,7 +255,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       if constexpr (!kRescaleBeforePv) rescale_o(o, rescale);
       convert_p(p, s);
     }
-    if (kSeparateO) cs.release(sm.q_empty + 8 * qs);     // every QK of this tile is done
+    if (!kOInQ) cs.release(sm.q_empty + 8 * qs);         // every QK of this tile is done
 
     // The last P V and the epilogue are owed: issued with the next tile's first QK, or here.
     pending = true;

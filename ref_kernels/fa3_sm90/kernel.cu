@@ -496,6 +496,13 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     }
     if constexpr (!kRangeViaSmem) tl = pb.tile(t);
     const int tiles = kv_count(tl.r);
+    // O_HALF: Q loads when the previous tile's last QK is done, an iteration before its first QK
+    // here; into L2 now (two KV tiles ahead), that load is an L2 hit.
+    if constexpr (kOHalf) {
+      if (tiles > 0)
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p) tma_prefetch_4d(tm_q, p * kPanelCols, tl.m0, tl.hm.h, tl.hm.b);
+    }
     auto load_q = [&]() {
       const int qs = q_iter % kQSlots;
       // @cuir-region load_q
@@ -515,7 +522,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     // zero O through that slot, so it takes the slot like any tile, without a load (a bare arrive
     // completes q_full's phase), and its epilogue frees it. Before this, its O overwrote the next
     // tile's Q as it landed (D 256, Nq > Nk causal: reruns differed).
-    if (!kSeparateO && tiles == 0) {
+    if (kOInQ && tiles == 0) {
       const int qs = q_iter % kQSlots;
       mbar_wait(sm.q_empty + 8 * qs, ((q_iter / kQSlots) & 1) ^ 1);
       mbar_arrive(sm.q_full + 8 * qs);
@@ -581,7 +588,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
     inv[half] = attended ? 1.f / sum : 0.f;
     row_lse[half] = attended ? st.row_max[half] + __logf(sum) : kNegInf;
   }
-  const uint32_t o_rows = sm.o + cs.c * kWgQBytes;         // this consumer's rows of the O stage
+  const uint32_t o_rows = sm.o + cs.c * kOWgStride;        // this consumer's rows of the O stage
   if (cs.wg_thread == 0) tma_store_wait_read();            // the previous tile's store has read it
   cs.wg_sync();                                            // ... and every warp's last QK is done
 #pragma unroll
@@ -590,7 +597,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = f.row0 + 8 * half;
-      const uint32_t addr = o_rows + panel * kQPanelBytes + row * kSwizzleBytes +
+      const uint32_t addr = o_rows + panel * kOPanelBytes + row * kSwizzleBytes +
                             ((chunk ^ (row % 8)) * 16) + f.col0 * kElemBytes;
       const uint32_t val = pack2(o[4 * j + 2 * half] * inv[half], o[4 * j + 2 * half + 1] * inv[half]);
       asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(val) : "memory");
@@ -602,7 +609,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
   if (cs.wg_thread == 0) {
 #pragma unroll
     for (int p = 0; p < kPanels; ++p)
-      tma_store_4d(tm_o, o_rows + p * kQPanelBytes, p * kPanelCols, q_base, tl.hm.h, tl.hm.b);
+      tma_store_4d(tm_o, o_rows + p * kOPanelBytes, p * kPanelCols, q_base, tl.hm.h, tl.hm.b);
     tma_store_commit();
   }
   if (cs.lane % 4 == 0) {
@@ -612,7 +619,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
       if (q_idx < seqlen_q) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
     }
   }
-  if (!kSeparateO && holds_q) {      // O was staged in Q (one Q slot, slot 0): free it once read
+  if (kOInQ && holds_q) {           // O was staged in Q (one Q slot, slot 0): free it once read
     if (cs.wg_thread == 0) tma_store_wait_read();
     cs.wg_sync();
     cs.release(sm.q_empty);
@@ -686,6 +693,7 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
       mbar_init(sm.tile_full + 8 * s, 1);
       mbar_init(sm.tile_empty + 8 * s, kConsumers * kWgThreads);
     }
+    if (kOHalf) mbar_init(o_free_bar(sm), 1);               // O_HALF: the O stage read by its last store
     fence_barrier_init();
   }
   __syncthreads();

@@ -90,9 +90,25 @@ constexpr int kOffV = kOffK + kRingBytes;
 // O is staged for its TMA store in its own buffer when that fits, so the next tile's Q can load
 // during the epilogue; otherwise it reuses the (only) Q slot and Q is released after the store.
 constexpr bool kSeparateO = kTwoQ || kOffV + kRingBytes + kQBytes + kBarBytes + kSmemAlign <= kSmemLimit;
-constexpr int kOffO = kSeparateO ? kOffV + kRingBytes : kOffQ;
-constexpr int kOffBar = kOffV + kRingBytes + (kSeparateO ? kQBytes : 0);
-constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;   // + slack to align the base
+// O_HALF=1 (Fa3Config.o_half; session 14, an option until measured): where no O stage fits (D 128
+// 128 x 176: Q 32 KB + ring 176 KB + O 32 KB > 227 KB), O is staged in a buffer of one consumer's 64
+// rows (16 KB, after the V ring; 18 KB are free there) that the consumers use in turn (o_free, an
+// mbarrier after the tile slots), instead of in the only Q slot. Q is then freed after a tile's last
+// QK, so the next Q loads during the drain and tiles overlap as with a separate O stage (consumer.cuh).
+#ifndef O_HALF
+#define O_HALF 0
+#endif
+// Two consumers: use u of the stage waits for use u - 1's phase by parity, which with a third
+// consumer could alias (u - 2 not yet complete).
+constexpr bool kOHalf = O_HALF && !kSeparateO && kConsumers == 2;
+constexpr bool kOInQ = !kSeparateO && !kOHalf;          // O staged in the (only) Q slot
+constexpr int kOHalfBytes = kWgRows * kHeadDim * kElemBytes;
+constexpr int kOWgStride = kOHalf ? 0 : kWgQBytes;         // consumer c's O rows at o + c * this
+constexpr int kOPanelBytes = kOHalf ? kWgQBytes : kQPanelBytes;   // a 64-column panel of the O stage
+constexpr int kOffO = kSeparateO || kOHalf ? kOffV + kRingBytes : kOffQ;
+constexpr int kOffBar = kOffV + kRingBytes + (kSeparateO ? kQBytes : kOHalf ? kOHalfBytes : 0);
+constexpr int kOFreeBytes = kOHalf ? 8 : 0;                // the o_free mbarrier after the tile slots
+constexpr int kSmemBytes = kOffBar + kBarBytes + kOFreeBytes + kSmemAlign;   // + slack to align the base
 constexpr int kEmptyArrivals = kConsumers * kWarpsPerWg;             // one arrive per consumer warp
 
 // Named barriers (0 is __syncthreads).
@@ -110,6 +126,7 @@ static_assert(kBlockM <= 256, "TMA box rows are at most 256");
 static_assert(kStages >= 2, "STAGES must be >= 2 so loads overlap compute");
 static_assert(Q_SLOTS == 1 || Q_SLOTS == 2, "Q_SLOTS must be 1 or 2");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
+static_assert(!O_HALF || kSeparateO || kOffO % kSmemAlign == 0, "O_HALF: the O stage must be 1024-aligned");
 #ifdef HOST_SMEM_BYTES   // the launcher's size (Fa3Config.smem_bytes): a layout change must reach it
 static_assert(kSmemBytes == HOST_SMEM_BYTES,
               "the host launches with another shared-memory size than this layout needs: update "

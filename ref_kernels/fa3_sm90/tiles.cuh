@@ -12,6 +12,9 @@ struct Smem {
   __device__ __forceinline__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
   __device__ __forceinline__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
 };
+// O_HALF's mbarrier (kOHalf): one phase per use of the shared 64-row O stage, completed when that
+// use's TMA store has read it. After the tile slots (kOFreeBytes in params.cuh).
+__device__ __forceinline__ uint32_t o_free_bar(const Smem& sm) { return sm.tile_slot + kTileSlots * kTileSlotBytes; }
 // The K/V ring is shared by all tiles of a CTA: `it` counts KV tiles since the CTA started.
 __device__ __forceinline__ int ring_stage(int it) { return it % kStages; }
 __device__ __forceinline__ int ring_phase(int it) { return (it / kStages) & 1; }
@@ -54,6 +57,7 @@ static_assert(sizeof(TileMsg) <= kTileSlotBytes, "a variant's KvRange is too lar
 // The workspace holds kTailMaxChunks chunks of kTailChunkFloats (O rows, then row max, row sum);
 // the counters kTailMaxChunks * kConsumers ints (cubridge/runtime/fa3_sm90.py TAIL_MAX_CHUNKS).
 constexpr bool kTailSplit = !kCausal && kDenseKernel && !KV_ROTATE;   // (TAIL_SPLIT set)
+static_assert(!kOHalf, "TAIL_SPLIT and O_HALF: tail_epilogue stages nothing in the shared O stage; set one");
 constexpr int kTailMaxChunks = 160;
 constexpr int kTailChunkFloats = kBlockM * (kHeadDim + 2);
 struct TailPlan { int items, start, split; };

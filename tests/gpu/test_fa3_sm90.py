@@ -148,6 +148,40 @@ def test_tail_split(case, causal):
              block_m=block_m, block_n=block_n, tail_split=True)
 
 
+# o_half (off by default, session 14): D 128 128 x 176 with O staged in a 64-row buffer the two
+# consumers use in turn, Q freed after a tile's last QK, tiles overlapped. One CTA running every tile
+# (the stage's uses alternate over many tiles), capped and full grids, one KV tile per tile, Nq > Nk
+# causal (tiles with no key: their zero O through the shared stage), GQA / MQA, ragged lengths.
+O_HALF_CASES = [(2, 8, 2, 1000, 1031, 1), (2, 8, 2, 2500, 2500, 7), (1, 8, 8, 4096, 4096, None),
+                (2, 4, 2, 1000, 17, 3), (1, 8, 1, 300, 1000, 5), (1, 2, 1, 1, 17, None), (2, 8, 2, 8192, 8192, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", O_HALF_CASES, ids=lambda c: "b%d_h%d/%d_%dx%d_g%s" % c)
+def test_o_half(case, causal, dtype):
+    b, hq, hkv, nq, nk, grid = case
+    if nq >= 8192:
+        b = 1   # (the float64 golden's memory)
+    run_case(b, hq, hkv, nq, nk, 128, dtype, causal, persistent=True, max_ctas=grid,
+             block_m=128, block_n=176, o_half=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("grid", [1, 7, None], ids=lambda g: f"g{g}")
+def test_o_half_is_bitwise_the_default_176(grid, causal):
+    """o_half changes where O is staged and when tiles start, not one operation on the scores or O:
+    its output and lse equal the 128 x 176 kernel's bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, h, 2500, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (8, 2, 2))
+    outs = []
+    for o_half in (False, True):
+        config = Fa3Config(128, 128, 176, 2, causal, True, persistent=True, o_half=o_half)
+        outs.append(fa3_forward(q, k, v, causal=causal, config=config, max_ctas=grid))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def _cfg_id(cfg: dict) -> str:
     return "_".join(f"{k}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 

@@ -252,7 +252,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
     inv[half] = attended ? 1.f / sum : 0.f;
     row_lse[half] = attended ? st.row_max[half] + __logf(sum) : kNegInf;
   }
-  const uint32_t o_rows = sm.o + cs.c * kWgQBytes;         // this consumer's rows of the O stage
+  const uint32_t o_rows = sm.o + cs.c * kOWgStride;        // this consumer's rows of the O stage
   if (cs.wg_thread == 0) tma_store_wait_read();            // the previous tile's store has read it
   cs.wg_sync();                                            // ... and every warp's last QK is done
 #pragma unroll
@@ -261,7 +261,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = f.row0 + 8 * half;
-      const uint32_t addr = o_rows + panel * kQPanelBytes + row * kSwizzleBytes +
+      const uint32_t addr = o_rows + panel * kOPanelBytes + row * kSwizzleBytes +
                             ((chunk ^ (row % 8)) * 16) + f.col0 * kElemBytes;
       const uint32_t val = pack2(o[4 * j + 2 * half] * inv[half], o[4 * j + 2 * half + 1] * inv[half]);
       asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(val) : "memory");
@@ -273,7 +273,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
   if (cs.wg_thread == 0) {
 #pragma unroll
     for (int p = 0; p < kPanels; ++p)
-      tma_store_4d(tm_o, o_rows + p * kQPanelBytes, p * kPanelCols, q_base, tl.hm.h, tl.hm.b);
+      tma_store_4d(tm_o, o_rows + p * kOPanelBytes, p * kPanelCols, q_base, tl.hm.h, tl.hm.b);
     tma_store_commit();
   }
   if (cs.lane % 4 == 0) {
@@ -283,7 +283,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
       if (q_idx < seqlen_q) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
     }
   }
-  if (!kSeparateO && holds_q) {      // O was staged in Q (one Q slot, slot 0): free it once read
+  if (kOInQ && holds_q) {           // O was staged in Q (one Q slot, slot 0): free it once read
     if (cs.wg_thread == 0) tma_store_wait_read();
     cs.wg_sync();
     cs.release(sm.q_empty);

@@ -44,8 +44,7 @@ SHAPES = [("causal", 128, 32, 32, 8192), ("full", 128, 32, 32, 8192), ("causal",
           ("full", 128, 32, 32, 1024), ("causal", 64, 32, 32, 1024), ("causal", 128, 64, 8, 8192)]
 QUICK_SHAPES = SHAPES[:3]
 # Session 9 (peers_dense.json): FA4 leads full attention at D 128 by 5-11% from 4k on, causal is at par
-LONG_SHAPES = [(v, 128, hq, hkv, n) for n in (8192, 16384) for hq, hkv in ((32, 32), (64, 8))
-               for v in ("full", "causal")]
+# (--long: full / causal x MHA 32/32, GQA 64/8 x --lengths, 8k and 16k by default)
 
 
 def parse_tile(text: str) -> tuple[int, int]:
@@ -319,6 +318,10 @@ def main(argv=None) -> int:
                     help="full and causal D128, MHA 32/32 and GQA 64/8, 8k and 16k (session 9's gap to FA4)")
     ap.add_argument("--head-dims", nargs="*", type=int, default=[128],
                     help="with --long: these head dims (e.g. 128 64)")
+    ap.add_argument("--lengths", nargs="*", type=int, default=[8192, 16384],
+                    help="with --long: these sequence lengths (B = 16384 // N)")
+    ap.add_argument("--masks", nargs="*", choices=("full", "causal"), default=["full", "causal"],
+                    help="with --long: these masks")
     ap.add_argument("--tiles", nargs="*", type=parse_tile_at, default=[],
                     help="also time the product kernel at these BLOCK_MxBLOCK_N tiles (D 128 shapes; "
                          "dD:MxN at head dim D, MxNsK with K stages, e.g. d64:192x128s3)")
@@ -349,7 +352,8 @@ def main(argv=None) -> int:
         ap.error(f"--patches: {e}")
     if missing:
         ap.error(f"--patches: no experiments/patches/{missing[0]}.patch (have: {', '.join(patch_names())})")
-    long_shapes = [(v, d, hq, hkv, n) for d in args.head_dims for v, _, hq, hkv, n in LONG_SHAPES]
+    long_shapes = [(v, d, hq, hkv, n) for d in args.head_dims for n in args.lengths for hq, hkv in ((32, 32), (64, 8))
+                   for v in args.masks]
     shapes = (long_shapes if args.long else QUICK_SHAPES if args.quick else SHAPES) if args.dense else []
     sources = build_all(patches, shapes, args.tiles, args.grid, args.options) if shapes else {}
     runners, per_variant, skipped = None, {}, []

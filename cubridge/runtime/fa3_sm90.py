@@ -444,9 +444,6 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
                                 variant=variant is not None)
     if config.causal != causal or config.bf16 != (q.dtype == torch.bfloat16):
         raise LaunchError(f"config {config} does not match causal={causal}, dtype={q.dtype}")
-    if config.o_half and config.tail_split:
-        raise LaunchError("Fa3Config.o_half and tail_split together: a tail chunk stages nothing in o_half's "
-                          "shared O stage", hint="set one of them")
     if config.o_half_used and config.smem_bytes > SMEM_LIMIT:
         raise LaunchError(f"Fa3Config.o_half: its 64-row O stage does not fit beside {config.block_m} x "
                           f"{config.block_n} tiles at D {config.head_dim} ({config.smem_bytes} > {SMEM_LIMIT} bytes)",

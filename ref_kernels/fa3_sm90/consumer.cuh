@@ -80,19 +80,25 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       rescale_o(o, rescale);
     }
   };
-  // epilogue() through O_HALF's shared O stage (kOHalf): the consumers use it in turn, tile j's use
-  // by consumer c is j * kConsumers + c (every consumer runs one epilogue per tile), and use u waits
-  // for use u - 1's store to have read the stage. Thread 0 waits before epilogue(), whose first
+  // O_HALF's shared O stage (kOHalf): the consumers use it in turn, tile j's use by consumer c is
+  // j * kConsumers + c (every consumer runs one epilogue, or tail_epilogue, per tile), and use u waits
+  // for use u - 1's store to have read the stage. Thread 0 waits before the epilogue, whose first
   // warpgroup sync holds the others; it signals after the store has read O, before the next tile.
   int o_use = cs.c;
-  auto run_epilogue = [&](const Tile& t, bool holds_q) {
+  auto o_stage_take = [&]() {
     if (kOHalf && cs.wg_thread == 0 && o_use > 0) mbar_wait(o_free_bar(sm), (o_use - 1) & 1);
-    epilogue(cs, sm, tm_o, lse, o, st, t, pb.seqlen_q, holds_q);
+  };
+  auto o_stage_give = [&]() {
     if (kOHalf && cs.wg_thread == 0) {
       tma_store_wait_read();
       mbar_arrive(o_free_bar(sm));
     }
     o_use += kConsumers;
+  };
+  auto run_epilogue = [&](const Tile& t, bool holds_q) {
+    o_stage_take();
+    epilogue(cs, sm, tm_o, lse, o, st, t, pb.seqlen_q, holds_q);
+    o_stage_give();
   };
   // The previous tile, while its last P V and epilogue are owed (pending).
   bool pending = false;
@@ -106,7 +112,9 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     if (kTailSplit && prev_t >= pb.tail_start) {           // a chunk of a split tail tile
       reg_fence(o);
       cs.release(sm.v_empty + 8 * prev_sv);
+      o_stage_take();
       tail_epilogue(cs, sm, tm_o, lse, o, st, Tile{prev_m0, prev_hm, KvRange{}}, pb, prev_t);
+      o_stage_give();
       pending = false;
       return;
     }

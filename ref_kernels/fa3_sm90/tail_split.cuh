@@ -34,14 +34,14 @@ __device__ __forceinline__ void tail_epilogue(const Consumer& cs, const Smem& sm
     }
   }
   __threadfence();                                         // every writer's stores before the count
-  const uint32_t word = sm.o + cs.c * kWgQBytes;           // a scratch word in this consumer's O rows
+  const uint32_t word = sm.o + cs.c * kOWgStride;          // a scratch word in this consumer's O rows
   if (cs.wg_thread == 0) tma_store_wait_read();            // (an earlier store has read them)
   cs.wg_sync();
   int* count = pb.tile_counter + 4 + tail * kConsumers + cs.c;
   if (cs.wg_thread == 0) st_shared_words(word, atomicAdd(count, 1));
   cs.wg_sync();
   if (ld_shared_words<int>(word) != split - 1) {           // not the last chunk: nothing to store
-    if (!kSeparateO) {                                     // O staged in Q: free the slot as epilogue() does
+    if (kOInQ) {                                           // O staged in Q: free the slot as epilogue() does
       cs.wg_sync();                                        // (every thread has read the word)
       cs.release(sm.q_empty);
     }

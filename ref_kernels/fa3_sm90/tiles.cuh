@@ -57,7 +57,6 @@ static_assert(sizeof(TileMsg) <= kTileSlotBytes, "a variant's KvRange is too lar
 // The workspace holds kTailMaxChunks chunks of kTailChunkFloats (O rows, then row max, row sum);
 // the counters kTailMaxChunks * kConsumers ints (cubridge/runtime/fa3_sm90.py TAIL_MAX_CHUNKS).
 constexpr bool kTailSplit = !kCausal && kDenseKernel && !KV_ROTATE;   // (TAIL_SPLIT set)
-static_assert(!kOHalf, "TAIL_SPLIT and O_HALF: tail_epilogue stages nothing in the shared O stage; set one");
 constexpr int kTailMaxChunks = 160;
 constexpr int kTailChunkFloats = kBlockM * (kHeadDim + 2);
 struct TailPlan { int items, start, split; };

@@ -217,7 +217,7 @@ def test_tail_split_builds_spill_free_at_the_default_full_tiles(tmp_path):
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
 def test_o_half_builds_spill_free_at_128x176_and_changes_nothing_with_an_o_stage(tmp_path):
     """o_half (off by default, session 14) sets O_HALF, builds 128 x 176 spill-free with no serialised
-    wgmma (full / causal, bf16 / fp16), adds 16 KB + an mbarrier to its shared memory, and is a no-op
+    wgmma (full / causal, bf16 / fp16, with tail_split), adds 16 KB + an mbarrier to its shared memory, and is a no-op
     where O has its own stage (128 x 128: the same cubin text)."""
     assert "-DO_HALF=1" in Fa3Config(o_half=True).defines()
     assert not any("O_HALF" in f for f in Fa3Config().defines())
@@ -225,7 +225,8 @@ def test_o_half_builds_spill_free_at_128x176_and_changes_nothing_with_an_o_stage
     assert replace(wide, o_half=True).smem_bytes == wide.smem_bytes + 64 * 128 * 2 + 8
     assert Fa3Config(o_half=True).smem_bytes == Fa3Config().smem_bytes
     configs = [replace(wide, o_half=True), replace(wide, o_half=True, causal=True),
-               replace(wide, o_half=True, bf16=False), Fa3Config(o_half=True), Fa3Config(o_half=False)]
+               replace(wide, o_half=True, bf16=False), replace(wide, o_half=True, tail_split=True),
+               Fa3Config(o_half=True), Fa3Config(o_half=False)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda c: _compile(c, tmp_path), configs))
     for config, proc, _ in results:
@@ -233,7 +234,7 @@ def test_o_half_builds_spill_free_at_128x176_and_changes_nothing_with_an_o_stage
         assert proc.returncode == 0, f"{config}: nvcc failed\n{log[-3000:]}"
         assert "0 bytes spill stores, 0 bytes spill loads" in log, f"{config}: spills\n{log}"
         assert "C7512" not in log, f"{config}: wgmma serialised\n{log}"
-    text = [_text_section(cubin) for _, _, cubin in results[3:]]
+    text = [_text_section(cubin) for _, _, cubin in results[4:]]
     assert text[0] == text[1], "o_half changed a build that has an O stage of its own"
 
 
@@ -252,10 +253,7 @@ def _text_section(cubin: Path, name: str = ".text.fa3_sm90_fwd") -> bytes:
     raise KeyError(name)
 
 
-def test_o_half_is_refused_with_tail_split_and_where_it_does_not_fit():
-    q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
-    with pytest.raises(LaunchError, match="o_half and tail_split"):
-        fa3_forward(q, q, q, config=Fa3Config(block_n=176, o_half=True, tail_split=True))
+def test_o_half_is_refused_where_it_does_not_fit():
     q = torch.zeros(1, 1, 8, 256, dtype=torch.bfloat16)
     with pytest.raises(LaunchError, match="o_half"):
         fa3_forward(q, q, q, config=Fa3Config(head_dim=256, block_n=80, o_half=True))

@@ -182,6 +182,14 @@ def test_o_half_is_bitwise_the_default_176(grid, causal):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("case", [c for c in TAIL_CASES if c[7] == 176], ids=lambda c: "b%d_h%d/%d_%dx%d_d%d_%dx%d_g%d_s%d" % c)
+def test_tail_split_with_o_half(case):
+    """tail_split's chunks take and give o_half's shared O stage like an epilogue (full attention)."""
+    b, hq, hkv, nq, nk, d, block_m, block_n, grid, chunks = case
+    run_case(b, hq, hkv, nq, nk, d, torch.bfloat16, False, persistent=True, max_ctas=grid,
+             block_m=block_m, block_n=block_n, tail_split=True, o_half=True)
+
+
 def _cfg_id(cfg: dict) -> str:
     return "_".join(f"{k}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 

@@ -14,7 +14,11 @@ constexpr bool kOverlapTiles = kSeparateO || kOHalf;
 // softmax variant keeps) and two consumers run: session 11's A/B, +5.8-7.3% full D 128 8k / 16k,
 // +2.4-3.6% causal, prefixlm +3.3%; three consumers (D 64's 192 x 128) lost 0.5-2.7%, so they wait
 // before the whole softmax as before (sigmoid / relu / composite regions always do).
-constexpr bool kSplitPvWait = kConsumers == 2;   // (and FA3_SOFTMAX_SPLIT, in the loop)
+#ifndef SOFTMAX_FIRST
+#define SOFTMAX_FIRST 0
+#endif
+// SOFTMAX_FIRST (below) brings three consumers the pinned wait too, after the whole softmax.
+constexpr bool kSplitPvWait = kConsumers == 2 || SOFTMAX_FIRST;   // (and FA3_SOFTMAX_SPLIT, in the loop)
 
 // The GEMM turns (ping-pong) between the consumers; WG_TURNS=0 drops them: each consumer issues
 // its wgmma as soon as its operands are there. FA4's SM90 forward does so at head dim 256
@@ -39,10 +43,9 @@ constexpr bool kRescaleBeforePv = RESCALE_BEFORE_PV != 0;
 // warpgroup's P V is waited for (FA4's SM90 source order: the whole online softmax, then
 // wait_group 0), so after the P V completes only the rescale and the conversion to P remain before
 // the next GEMM issue. The default splits the softmax around the wait (session 11, measured at
-// D 128 with turns). Same arithmetic, bitwise equal output. An option until measured.
-#ifndef SOFTMAX_FIRST
-#define SOFTMAX_FIRST 0
-#endif
+// D 128 with turns). Same arithmetic, bitwise equal output. An option until measured. With three
+// consumers (D 64's 192 x 128, which wait for P V before the whole softmax by default) it gives them
+// FA4's order too: the softmax, then the pinned wait (session 14, D 64's 0.91-0.98 of FA4).
 constexpr bool kSoftmaxFirst = SOFTMAX_FIRST != 0;
 
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,

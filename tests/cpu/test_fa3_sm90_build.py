@@ -253,6 +253,20 @@ def _text_section(cubin: Path, name: str = ".text.fa3_sm90_fwd") -> bytes:
     raise KeyError(name)
 
 
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_softmax_first_reaches_three_consumers_spill_free(tmp_path):
+    """softmax_first at D 64 192 x 128 (three consumers; session 14) changes the build and spills nothing."""
+    configs = [Fa3Config(head_dim=64, block_m=192, causal=c, softmax_first=f) for c in (False, True) for f in (True, False)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda c: _compile(c, tmp_path), configs))
+    for config, proc, _ in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{config}: nvcc failed\n{log[-3000:]}"
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, f"{config}: spills\n{log}"
+    text = [_text_section(cubin) for _, _, cubin in results[:2]]
+    assert text[0] != text[1], "softmax_first changed nothing at three consumers"
+
+
 def test_o_half_is_refused_where_it_does_not_fit():
     q = torch.zeros(1, 1, 8, 256, dtype=torch.bfloat16)
     with pytest.raises(LaunchError, match="o_half"):

@@ -190,6 +190,23 @@ def test_tail_split_with_o_half(case):
              block_m=block_m, block_n=block_n, tail_split=True, o_half=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (300, 1000, 3)])
+def test_softmax_first_three_consumers(nq, nk, grid, causal):
+    """softmax_first at D 64 192 x 128 (three consumers; session 14): the pinned P V wait after the
+    whole softmax. By the rule, and bitwise equal to the default (the same operations in another order
+    of issue)."""
+    run_case(2, 8, 2, nq, nk, 64, torch.bfloat16, causal, persistent=True, max_ctas=grid,
+             block_m=192, block_n=128, softmax_first=True)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, h, n, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h, n in ((8, nq), (2, nk), (2, nk)))
+    outs = [fa3_forward(q, k, v, causal=causal, max_ctas=grid, config=Fa3Config(
+        64, 192, 128, 2, causal, True, persistent=True, softmax_first=first)) for first in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def _cfg_id(cfg: dict) -> str:
     return "_".join(f"{k}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 

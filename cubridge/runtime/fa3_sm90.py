@@ -164,8 +164,8 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     12's variant_tiles; the dense causal kernel itself runs 128 x 128 since session 14); the tuner
     searches the rest.
 
-    >>> default_config(128, causal=True, seqlen=1024).block_n, default_config(128, causal=True, seqlen=8192).block_n
-    (128, 128)
+    >>> [default_config(128, causal=True, seqlen=n).block_n for n in (1024, 8192, 16384)]
+    [128, 128, 176]
     >>> default_config(128, causal=False, seqlen=8192).block_n, default_config(128, False, variant=True).block_n
     (176, 128)
     >>> default_config(128, False, variant=True, wide=True).block_n, default_config(128, False, seqlen=4096, variant=True, wide=True).block_n
@@ -194,11 +194,12 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     # Lowered variants, `wide` ones (session 12 mid call, variant_tiles beside our dense causal, 8k /
     # 16k): 128x176 with session 10's codegen vs 128x128: prefixlm 0.992 / 0.962 vs 0.960 / 0.917,
     # causal_blockwise 0.985 / 0.964 vs 0.950 / 0.923, ag_causal 0.972 / 0.953 vs 0.936 / 0.912.
-    # Dense causal stays at 128 x 128 at every length (session 14): at >= 8k 128 x 128 (two Q slots, a
-    # separate O stage, tiles overlapped) beat 128 x 176 (one Q slot, tiles drained) in two H100 runs:
-    # s12 mid +1.9 / +2.3% (MHA / GQA 64/8 8k), s13 mid 1.018 / 1.015 (8k), 16k 0.997-0.999 (noise
-    # control 0.999-1.020). Lowered variants are not the dense causal kernel: `wide` ones keep 176.
-    if (not variant and not causal and seqlen >= 2048) or (variant and wide and seqlen >= 8192):
+    # Dense causal takes 128 x 176 only from 16k (session 14): at 8k 128 x 128 (two Q slots, a separate
+    # O stage, tiles overlapped) beat or tied 128 x 176 (one Q slot, tiles drained) in three H100 runs
+    # (MHA / GQA 64/8: s12 mid 1.019 / 1.023, s13 mid 1.018 / 1.015, s14 early 1.002 / 1.022); at 16k
+    # it did not (1.004 / 0.997, 0.997 / 0.999, 0.997 / 0.970). Lowered variants are not the dense
+    # causal kernel: `wide` ones keep 176 from 8k.
+    if ((not variant and seqlen >= (16384 if causal else 2048)) or (variant and wide and seqlen >= 8192)):
         return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True)
     return Fa3Config(head_dim, 128, 128, 2, causal, bf16, persistent=True)
 

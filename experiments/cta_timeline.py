@@ -26,11 +26,12 @@ import json
 import math
 import statistics
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from expkit import gpu_ms, patched_source, versions
-from cubridge.runtime.fa3_sm90 import build_cubin, default_config, fa3_forward
+from cubridge.runtime.fa3_sm90 import Fa3Config, build_cubin, default_config, fa3_forward
 
 PATCH = "knobs/cta_timeline"
 CTAS, ROWS, LEN = 256, 4, 512          # CUIR_CTA_TIMELINE_CTAS / rows per CTA / CUIR_CTA_TIMELINE_LEN
@@ -132,11 +133,16 @@ def analyse(rows: list[list[int]], ctas: int, consumers: int) -> dict:
                 "head_idle": round(head, 4), "tail_idle": round(tail, 4)}}
 
 
+def case_config(case, args):
+    """The case's default config with --options set."""
+    return replace(default_config(case[1], case[2], True, case[5]), **{o: True for o in args.options})
+
+
 def run_case(case, cubins, args):
     import torch
     from cubridge.runtime.timing import _flush_buffer
     label, d, causal, hq, hkv, n = case
-    cfg, (prod_cubin, tl_cubin, buf) = default_config(d, causal, True, n), cubins[label]
+    cfg, (prod_cubin, tl_cubin, buf) = case_config(case, args), cubins[label]
     b = 16384 // n
     g = torch.Generator(device="cuda").manual_seed(1300 + n + d)
     q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -178,7 +184,8 @@ def run_case(case, cubins, args):
     summary["what_each_costs"] = {k: round(statistics.median(r["what_each_costs"][k] for r in good), 4)
                                   for k in good[0].get("what_each_costs", {})}
     return {"case": label, "D": d, "causal": causal, "Hq": hq, "Hkv": hkv, "N": n, "B": b,
-            "config": f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}",
+            "config": f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}"
+                      + "".join(f"+{o}" for o in args.options),
             "bitwise_equal_product": same, "ms_product": round(ms_prod, 4), "ms_timeline": round(ms_tl, 4),
             "marks_cost": round(ms_tl / ms_prod, 4), "ms_fa4": round(ms[2], 4) if fa4 else None,
             "fa4_max_abs_diff_vs_ours": fa4_err, "median_of_runs": summary, "runs": runs}
@@ -190,13 +197,20 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, choices=[c[0] for c in CASES])
     ap.add_argument("--runs", type=int, default=3, help="recorded launches per case (median of their numbers)")
     ap.add_argument("--reps", type=int, default=20, help="timing reps of product vs timeline build")
+    ap.add_argument("--options", nargs="*", default=[],
+                    help="Fa3Config bool fields set on every case's default config (e.g. o_half): the "
+                         "timeline of an option, beside its own product build")
     args = ap.parse_args(argv)
+    from dataclasses import fields
+    flags = {f.name for f in fields(Fa3Config) if f.type in ("bool", bool)} - {"causal", "bf16", "persistent"}
+    if any(o not in flags for o in args.options):
+        ap.error(f"--options: one of {args.options} is not a bool field of Fa3Config ({', '.join(sorted(flags))})")
     import torch
     cases = [c for c in CASES if c[0] in args.cases]
     bufs = {c[0]: torch.zeros(CTAS * ROWS * LEN, dtype=torch.int64, device="cuda") for c in cases}
 
     def build(c):
-        cfg = default_config(c[1], c[2], True, c[5])
+        cfg = case_config(c, args)
         return c[0], (build_cubin(cfg), build_cubin(cfg, source=timeline_source(bufs[c[0]].data_ptr())),
                       bufs[c[0]])
     with ThreadPoolExecutor(max_workers=8) as pool:

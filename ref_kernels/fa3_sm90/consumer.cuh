@@ -3,6 +3,10 @@
 // its regions and epilogue(), which it calls; it holds no region itself.
 #pragma once
 
+#ifndef SOFTMAX_FIRST   // (an option, below; defined first: kSplitPvWait reads it)
+#define SOFTMAX_FIRST 0
+#endif
+
 // Tiles overlap where O has its own staging buffer (kSeparateO, or O_HALF's shared one): a tile's
 // last P V is issued in the same turn as the next tile's first QK, and its epilogue runs while that
 // QK is on the tensor cores. With O staged in the (only) Q slot, the next tile's Q waits for that
@@ -14,9 +18,6 @@ constexpr bool kOverlapTiles = kSeparateO || kOHalf;
 // softmax variant keeps) and two consumers run: session 11's A/B, +5.8-7.3% full D 128 8k / 16k,
 // +2.4-3.6% causal, prefixlm +3.3%; three consumers (D 64's 192 x 128) lost 0.5-2.7%, so they wait
 // before the whole softmax as before (sigmoid / relu / composite regions always do).
-#ifndef SOFTMAX_FIRST
-#define SOFTMAX_FIRST 0
-#endif
 // SOFTMAX_FIRST (below) brings three consumers the pinned wait too, after the whole softmax.
 constexpr bool kSplitPvWait = kConsumers == 2 || SOFTMAX_FIRST;   // (and FA3_SOFTMAX_SPLIT, in the loop)
 

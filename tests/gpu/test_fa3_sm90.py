@@ -221,6 +221,16 @@ def test_tile_configs(cfg, n, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("n", [8192, 16384], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_default_config_at_long_lengths(d, n, causal):
+    """default_config's long-sequence choices (session 14: causal D 128 128 x 128 below 16k and
+    128 x 176 from 16k; full 128 x 176 with the options it sets) on the full persistent grid (256
+    tiles on the SMs: a last wave), by the rule. Two heads: the float64 golden of 16k rows is 4 GB."""
+    run_case(1, 2, 1, n, n, d, torch.bfloat16, causal, persistent=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("max_ctas", [1, 3, 64])
 def test_few_ctas_many_tiles(max_ctas, causal):
     """A CTA runs many tiles back to back: Q slot and K/V ring phases carry across tiles."""

@@ -161,13 +161,17 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     a softmax variant with no score_mod, no block table and one interval of keys per row, e.g.
     prefixlm, causal_blockwise, the corpus's causal / prefix / chunk masks; not a window, whose edges
     cut more of a 176-wide tile: lower/tileshare.py), which takes 128 x 176 from 8k at D 128 (session
-    12's variant_tiles; the dense causal kernel itself runs 128 x 128 since session 14); the tuner
-    searches the rest.
+    12's variant_tiles; the dense kernel takes 176 from 8k full / 16k causal since session 14); the
+    tuner searches the rest.
 
     >>> [default_config(128, causal=True, seqlen=n).block_n for n in (1024, 8192, 16384)]
     [128, 128, 176]
-    >>> default_config(128, causal=False, seqlen=8192).block_n, default_config(128, False, variant=True).block_n
-    (176, 128)
+    >>> [default_config(128, causal=False, seqlen=n).block_n for n in (1024, 4096, 8192)]
+    [128, 128, 176]
+    >>> default_config(128, False, seqlen=8192).tail_split, default_config(128, True, seqlen=16384).tail_split
+    (True, False)
+    >>> default_config(128, False, variant=True).block_n
+    128
     >>> default_config(128, False, variant=True, wide=True).block_n, default_config(128, False, seqlen=4096, variant=True, wide=True).block_n
     (176, 128)
     """
@@ -194,12 +198,18 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     # Lowered variants, `wide` ones (session 12 mid call, variant_tiles beside our dense causal, 8k /
     # 16k): 128x176 with session 10's codegen vs 128x128: prefixlm 0.992 / 0.962 vs 0.960 / 0.917,
     # causal_blockwise 0.985 / 0.964 vs 0.950 / 0.923, ag_causal 0.972 / 0.953 vs 0.936 / 0.912.
-    # Dense causal takes 128 x 176 only from 16k (session 14): at 8k 128 x 128 (two Q slots, a separate
-    # O stage, tiles overlapped) beat or tied 128 x 176 (one Q slot, tiles drained) in three H100 runs
-    # (MHA / GQA 64/8: s12 mid 1.019 / 1.023, s13 mid 1.018 / 1.015, s14 early 1.002 / 1.022); at 16k
-    # it did not (1.004 / 0.997, 0.997 / 0.999, 0.997 / 0.970). Lowered variants are not the dense
-    # causal kernel: `wide` ones keep 176 from 8k.
-    if ((not variant and seqlen >= (16384 if causal else 2048)) or (variant and wide and seqlen >= 8192)):
+    # Session 14: dense causal takes 128 x 176 only from 16k: at 8k 128 x 128 (two Q slots, a separate
+    # O stage, tiles overlapped) beat or tied 128 x 176 (one Q slot, tiles drained) in four H100 runs
+    # (MHA / GQA 64/8: s12 mid 1.019 / 1.023, s13 mid 1.018 / 1.015, s14 early 1.002 / 1.022, s14 mid
+    # 1.017 / 1.020); at 16k it did not (1.004 / 0.997, 0.997 / 0.999, 0.997 / 0.970, 0.996 / 0.996).
+    # Dense full takes 176 from 8k (was 2k): s14 mid, 128 x 128 over 176 at 2k 1.052 / 1.056, 4k
+    # 1.030 / 1.033, 8k 0.999 / 0.994, 16k 0.984 / 0.972 (noise control 0.994-1.006); and with
+    # tail_split (full only): s13 mid / s14 early / s14 mid 8k 1.004 / 1.006 / 1.003 (MHA), 1.011 /
+    # 1.023 / 1.011 (GQA), 16k 1.017-1.028; it lost at 2k-4k (0.973-0.997, 176) and at D 64.
+    # Lowered variants are not the dense kernel: `wide` ones keep 176 from 8k, no tail_split.
+    if not variant and seqlen >= (16384 if causal else 8192):
+        return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True, tail_split=not causal)
+    if variant and wide and seqlen >= 8192:
         return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True)
     return Fa3Config(head_dim, 128, 128, 2, causal, bf16, persistent=True)
 

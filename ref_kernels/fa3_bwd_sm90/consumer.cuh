@@ -358,15 +358,24 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   // A variant's mask test may read a block table: issued before the GEMMs, its load latency hides
   // under them (false and unused in the dense kernel).
   const bool variant_partial = kRangeRuns && step_needs_mask(va, cs, pb, m0);
+  // ROWS_EARLY (params.cuh): the LSE rows and the mask decision read before any HGMMA of the step is
+  // queued, so their LDS do not wait behind the SS GEMMs' shared-memory reads
+  float early_pre[kPreRegs];
+  bool early_partial = false;
+  if constexpr (kRowsEarly >= 1) {
+    preload_row_terms(early_pre, cs, sm.lse_tile(st));
+    early_partial = !kRangeRuns && step_needs_mask(va, cs, pb, m0);
+  }
   wgmma_fence();
   gemm_xt(s, kr, sm.q_tile(st));
   wgmma_commit();
   gemm_xt(dp, vr, sm.do_tile(st));
   wgmma_commit();
   float row_pre[kPreRegs];
-  preload_row_terms(row_pre, cs, sm.lse_tile(st));   // ISSUE 1: LSE under the S / dP GEMMs
+  if constexpr (kRowsEarly == 0) preload_row_terms(row_pre, cs, sm.lse_tile(st));   // ISSUE 1: LSE under the S / dP GEMMs
   // ISSUE 1: the mask decision (a shared read of Nk - Nq) also before the wait
-  const bool pre_partial = kIssue && !kRangeRuns && step_needs_mask(va, cs, pb, m0);
+  const bool pre_partial = kRowsEarly ? early_partial : kIssue && !kRangeRuns && step_needs_mask(va, cs, pb, m0);
+  const float (&lse_pre)[kPreRegs] = kRowsEarly ? early_pre : row_pre;
   // kSplitPasses false: score_mod' or dscore needs the f32 score, so P^T and dS^T in one pass after both
   if constexpr (kSplitPasses) wgmma_wait<1>();  // S^T landed, dP^T in flight
   else wgmma_wait<0>();
@@ -379,20 +388,22 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   if constexpr (kSplitPasses) {
     probs_only(va, kRangeRuns ? variant_partial : kIssue ? pre_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse,
                scale_log2, pb, g,
-               m0, sm.lse_tile(st), row_pre);
+               m0, sm.lse_tile(st), lse_pre);
   } else {
     reg_fence(dp);
     probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));
   }
   uint32_t p16[kPRegs];
   pack_frag(p16, s);
+  // ROWS_EARLY 2: Dvec before the dV GEMM's HGMMAs are queued (else after them, ISSUE 1)
+  if constexpr (kSplitPasses && kRowsEarly >= 2) preload_row_terms(row_pre, cs, sm.dvec_tile(st));
   if constexpr (!kDvLate) {
     wgmma_fence();
     gemm_rs(dv_acc, p16, sm.do_tile(st));        // dV += P^T dO runs under the dS pass
     wgmma_commit();
   }
   if constexpr (kSplitPasses) {
-    preload_row_terms(row_pre, cs, sm.dvec_tile(st));   // ISSUE 1: Dvec under the dP / dV GEMMs
+    if constexpr (kRowsEarly < 2) preload_row_terms(row_pre, cs, sm.dvec_tile(st));   // ISSUE 1: Dvec under the dP / dV GEMMs
     if constexpr (kDvLate) wgmma_wait<0>();     // dP^T landed (DV_LATE: nothing else in flight)
     else wgmma_wait<1>();                        // dP^T landed
     reg_fence(dp);

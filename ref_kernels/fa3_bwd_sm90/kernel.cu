@@ -85,6 +85,9 @@ typedef unsigned long long uint64_t;
 #ifndef DQ_WRITER
 #define DQ_WRITER 0
 #endif
+#ifndef ROWS_EARLY
+#define ROWS_EARLY 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"

@@ -50,8 +50,7 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # ROWS_EARLY moves 16 LSE registers' birth above the S / dP GEMMs' issue: all four corners on _dqw,
     # the D = 128 extremes on the others
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early", s) for s in SPECS] + [
-    (o, s) for o in ("bulk_overlap_lse_lean_issue_pf32_epi_early", "bulk_overlap_lse_lean_issue_pf32_epi_dqw_earlylse")
-    for s in ((128, True, True), (128, False, False))]
+    ("bulk_overlap_lse_lean_issue_pf32_epi_early", s) for s in ((128, True, True), (128, False, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 

@@ -248,7 +248,6 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
                                     "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_early",
-                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_earlylse",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"])
 def test_carry_gradients_equal_pf32(option, causal, shape):
     """CARRY (session 12) only moves where each step waits for its dK GEMM (the next step's first

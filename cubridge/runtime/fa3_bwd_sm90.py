@@ -122,6 +122,10 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
                                                                rows_early=2),
            "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
                                                                    epilogue=1, dq_writer=1, rows_early=2),
+           # with CARRY (session 12: -2..-5% alone, when the LSE loads still queued behind dK's and S's HGMMAs)
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                         epilogue=1, carry=1, dq_writer=1,
+                                                                         rows_early=2),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),

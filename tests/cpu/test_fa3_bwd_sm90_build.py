@@ -50,6 +50,8 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # ROWS_EARLY moves 16 LSE registers' birth above the S / dP GEMMs' issue: all four corners on _dqw,
     # the D = 128 extremes on the others
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early", s) for s in SPECS] + [
+    # ... and with CARRY's loop-carried dK (ptxas must not inject a wgmma wait: C7517 above)
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry", s) for s in SPECS] + [
     ("bulk_overlap_lse_lean_issue_pf32_epi_early", s) for s in ((128, True, True), (128, False, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 

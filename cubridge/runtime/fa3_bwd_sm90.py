@@ -31,8 +31,9 @@ next step's first wgmma wait instead of at its own end; session 12: racecheck cl
 pass and dQ queued behind it; session 12: 2-6% slower than the default, off),
 "bulk_overlap_lse_lean_issue_pf32_epi_dqw" (the default with DQ_WRITER: FA4's dQ writer warp in the producer
 warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, dense only, off until timed),
-"bulk_overlap_lse_lean_issue_pf32_epi_early" and "..._dqw_early" (ROWS_EARLY 2: the LSE and Dvec rows read before the
-step's GEMMs are queued rather than behind them; session 14, dense only, off),
+"bulk_overlap_lse_lean_issue_pf32_epi_dqw_early" (ROWS_EARLY 2: the LSE and Dvec rows read before the step's GEMMs
+are queued rather than behind them; session 14, dense only, off), "..._dqw_early_carry" (that with CARRY) and
+"..._dqw_early_rot" (that with M_ROTATE: full attention's CTAs start their query sweep at tile 2n, as causal's do),
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
 order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
@@ -101,6 +102,7 @@ class Modes(NamedTuple):
     dv_late: int = 0
     dq_writer: int = 0
     rows_early: int = 0
+    m_rotate: int = 0
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
@@ -117,15 +119,17 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue_pf32_epi_dqw": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
                                                              dq_writer=1),
            # session 14 (ROWS_EARLY, params.cuh): LSE rows read before the S / dP GEMMs are queued (1), and the
-           # Dvec rows before dV's (2, these options); on the default and on _dqw, off until an H100 A/B and the rule tests
-           "bulk_overlap_lse_lean_issue_pf32_epi_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
-                                                               rows_early=2),
+           # Dvec rows before dV's (2, these options); on the default, off until an H100 A/B and the rule tests
            "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
                                                                    epilogue=1, dq_writer=1, rows_early=2),
            # with CARRY (session 12: -2..-5% alone, when the LSE loads still queued behind dK's and S's HGMMAs)
            "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
                                                                          epilogue=1, carry=1, dq_writer=1,
                                                                          rows_early=2),
+           # with M_ROTATE (full attention's CTAs start their query sweep at tile 2n, as causal's do)
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                       epilogue=1, dq_writer=1, rows_early=2,
+                                                                       m_rotate=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),

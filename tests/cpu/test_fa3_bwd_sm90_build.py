@@ -47,12 +47,12 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     ("bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate", s) for s in SPECS] + [
     # DQ_WRITER adds a writer warp under the producer warpgroup's 24 registers: all four corners
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw", s) for s in SPECS] + [
-    # ROWS_EARLY moves 16 LSE registers' birth above the S / dP GEMMs' issue: all four corners on _dqw,
-    # the D = 128 extremes on the others
+    # ROWS_EARLY moves 16 LSE registers' birth above the S / dP GEMMs' issue: all four corners
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early", s) for s in SPECS] + [
     # ... and with CARRY's loop-carried dK (ptxas must not inject a wgmma wait: C7517 above)
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry", s) for s in SPECS] + [
-    ("bulk_overlap_lse_lean_issue_pf32_epi_early", s) for s in ((128, True, True), (128, False, False))]
+    # M_ROTATE changes full attention's loops only (causal builds are _dqw_early's): the full corners
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot", s) for s in ((128, False, False), (64, False, True))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -104,7 +104,7 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 def test_option_table_matches_the_kernel_macros():
     """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
     with SCHED 1 (static_asserts)."""
-    assert hb.OPTIONS["base"] == (0,) * 12 and hb.DEFAULT_OPTION in hb.OPTIONS
+    assert hb.OPTIONS["base"] == (0,) * 13 and hb.DEFAULT_OPTION in hb.OPTIONS
     for name, m in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
         assert f"-DDQ_MODE={m.dq_mode}" in opts and f"-DSCHED={m.sched}" in opts and f"-DLSE_SMEM={m.lse_smem}" in opts
@@ -114,6 +114,7 @@ def test_option_table_matches_the_kernel_macros():
         assert f"-DDV_LATE={m.dv_late}" in opts and not (m.dv_late and (m.sched != 1 or m.issue != 2)), name
         assert f"-DDQ_WRITER={m.dq_writer}" in opts and not (m.dq_writer and (m.sched != 1 or m.dq_mode != 1)), name
         assert f"-DROWS_EARLY={m.rows_early}" in opts and not (m.rows_early and (m.sched != 1 or not m.issue)), name
+        assert f"-DM_ROTATE={m.m_rotate}" in opts and not (m.m_rotate and (m.sched != 1 or not m.issue)), name
         assert m.sched in (0, 1, 2) and m.tile_order in (0, 2) and m.arrive_all in (0, 1), name
         assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
         assert not (m.lean and not m.lse_smem) and not (m.issue and not m.lse_smem), name

@@ -247,7 +247,6 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
 @pytest.mark.parametrize("option", ["bulk_overlap_lse_lean_issue_pf32_epi_carry",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw",
-                                    "bulk_overlap_lse_lean_issue_pf32_epi_early",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry"])
 def test_carry_gradients_equal_pf32(option, causal, shape):

@@ -185,9 +185,11 @@ template <bool kPartial>
 __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0, uint32_t lse_tile,
-                                           const float (&lse_pre)[kPreRegs]) {
+                                           const float (&lse_pre)[kPreRegs], int shift_pre) {
   constexpr bool partial = kPartial;
-  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();   // as probs_and_ds
+  // ROWS_EARLY: Nk - Nq as read before the GEMMs (a shared load here waits behind dP^T's HGMMAs)
+  const int q_shift = kRowsEarly ? shift_pre : step_q_shift();
+  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - q_shift;   // as probs_and_ds
   const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j)
@@ -218,9 +220,9 @@ __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer
 __device__ __forceinline__ void probs_only(const VariantArgs& va, bool partial, const Consumer& cs,
                                            float (&s)[kSRegs], const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0, uint32_t lse_tile,
-                                           const float (&lse_pre)[kPreRegs]) {
-  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre);
-  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre);
+                                           const float (&lse_pre)[kPreRegs], int shift_pre = 0) {
+  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre, shift_pre);
+  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre, shift_pre);
 }
 
 // kSplitPasses false (a variant whose score_mod has a derivative other than 1, e.g. a softcap, or
@@ -362,9 +364,11 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   // queued, so their LDS do not wait behind the SS GEMMs' shared-memory reads
   float early_pre[kPreRegs];
   bool early_partial = false;
+  int early_shift = 0;
   if constexpr (kRowsEarly >= 1) {
     preload_row_terms(early_pre, cs, sm.lse_tile(st));
-    early_partial = !kRangeRuns && step_needs_mask(va, cs, pb, m0);
+    early_shift = step_q_shift();
+    early_partial = !kRangeRuns && step_partial(m0, pb.n0 + cs.c * kWgRows - early_shift, pb.seqlen_q);
   }
   wgmma_fence();
   gemm_xt(s, kr, sm.q_tile(st));
@@ -388,7 +392,7 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   if constexpr (kSplitPasses) {
     probs_only(va, kRangeRuns ? variant_partial : kIssue ? pre_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse,
                scale_log2, pb, g,
-               m0, sm.lse_tile(st), lse_pre);
+               m0, sm.lse_tile(st), lse_pre, early_shift);
   } else {
     reg_fence(dp);
     probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));

@@ -39,7 +39,10 @@ order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4'
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
-DEFAULT_OPTION is "bulk_overlap_lse_lean_issue_pf32_epi_dqw" since session 14: bulk_overlap_lse_lean_issue_pf32_epi
+DEFAULT_OPTION is "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early" since session 14's mid call (H100, bf16 D 128,
+16k tokens, TFLOPS causal 8k / full 8k / causal 16k / full 16k 586 / 650 / 619 / 634 vs _dqw's 556 / 573 / 597 / 564
+in the same run, cuDNN 517 / 558 / 552 / 592, FA4 614 / 664 / 664 / 686; dK / dV bitwise pf32_epi's); before it, from the
+same session's early call, "bulk_overlap_lse_lean_issue_pf32_epi_dqw": bulk_overlap_lse_lean_issue_pf32_epi
 with bwd13's dQ writer warp (H100, bf16 D 128, 16k tokens, TFLOPS causal 8k / full 8k / causal 16k / full 16k:
 session 13 mid 572 / 575 / 592 / 564 vs 544 / 568 / 571 / 546, session 14 early 554 / 549 / 563 / 526 vs 529 / 545 /
 543 / 510, same runs; test_bwd_sm90 -k dqw 95 passed, synccheck 0 errors, racecheck 0 hazards). It is dense only:
@@ -134,7 +137,7 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
-DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw"   # fastest of OPTIONS on an H100, tested (docstring)
+DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of OPTIONS on an H100, tested (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
 # bulk_overlap_lse_lean_l2lpt (session 12): lean in TILE_ORDER 2's order, the KV tiles of a section of

@@ -15,8 +15,9 @@ round-robin (each checked against the default config's output first), so a varia
 also be read against the best causal config of the run.
 
 Several variants (`variant_tiles.py tests/corpus/ag_causal.py prefixlm --configs ...`) share one
-round-robin, each at every config (rows "STEM CONFIG"), one process and one start-up for all.
---flex-flash adds FlexAttention's FLASH backend on each variant (its block mask per batch / head
+round-robin, each at every plain config and at the STEM:CONFIG ones of its own stem (rows "STEM
+CONFIG"), one process and one start-up for all. --flex-flash [STEM ...] adds FlexAttention's FLASH
+backend on each variant (or those named) (its block mask per batch / head
 where the mask reads them, expkit.flexcall) to the same round-robin; its ratio per row is
 "vs_flex_flash" (FLASH ms / ours: > 1 ours faster). Without flash_attn.cute it says so and times
 the rest.
@@ -71,6 +72,19 @@ def knob_edit(edit, knobs: tuple[str, ...]):
     return lambda source: lowered_patched(edit(source), *knobs)
 
 
+def configs_of(variant: str, configs) -> list[str]:
+    """The configs one variant runs: every plain config, and STEM:CONFIG where STEM is its stem
+    (`ag_causal:128x176s2` for tests/corpus/ag_causal.py only)."""
+    out = []
+    for c in configs:
+        stem, _, config = c.rpartition(":")
+        if not stem or stem == Path(variant).stem:
+            out.append(config)
+    if not out:
+        raise SystemExit(f"{variant}: no config applies (plain BMxBNsS, or {Path(variant).stem}:BMxBNsS)")
+    return out
+
+
 def label_of(variant: str, config: str, several: bool) -> str:
     """A row's system label: the config alone for one variant (the older runs' tables), else
     "stem config" (tests/corpus/padded_causal.py 128x128s2 -> "padded_causal 128x128s2")."""
@@ -85,8 +99,9 @@ def main():
     ap.add_argument("--causal-configs", nargs="*", default=[], help="more configs of the dense causal kernel")
     ap.add_argument("--replace", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                     help="text replacement applied to every config's lowered source")
-    ap.add_argument("--flex-flash", action="store_true",
-                    help="time FlexAttention's FLASH backend on each variant in the same round-robin")
+    ap.add_argument("--flex-flash", nargs="*", default=None, metavar="STEM",
+                    help="time FlexAttention's FLASH backend in the same round-robin: on every variant, or "
+                         "on those named (spec stems)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -94,7 +109,7 @@ def main():
     several = len(args.variant) > 1
     systems, names = {}, {}
     for name in args.variant:
-        for c in args.configs:
+        for c in configs_of(name, args.configs):
             overrides, knobs = parse_config(c)
             label = label_of(name, c, several)
             systems[label], names[label] = Variant(name, knob_edit(edit, knobs), overrides), name
@@ -110,7 +125,8 @@ def main():
             result["checks"][label] = f"error: {type(e).__name__}: {str(e)[:300]}"
         print(f"check {label:<36} {result['checks'][label]}", flush=True)
     ok = {label: var for label, var in systems.items() if result["checks"][label] == "passed"}
-    no_flash = flash_available() if args.flex_flash else "not asked (--flex-flash)"
+    no_flash = flash_available() if args.flex_flash is not None else "not asked (--flex-flash)"
+    flash_on = [n for n in args.variant if not args.flex_flash or Path(n).stem in args.flex_flash]
     result["flex_flash"] = no_flash or "available"
     hq = 32
     for n in args.n:
@@ -121,7 +137,7 @@ def main():
                  for name in ["causal", *args.variant]}
         owner = {label: "causal" if label.startswith("causal softmax") else names[label] for label in fns}
         if not no_flash:
-            for name in args.variant:
+            for name in flash_on:
                 label = f"{Path(name).stem} flex_flash" if several else "flex_flash"
                 try:
                     hooks = load_spec(name).hooks_for(n, n, hq, hq, "cuda", B=b)

@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from cubridge.cuir import nodes as N
-from cubridge.lower import fusion, itspace, maskclass, regions, rowint, saturate, tileshare
+from cubridge.lower import fusion, itspace, maskclass, regions, rowint, rowrange, saturate, tileshare
 from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
@@ -89,7 +89,14 @@ def kv_range(ir: VariantIR) -> str:
     classes = maskclass.tile_class_fn(ir, itspace.region_names(ir, t), c_tables(ir), t.block_n, t.len_k)
     codegen = ("// session10_codegen (cubridge/lower/fa3_sm90.py): kernel.cu's kNewCodegen for this variant too.\n"
                "#define CUIR_VARIANT_CODEGEN 1\n") if session10_codegen(ir) else ""
-    return itspace.kv_range_region(ir, t) + classes + codegen
+    scan = itspace.kv_range_region(ir, t)
+    rows = rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)) if ir.mask is not None else None
+    return (scan if rows is None else rowrange.region(ir, t, rows, scan)) + classes + codegen
+
+
+def _mask_names(ir: VariantIR) -> dict:
+    """CuIR name -> C text in the mask region's functions (and rowrange's row_key_lo / hi)."""
+    return c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
 
 
 # Row-interval masks (rowint.py): partial tiles test [lo, hi) per column. Session 12's mid call:

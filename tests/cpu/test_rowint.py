@@ -272,3 +272,32 @@ def test_row_select_needs_complementary_choices():
     """Two guarded pieces whose guards are not each other's negation stay two pieces."""
     expr = trace_mask(lambda b, h, q, kv: ((h < 2) & (kv <= q) & (q - kv <= 64)) | ((h > 2) & (kv <= q))).expr
     assert len(rowint.row_pieces(expr, NAMES, {}, select=True)) == 2
+
+
+def _range(fn):
+    return rowint.row_range(trace_mask(fn).expr, NAMES, {})
+
+
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q, kv: kv <= q,                                    # causal
+    lambda b, h, q, kv: (kv <= q) | (kv < 100),                     # prefix LM: max(q + 1, 100)
+    lambda b, h, q, kv: q // 256 >= kv // 256,                      # block causal
+    lambda b, h, q, kv: (kv <= q) & (q - kv < 256),                 # sliding window
+    lambda b, h, q, kv: (kv >= q - 8) & (kv <= q + 8) & (h < 3),    # both sides, a head term
+    lambda b, h, q, kv: (kv <= q) & (kv // 96 == q // 96),          # chunks
+    lambda b, h, q, kv: kv < 2 * q + 1,                             # a positive factor
+])
+def test_row_range_proves_nondecreasing_bounds(fn):
+    rows = _range(fn)
+    assert rows is not None and all(rows.up)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q, kv: kv < 100 - q,                               # the bound falls as q grows
+    lambda b, h, q, kv: (kv <= q) & (kv >= -2 * q + 50),            # a falling lower bound
+    lambda b, h, q, kv: (q < 64) | (kv <= q),                       # a query-dependent whole row
+    lambda b, h, q, kv: kv < q % 64,                                # modulo: not proven
+    lambda b, h, q, kv: ((kv <= q) & (q - kv < 256)) | (kv < 64),   # two pieces
+])
+def test_row_range_refuses(fn):
+    assert _range(fn) is None

@@ -13,8 +13,9 @@ attended pair runs as partial, fully masked (correct, as the scan's absorbed run
 measured the near-dense family (ag_causal, prefix, chunked) at 0.95-0.97 of our dense causal with
 the same tile and codegen, the scan and hand-over being what differs (cubridge/lower/NOTES.md).
 
-Emitted beside the scan under CUIR_ROW_RANGE (0 unless CUBRIDGE_ROW_RANGE=1 or the knob
-experiments/patches/knobs/row_range.patch): not the default until a GPU run measures it.
+Emitted beside the scan under CUIR_ROW_RANGE: CUBRIDGE_ROW_RANGE=1 / 0 / auto (head dim 128 only) sets its
+default in the source, the knob experiments/patches/knobs/row_range.patch sets it to 1; ROW_RANGE_DEFAULT
+is what a GPU run has measured.
 """
 from __future__ import annotations
 
@@ -28,20 +29,25 @@ from cubridge.lower.variant import VariantIR
 ROW_RANGE_ENV = "CUBRIDGE_ROW_RANGE"
 
 
-def row_range_default() -> bool:
-    value = os.environ.get(ROW_RANGE_ENV, "0")
-    if value not in ("0", "1"):
-        raise LowerError(f"{ROW_RANGE_ENV}={value!r} is neither 0 nor 1",
-                         hint=f"unset {ROW_RANGE_ENV} (the scanned range) or set it to 0 / 1")
-    return value == "1"
+# "auto" takes it where measured: head dim 128 (D 64's 192 x 128 three-consumer tile and D 256 not yet).
+ROW_RANGE_DEFAULT = "0"
+_ROW_RANGE_C = {"0": "0", "1": "1", "auto": "(HEAD_DIM == 128)"}
+
+
+def row_range_define() -> str:
+    """CUIR_ROW_RANGE's default value in the generated source (a C expression of the build's defines)."""
+    value = os.environ.get(ROW_RANGE_ENV, ROW_RANGE_DEFAULT)
+    if value not in _ROW_RANGE_C:
+        raise LowerError(f"{ROW_RANGE_ENV}={value!r} is neither 0, 1 nor auto",
+                         hint=f"unset {ROW_RANGE_ENV} (default {ROW_RANGE_DEFAULT}) or set it to 0 / 1 / auto")
+    return _ROW_RANGE_C[value]
 
 
 def region(ir: VariantIR, t: Target, rows: Rows, scan: str) -> str:
     """The kv_range region with both ranges: the arithmetic one where CUIR_ROW_RANGE is 1, `scan`
     (the scanned / bitmap region) otherwise."""
-    on = 1 if row_range_default() else 0
     return (f"#ifndef CUIR_ROW_RANGE   // 1: the arithmetic range (cubridge/lower/rowrange.py; knob row_range)\n"
-            f"#define CUIR_ROW_RANGE {on}\n#endif\n#if CUIR_ROW_RANGE\n"
+            f"#define CUIR_ROW_RANGE {row_range_define()}\n#endif\n#if CUIR_ROW_RANGE\n"
             + arithmetic(ir, t, rows) + "#else\n" + scan + "#endif\n")
 
 

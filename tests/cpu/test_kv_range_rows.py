@@ -152,3 +152,20 @@ def test_masks_without_a_monotone_interval_keep_the_scan(name):
     spec = load_spec(str(root / name) if name.startswith("tests/") else name)
     kernel = lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90")
     assert "CUIR_ROW_RANGE" not in kernel.source
+
+
+@pytest.mark.parametrize("value, define", [("0", "0"), ("1", "1"), ("auto", "(HEAD_DIM == 128)")])
+def test_env_sets_the_default(value, define, monkeypatch):
+    from cubridge.lower.rowrange import ROW_RANGE_ENV
+    monkeypatch.setenv(ROW_RANGE_ENV, value)
+    kernel = lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec("causal")).program,
+                   "fa3_sm90")
+    assert f"#define CUIR_ROW_RANGE {define}\n" in kernel.source
+
+
+def test_bad_env_value_names_the_variable(monkeypatch):
+    from cubridge.errors import CubridgeError
+    from cubridge.lower.rowrange import ROW_RANGE_ENV
+    monkeypatch.setenv(ROW_RANGE_ENV, "yes")
+    with pytest.raises(CubridgeError, match=ROW_RANGE_ENV):
+        lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec("causal")).program, "fa3_sm90")

@@ -344,6 +344,11 @@ def row_interval(mask, names: dict, tables: dict) -> Rows | None:
     return pieces[0] if pieces is not None and len(pieces) == 1 else None
 
 
+# Session 14 early call (H100, ag_head_mask 8k, x our dense causal): 128x128 0.841, +variant_codegen
+# 0.848, +row_select 0.854 (checks passed).
+ROW_SELECT_DEFAULT = False
+
+
 def mask_rows_region(mask, names: dict, tables: dict, enabled: bool) -> str:
     """mask_rows() and the defines kernel.cu's score_and_mask reads, or "" where refused. Where a
     key-free choice between two intervals (ag_head_mask: causal or window per head) is one piece
@@ -355,7 +360,8 @@ def mask_rows_region(mask, names: dict, tables: dict, enabled: bool) -> str:
     sel = row_pieces(mask, names, tables, select=True)
     if sel is None or len(sel) >= len(pieces):
         return _rows_region(pieces, enabled)
-    return ("#ifdef CUIR_ROW_SELECT   // knob row_select: the per-row choice of interval as one piece\n"
+    return (f"#ifndef CUIR_ROW_SELECT   // 1: the per-row choice of interval as one piece (knob row_select)\n"
+            f"#define CUIR_ROW_SELECT {int(ROW_SELECT_DEFAULT)}\n#endif\n#if CUIR_ROW_SELECT\n"
             + _rows_region(sel, True) + "#else\n" + _rows_region(pieces, enabled) + "#endif\n")
 
 

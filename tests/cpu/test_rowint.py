@@ -250,17 +250,18 @@ int main() {
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (host C++ compiler)")
 def test_row_select_one_piece_per_head(tmp_path):
-    """A head's choice between a window and causal (ag_head_mask's shape) is two pieces by default
-    and one under CUIR_ROW_SELECT (knob row_select); both equal the mask on every (h, q, kv)."""
+    """A head's choice between a window and causal (ag_head_mask's shape) is two pieces under
+    CUIR_ROW_SELECT 0 and one under 1 (knob row_select; rowint.ROW_SELECT_DEFAULT the default); both
+    equal the mask on every (h, q, kv)."""
     from cubridge.lower.cexpr import to_c
     expr = trace_mask(lambda b, h, q, kv: torch.where(h < 2, (kv <= q) & (q - kv <= 64), kv <= q)).expr
     assert len(rowint.row_pieces(expr, NAMES, {})) == 2
     assert len(rowint.row_pieces(expr, NAMES, {}, select=True)) == 1
     region = rowint.mask_rows_region(expr, NAMES, {}, False)
-    assert "#ifdef CUIR_ROW_SELECT" in region
+    assert f"#define CUIR_ROW_SELECT {int(rowint.ROW_SELECT_DEFAULT)}\n" in region
     cpp = tmp_path / "sel.cpp"
     cpp.write_text("#include <cstdio>\n" + SELECT_HARNESS % {"region": region, "pred": to_c(expr, NAMES, {})})
-    for define, pieces in (([], 2), (["-DCUIR_ROW_SELECT=1"], 1)):
+    for define, pieces in ((["-DCUIR_ROW_SELECT=0"], 2), (["-DCUIR_ROW_SELECT=1"], 1)):
         exe = tmp_path / f"sel{pieces}"
         proc = subprocess.run(["g++", "-O1", "-std=c++17", *define, "-o", str(exe), str(cpp)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -39,8 +39,8 @@ EPILOGUE_NORMALISE = """\
 # mid call: ag_relative_positional 0.855 vs 0.822 of dense causal, 128 x 128) and a block table per
 # (batch, head) (ptxas, 128 x 128: padded_causal 0 -> 0 spilled bytes, packed_sequences 10 -> 6,
 # ag_head_mask 0 -> 0, document 10 -> 6; the tables not per (b, h) spill more: share_question 0 -> 6).
-SCORE_MOD_CODEGEN = False
-TABLE_BH_CODEGEN = False
+SCORE_MOD_CODEGEN = True
+TABLE_BH_CODEGEN = True
 
 
 def session10_codegen(ir: VariantIR) -> bool:
@@ -91,9 +91,15 @@ def wide_tile(ir: VariantIR) -> bool:
     `wide`)? session10_codegen, one interval of keys per row (a near-dense mask: prefix, block
     causal, causal, chunks), and (unless CUBRIDGE_WIDE_SHARE=0) a useful share (tileshare.py) at
     176 within WIDE_MIN_RATIO of 128's where the mask can be evaluated: windows keep 128 x 128, as
-    does global_sliding_window (two pieces)."""
+    does global_sliding_window (two pieces). A mask with the arithmetic range (rowrange.py, on by
+    default at D 128) runs the dense kernel's code and takes its 8k tile, 128 x 128: session 14 mid
+    call (H100, 8k, x our dense causal 128 x 176 in the same run; dense 128 x 128 1.020): 128x128 /
+    128x176 with the range ag_causal 1.019 / 1.006, ag_prefix_lm 1.027 / 1.015, llama4_chunked
+    1.017 / 1.003, prefixlm 1.050 / 1.039 (16k not measured: default_config's `wide` branch)."""
     pieces = _pieces(ir)
     if not (_dense_family(ir) and pieces is not None and len(pieces) == 1):
+        return False
+    if rowrange.row_range_define() != "0" and rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)):
         return False
     shares = tileshare.useful_shares(ir.mask) if wide_share_enabled() else None
     return shares is None or shares[176] >= WIDE_MIN_RATIO * shares[128]

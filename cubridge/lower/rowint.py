@@ -346,7 +346,7 @@ def row_interval(mask, names: dict, tables: dict) -> Rows | None:
 
 # Session 14 early call (H100, ag_head_mask 8k, x our dense causal): 128x128 0.841, +variant_codegen
 # 0.848, +row_select 0.854 (checks passed).
-ROW_SELECT_DEFAULT = False
+ROW_SELECT_DEFAULT = True
 
 
 def mask_rows_region(mask, names: dict, tables: dict, enabled: bool) -> str:

@@ -30,7 +30,7 @@ ROW_RANGE_ENV = "CUBRIDGE_ROW_RANGE"
 
 
 # "auto" takes it where measured: head dim 128 (D 64's 192 x 128 three-consumer tile and D 256 not yet).
-ROW_RANGE_DEFAULT = "0"
+ROW_RANGE_DEFAULT = "auto"
 _ROW_RANGE_C = {"0": "0", "1": "1", "auto": "(HEAD_DIM == 128)"}
 
 

@@ -89,14 +89,19 @@ def test_env_switch(monkeypatch):
         mask_rows_enabled(1)
 
 
-def test_wide_tile_and_codegen_choice():
-    """The measured family takes session 10's codegen and 128 x 176 from 8k: softmax, no score_mod,
-    no block table (codegen), and one interval per row (tile); the rest keep session 9's code."""
+def test_wide_tile_and_codegen_choice(monkeypatch):
+    """With the scanned range (CUBRIDGE_ROW_RANGE=0) the measured family takes 128 x 176 from 8k:
+    softmax, no score_mod, no block table, one interval per row; with the arithmetic range (the
+    default) it takes 128 x 128. Session 10's codegen: softmax without a block table (score_mod too)."""
     from cubridge.lower.fa3_sm90 import session10_codegen, wide_tile
+    from cubridge.lower.rowrange import ROW_RANGE_ENV
     from cubridge.runtime.fa3_sm90 import default_config
+    monkeypatch.delenv(ROW_RANGE_ENV, raising=False)
+    assert not wide_tile(_lowered("prefixlm")[1].ir)
+    monkeypatch.setenv(ROW_RANGE_ENV, "0")
     for name, wide, codegen in (("prefixlm", True, True), ("causal_blockwise", True, True),
                                 ("global_sliding_window", False, True), ("share_question", False, False),
-                                ("relative_pos", False, False), ("composite", False, False)):
+                                ("relative_pos", False, True), ("composite", False, False)):
         kern = _lowered(name)[1]
         assert (wide_tile(kern.ir), session10_codegen(kern.ir)) == (wide, codegen), name
         assert ("#define CUIR_VARIANT_CODEGEN 1" in kern.source) == codegen, name

@@ -36,14 +36,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from expkit import Ours, versions  # noqa: E402
+from expkit.flexcall import flash_available, flex_fn  # noqa: E402
 
 from cubridge import rule  # noqa: E402
 from cubridge.lower.fa3_sm90 import wide_tile  # noqa: E402
 from cubridge.runtime.fa3_sm90 import build_cubin, default_config  # noqa: E402
-from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops  # noqa: E402
+from cubridge.runtime.timing import bench_round_robin, tflops  # noqa: E402
 from cubridge.spec import load_spec  # noqa: E402
 from cubridge.transfer.pairs import count_attended  # noqa: E402
-from cubridge.transfer.trace import trace_mask  # noqa: E402
 
 CORPUS = ROOT / "tests" / "corpus"
 NAMES = sorted(p.stem for p in CORPUS.glob("[a-z]*.py"))
@@ -82,43 +82,6 @@ def verify_on_gpu(ours: Ours, name: str) -> dict:
     ok = verdict.passed and not unwritten and all(torch.equal(a, b) for a, b in zip(before, (q, k, v))) \
         and torch.equal(first, out)
     return {"passed": bool(ok), "verdict": str(verdict), "unwritten": unwritten}
-
-
-def block_mask_dims(hooks, b: int, hq: int) -> tuple[int | None, int | None]:
-    """(B, H) for create_block_mask: a mask that reads the batch or head index needs its own block
-    table per batch / head (with None, FlexAttention would take batch 0 / head 0's full blocks for
-    every batch and head, skipping mask_mod where it must not: padded_causal, packed_sequences,
-    ag_head_mask); one that does not is broadcast."""
-    uses = trace_mask(hooks.mask_mod).uses
-    return (b if "b" in uses else None), (hq if "h" in uses else None)
-
-
-def flash_available() -> str | None:
-    """None when FlexAttention's FLASH backend can run here, else why not (it needs FA4's CuTe DSL
-    package, flash_attn.cute, which the device has only when the coordinator unpacks it)."""
-    try:
-        import flash_attn.cute  # noqa: F401
-    except Exception as e:       # noqa: BLE001 - missing package or a missing shared library
-        return f"flash_attn.cute not importable ({type(e).__name__}: {str(e)[:120]})"
-    return None
-
-
-def flex_fn(hooks, q, k, v, backend=None):
-    """A compiled FlexAttention call on (q, k, v), compiled now (the first call)."""
-    fx, cbm = compiled_flex_attention()
-    b, hq, n, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    hooks = hooks.for_flex(n, nk)
-    bm = None
-    if hooks.mask_mod is not None:
-        mb, mh = block_mask_dims(hooks, b, hq)
-        # Per batch / head at 8k the eager mask would materialise B * H * N^2 pairs (4 G): compile it.
-        bm = cbm(hooks.mask_mod, mb, mh, n, nk, device="cuda", _compile=mb is not None or mh is not None)
-    opts = {"BACKEND": backend} if backend else None
-    gqa = q.shape[1] != k.shape[1]
-    call = lambda: fx(q, k, v, score_mod=hooks.score_mod, block_mask=bm, enable_gqa=gqa,  # noqa: E731
-                      kernel_options=opts)
-    call()
-    return call
 
 
 def peer_fns(row: dict, hooks, q, k, v, no_flash: str | None) -> list[tuple[str, object]]:

@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from cubridge.cuir import nodes as N
-from cubridge.lower import fusion, itspace, maskclass, regions, rowint, saturate, tileshare
+from cubridge.lower import fusion, itspace, maskclass, regions, rowint, rowrange, saturate, tileshare
 from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
@@ -34,12 +34,30 @@ EPILOGUE_NORMALISE = """\
 """
 
 
+# Session 10's codegen beyond the mask-only family, each off until a GPU run measures it (knob
+# experiments/patches/knobs/variant_codegen.patch sets it for every variant): a score_mod (session 13
+# mid call: ag_relative_positional 0.855 vs 0.822 of dense causal, 128 x 128) and a block table per
+# (batch, head) (ptxas, 128 x 128: padded_causal 0 -> 0 spilled bytes, packed_sequences 10 -> 6,
+# ag_head_mask 0 -> 0, document 10 -> 6; the tables not per (b, h) spill more: share_question 0 -> 6).
+SCORE_MOD_CODEGEN = True
+TABLE_BH_CODEGEN = True
+
+
 def session10_codegen(ir: VariantIR) -> bool:
     """Does the variant take the dense kernel's session-10 codegen (kernel.cu kNewCodegen)? A softmax
-    variant with no score_mod and no block table: session 12's mid call measured prefixlm,
-    causal_blockwise, ag_causal (+3.4-4.9% at 128 x 176) and global_sliding_window (+1-2% at 128 x 128)
-    with it, every one spill-free; block-table producers spill with it (share_question 6 / 40 bytes)
-    and the score_mod / normalisation variants were not measured."""
+    variant with no block table: session 12's mid call measured prefixlm, causal_blockwise, ag_causal
+    (+3.4-4.9% at 128 x 176) and global_sliding_window (+1-2% at 128 x 128) with it; session 13 / 14's
+    mid calls a score_mod, ag_relative_positional at 128 x 128 (SCORE_MOD_CODEGEN); every one
+    spill-free (so are ag_alibi, gemma2_local, fa_local_softcap, t5_encoder_bias at 128 x 128).
+    Block-table producers spill with it (share_question 0 -> 6 bytes at 128 x 128, ag_document_sliding
+    4 -> 8); the elementwise normalisations were not measured."""
+    table_ok = not ir.table or (ir.table_bh and TABLE_BH_CODEGEN)
+    return ir.norm == "softmax" and table_ok and (ir.score is None or SCORE_MOD_CODEGEN)
+
+
+def _dense_family(ir: VariantIR) -> bool:
+    """A softmax mask-only variant (no score_mod, no block table): the family whose tile (wide_tile)
+    and row intervals (edge_heavy) were measured."""
     return ir.norm == "softmax" and ir.score is None and not ir.table
 
 
@@ -73,9 +91,15 @@ def wide_tile(ir: VariantIR) -> bool:
     `wide`)? session10_codegen, one interval of keys per row (a near-dense mask: prefix, block
     causal, causal, chunks), and (unless CUBRIDGE_WIDE_SHARE=0) a useful share (tileshare.py) at
     176 within WIDE_MIN_RATIO of 128's where the mask can be evaluated: windows keep 128 x 128, as
-    does global_sliding_window (two pieces)."""
+    does global_sliding_window (two pieces). A mask with the arithmetic range (rowrange.py, on by
+    default at D 128) runs the dense kernel's code and takes its 8k tile, 128 x 128: session 14 mid
+    call (H100, 8k, x our dense causal 128 x 176 in the same run; dense 128 x 128 1.020): 128x128 /
+    128x176 with the range ag_causal 1.019 / 1.006, ag_prefix_lm 1.027 / 1.015, llama4_chunked
+    1.017 / 1.003, prefixlm 1.050 / 1.039 (16k not measured: default_config's `wide` branch)."""
     pieces = _pieces(ir)
-    if not (session10_codegen(ir) and pieces is not None and len(pieces) == 1):
+    if not (_dense_family(ir) and pieces is not None and len(pieces) == 1):
+        return False
+    if rowrange.row_range_define() != "0" and rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)):
         return False
     shares = tileshare.useful_shares(ir.mask) if wide_share_enabled() else None
     return shares is None or shares[176] >= WIDE_MIN_RATIO * shares[128]
@@ -89,7 +113,14 @@ def kv_range(ir: VariantIR) -> str:
     classes = maskclass.tile_class_fn(ir, itspace.region_names(ir, t), c_tables(ir), t.block_n, t.len_k)
     codegen = ("// session10_codegen (cubridge/lower/fa3_sm90.py): kernel.cu's kNewCodegen for this variant too.\n"
                "#define CUIR_VARIANT_CODEGEN 1\n") if session10_codegen(ir) else ""
-    return itspace.kv_range_region(ir, t) + classes + codegen
+    scan = itspace.kv_range_region(ir, t)
+    rows = rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)) if ir.mask is not None else None
+    return (scan if rows is None else rowrange.region(ir, t, rows, scan)) + classes + codegen
+
+
+def _mask_names(ir: VariantIR) -> dict:
+    """CuIR name -> C text in the mask region's functions (and rowrange's row_key_lo / hi)."""
+    return c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
 
 
 # Row-interval masks (rowint.py): partial tiles test [lo, hi) per column. Session 12's mid call:
@@ -117,7 +148,7 @@ def edge_heavy(ir: VariantIR) -> bool:
     """Is the mask's useful share of its visited 128-wide tiles below EDGE_SHARE (tileshare.py)?
     Asked of session10_codegen variants only: the measured family (score_mod ones, e.g.
     fa_local_softcap at 0.91, were not measured with it)."""
-    if not session10_codegen(ir):
+    if not _dense_family(ir):
         return False
     shares = tileshare.useful_shares(ir.mask)
     return shares is not None and shares[128] < EDGE_SHARE

@@ -32,6 +32,7 @@ from cubridge.cuir import nodes as N
 from cubridge.lower.cexpr import LowerError, to_c_typed
 
 KEY = "ik"
+QUERY = "iq"
 BIG = "(1 << 30)"          # past any position (positions stay below 2^30): an unbounded side
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
 _NEG = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
@@ -45,26 +46,76 @@ class Rows:
     # p & R built it (p key-free): (p, R.lo, R.hi); row_pieces(select=True) merges it with its
     # complement !p & R2 into one piece with selected bounds (a per-head choice of interval)
     guard: tuple | None = field(default=None, compare=False)
+    # (lo, hi) each nondecreasing in the query index (or unbounded): proven structurally (_mono);
+    # row_range() needs both to bound a query tile's keys by its first and last rows
+    up: tuple = field(default=(False, False), compare=False)
 
 
 @dataclass(frozen=True)
 class Pred:
     """A key-free boolean (C expression): the whole row where true, no key where false."""
     c: str
+    q_free: bool = field(default=False, compare=False)     # does not read the query index
 
 
 class _Refuse(Exception):
     pass
 
 
-def _has_key(e) -> bool:
+def _has_key(e, name: str = KEY) -> bool:
     if isinstance(e, N.Name):
-        return e.id == KEY
+        return e.id == name
     if isinstance(e, (N.Const, type(None), str, int, float, bool)):
         return False
     if isinstance(e, tuple):
-        return any(_has_key(x) for x in e)
-    return any(_has_key(getattr(e, f)) for f in getattr(e, "__dataclass_fields__", {}) if f != "line")
+        return any(_has_key(x, name) for x in e)
+    return any(_has_key(getattr(e, f), name) for f in getattr(e, "__dataclass_fields__", {}) if f != "line")
+
+
+def _combine(*ms):
+    """The direction of a sum / max / min of terms with directions ms (+1 nondecreasing in the
+    query index, -1 nonincreasing, 0 free of it, None unknown)."""
+    if None in ms:
+        return None
+    moving = {m for m in ms if m}
+    return moving.pop() if len(moving) == 1 else (0 if not moving else None)
+
+
+def _neg(m):
+    return None if m is None else -m
+
+
+def _int_const(e) -> int | None:
+    return e.value if isinstance(e, N.Const) and type(e.value) is int else None
+
+
+def _mono(e):
+    """How the int expression e moves with the query index iq (the key index counts as fixed):
+    +1 / -1 / 0 / None (not proven) through +, -, negation, max / min, products and floor
+    divisions by int constants. A table read of iq, a modulo, a select on iq: None."""
+    if not _has_key(e, QUERY):
+        return 0
+    if isinstance(e, N.Name):
+        return 1
+    if isinstance(e, N.UnaryOp) and e.op == "-":
+        return _neg(_mono(e.operand))
+    if isinstance(e, N.BinOp) and e.op in ("+", "-"):
+        right = _mono(e.right)
+        return _combine(_mono(e.left), right if e.op == "+" else _neg(right))
+    if isinstance(e, N.BinOp) and e.op in ("*", "//"):
+        c, var = _int_const(e.right), e.left
+        if c is None and e.op == "*":
+            c, var = _int_const(e.left), e.right
+        if not c:
+            return None
+        return _mono(var) if c > 0 else _neg(_mono(var))    # floor(x / c), c < 0: falls as x grows
+    if isinstance(e, N.Call) and e.op in ("maximum", "minimum", "max", "min") and not e.kwargs:
+        return _combine(*(_mono(a) for a in e.args))
+    return None
+
+
+def _up(m) -> bool:
+    return m is not None and m >= 0
 
 
 class _Analysis:
@@ -81,7 +132,7 @@ class _Analysis:
         """Rows or Pred of e (of not e when negate)."""
         if not _has_key(e):
             text = self.c(e, "bool")
-            return Pred(f"(!{text})" if negate else text)
+            return Pred(f"(!{text})" if negate else text, q_free=not _has_key(e, QUERY))
         if isinstance(e, N.UnaryOp) and e.op in ("not", "~"):
             return self.formula(e.operand, not negate)
         if isinstance(e, N.BinOp) and e.op in ("&", "|"):
@@ -106,18 +157,18 @@ class _Analysis:
             sr, rr = self.linear(right)
             if sl - sr not in (1, -1):
                 raise _Refuse()
-            # (sl - sr) ik + rl - rr  op  0
-            rest = f"({_sub(rl, rr)})"
-            return _bound(op, f"(-{rest})") if sl - sr == 1 else _bound(_FLIP[op], rest)
+            # (sl - sr) ik + rl - rr  op  0; rl - rr moves with iq as left - right does (ik fixed)
+            rest, m = f"({_sub(rl, rr)})", _combine(_mono(left), _neg(_mono(right)))
+            return _bound(op, f"(-{rest})", _neg(m)) if sl - sr == 1 else _bound(_FLIP[op], rest, m)
         if _has_key(right):
             left, right, op = right, left, _FLIP[op]
         t = self.c(right, "int")
         div = self.floor_key(left)
         if div is not None:
-            return _bound_div(op, t, div)
+            return _bound_div(op, t, div, _mono(right))
         sign, rest = self.linear(left)
-        t = f"({_sub(t, rest)})"                      # sign ik op t - rest
-        return _bound(op, t) if sign == 1 else _bound(_FLIP[op], f"(-{t})")
+        t, m = f"({_sub(t, rest)})", _combine(_mono(right), _neg(_mono(left)))   # sign ik op t - rest
+        return _bound(op, t, m) if sign == 1 else _bound(_FLIP[op], f"(-{t})", _neg(m))
 
     def floor_key(self, e):
         """c where e is ik // c with c a positive int constant, else None."""
@@ -154,33 +205,35 @@ def _sub(a, b):
     return a if b is None else f"{a} - ({b})"
 
 
-def _bound(op: str, t: str) -> Rows:
-    """ik op t."""
+def _bound(op: str, t: str, m=None) -> Rows:
+    """ik op t (t moves with the query index as m)."""
+    u = _up(m)
     if op == "<":
-        return Rows(None, t)
+        return Rows(None, t, up=(True, u))
     if op == "<=":
-        return Rows(None, f"{t} + 1")
+        return Rows(None, f"{t} + 1", up=(True, u))
     if op == ">":
-        return Rows(f"{t} + 1", None)
+        return Rows(f"{t} + 1", None, up=(u, True))
     if op == ">=":
-        return Rows(t, None)
+        return Rows(t, None, up=(u, True))
     if op == "==":
-        return Rows(t, f"{t} + 1")
+        return Rows(t, f"{t} + 1", up=(u, u))
     raise _Refuse()                                   # !=: two pieces
 
 
-def _bound_div(op: str, t: str, c: int) -> Rows:
+def _bound_div(op: str, t: str, c: int, m=None) -> Rows:
     """ik // c op t (floor division, c > 0): ik // c < t iff ik < t c, <= t iff ik < (t + 1) c."""
+    u = _up(m)
     if op == "<":
-        return Rows(None, f"({t}) * {c}")
+        return Rows(None, f"({t}) * {c}", up=(True, u))
     if op == "<=":
-        return Rows(None, f"(({t}) + 1) * {c}")
+        return Rows(None, f"(({t}) + 1) * {c}", up=(True, u))
     if op == ">":
-        return Rows(f"(({t}) + 1) * {c}", None)
+        return Rows(f"(({t}) + 1) * {c}", None, up=(u, True))
     if op == ">=":
-        return Rows(f"({t}) * {c}", None)
+        return Rows(f"({t}) * {c}", None, up=(u, True))
     if op == "==":
-        return Rows(f"({t}) * {c}", f"(({t}) + 1) * {c}")
+        return Rows(f"({t}) * {c}", f"(({t}) + 1) * {c}", up=(u, u))
     raise _Refuse()
 
 
@@ -191,16 +244,22 @@ def _both(f, a, b):
 MAX_PIECES = 2          # intervals per row the kernel merges per tile (kMaskPieces)
 
 
-def _cond(p: str, r: Rows, full: bool) -> Rows:
-    """p ? everything : r (full), or p ? r : nothing."""
+def _cond(pred: Pred, r: Rows, full: bool) -> Rows:
+    """p ? everything : r (full), or p ? r : nothing. A p that reads the query index breaks the
+    bounds' direction (a row whole or empty by its own index)."""
+    p, up = pred.c, r.up if pred.q_free else (False, False)
     if full:
         return Rows(None if r.lo is None else f"({p} ? -{BIG} : {r.lo})",
-                    None if r.hi is None else f"({p} ? {BIG} : {r.hi})")
-    return Rows(r.lo, f"({p} ? {r.hi or BIG} : -{BIG})", guard=(p, r.lo, r.hi))
+                    None if r.hi is None else f"({p} ? {BIG} : {r.hi})", up=up)
+    return Rows(r.lo, f"({p} ? {r.hi or BIG} : -{BIG})", guard=(p, r.lo, r.hi, all(up)), up=up)
 
 
 def _meet(a: Rows, b: Rows) -> Rows:
-    return Rows(_both("max", a.lo, b.lo), _both("min", a.hi, b.hi))
+    return Rows(_both("max", a.lo, b.lo), _both("min", a.hi, b.hi), up=_and(a.up, b.up))
+
+
+def _and(u: tuple, v: tuple) -> tuple:
+    return (u[0] and v[0], u[1] and v[1])
 
 
 def _either(f, a, b):
@@ -224,15 +283,16 @@ def _unite(pieces: list, select: bool = False) -> tuple:
     for r in pieces:
         for i, o in enumerate(out):
             if select and r.guard and o.guard and _complement(r.guard[0], o.guard[0]):
-                (p, lo1, hi1), (_, lo2, hi2) = o.guard, r.guard
+                (p, lo1, hi1, ok1), (_, lo2, hi2, ok2) = o.guard, r.guard
                 out[i] = Rows(_select(p, lo1 or f"-{BIG}", lo2 or f"-{BIG}") if (lo1 or lo2) else None,
-                              _select(p, hi1 or BIG, hi2 or BIG) if (hi1 or hi2) else None)
+                              _select(p, hi1 or BIG, hi2 or BIG) if (hi1 or hi2) else None,
+                              up=(ok1 and ok2, ok1 and ok2))
                 break
             if r.lo is None and o.lo is None:
-                out[i] = Rows(None, _either("max", o.hi, r.hi))
+                out[i] = Rows(None, _either("max", o.hi, r.hi), up=(True, o.up[1] and r.up[1]))
                 break
             if r.hi is None and o.hi is None:
-                out[i] = Rows(_either("min", o.lo, r.lo), None)
+                out[i] = Rows(_either("min", o.lo, r.lo), None, up=(o.up[0] and r.up[0], True))
                 break
         else:
             out.append(r)
@@ -244,11 +304,11 @@ def _unite(pieces: list, select: bool = False) -> tuple:
 def _join(conj: bool, a, b, select: bool = False):
     """a & b (conj) or a | b: Pred, or a tuple of Rows whose union is the kept keys."""
     if isinstance(a, Pred) and isinstance(b, Pred):
-        return Pred(f"({a.c} {'&' if conj else '|'} {b.c})")
+        return Pred(f"({a.c} {'&' if conj else '|'} {b.c})", q_free=a.q_free and b.q_free)
     if isinstance(b, Pred):
         a, b = b, a
     if isinstance(a, Pred):                            # p & R: R or nothing; p | R: everything or R
-        return tuple(_cond(a.c, r, not conj) for r in b)
+        return tuple(_cond(a, r, not conj) for r in b)
     if conj:
         return _unite([_meet(x, y) for x in a for y in b], select)
     return _unite([*a, *b], select)
@@ -266,10 +326,27 @@ def row_pieces(mask, names: dict, tables: dict, select: bool = False) -> tuple |
     return None if isinstance(out, Pred) else out      # a key-free mask: no per-key work to save
 
 
+def row_range(mask, names: dict, tables: dict) -> Rows | None:
+    """The mask's kept keys per row as one interval [lo, hi) whose bounds never decrease as the
+    query index grows (a key-free choice between two intervals, select, allowed), else None: the
+    keys a query tile may attend then lie in [lo(first row), hi(last row)), and a KV tile is fully
+    attended where it lies in [lo(last row), hi(first row)) (fa3_sm90's arithmetic kv_range)."""
+    for select in (False, True):
+        pieces = row_pieces(mask, names, tables, select=select)
+        if pieces is not None and len(pieces) == 1 and all(pieces[0].up):
+            return pieces[0]
+    return None
+
+
 def row_interval(mask, names: dict, tables: dict) -> Rows | None:
     """The mask's kept keys per row as one interval, or None."""
     pieces = row_pieces(mask, names, tables)
     return pieces[0] if pieces is not None and len(pieces) == 1 else None
+
+
+# Session 14 early call (H100, ag_head_mask 8k, x our dense causal): 128x128 0.841, +variant_codegen
+# 0.848, +row_select 0.854 (checks passed).
+ROW_SELECT_DEFAULT = True
 
 
 def mask_rows_region(mask, names: dict, tables: dict, enabled: bool) -> str:
@@ -283,7 +360,8 @@ def mask_rows_region(mask, names: dict, tables: dict, enabled: bool) -> str:
     sel = row_pieces(mask, names, tables, select=True)
     if sel is None or len(sel) >= len(pieces):
         return _rows_region(pieces, enabled)
-    return ("#ifdef CUIR_ROW_SELECT   // knob row_select: the per-row choice of interval as one piece\n"
+    return (f"#ifndef CUIR_ROW_SELECT   // 1: the per-row choice of interval as one piece (knob row_select)\n"
+            f"#define CUIR_ROW_SELECT {int(ROW_SELECT_DEFAULT)}\n#endif\n#if CUIR_ROW_SELECT\n"
             + _rows_region(sel, True) + "#else\n" + _rows_region(pieces, enabled) + "#endif\n")
 
 

@@ -89,14 +89,19 @@ def test_env_switch(monkeypatch):
         mask_rows_enabled(1)
 
 
-def test_wide_tile_and_codegen_choice():
-    """The measured family takes session 10's codegen and 128 x 176 from 8k: softmax, no score_mod,
-    no block table (codegen), and one interval per row (tile); the rest keep session 9's code."""
+def test_wide_tile_and_codegen_choice(monkeypatch):
+    """With the scanned range (CUBRIDGE_ROW_RANGE=0) the measured family takes 128 x 176 from 8k:
+    softmax, no score_mod, no block table, one interval per row; with the arithmetic range (the
+    default) it takes 128 x 128. Session 10's codegen: softmax without a block table (score_mod too)."""
     from cubridge.lower.fa3_sm90 import session10_codegen, wide_tile
+    from cubridge.lower.rowrange import ROW_RANGE_ENV
     from cubridge.runtime.fa3_sm90 import default_config
+    monkeypatch.delenv(ROW_RANGE_ENV, raising=False)
+    assert not wide_tile(_lowered("prefixlm")[1].ir)
+    monkeypatch.setenv(ROW_RANGE_ENV, "0")
     for name, wide, codegen in (("prefixlm", True, True), ("causal_blockwise", True, True),
                                 ("global_sliding_window", False, True), ("share_question", False, False),
-                                ("relative_pos", False, False), ("composite", False, False)):
+                                ("relative_pos", False, True), ("composite", False, False)):
         kern = _lowered(name)[1]
         assert (wide_tile(kern.ir), session10_codegen(kern.ir)) == (wide, codegen), name
         assert ("#define CUIR_VARIANT_CODEGEN 1" in kern.source) == codegen, name
@@ -250,17 +255,18 @@ int main() {
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (host C++ compiler)")
 def test_row_select_one_piece_per_head(tmp_path):
-    """A head's choice between a window and causal (ag_head_mask's shape) is two pieces by default
-    and one under CUIR_ROW_SELECT (knob row_select); both equal the mask on every (h, q, kv)."""
+    """A head's choice between a window and causal (ag_head_mask's shape) is two pieces under
+    CUIR_ROW_SELECT 0 and one under 1 (knob row_select; rowint.ROW_SELECT_DEFAULT the default); both
+    equal the mask on every (h, q, kv)."""
     from cubridge.lower.cexpr import to_c
     expr = trace_mask(lambda b, h, q, kv: torch.where(h < 2, (kv <= q) & (q - kv <= 64), kv <= q)).expr
     assert len(rowint.row_pieces(expr, NAMES, {})) == 2
     assert len(rowint.row_pieces(expr, NAMES, {}, select=True)) == 1
     region = rowint.mask_rows_region(expr, NAMES, {}, False)
-    assert "#ifdef CUIR_ROW_SELECT" in region
+    assert f"#define CUIR_ROW_SELECT {int(rowint.ROW_SELECT_DEFAULT)}\n" in region
     cpp = tmp_path / "sel.cpp"
     cpp.write_text("#include <cstdio>\n" + SELECT_HARNESS % {"region": region, "pred": to_c(expr, NAMES, {})})
-    for define, pieces in (([], 2), (["-DCUIR_ROW_SELECT=1"], 1)):
+    for define, pieces in ((["-DCUIR_ROW_SELECT=0"], 2), (["-DCUIR_ROW_SELECT=1"], 1)):
         exe = tmp_path / f"sel{pieces}"
         proc = subprocess.run(["g++", "-O1", "-std=c++17", *define, "-o", str(exe), str(cpp)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -272,3 +278,32 @@ def test_row_select_needs_complementary_choices():
     """Two guarded pieces whose guards are not each other's negation stay two pieces."""
     expr = trace_mask(lambda b, h, q, kv: ((h < 2) & (kv <= q) & (q - kv <= 64)) | ((h > 2) & (kv <= q))).expr
     assert len(rowint.row_pieces(expr, NAMES, {}, select=True)) == 2
+
+
+def _range(fn):
+    return rowint.row_range(trace_mask(fn).expr, NAMES, {})
+
+
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q, kv: kv <= q,                                    # causal
+    lambda b, h, q, kv: (kv <= q) | (kv < 100),                     # prefix LM: max(q + 1, 100)
+    lambda b, h, q, kv: q // 256 >= kv // 256,                      # block causal
+    lambda b, h, q, kv: (kv <= q) & (q - kv < 256),                 # sliding window
+    lambda b, h, q, kv: (kv >= q - 8) & (kv <= q + 8) & (h < 3),    # both sides, a head term
+    lambda b, h, q, kv: (kv <= q) & (kv // 96 == q // 96),          # chunks
+    lambda b, h, q, kv: kv < 2 * q + 1,                             # a positive factor
+])
+def test_row_range_proves_nondecreasing_bounds(fn):
+    rows = _range(fn)
+    assert rows is not None and all(rows.up)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q, kv: kv < 100 - q,                               # the bound falls as q grows
+    lambda b, h, q, kv: (kv <= q) & (kv >= -2 * q + 50),            # a falling lower bound
+    lambda b, h, q, kv: (q < 64) | (kv <= q),                       # a query-dependent whole row
+    lambda b, h, q, kv: kv < q % 64,                                # modulo: not proven
+    lambda b, h, q, kv: ((kv <= q) & (q - kv < 256)) | (kv < 64),   # two pieces
+])
+def test_row_range_refuses(fn):
+    assert _range(fn) is None

@@ -66,11 +66,15 @@ def test_wide_rule_and_edge_heavy_row_intervals(monkeypatch):
     """Default (session 13 mid call): windows stay 128 x 128 and, with many partial tiles, take row
     intervals; causal / prefix keep 176 and mask_pred; CUBRIDGE_WIDE_SHARE=0 is session 12's rule."""
     from cubridge.lower.fa3_sm90 import MASK_ROWS_ENV
+    from cubridge.lower.rowrange import ROW_RANGE_ENV
     specs = ("tests/corpus/ag_sliding_window.py", "tests/corpus/mistral_sliding_window.py",
              "tests/corpus/ag_causal.py", "prefixlm")
     monkeypatch.delenv(WIDE_SHARE_ENV, raising=False)
     monkeypatch.delenv(MASK_ROWS_ENV, raising=False)
+    monkeypatch.delenv(ROW_RANGE_ENV, raising=False)
     irs = [_ir(s) for s in specs]
+    assert [wide_tile(ir) for ir in irs] == [False] * 4      # the arithmetic range: the dense 8k tile
+    monkeypatch.setenv(ROW_RANGE_ENV, "0")                   # the scan: session 13's rule
     assert wide_share_enabled()
     assert [wide_tile(ir) for ir in irs] == [False, False, True, True]     # prefixlm: C0, kept
     rows = ["#define CUIR_MASK_ROWS 1" in _lowered_source(s) for s in specs]

@@ -1,0 +1,171 @@
+"""The forward's arithmetic iteration space (cubridge/lower/rowrange.py, CUIR_ROW_RANGE 1), run on
+the host: the regions extra_io, kv_range and mask of the lowered fa3_sm90 kernel.cu compiled with
+g++ into a harness that, for every (batch, head, query tile), expands kv_count / tile_at and checks
+against mask_pred pair by pair that
+- the visited tiles are distinct, in range and highest first;
+- every tile holding an attended pair (row < Nq, key < Nk) is visited, and no other (for these
+  masks the rows' intervals overlap, so the range is exact);
+- a tile tile_partial calls unmasked has every pair attended and every key below Nk.
+Tiles from 16 x 16 to 32 x 24, fewer queries than keys, ragged lengths; windows, chunks, prefixes,
+keys past the diagonal (fa_local_softcap) and a per-head choice of interval (ag_head_mask). The
+analysis side (which masks qualify) is tests/cpu/test_rowint.py. No GPU."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cubridge.cuir.parser import parse_file
+from cubridge.lower import lower, regions
+from cubridge.paths import ref_kernel_dir
+from cubridge.spec import load_spec
+from cubridge.transfer.rules import transfer
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (host C++ compiler)")
+
+CORPUS = Path(__file__).resolve().parents[1] / "corpus"
+
+HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define CUIR_ROW_RANGE 1
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline float __fmaf_rn(float a, float b, float c) { return a * b + c; }
+constexpr int kBlockM = %(block_m)d, kBlockN = %(block_n)d;
+constexpr int kWgRows = 64;
+%(regions)s
+int main() {
+  int B, H, Nq, Nk;
+  if (scanf("%%d %%d %%d %%d", &B, &H, &Nq, &Nk) != 4) return 2;
+  VariantArgs va{};
+%(read)s
+  const int shift = Nk - Nq, num_m = (Nq + kBlockM - 1) / kBlockM, num_n = (Nk + kBlockN - 1) / kBlockN;
+  long errors = 0, visited = 0;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int m = 0; m < num_m; ++m) {
+        const KvRange r = kv_range(va, b, h, m, m * kBlockM + shift, Nk, Nk);
+        std::vector<int> seen(num_n, 0);
+        int prev = num_n;
+        for (int i = 0; i < kv_count(r); ++i) {
+          const int n = tile_at(r, i);
+          if (n < 0 || n >= num_n || seen[n]++ || n >= prev) {
+            printf("bad tile %%d (i %%d) b%%d h%%d m%%d\n", n, i, b, h, m); ++errors; break;
+          }
+          prev = n;
+          ++visited;
+        }
+        for (int n = 0; n < num_n; ++n) {
+          bool any = false, all = (n + 1) * kBlockN <= Nk;
+          for (int q = m * kBlockM; q < (m + 1) * kBlockM && q < Nq; ++q)
+            for (int k = n * kBlockN; k < (n + 1) * kBlockN && k < Nk; ++k) {
+              const bool a = mask_pred(va, b, h, q + shift, k);
+              any |= a;
+              all &= a;
+            }
+          if (any != bool(seen[n])) { printf("tile m%%d n%%d b%%d h%%d: attended %%d visited %%d\n", m, n, b, h, any, seen[n]); ++errors; }
+          if (seen[n] && !all && !tile_partial(va, r, n)) {
+            printf("unmasked tile with a masked pair m%%d n%%d b%%d h%%d\n", m, n, b, h); ++errors;
+          }
+        }
+        if (errors > 20) return 1;
+      }
+  printf("ok visited %%ld\n", visited);
+  return errors ? 1 : 0;
+}
+"""
+
+
+def _harness(kernel, block_m: int, block_n: int) -> str:
+    text = "\n".join(regions.body(kernel.source, name) for name in ("extra_io", "kv_range", "mask"))
+    text = text.replace('asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;', "return 0.f;")
+    kinds = {n: t for n, t, _ in kernel.ir.tables}
+    read = []
+    for name, kind in kernel.fields:
+        if kind == "ptr":
+            ctype, fmt = ("int", "%d") if kinds[name] == "int" else ("float", "%f")
+            read.append(f"  static std::vector<{ctype}> t_{name}; {{ long n; if (scanf(\"%ld\", &n) != 1) return 2; "
+                        f"t_{name}.resize(n); for (auto& x : t_{name}) if (scanf(\"{fmt}\", &x) != 1) return 2; }} "
+                        f"va.{name} = t_{name}.data();")
+        else:
+            read.append(f"  if (scanf(\"{'%d' if kind == 'int' else '%f'}\", &va.{name}) != 1) return 2;")
+    return HARNESS % {"regions": text, "read": "\n".join(read), "block_m": block_m, "block_n": block_n}
+
+
+def _inputs(kernel, inputs: dict, shape) -> str:
+    B, H, Nq, Nk = shape
+    out = [f"{B} {H} {Nq} {Nk}"]
+    for name, kind in kernel.fields:
+        if kind == "ptr":
+            flat = inputs[name].flatten().tolist()
+            out.append(f"{len(flat)} " + " ".join(repr(x) for x in flat))
+        elif name in inputs:
+            out.append(repr(inputs[name]))
+        else:                                       # a table's size: name_n<d>
+            table, dim = name.rsplit("_n", 1)
+            out.append(str(inputs[table].shape[int(dim)]))
+    return "\n".join(out) + "\n"
+
+
+# (spec, its parameters, block_m, block_n, (B, Hq, Hkv, Nq, Nk))
+CASES = [
+    ("causal", {}, 16, 24, (1, 1, 1, 300, 430)),
+    ("prefixlm", {"prefix": 100}, 16, 16, (1, 1, 1, 333, 333)),
+    ("causal_blockwise", {"block": 40}, 32, 24, (1, 1, 1, 500, 500)),
+    ("ag_prefix_lm", {"prefix": 70}, 32, 16, (1, 1, 1, 257, 400)),
+    ("llama4_chunked", {"chunk": 96}, 16, 24, (1, 1, 1, 400, 400)),
+    ("ag_sliding_window", {"window": 50}, 16, 24, (1, 1, 1, 300, 350)),
+    ("mistral_sliding_window", {"window": 64}, 32, 16, (1, 1, 1, 400, 400)),
+    ("fa_local_softcap", {"left": 40, "right": 20, "softcap": 30.0}, 16, 24, (1, 1, 1, 300, 300)),
+    ("ag_head_mask", {"window": 24}, 16, 16, (2, 4, 2, 300, 300)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[2]}x{c[3]}" for c in CASES])
+def test_row_range_is_the_mask_s_tiles(case, tmp_path):
+    name, params, block_m, block_n, (B, Hq, Hkv, Nq, Nk) = case
+    path = CORPUS / f"{name}.py"
+    spec = load_spec(str(path) if path.exists() else name)
+    cand = transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec, spec_params=params)
+    kernel = lower(cand.program, "fa3_sm90")
+    assert "#if CUIR_ROW_RANGE" in kernel.source and "row_key_hi" in kernel.source
+    inputs = cand.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params={"BLOCK_M": block_m, "BLOCK_N": block_n})
+    cpp, exe = tmp_path / "h.cpp", tmp_path / "h"
+    cpp.write_text(_harness(kernel, block_m, block_n))
+    proc = subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(exe), str(cpp)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = subprocess.run([str(exe)], input=_inputs(kernel, inputs, (B, Hq, Nq, Nk)), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().startswith("ok"), f"{name}:\n{run.stdout[-2000:]}"
+
+
+@pytest.mark.parametrize("name", ["global_sliding_window", "share_question", "tests/corpus/padded_causal.py",
+                                  "tests/corpus/streaming_sinks.py"])
+def test_masks_without_a_monotone_interval_keep_the_scan(name):
+    """Two pieces, a query-dependent whole-row test, gathered keys: no arithmetic range."""
+    root = Path(__file__).resolve().parents[2]
+    spec = load_spec(str(root / name) if name.startswith("tests/") else name)
+    kernel = lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90")
+    assert "CUIR_ROW_RANGE" not in kernel.source
+
+
+@pytest.mark.parametrize("value, define", [("0", "0"), ("1", "1"), ("auto", "(HEAD_DIM == 128)")])
+def test_env_sets_the_default(value, define, monkeypatch):
+    from cubridge.lower.rowrange import ROW_RANGE_ENV
+    monkeypatch.setenv(ROW_RANGE_ENV, value)
+    kernel = lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec("causal")).program,
+                   "fa3_sm90")
+    assert f"#define CUIR_ROW_RANGE {define}\n" in kernel.source
+
+
+def test_bad_env_value_names_the_variable(monkeypatch):
+    from cubridge.errors import CubridgeError
+    from cubridge.lower.rowrange import ROW_RANGE_ENV
+    monkeypatch.setenv(ROW_RANGE_ENV, "yes")
+    with pytest.raises(CubridgeError, match=ROW_RANGE_ENV):
+        lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec("causal")).program, "fa3_sm90")

@@ -7,7 +7,8 @@ CUBRIDGE_HOPPER_VARIANT_BWD=0 (the default since session 10: its gradient tests 
 on option bulk_overlap_lse_lean, compute-sanitizer racecheck reports 0 hazards; 1.2-2x fa2_bwd_sm80's
 speed there; since session 12 on the dense default's option, bulk_overlap_lse_lean_issue_pf32_epi), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
 runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs). `hopper_option`:
-which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION).
+which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION, or the one
+CUBRIDGE_BWD_VARIANT_OPTION names: fa3_bwd_sm90.variant_option).
 CUBRIDGE_BWD_FIT_SECTIONS (1 by default since session 13; 0 off) sizes a TILE_ORDER 2 option's head
 sections by the spec's attended fraction (section_l2_bytes).
 
@@ -53,14 +54,14 @@ class VariantBackward:
 
     def __init__(self, spec, config: Config | None = None, kernel: Fa2BwdSm80 | None = None,
                  use_hopper: bool | None = None, hopper_option: str | None = None, **spec_params):
-        from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, VARIANT_OPTIONS
+        from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTIONS, variant_option
         from cubridge.spec import load_spec
         from cubridge.transfer.rules import transfer
         if hopper_option is not None and hopper_option not in VARIANT_OPTIONS:
             from cubridge.errors import LaunchError
             raise LaunchError(f"hopper_option={hopper_option!r} has no variant hooks", where="VariantBackward",
-                              hint=f"pass one of {list(VARIANT_OPTIONS)} (or None: {VARIANT_OPTION!r})")
-        self.hopper_option = hopper_option or VARIANT_OPTION
+                              hint=f"pass one of {list(VARIANT_OPTIONS)} (or None: {variant_option()!r})")
+        self.hopper_option = hopper_option or variant_option()
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         self.spec_params = spec_params
         self.candidate = transfer(_forward_program(), self.spec, spec_params=spec_params)
@@ -145,6 +146,14 @@ class VariantBackward:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         return int(l2 / max(self._fractions[key], 1e-6))
 
+    def _launch_option(self) -> str:
+        """hopper_option, except that a spec lowered to the dense reference itself (no q_range runs to
+        queue) runs a PERSIST option's body without the queue (VARIANT_OPTION)."""
+        from cubridge.runtime.fa3_bwd_sm90 import VARIANT_ONLY_OPTIONS, VARIANT_OPTION
+        if self.hopper_option in VARIANT_ONLY_OPTIONS and self.ir.dense_reference:
+            return VARIANT_OPTION
+        return self.hopper_option
+
     @property
     def hopper_list(self) -> LoweredKernel:
         """The Hopper lowering with q_range as the exact query-tile list (CUBRIDGE_BWD_Q_LIST=auto)."""
@@ -171,7 +180,7 @@ class VariantBackward:
             l2 = self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device)
             fit = {} if l2 is None else {"l2_bytes": l2}   # absent unless set: callers may bind their own
             return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
-                                option=self.hopper_option, variant=va, **fit)   # default_compiler(), as the dense path
+                                option=self._launch_option(), variant=va, **fit)   # default_compiler(), as the dense path
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

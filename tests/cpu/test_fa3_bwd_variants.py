@@ -256,3 +256,47 @@ def test_fit_sections_knob(monkeypatch):
     monkeypatch.setenv(FIT_ENV, "yes")
     with pytest.raises(LaunchError, match=FIT_ENV):
         VariantBackward("prefixlm", hopper_option=l2lpt).section_l2_bytes(1, 1, 1, 64, 64, cpu)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_persist_compiles_spill_free_within_shared_memory(backwards, tmp_path):
+    """PERSIST (ref_kernels/fa3_bwd_sm90/persist.cuh; its scheduler warp scans under the producer warpgroup's 24
+    registers): spill-free on both query ranges, a block table on the exact list (share_question D 128, the
+    fullest shared memory), an interval spec at D 64 fp16, the one-pass path (composite)."""
+    from cubridge.lower.fa3_bwd_sm90 import lower_source
+    option = hb.VARIANT_ONLY_OPTIONS[0]
+    jobs = [("share_question", 128, True, True), ("global_sliding_window", 64, False, False),
+            ("composite", 128, True, False)]
+    procs = []
+    for name, d, bf16, q_list in jobs:
+        cu, out = tmp_path / f"{name}_persist.cu", tmp_path / f"{name}_persist.cubin"
+        cu.write_text(lower_source(hb.KERNEL_SOURCE.read_text(), backwards[name].ir, q_list=q_list))
+        procs.append(((name, d, bf16), subprocess.run(
+            [shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+             *hb.options(d, False, bf16, option), "-Xptxas", "-v", "-o", str(out), str(cu)],
+            capture_output=True, text=True)))
+    for (name, d, bf16), proc in procs:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{name}: nvcc failed\n{log[-3000:]}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) == 3 and all(r == ("0", "0") for r in reports), f"{name}: spills\n{log}"
+        assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{name}: stack frame\n{log}"
+        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
+            assert warning not in log, f"{name}: ptxas warning {warning}\n{log}"
+        static = max(int(x) for x in re.findall(r"(\d+) bytes smem", log))
+        assert static + hb.smem_bytes(d, option) <= 227 * 1024, f"{name}: {static} bytes static smem"
+
+
+def test_variant_option_env_sets_the_default(monkeypatch):
+    """CUBRIDGE_BWD_VARIANT_OPTION picks VariantBackward's default option (an explicit hopper_option wins);
+    a spec lowered to the dense reference runs a variant-only option's body as VARIANT_OPTION."""
+    option = hb.VARIANT_ONLY_OPTIONS[0]
+    monkeypatch.setenv(hb.VARIANT_OPTION_ENV, option)
+    bwd = VariantBackward("prefixlm")
+    assert bwd.hopper_option == option and bwd._launch_option() == option
+    assert VariantBackward("prefixlm", hopper_option=hb.VARIANT_OPTION).hopper_option == hb.VARIANT_OPTION
+    bwd.ir.dense_reference = True   # this object only
+    assert bwd._launch_option() == hb.VARIANT_OPTION
+    monkeypatch.setenv(hb.VARIANT_OPTION_ENV, "base")
+    with pytest.raises(LaunchError, match=hb.VARIANT_OPTION_ENV):
+        VariantBackward("prefixlm")

@@ -89,7 +89,7 @@ def hopper_backwards():
     out = {(n, tuple(sorted(p.items()))): VariantBackward(n, **p) for n, p in VARIANTS}
     jobs = {(bwd.hopper.source, d, dt == BF16) for bwd in out.values() for (*_, d, dt, _) in _hopper_shapes()}
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda j: hb.build_cubin(j[1], False, j[2], option=hb.VARIANT_OPTION, source=j[0]), jobs))
+        list(pool.map(lambda j: hb.build_cubin(j[1], False, j[2], option=hb.variant_option(), source=j[0]), jobs))
     return out
 
 
@@ -111,9 +111,9 @@ def test_variant_backward_rule_hopper(hopper_backwards, variant, shape, monkeypa
 def _other_variant_options() -> list[str]:
     """VARIANT_OPTIONS but VARIANT_OPTION; CUBRIDGE_BWD_OPTIONS (as tests/gpu/test_bwd_sm90.py reads
     it) narrows them to the ones it names (none of them: no case)."""
-    from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, VARIANT_OPTIONS
+    from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTIONS, variant_option
     wanted = [o for o in os.environ.get("CUBRIDGE_BWD_OPTIONS", "").split(",") if o]
-    return [o for o in VARIANT_OPTIONS if o != VARIANT_OPTION and (not wanted or o in wanted)]
+    return [o for o in VARIANT_OPTIONS if o != variant_option() and (not wanted or o in wanted)]
 
 
 # a block table with runs (prefixlm), a GQA document-like table (share_question), the one-pass P / dS

@@ -9,6 +9,8 @@ adds exact zeros; "+fold": within 2^-6 like dQ), dQ within 2^-6 of its max (redu
 "OPTION+wide" (TILE_ORDER 2 options) makes one section of all (batch, head) pairs (l2_bytes unbounded);
 "OPTION+split" lowers with CUBRIDGE_BWD_RELU_SPLIT=1 (relu on the split passes on ISSUE 2 options);
 "OPTION+fold" with CUBRIDGE_BWD_NORM_FOLD=1 (sigmoid's / relu's constants folded into the score region);
+"OPTION+argcache" keeps each shape's packed VariantArgs (VariantBackward.cache_args, CUBRIDGE_BWD_ARGS_CACHE: no
+blocking host-to-device copy of the bound tables per call);
 "OPTION+fit" (TILE_ORDER 2 options) sizes the sections by the attended fraction f of the pairs: l2_bytes =
 L2 / f, i.e. a pair's Q / dO / dQ footprint counted at f (8k: global_sliding_window 32 pairs, share_question
 16, prefixlm 8, against 4 unscaled; "+wide" = all 32).
@@ -56,10 +58,11 @@ def lowered_option(name, option):
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    unknown = set(extras) - {"qlist", "maskall", "wide", "split", "fold", "fit"}
-    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} (qlist, maskall, wide, split, fold, fit)"
+    unknown = set(extras) - {"qlist", "maskall", "wide", "split", "fold", "fit", "argcache"}
+    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} (qlist, maskall, wide, split, fold, fit, argcache)"
     extra = "qlist" if "qlist" in extras else ""
     bwd = VariantBackward(name, use_hopper=True, hopper_option=base)
+    bwd.cache_args = "argcache" in extras   # the others pack their VariantArgs per call, as the default does
     envs = {Q_LIST_ENV: "1" if extra == "qlist" else "0", RELU_SPLIT_ENV: "1" if "split" in extras else "0",
             NORM_FOLD_ENV: "1" if "fold" in extras else "0"}
     with _ENV_LOCK:

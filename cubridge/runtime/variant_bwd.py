@@ -40,6 +40,24 @@ HOPPER_LABEL = "fa3_bwd_sm90:variant"
 # the pairs (fa3_backward's l2_bytes = L2 / f: a sparse spec's pairs stream 1 / f times less Q / dO), so a
 # sparse spec's long tiles of every head go out first (host model 1.31x). 0 sizes them by the whole L2.
 FIT_ENV = "CUBRIDGE_BWD_FIT_SECTIONS"
+# Off until a GPU run times it (session 14): 1 keeps each shape's packed VariantArgs with its device copies of the
+# bound tables. Without it every call re-packs them from the CPU tables the binder caches (LoweredKernel.args:
+# x.to(device)), a blocking host-to-device copy per table, so a spec with tables (share_question's SEGMENT and
+# BLOCK_CLASS, relative_pos's SLOPES, document's) syncs the stream once per backward call and its host path then
+# runs with the GPU idle (session 14 early call: share_question 0.5-0.7 ms above the step model at 1k / 4k / 8k,
+# the specs without tables within it).
+ARGS_CACHE_ENV = "CUBRIDGE_BWD_ARGS_CACHE"
+ARGS_CACHED_SHAPES = 16
+
+
+def args_cache_enabled() -> bool:
+    """ARGS_CACHE_ENV: "1", VariantBackward.launchable keeps each shape's VariantArgs; "0" or unset, packs them per call."""
+    value = os.environ.get(ARGS_CACHE_ENV, "0")
+    if value not in ("0", "1"):
+        from cubridge.errors import LaunchError
+        raise LaunchError(f"{ARGS_CACHE_ENV}={value!r} is neither 0 nor 1", where="environment",
+                          hint=f"unset {ARGS_CACHE_ENV} (VariantArgs packed per call) or 1 (kept per shape)")
+    return value == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +92,8 @@ class VariantBackward:
         self._hopper = None
         self._hopper_list = None
         self._fractions: dict[tuple, float] = {}
+        self._args: dict[tuple, object] = {}   # ARGS_CACHE_ENV: (shape, device, kernel) -> Launchable
+        self.cache_args: bool | None = None    # None: ARGS_CACHE_ENV decides (an A/B sets it per object)
 
     @property
     def hopper(self) -> LoweredKernel:
@@ -112,6 +132,20 @@ class VariantBackward:
     def launchable(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, head_dim: int, device, hopper: bool = False):
         """The VariantArgs at one shape (a block table at the dK/dV kernel's tile: fa2_bwd_sm80's
         config, or fa3_bwd_sm90's 64 queries x 128 keys with `hopper`)."""
+        key = None
+        if self.cache_args if self.cache_args is not None else args_cache_enabled():
+            from cubridge.lower.fa3_bwd_sm90 import q_list_mode
+            key = (B, Hq, Hkv, Nq, Nk, head_dim, str(torch.device(device)), hopper, q_list_mode() if hopper else None)
+            if key in self._args:
+                return self._args[key]
+        launchable = self._launchable(B, Hq, Hkv, Nq, Nk, head_dim, device, hopper)
+        if key is not None:
+            if len(self._args) >= ARGS_CACHED_SHAPES:
+                self._args.pop(next(iter(self._args)))   # the oldest shape
+            self._args[key] = launchable
+        return launchable
+
+    def _launchable(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, head_dim: int, device, hopper: bool):
         if hopper:
             from cubridge.lower.fa3_bwd_sm90 import BLOCK_M, BLOCK_N
             tiles, lowered = (BLOCK_M, BLOCK_N), self.hopper

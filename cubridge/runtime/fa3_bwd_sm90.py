@@ -32,7 +32,9 @@ pass and dQ queued behind it; session 12: 2-6% slower than the default, off),
 "bulk_overlap_lse_lean_issue_pf32_epi_dqw" (the default with DQ_WRITER: FA4's dQ writer warp in the producer
 warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, dense only, off until timed),
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
-order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+order; variant options), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist" (that order served to min(tiles, SMs)
+persistent CTAs from a queue, PERSIST: ref_kernels/fa3_bwd_sm90/persist.cuh; session 14, variants only, off until
+timed), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.

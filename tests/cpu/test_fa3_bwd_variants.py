@@ -325,3 +325,57 @@ def test_args_cache_keeps_each_shapes_variant_args(monkeypatch):
     monkeypatch.setenv(ARGS_CACHE_ENV, "yes")
     with pytest.raises(LaunchError, match=ARGS_CACHE_ENV):
         VariantBackward("share_question").launchable(1, 2, 2, 256, 256, 64, cpu, hopper=True)
+
+
+def test_softcap_split_knob_and_its_math(monkeypatch):
+    """CUBRIDGE_BWD_SOFTCAP_SPLIT=1 (off by default): a softcapped sigmoid (composite) gets kScoreGradOne and a
+    softmax_ds that recovers the softcap's tanh from P (split passes where the dS pass reads the f32 P); a plain
+    sigmoid and softmax specs are unchanged; a bad value names the variable. The recovery in float32 (tanh-based
+    sigmoid as the kernel computes it) against the exact factor P (1 - P) A B (1 - t^2), scores -200..200,
+    several biases and softcaps: absolute error <= 1e-6 of the factor's largest value."""
+    from cubridge.lower.cexpr import LowerError
+    from cubridge.lower.fa3_bwd_sm90 import SOFTCAP_SPLIT_ENV, lower_source
+    dense = hb.KERNEL_SOURCE.read_text()
+    irs = {n: VariantBackward(n).ir for n in ("composite", "sigmoid", "prefixlm")}
+    monkeypatch.delenv(SOFTCAP_SPLIT_ENV, raising=False)
+    off = {n: lower_source(dense, ir) for n, ir in irs.items()}
+    monkeypatch.setenv(SOFTCAP_SPLIT_ENV, "1")
+    on = {n: lower_source(dense, ir) for n, ir in irs.items()}
+    assert "constexpr bool kScoreGradOne = false;" in off["composite"] and "cuir_softcap_grad_from_p" not in off["composite"]
+    assert "constexpr bool kScoreGradOne = true;" in on["composite"]
+    assert "constexpr bool kDsFromP16 = kDsFromP32;" in on["composite"] and "cuir_softcap_grad_from_p(p," in on["composite"]
+    assert on["sigmoid"] == off["sigmoid"] and on["prefixlm"] == off["prefixlm"]
+    monkeypatch.setenv(SOFTCAP_SPLIT_ENV, "on")
+    with pytest.raises(LowerError, match=SOFTCAP_SPLIT_ENV):
+        lower_source(dense, irs["composite"])
+    s = torch.linspace(-200.0, 200.0, 400001, dtype=torch.float64)
+    for amp, rate, bias in ((50.0, 0.02, -9.01), (2.0, 0.5, 0.0), (30.0, 1 / 30, 3.0), (50.0, 0.02, -13.9)):
+        t = torch.tanh(s * rate)
+        y = (t.float() * (amp / 2) + bias / 2).float()
+        p = (0.5 * torch.tanh(y) + 0.5).float()                      # the kernel's P, float32
+        exact = (p.double() * (1 - p.double())) * amp * rate * (1 - t * t)
+        tr = ((torch.log2(p) - torch.log2(1 - p)) * (0.6931471805599453 / amp) - bias / amp).clamp(-1, 1)
+        rec = (p - p * p) * (amp * rate * (1 - tr * tr))
+        assert torch.isfinite(rec).all()
+        assert (rec.double() - exact).abs().max() <= 1e-6 * exact.abs().max(), (amp, rate, bias)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_softcap_split_compiles_spill_free(monkeypatch, tmp_path):
+    """composite on the split passes (CUBRIDGE_BWD_SOFTCAP_SPLIT=1): spill-free, no ptxas warning, D 128 bf16 on
+    VARIANT_OPTION and on PERSIST, D 64 fp16."""
+    from cubridge.lower.fa3_bwd_sm90 import SOFTCAP_SPLIT_ENV
+    monkeypatch.setenv(SOFTCAP_SPLIT_ENV, "1")
+    bwd = VariantBackward("composite")
+    assert "cuir_softcap_grad_from_p(p," in bwd.hopper.source
+    jobs = [(bwd, "composite_scsplit", d, bf16, o) for d, bf16, o in
+            ((128, True, hb.VARIANT_OPTION), (64, False, hb.VARIANT_OPTION), (128, True, hb.VARIANT_ONLY_OPTIONS[0]))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
+    for spec, proc in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) == 3 and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
+        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
+            assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"

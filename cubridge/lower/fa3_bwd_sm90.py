@@ -25,7 +25,8 @@ dP^T: keys are rows, queries columns):
   folded into the score region (norm_folded, default; CUBRIDGE_BWD_NORM_FOLD=0 off: sigmoid 603 -> 506
   SASS instructions per unmasked step, composite 857 -> 632; softmax's 493; H100 8k 1.058x / 1.046x);
   CUBRIDGE_BWD_RELU_SPLIT=1 (off: 0.993x on the H100) puts relu on the split passes where the dS pass
-  reads the f32 P^T (ISSUE 2 options).
+  reads the f32 P^T (ISSUE 2 options); CUBRIDGE_BWD_SOFTCAP_SPLIT=1 (session 14, off until timed) a softcapped
+  sigmoid (composite), its dS pass recovering the softcap's tanh from the f32 P (softcap_split).
 Only the SCHED 1 / LSE_SMEM 1 options carry the hooks (cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS;
 kernel.cu static_assert; the launcher refuses other options for a variant). The dense kernel is the reference itself (no region replaced).
 """

@@ -121,6 +121,8 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
 # order from a queue, the next tile's scan and loads under the current one's last step and epilogue. Its
 # scheduler scans query runs (a lowered variant's q_range), so it builds for variants only.
 VARIANT_ONLY_OPTIONS = ("bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist",)
+# each one's body without the queue: what a spec lowered to the dense reference itself (no runs to queue) runs
+QUEUELESS = {"bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"}
 DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"   # fastest of OPTIONS on an H100, tested (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.

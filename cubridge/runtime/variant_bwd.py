@@ -182,10 +182,10 @@ class VariantBackward:
 
     def _launch_option(self) -> str:
         """hopper_option, except that a spec lowered to the dense reference itself (no q_range runs to
-        queue) runs a PERSIST option's body without the queue (VARIANT_OPTION)."""
-        from cubridge.runtime.fa3_bwd_sm90 import VARIANT_ONLY_OPTIONS, VARIANT_OPTION
-        if self.hopper_option in VARIANT_ONLY_OPTIONS and self.ir.dense_reference:
-            return VARIANT_OPTION
+        queue) runs a PERSIST option's body without the queue (fa3_bwd_sm90.QUEUELESS)."""
+        from cubridge.runtime.fa3_bwd_sm90 import QUEUELESS
+        if self.ir.dense_reference:
+            return QUEUELESS.get(self.hopper_option, self.hopper_option)
         return self.hopper_option
 
     @property

@@ -289,14 +289,15 @@ def test_persist_compiles_spill_free_within_shared_memory(backwards, tmp_path):
 
 def test_variant_option_env_sets_the_default(monkeypatch):
     """CUBRIDGE_BWD_VARIANT_OPTION picks VariantBackward's default option (an explicit hopper_option wins);
-    a spec lowered to the dense reference runs a variant-only option's body as VARIANT_OPTION."""
+    a spec lowered to the dense reference runs a variant-only option's body without the queue (QUEUELESS)."""
     option = hb.VARIANT_ONLY_OPTIONS[0]
     monkeypatch.setenv(hb.VARIANT_OPTION_ENV, option)
     bwd = VariantBackward("prefixlm")
     assert bwd.hopper_option == option and bwd._launch_option() == option
     assert VariantBackward("prefixlm", hopper_option=hb.VARIANT_OPTION).hopper_option == hb.VARIANT_OPTION
     bwd.ir.dense_reference = True   # this object only
-    assert bwd._launch_option() == hb.VARIANT_OPTION
+    assert bwd._launch_option() == hb.QUEUELESS[option] and hb.QUEUELESS[option] not in hb.VARIANT_ONLY_OPTIONS
+    assert set(hb.QUEUELESS) == set(hb.VARIANT_ONLY_OPTIONS) and set(hb.QUEUELESS.values()) <= set(hb.VARIANT_OPTIONS)
     monkeypatch.setenv(hb.VARIANT_OPTION_ENV, "base")
     with pytest.raises(LaunchError, match=hb.VARIANT_OPTION_ENV):
         VariantBackward("prefixlm")

@@ -11,8 +11,9 @@ adds exact zeros; "+nofold", "+scsplit": within 2^-6 like dQ), dQ within 2^-6 of
 "OPTION+nofold" with CUBRIDGE_BWD_NORM_FOLD=0 (sigmoid's constants not folded into the score region; folded, the
 default since session 13, otherwise: "+fold" is kept as a no-op);
 "OPTION+scsplit" lowers with CUBRIDGE_BWD_SOFTCAP_SPLIT=1 (a softcapped sigmoid, composite, on the split passes);
-"OPTION+argcache" keeps each shape's packed VariantArgs (VariantBackward.cache_args, CUBRIDGE_BWD_ARGS_CACHE: no
-blocking host-to-device copy of the bound tables per call);
+"OPTION+argcache" / "OPTION+noargcache" keep each shape's packed VariantArgs / pack them per call
+(VariantBackward.cache_args; CUBRIDGE_BWD_ARGS_CACHE, on by default since session 14: per call, a blocking
+host-to-device copy of the bound tables syncs the stream);
 "OPTION+fit" (TILE_ORDER 2 options) sizes the sections by the attended fraction f of the pairs: l2_bytes =
 L2 / f, i.e. a pair's Q / dO / dQ footprint counted at f (8k: global_sliding_window 32 pairs, share_question
 16, prefixlm 8, against 4 unscaled; "+wide" = all 32).
@@ -60,11 +61,12 @@ def lowered_option(name, option):
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, SOFTCAP_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "argcache", "scsplit"}
+    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "argcache", "noargcache", "scsplit"}
     assert not set(extras) - known, f"{option}: unknown suffix {sorted(set(extras) - known)} ({sorted(known)})"
     extra = "qlist" if "qlist" in extras else ""
     bwd = VariantBackward(name, use_hopper=True, hopper_option=base)
-    bwd.cache_args = "argcache" in extras   # the others pack their VariantArgs per call, as the default does
+    if {"argcache", "noargcache"} & set(extras):   # else the environment / default decides, as in the product
+        bwd.cache_args = "argcache" in extras
     envs = {Q_LIST_ENV: "1" if extra == "qlist" else "0", RELU_SPLIT_ENV: "1" if "split" in extras else "0",
             NORM_FOLD_ENV: "0" if "nofold" in extras else "1",   # on by default since session 13 ("+fold" a no-op)
             SOFTCAP_SPLIT_ENV: "1" if "scsplit" in extras else "0"}

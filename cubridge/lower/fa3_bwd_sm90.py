@@ -25,8 +25,8 @@ dP^T: keys are rows, queries columns):
   folded into the score region (norm_folded, default; CUBRIDGE_BWD_NORM_FOLD=0 off: sigmoid 603 -> 506
   SASS instructions per unmasked step, composite 857 -> 632; softmax's 493; H100 8k 1.058x / 1.046x);
   CUBRIDGE_BWD_RELU_SPLIT=1 (off: 0.993x on the H100) puts relu on the split passes where the dS pass
-  reads the f32 P^T (ISSUE 2 options); CUBRIDGE_BWD_SOFTCAP_SPLIT=1 (session 14, off until timed) a softcapped
-  sigmoid (composite), its dS pass recovering the softcap's tanh from the f32 P (softcap_split).
+  reads the f32 P^T (ISSUE 2 options); CUBRIDGE_BWD_SOFTCAP_SPLIT=1 (session 14, off: 0.768x on the H100) a
+  softcapped sigmoid (composite), its dS pass recovering the softcap's tanh from the f32 P (softcap_split).
 Only the SCHED 1 / LSE_SMEM 1 options carry the hooks (cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS;
 kernel.cu static_assert; the launcher refuses other options for a variant). The dense kernel is the reference itself (no region replaced).
 """
@@ -51,10 +51,10 @@ RELU_SPLIT_ENV = "CUBRIDGE_BWD_RELU_SPLIT"
 # On by default since session 13's mid call (H100, 8k: sigmoid 1.058x, composite 1.046x, all 50 Hopper rule
 # cases passing): sigmoid's bias and halving folded into the score region (norm_folded); 0 turns it off.
 NORM_FOLD_ENV = "CUBRIDGE_BWD_NORM_FOLD"
-# Off until a GPU run times it (session 14): 1 puts a softcapped sigmoid (composite) on the split passes of ISSUE 2
-# options: its dS pass recovers the softcap's tanh t from the f32 P (softcap_split) instead of the one pass after
-# both GEMMs, so the P pass runs under the dP GEMM as sigmoid's does (H100 session 13 mid, 8k: sigmoid on the split
-# passes 537.7 TFLOPS, composite on the one pass 491.2).
+# Off (session 14 mid call, H100: composite 0.768x at 8k, 0.931x at 1k; its rule tests passed): 1 puts a softcapped
+# sigmoid (composite) on the split passes of ISSUE 2 options, its dS pass recovering the softcap's tanh t from the f32
+# P (softcap_split) instead of the one pass after both GEMMs. The two MUFU.LG2 per element cost more than the P pass's
+# overlap with the dP GEMM gains.
 SOFTCAP_SPLIT_ENV = "CUBRIDGE_BWD_SOFTCAP_SPLIT"
 # The tile sizes a block table is built at (ref_kernels/fa3_bwd_sm90/params.cuh kBlockM, kBlockN).
 BLOCK_M, BLOCK_N = 64, 128

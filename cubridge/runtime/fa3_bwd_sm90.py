@@ -33,8 +33,8 @@ pass and dQ queued behind it; session 12: 2-6% slower than the default, off),
 warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, dense only, off until timed),
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
 order; variant options), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist" (that order served to min(tiles, SMs)
-persistent CTAs from a queue, PERSIST: ref_kernels/fa3_bwd_sm90/persist.cuh; session 14, variants only, off until
-timed), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+persistent CTAs from a queue, PERSIST: ref_kernels/fa3_bwd_sm90/persist.cuh; session 14, variants only, off:
+0.943-1.026x on the H100), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -119,7 +119,8 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
                                                                        persist=1)}
 # PERSIST (session 14, ref_kernels/fa3_bwd_sm90/persist.cuh): min(tiles, SMs) CTAs take the tiles of TILE_ORDER 2's
 # order from a queue, the next tile's scan and loads under the current one's last step and epilogue. Its
-# scheduler scans query runs (a lowered variant's q_range), so it builds for variants only.
+# scheduler scans query runs (a lowered variant's q_range), so it builds for variants only. Off: session 14 mid
+# call (H100; rule tests and racecheck passed) 0.943-1.026x the default over six specs at 8k / 1k.
 VARIANT_ONLY_OPTIONS = ("bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist",)
 # each one's body without the queue: what a spec lowered to the dense reference itself (no runs to queue) runs
 QUEUELESS = {"bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"}

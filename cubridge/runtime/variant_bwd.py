@@ -10,7 +10,8 @@ runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs
 which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION, or the one
 CUBRIDGE_BWD_VARIANT_OPTION names: fa3_bwd_sm90.variant_option).
 CUBRIDGE_BWD_FIT_SECTIONS (1 by default since session 13; 0 off) sizes a TILE_ORDER 2 option's head
-sections by the spec's attended fraction (section_l2_bytes).
+sections by the spec's attended fraction (section_l2_bytes). CUBRIDGE_BWD_ARGS_CACHE (1 by default since session
+14; 0 off) keeps each shape's packed VariantArgs and device tables (launchable; no per-call stream sync).
 
 Example (GPU):
     >>> bwd = VariantBackward("prefixlm")                                               # doctest: +SKIP
@@ -40,23 +41,23 @@ HOPPER_LABEL = "fa3_bwd_sm90:variant"
 # the pairs (fa3_backward's l2_bytes = L2 / f: a sparse spec's pairs stream 1 / f times less Q / dO), so a
 # sparse spec's long tiles of every head go out first (host model 1.31x). 0 sizes them by the whole L2.
 FIT_ENV = "CUBRIDGE_BWD_FIT_SECTIONS"
-# Off until a GPU run times it (session 14): 1 keeps each shape's packed VariantArgs with its device copies of the
-# bound tables. Without it every call re-packs them from the CPU tables the binder caches (LoweredKernel.args:
-# x.to(device)), a blocking host-to-device copy per table, so a spec with tables (share_question's SEGMENT and
-# BLOCK_CLASS, relative_pos's SLOPES, document's) syncs the stream once per backward call and its host path then
-# runs with the GPU idle (session 14 early call: share_question 0.5-0.7 ms above the step model at 1k / 4k / 8k,
-# the specs without tables within it).
+# On by default since session 14's mid call (H100, x over packing per call, same run: share_question 1.261x at 8k /
+# 1.537x at 1k, relative_pos 1.128x / 1.463x, the specs without tables 0.999-1.000x; rule tests passed with it on):
+# launchable keeps each shape's packed VariantArgs with its device copies of the bound tables. Packed per call (0),
+# LoweredKernel.args copies the CPU tables the binder caches with x.to(device), a blocking host-to-device copy
+# per table, so a spec with tables (share_question's SEGMENT and BLOCK_CLASS, relative_pos's SLOPES, document's)
+# synced the stream once per backward call and its host path then ran with the GPU idle.
 ARGS_CACHE_ENV = "CUBRIDGE_BWD_ARGS_CACHE"
 ARGS_CACHED_SHAPES = 16
 
 
 def args_cache_enabled() -> bool:
-    """ARGS_CACHE_ENV: "1", VariantBackward.launchable keeps each shape's VariantArgs; "0" or unset, packs them per call."""
-    value = os.environ.get(ARGS_CACHE_ENV, "0")
+    """ARGS_CACHE_ENV: "1" or unset, VariantBackward.launchable keeps each shape's VariantArgs; "0", packs them per call."""
+    value = os.environ.get(ARGS_CACHE_ENV, "1")
     if value not in ("0", "1"):
         from cubridge.errors import LaunchError
         raise LaunchError(f"{ARGS_CACHE_ENV}={value!r} is neither 0 nor 1", where="environment",
-                          hint=f"unset {ARGS_CACHE_ENV} (VariantArgs packed per call) or 1 (kept per shape)")
+                          hint=f"unset {ARGS_CACHE_ENV} (VariantArgs kept per shape) or 0 (packed per call)")
     return value == "1"
 
 

@@ -304,16 +304,16 @@ def test_variant_option_env_sets_the_default(monkeypatch):
 
 
 def test_args_cache_keeps_each_shapes_variant_args(monkeypatch):
-    """CUBRIDGE_BWD_ARGS_CACHE=1: launchable packs a shape's VariantArgs (and copies its tables to the device)
-    once, later calls reuse them (a blocking host-to-device copy per table per call otherwise); another shape
-    or kernel packs its own; 0 / unset packs per call; a bad value names the variable."""
+    """CUBRIDGE_BWD_ARGS_CACHE=1 (the default since session 14): launchable packs a shape's VariantArgs (and copies
+    its tables to the device) once, later calls reuse them (a blocking host-to-device copy per table per call
+    otherwise); another shape or kernel packs its own; 0 packs per call; a bad value names the variable."""
     from cubridge.lower import LoweredKernel
     from cubridge.runtime.variant_bwd import ARGS_CACHE_ENV
     packs = []
     orig = LoweredKernel.args
     monkeypatch.setattr(LoweredKernel, "args", lambda self, *a, **k: packs.append(1) or orig(self, *a, **k))
     cpu = torch.device("cpu")
-    monkeypatch.setenv(ARGS_CACHE_ENV, "1")
+    monkeypatch.delenv(ARGS_CACHE_ENV, raising=False)   # the default: kept
     bwd = VariantBackward("share_question")
     first = bwd.launchable(1, 2, 2, 256, 256, 64, cpu, hopper=True)
     assert bwd.launchable(1, 2, 2, 256, 256, 64, cpu, hopper=True) is first and len(packs) == 1

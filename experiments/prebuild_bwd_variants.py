@@ -2,7 +2,7 @@
 each xdist worker's module fixture builds every specialisation itself, so 8 workers ran the same ~40 nvcc
 builds 8 times over on the device's 16 cores; built once here (16 at a time) they are cache hits there.
 Lowers under the current environment (CUBRIDGE_BWD_Q_LIST, CUBRIDGE_BWD_RELU_SPLIT as the pytest run
-will see them) and builds VARIANT_OPTION at every Hopper shape's (D, dtype), and the other variant
+will see them) and builds VARIANT_OPTION (or CUBRIDGE_BWD_VARIANT_OPTION's) at every Hopper shape's (D, dtype), and the other variant
 options CUBRIDGE_BWD_OPTIONS names for the option cases' variants and shapes. Prints one line.
 
     CUBRIDGE_BWD_OPTIONS=... python3 experiments/prebuild_bwd_variants.py
@@ -34,7 +34,7 @@ def jobs() -> set[tuple[str, int, bool, str]]:
     out = set()
     for name, params in t.VARIANTS:
         source = VariantBackward(name, **params).hopper.source
-        out |= {(source, s[5], s[6] == t.BF16, hb.VARIANT_OPTION) for s in shapes}
+        out |= {(source, s[5], s[6] == t.BF16, hb.variant_option()) for s in shapes}
     for option in t._other_variant_options():
         for name, params in t.HOPPER_OPTION_VARIANTS:
             source = VariantBackward(name, use_hopper=True, hopper_option=option, **params).hopper.source

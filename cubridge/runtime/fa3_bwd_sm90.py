@@ -35,7 +35,9 @@ warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, d
 are queued rather than behind them; session 14, dense only, off), "..._dqw_early_carry" (that with CARRY) and
 "..._dqw_early_rot" (that with M_ROTATE: full attention's CTAs start their query sweep at tile 2n, as causal's do),
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
-order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+order; variant options), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist" (that order served to min(tiles, SMs)
+persistent CTAs from a queue, PERSIST: ref_kernels/fa3_bwd_sm90/persist.cuh; session 14, variants only, off:
+0.943-1.026x on the H100), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -106,6 +108,7 @@ class Modes(NamedTuple):
     dq_writer: int = 0
     rows_early: int = 0
     m_rotate: int = 0
+    persist: int = 0
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
@@ -136,7 +139,16 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
-           "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
+           "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2),
+           "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1,
+                                                                       persist=1)}
+# PERSIST (session 14, ref_kernels/fa3_bwd_sm90/persist.cuh): min(tiles, SMs) CTAs take the tiles of TILE_ORDER 2's
+# order from a queue, the next tile's scan and loads under the current one's last step and epilogue. Its
+# scheduler scans query runs (a lowered variant's q_range), so it builds for variants only. Off: session 14 mid
+# call (H100; rule tests and racecheck passed) 0.943-1.026x the default over six specs at 8k / 1k.
+VARIANT_ONLY_OPTIONS = ("bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist",)
+# each one's body without the queue: what a spec lowered to the dense reference itself (no runs to queue) runs
+QUEUELESS = {"bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"}
 DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of OPTIONS on an H100, tested (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
@@ -149,7 +161,8 @@ DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of
 # on the default pf32_epi is bulk_overlap_lse_lean_issue_pf32_epi_l2lpt (its A/B: jobs/s12_vbwd12.txt).
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
                    "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry",
-                   "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt")
+                   "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt",
+                   *VARIANT_ONLY_OPTIONS)
 # (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
 # the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
 # fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule) in TILE_ORDER 2's
@@ -157,6 +170,33 @@ VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overl
 # global_sliding_window, relu, sigmoid, composite; the Hopper rule cases passed on it); lean stays in
 # VARIANT_OPTIONS as the A/B baseline
 VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+# CUBRIDGE_BWD_VARIANT_OPTION names another of VARIANT_OPTIONS as the variant backwards' default (variant_option:
+# A/B runs, the GPU rule tests of an opt-in option over every variant and shape); unset: VARIANT_OPTION.
+VARIANT_OPTION_ENV = "CUBRIDGE_BWD_VARIANT_OPTION"
+# CUBRIDGE_BWD_PERSIST_CTAS=N caps a PERSIST option's grid at N CTAs (default: the SM count), so that small
+# test shapes run several tiles per CTA through the queue.
+PERSIST_CTAS_ENV = "CUBRIDGE_BWD_PERSIST_CTAS"
+
+
+def variant_option() -> str:
+    """The variant backwards' default option: VARIANT_OPTION_ENV if set (one of VARIANT_OPTIONS), else VARIANT_OPTION."""
+    value = os.environ.get(VARIANT_OPTION_ENV, "")
+    if value and value not in VARIANT_OPTIONS:
+        raise LaunchError(f"{VARIANT_OPTION_ENV}={value!r} is not a variant option", where="environment",
+                          hint=f"unset {VARIANT_OPTION_ENV} ({VARIANT_OPTION}) or set one of {list(VARIANT_OPTIONS)}")
+    return value or VARIANT_OPTION
+
+
+def persist_ctas(device_index: int) -> int:
+    """A PERSIST option's most CTAs: PERSIST_CTAS_ENV (a positive integer) or the device's SM count."""
+    from cubridge.runtime.driver import sm_count
+    value = os.environ.get(PERSIST_CTAS_ENV, "")
+    if not value:
+        return sm_count(device_index)
+    if not value.isdigit() or int(value) < 1:
+        raise LaunchError(f"{PERSIST_CTAS_ENV}={value!r} is not a positive integer", where="environment",
+                          hint=f"unset {PERSIST_CTAS_ENV} (one CTA per SM) or set a CTA count such as 3")
+    return int(value)
 
 # Mirrored from params.cuh (checked there by static_assert against HOST_SMEM_BYTES).
 BLOCK_N = 128            # keys per CTA
@@ -194,7 +234,8 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     dq_mode, lse_smem = modes.dq_mode, modes.lse_smem
     dq = DQ_SLOTS * CONSUMERS * DQ_PART_BYTES if dq_mode == 1 else 0
     rows = 2 * STAGES * ROW_TERM_BYTES if lse_smem == 1 else 0
-    return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
+    barriers = 1 + 2 * STAGES + (3 if modes.persist else 0)   # PERSIST: kv_empty, sched_full, sched_empty
+    return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + barriers * 8 + SMEM_ALIGN
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION) -> list[str]:
@@ -213,6 +254,9 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
     _modes(option)
+    if source is None and option in VARIANT_ONLY_OPTIONS:
+        raise LaunchError(f"option {option!r} builds for a lowered variant only", where="fa3_bwd_sm90",
+                          hint=f"pass a variant's source, or one of {sorted(set(OPTIONS) - set(VARIANT_ONLY_OPTIONS))}")
     if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
@@ -389,6 +433,10 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     scalars += [ctypes.c_int32(section)]   # l2_section
     scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
     grid = _grid(option, tiles, hkv, b)
+    if modes.persist:   # persist.cuh: one CTA per SM at most, the rest of the tiles from a zeroed queue counter
+        queue = torch.zeros(1, dtype=torch.int32, device=device)
+        scalars += [ctypes.c_uint64(queue.data_ptr()), ctypes.c_int32(grid[0])]
+        grid = (min(grid[0], persist_ctas(device.index)), 1, 1)
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream)
     return dq, dk, dv

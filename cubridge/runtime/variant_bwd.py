@@ -7,9 +7,11 @@ CUBRIDGE_HOPPER_VARIANT_BWD=0 (the default since session 10: its gradient tests 
 on option bulk_overlap_lse_lean, compute-sanitizer racecheck reports 0 hazards; 1.2-2x fa2_bwd_sm80's
 speed there; since session 12 on the dense default's option, bulk_overlap_lse_lean_issue_pf32_epi), True forces it (sm_90 only), False keeps fa2_bwd_sm80. deterministic=True always
 runs fa2_bwd_sm80 (the Hopper dQ is a reduce-add whose order varies between runs). `hopper_option`:
-which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION).
+which of cubridge.runtime.fa3_bwd_sm90.VARIANT_OPTIONS the Hopper path builds (default VARIANT_OPTION, or the one
+CUBRIDGE_BWD_VARIANT_OPTION names: fa3_bwd_sm90.variant_option).
 CUBRIDGE_BWD_FIT_SECTIONS (1 by default since session 13; 0 off) sizes a TILE_ORDER 2 option's head
-sections by the spec's attended fraction (section_l2_bytes).
+sections by the spec's attended fraction (section_l2_bytes). CUBRIDGE_BWD_ARGS_CACHE (1 by default since session
+14; 0 off) keeps each shape's packed VariantArgs and device tables (launchable; no per-call stream sync).
 
 Example (GPU):
     >>> bwd = VariantBackward("prefixlm")                                               # doctest: +SKIP
@@ -39,6 +41,24 @@ HOPPER_LABEL = "fa3_bwd_sm90:variant"
 # the pairs (fa3_backward's l2_bytes = L2 / f: a sparse spec's pairs stream 1 / f times less Q / dO), so a
 # sparse spec's long tiles of every head go out first (host model 1.31x). 0 sizes them by the whole L2.
 FIT_ENV = "CUBRIDGE_BWD_FIT_SECTIONS"
+# On by default since session 14's mid call (H100, x over packing per call, same run: share_question 1.261x at 8k /
+# 1.537x at 1k, relative_pos 1.128x / 1.463x, the specs without tables 0.999-1.000x; rule tests passed with it on):
+# launchable keeps each shape's packed VariantArgs with its device copies of the bound tables. Packed per call (0),
+# LoweredKernel.args copies the CPU tables the binder caches with x.to(device), a blocking host-to-device copy
+# per table, so a spec with tables (share_question's SEGMENT and BLOCK_CLASS, relative_pos's SLOPES, document's)
+# synced the stream once per backward call and its host path then ran with the GPU idle.
+ARGS_CACHE_ENV = "CUBRIDGE_BWD_ARGS_CACHE"
+ARGS_CACHED_SHAPES = 16
+
+
+def args_cache_enabled() -> bool:
+    """ARGS_CACHE_ENV: "1" or unset, VariantBackward.launchable keeps each shape's VariantArgs; "0", packs them per call."""
+    value = os.environ.get(ARGS_CACHE_ENV, "1")
+    if value not in ("0", "1"):
+        from cubridge.errors import LaunchError
+        raise LaunchError(f"{ARGS_CACHE_ENV}={value!r} is neither 0 nor 1", where="environment",
+                          hint=f"unset {ARGS_CACHE_ENV} (VariantArgs kept per shape) or 0 (packed per call)")
+    return value == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,14 +73,14 @@ class VariantBackward:
 
     def __init__(self, spec, config: Config | None = None, kernel: Fa2BwdSm80 | None = None,
                  use_hopper: bool | None = None, hopper_option: str | None = None, **spec_params):
-        from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, VARIANT_OPTIONS
+        from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTIONS, variant_option
         from cubridge.spec import load_spec
         from cubridge.transfer.rules import transfer
         if hopper_option is not None and hopper_option not in VARIANT_OPTIONS:
             from cubridge.errors import LaunchError
             raise LaunchError(f"hopper_option={hopper_option!r} has no variant hooks", where="VariantBackward",
-                              hint=f"pass one of {list(VARIANT_OPTIONS)} (or None: {VARIANT_OPTION!r})")
-        self.hopper_option = hopper_option or VARIANT_OPTION
+                              hint=f"pass one of {list(VARIANT_OPTIONS)} (or None: {variant_option()!r})")
+        self.hopper_option = hopper_option or variant_option()
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         self.spec_params = spec_params
         self.candidate = transfer(_forward_program(), self.spec, spec_params=spec_params)
@@ -73,6 +93,8 @@ class VariantBackward:
         self._hopper = None
         self._hopper_list = None
         self._fractions: dict[tuple, float] = {}
+        self._args: dict[tuple, object] = {}   # ARGS_CACHE_ENV: (shape, device, kernel) -> Launchable
+        self.cache_args: bool | None = None    # None: ARGS_CACHE_ENV decides (an A/B sets it per object)
 
     @property
     def hopper(self) -> LoweredKernel:
@@ -111,6 +133,20 @@ class VariantBackward:
     def launchable(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, head_dim: int, device, hopper: bool = False):
         """The VariantArgs at one shape (a block table at the dK/dV kernel's tile: fa2_bwd_sm80's
         config, or fa3_bwd_sm90's 64 queries x 128 keys with `hopper`)."""
+        key = None
+        if self.cache_args if self.cache_args is not None else args_cache_enabled():
+            from cubridge.lower.fa3_bwd_sm90 import q_list_mode
+            key = (B, Hq, Hkv, Nq, Nk, head_dim, str(torch.device(device)), hopper, q_list_mode() if hopper else None)
+            if key in self._args:
+                return self._args[key]
+        launchable = self._launchable(B, Hq, Hkv, Nq, Nk, head_dim, device, hopper)
+        if key is not None:
+            if len(self._args) >= ARGS_CACHED_SHAPES:
+                self._args.pop(next(iter(self._args)))   # the oldest shape
+            self._args[key] = launchable
+        return launchable
+
+    def _launchable(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, head_dim: int, device, hopper: bool):
         if hopper:
             from cubridge.lower.fa3_bwd_sm90 import BLOCK_M, BLOCK_N
             tiles, lowered = (BLOCK_M, BLOCK_N), self.hopper
@@ -145,6 +181,14 @@ class VariantBackward:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         return int(l2 / max(self._fractions[key], 1e-6))
 
+    def _launch_option(self) -> str:
+        """hopper_option, except that a spec lowered to the dense reference itself (no q_range runs to
+        queue) runs a PERSIST option's body without the queue (fa3_bwd_sm90.QUEUELESS)."""
+        from cubridge.runtime.fa3_bwd_sm90 import QUEUELESS
+        if self.ir.dense_reference:
+            return QUEUELESS.get(self.hopper_option, self.hopper_option)
+        return self.hopper_option
+
     @property
     def hopper_list(self) -> LoweredKernel:
         """The Hopper lowering with q_range as the exact query-tile list (CUBRIDGE_BWD_Q_LIST=auto)."""
@@ -171,7 +215,7 @@ class VariantBackward:
             l2 = self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device)
             fit = {} if l2 is None else {"l2_bytes": l2}   # absent unless set: callers may bind their own
             return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
-                                option=self.hopper_option, variant=va, **fit)   # default_compiler(), as the dense path
+                                option=self._launch_option(), variant=va, **fit)   # default_compiler(), as the dense path
         va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device)
         return self.kernel(dout, q, k, v, out, lse, causal=False, sm_scale=sm_scale, deterministic=deterministic,
                            dq=dq, dk=dk, dv=dv, variant=va)

@@ -355,11 +355,15 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
                                              float (&dk_acc)[kAccRegs], float (&dv_acc)[kAccRegs],
                                              uint32_t (&ds16)[kPRegs],
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
-                                             float* __restrict__ dq_accum, float scale_log2) {
+                                             float* __restrict__ dq_accum, float scale_log2,
+                                             uint32_t sched_release = 0u) {
   float s[kSRegs], dp[kSRegs];
   // A variant's mask test may read a block table: issued before the GEMMs, its load latency hides
   // under them (false and unused in the dense kernel).
   const bool variant_partial = kRangeRuns && step_needs_mask(va, cs, pb, m0);
+  // PERSIST: the tile's last step has read its runs / list flags: the scheduler may overwrite them
+  if constexpr (kPersist)
+    if (sched_release != 0u) mbar_arrive(sched_release);
   // ROWS_EARLY (params.cuh): the LSE rows and the mask decision read before any HGMMA of the step is
   // queued, so their LDS do not wait behind the SS GEMMs' shared-memory reads
   float early_pre[kPreRegs];

@@ -91,6 +91,9 @@ typedef unsigned long long uint64_t;
 #ifndef M_ROTATE
 #define M_ROTATE 0
 #endif
+#ifndef PERSIST
+#define PERSIST 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
@@ -238,6 +241,10 @@ struct Smem {
   __device__ __forceinline__ uint32_t kv_full() const { return base + kOffBar; }
   __device__ __forceinline__ uint32_t q_full() const { return kv_full() + 8; }
   __device__ __forceinline__ uint32_t q_empty() const { return q_full() + 8 * kStages; }
+  // PERSIST only (persist.cuh; params.cuh counts them in kBarBytes)
+  __device__ __forceinline__ uint32_t kv_empty() const { return q_empty() + 8 * kStages; }
+  __device__ __forceinline__ uint32_t sched_full() const { return kv_empty() + 8; }
+  __device__ __forceinline__ uint32_t sched_empty() const { return sched_full() + 8; }
   __device__ __forceinline__ uint32_t q_tile(int s) const { return q() + s * kQBytes; }
   __device__ __forceinline__ uint32_t do_tile(int s) const { return dout() + s * kQBytes; }
   __device__ __forceinline__ uint32_t ds_slot(int s) const { return ds() + s * kDsBytes; }
@@ -261,15 +268,17 @@ struct Problem {
 // section's tile 0s (causal: the longest) go out first, and only a section's heads stream Q / dO
 // and reduce dQ at a time (the launcher sizes sections to L2). The last section may be narrower.
 struct TileCoord { int n, h_kv, b; };
+// Tile idx of TILE_ORDER 2's order over `total` tiles (the grid; PERSIST: its queue, persist.cuh).
+__device__ __forceinline__ TileCoord tile_coord_at(int idx, int total, int seqlen_k, int heads_kv, int section) {
+  const int num_n = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int total_hb = total / num_n, per_section = section * num_n;
+  const int s = idx / per_section, r = idx - s * per_section, hb0 = s * section;
+  const int width = min(section, total_hb - hb0);
+  const int n = r / width, hb = hb0 + (r - n * width);
+  return TileCoord{n, hb % heads_kv, hb / heads_kv};
+}
 __device__ __forceinline__ TileCoord tile_coord(int seqlen_k, int heads_kv, int section) {
-  if constexpr (kTileL2Sections) {
-    const int num_n = (seqlen_k + kBlockN - 1) / kBlockN, idx = int(blockIdx.x);
-    const int total_hb = int(gridDim.x) / num_n, per_section = section * num_n;
-    const int s = idx / per_section, r = idx - s * per_section, hb0 = s * section;
-    const int width = min(section, total_hb - hb0);
-    const int n = r / width, hb = hb0 + (r - n * width);
-    return TileCoord{n, hb % heads_kv, hb / heads_kv};
-  }
+  if constexpr (kTileL2Sections) return tile_coord_at(int(blockIdx.x), int(gridDim.x), seqlen_k, heads_kv, section);
   return TileCoord{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
 }
 
@@ -330,6 +339,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
 }
 
 #include "consumer.cuh"
+#include "persist.cuh"
 
 }  // namespace fa3b
 
@@ -345,11 +355,20 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
              const float* __restrict__ lse, const float* __restrict__ dvec,
              float* __restrict__ dq_accum, uint16_t* __restrict__ dk, uint16_t* __restrict__ dv,
              int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int group, float softmax_scale,
-             int l2_section, const __grid_constant__ fa3b::VariantArgs va) {
+             int l2_section, const __grid_constant__ fa3b::VariantArgs va
+#if PERSIST
+             , int* __restrict__ tile_ctr, int tiles_total
+#endif
+             ) {
   using namespace fa3b;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (fa3::smem_addr(smem_raw) + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
   const Smem sm{base};
+#if PERSIST   // persist.cuh: the grid is min(tiles, SMs) CTAs looping over the tile queue
+  persist_cta(va, sm, &tm_q, &tm_k, &tm_v, &tm_do, lse, dvec, dq_accum, dk, dv, seqlen_q, seqlen_k, heads_q, heads_kv,
+              group, softmax_scale, l2_section, tile_ctr, tiles_total);
+  return;
+#endif
   // group = heads_q / heads_kv from the host: a parameter is read from the constant bank where
   // used, the division's result took a register through the consumer loop (12-40 bytes of spill
   // at D = 128 with DQ_MODE 1).

@@ -185,7 +185,13 @@ constexpr int kOffLse = kOffDq + kDqSmemBytes;
 constexpr int kOffDvec = kOffLse + kStages * kRowTermBytes;
 constexpr int kRowTermSmemBytes = kLseSmem ? 2 * kStages * kRowTermBytes : 0;
 constexpr int kOffBar = kOffLse + kRowTermSmemBytes;
-constexpr int kBarBytes = (1 + 2 * kStages) * 8;              // kv_full, q_full[], q_empty[]
+//   PERSIST 1 (variants; persist.cuh): one CTA per SM takes KV tiles from a queue in TILE_ORDER 2's order
+//              (longest first within each section), hiding each tile's fixed cost (K / V load, first
+//              stage, run scan, dK / dV epilogue) under its neighbours' steps. Three more mbarriers:
+//              kv_empty (the consumers' last K / V read of a tile), sched_full / sched_empty (the next
+//              tile's index and query runs written / the consumers done reading them).
+constexpr bool kPersist = PERSIST == 1;
+constexpr int kBarBytes = (1 + 2 * kStages + (kPersist ? 3 : 0)) * 8;   // kv_full, q_full[], q_empty[] (+ PERSIST's)
 constexpr int kSmemBytes = kOffBar + kBarBytes + kSmemAlign;  // + slack to align the base
 // q_empty's count: one arrive per consumer warp, or per consumer thread (ARRIVE_ALL)
 constexpr int kEmptyArrivals = kConsumers * (kArriveAll ? kWgThreads : kWarpsPerWg);
@@ -234,6 +240,9 @@ static_assert(M_ROTATE == 0 || (M_ROTATE == 1 && SCHED == 1 && ISSUE >= 1),
 static_assert(kBarDqEmpty0 + kDqSlots * kConsumers <= 16, "DQ_WRITER's named barriers exceed the 16 ids");
 static_assert(CARRY == 0 || (CARRY == 1 && SCHED == 1), "CARRY=1 needs SCHED=1 (it changes SCHED 1's step end)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");
+static_assert(PERSIST == 0 || (PERSIST == 1 && TILE_ORDER == 2 && SCHED == 1 && LEAN == 1 && EPILOGUE == 1 &&
+                                DQ_WRITER == 0 && CARRY == 0 && DV_LATE == 0),
+              "PERSIST=1 needs TILE_ORDER=2, SCHED=1, LEAN=1, EPILOGUE=1 and no DQ_WRITER / CARRY / DV_LATE");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

@@ -84,7 +84,7 @@ def _compile(option_spec, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
-@pytest.mark.parametrize("option", sorted(hb.OPTIONS))
+@pytest.mark.parametrize("option", sorted(set(hb.OPTIONS) - set(hb.VARIANT_ONLY_OPTIONS)))
 def test_specialisations_compile_spill_free(option, tmp_path):
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda s: _compile(s, tmp_path), [x for x in OPTION_SPECS if x[0] == option]))
@@ -104,7 +104,7 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 def test_option_table_matches_the_kernel_macros():
     """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
     with SCHED 1 (static_asserts)."""
-    assert hb.OPTIONS["base"] == (0,) * 13 and hb.DEFAULT_OPTION in hb.OPTIONS
+    assert hb.OPTIONS["base"] == (0,) * 14 and hb.DEFAULT_OPTION in hb.OPTIONS
     for name, m in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
         assert f"-DDQ_MODE={m.dq_mode}" in opts and f"-DSCHED={m.sched}" in opts and f"-DLSE_SMEM={m.lse_smem}" in opts
@@ -121,6 +121,33 @@ def test_option_table_matches_the_kernel_macros():
         assert not (m.epilogue and not m.dq_mode) and m.issue in (0, 1, 2), name
     with pytest.raises(LaunchError, match="unknown option"):
         hb.options(128, True, True, "fast")
+    # PERSIST: the variant options' body (TILE_ORDER 2, LEAN, EPILOGUE, no writer warp; params.cuh static_assert)
+    for name in hb.VARIANT_ONLY_OPTIONS:
+        m = hb.OPTIONS[name]
+        assert m.persist == 1 and m.tile_order == 2 and m.lean and m.epilogue and not (m.dq_writer or m.carry), name
+        assert "-DPERSIST=1" in hb.options(128, False, True, name) and name in hb.VARIANT_OPTIONS
+        assert hb.smem_bytes(128, name) == hb.smem_bytes(128, hb.VARIANT_OPTION) + 24   # its three mbarriers
+
+
+def test_variant_only_option_refuses_the_dense_source():
+    with pytest.raises(LaunchError, match="lowered variant only"):
+        hb.build_cubin(128, True, True, option=hb.VARIANT_ONLY_OPTIONS[0])
+
+
+def test_variant_option_and_persist_ctas_from_the_environment(monkeypatch):
+    monkeypatch.delenv(hb.VARIANT_OPTION_ENV, raising=False)
+    assert hb.variant_option() == hb.VARIANT_OPTION
+    monkeypatch.setenv(hb.VARIANT_OPTION_ENV, hb.VARIANT_ONLY_OPTIONS[0])
+    assert hb.variant_option() == hb.VARIANT_ONLY_OPTIONS[0]
+    monkeypatch.setenv(hb.VARIANT_OPTION_ENV, "bulk")   # an option without the variant hooks
+    with pytest.raises(LaunchError, match="not a variant option"):
+        hb.variant_option()
+    monkeypatch.setenv(hb.PERSIST_CTAS_ENV, "3")
+    assert hb.persist_ctas(0) == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(hb.PERSIST_CTAS_ENV, bad)
+        with pytest.raises(LaunchError, match="positive integer"):
+            hb.persist_ctas(0)
 
 
 def test_variant_options_carry_the_hooks():

@@ -256,3 +256,127 @@ def test_fit_sections_knob(monkeypatch):
     monkeypatch.setenv(FIT_ENV, "yes")
     with pytest.raises(LaunchError, match=FIT_ENV):
         VariantBackward("prefixlm", hopper_option=l2lpt).section_l2_bytes(1, 1, 1, 64, 64, cpu)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_persist_compiles_spill_free_within_shared_memory(backwards, tmp_path):
+    """PERSIST (ref_kernels/fa3_bwd_sm90/persist.cuh; its scheduler warp scans under the producer warpgroup's 24
+    registers): spill-free on both query ranges, a block table on the exact list (share_question D 128, the
+    fullest shared memory), an interval spec at D 64 fp16 (the one-pass path, composite, and prefixlm's table
+    compile on it in test_every_builtin_compiles_spill_free)."""
+    from cubridge.lower.fa3_bwd_sm90 import lower_source
+    option = hb.VARIANT_ONLY_OPTIONS[0]
+    jobs = [("share_question", 128, True, True), ("global_sliding_window", 64, False, False)]
+    procs = []
+    for name, d, bf16, q_list in jobs:
+        cu, out = tmp_path / f"{name}_persist.cu", tmp_path / f"{name}_persist.cubin"
+        cu.write_text(lower_source(hb.KERNEL_SOURCE.read_text(), backwards[name].ir, q_list=q_list))
+        procs.append(((name, d, bf16), subprocess.run(
+            [shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+             *hb.options(d, False, bf16, option), "-Xptxas", "-v", "-o", str(out), str(cu)],
+            capture_output=True, text=True)))
+    for (name, d, bf16), proc in procs:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{name}: nvcc failed\n{log[-3000:]}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) == 3 and all(r == ("0", "0") for r in reports), f"{name}: spills\n{log}"
+        assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{name}: stack frame\n{log}"
+        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
+            assert warning not in log, f"{name}: ptxas warning {warning}\n{log}"
+        static = max(int(x) for x in re.findall(r"(\d+) bytes smem", log))
+        assert static + hb.smem_bytes(d, option) <= 227 * 1024, f"{name}: {static} bytes static smem"
+
+
+def test_variant_option_env_sets_the_default(monkeypatch):
+    """CUBRIDGE_BWD_VARIANT_OPTION picks VariantBackward's default option (an explicit hopper_option wins);
+    a spec lowered to the dense reference runs a variant-only option's body without the queue (QUEUELESS)."""
+    option = hb.VARIANT_ONLY_OPTIONS[0]
+    monkeypatch.setenv(hb.VARIANT_OPTION_ENV, option)
+    bwd = VariantBackward("prefixlm")
+    assert bwd.hopper_option == option and bwd._launch_option() == option
+    assert VariantBackward("prefixlm", hopper_option=hb.VARIANT_OPTION).hopper_option == hb.VARIANT_OPTION
+    bwd.ir.dense_reference = True   # this object only
+    assert bwd._launch_option() == hb.QUEUELESS[option] and hb.QUEUELESS[option] not in hb.VARIANT_ONLY_OPTIONS
+    assert set(hb.QUEUELESS) == set(hb.VARIANT_ONLY_OPTIONS) and set(hb.QUEUELESS.values()) <= set(hb.VARIANT_OPTIONS)
+    monkeypatch.setenv(hb.VARIANT_OPTION_ENV, "base")
+    with pytest.raises(LaunchError, match=hb.VARIANT_OPTION_ENV):
+        VariantBackward("prefixlm")
+
+
+def test_args_cache_keeps_each_shapes_variant_args(monkeypatch):
+    """CUBRIDGE_BWD_ARGS_CACHE=1 (the default since session 14): launchable packs a shape's VariantArgs (and copies
+    its tables to the device) once, later calls reuse them (a blocking host-to-device copy per table per call
+    otherwise); another shape or kernel packs its own; 0 packs per call; a bad value names the variable."""
+    from cubridge.lower import LoweredKernel
+    from cubridge.runtime.variant_bwd import ARGS_CACHE_ENV
+    packs = []
+    orig = LoweredKernel.args
+    monkeypatch.setattr(LoweredKernel, "args", lambda self, *a, **k: packs.append(1) or orig(self, *a, **k))
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(ARGS_CACHE_ENV, raising=False)   # the default: kept
+    bwd = VariantBackward("share_question")
+    first = bwd.launchable(1, 2, 2, 256, 256, 64, cpu, hopper=True)
+    assert bwd.launchable(1, 2, 2, 256, 256, 64, cpu, hopper=True) is first and len(packs) == 1
+    assert bwd.launchable(1, 2, 2, 384, 384, 64, cpu, hopper=True) is not first and len(packs) == 2
+    assert bwd.launchable(1, 2, 2, 256, 256, 64, cpu) is not first and len(packs) == 3   # fa2_bwd_sm80's tiles
+    monkeypatch.setenv(ARGS_CACHE_ENV, "0")
+    assert bwd.launchable(1, 2, 2, 256, 256, 64, cpu, hopper=True) is not first and len(packs) == 4
+    bwd.cache_args = True   # the A/B's per-object switch wins over the environment
+    assert bwd.launchable(1, 2, 2, 256, 256, 64, cpu, hopper=True) is first
+    monkeypatch.setenv(ARGS_CACHE_ENV, "yes")
+    with pytest.raises(LaunchError, match=ARGS_CACHE_ENV):
+        VariantBackward("share_question").launchable(1, 2, 2, 256, 256, 64, cpu, hopper=True)
+
+
+def test_softcap_split_knob_and_its_math(monkeypatch):
+    """CUBRIDGE_BWD_SOFTCAP_SPLIT=1 (off by default): a softcapped sigmoid (composite) gets kScoreGradOne and a
+    softmax_ds that recovers the softcap's tanh from P (split passes where the dS pass reads the f32 P); a plain
+    sigmoid and softmax specs are unchanged; a bad value names the variable. The recovery in float32 (tanh-based
+    sigmoid as the kernel computes it) against the exact factor P (1 - P) A B (1 - t^2), scores -200..200,
+    several biases and softcaps: absolute error <= 1e-6 of the factor's largest value."""
+    from cubridge.lower.cexpr import LowerError
+    from cubridge.lower.fa3_bwd_sm90 import SOFTCAP_SPLIT_ENV, lower_source
+    dense = hb.KERNEL_SOURCE.read_text()
+    irs = {n: VariantBackward(n).ir for n in ("composite", "sigmoid", "prefixlm")}
+    monkeypatch.setenv(SOFTCAP_SPLIT_ENV, "0")
+    off = {n: lower_source(dense, ir) for n, ir in irs.items()}
+    monkeypatch.setenv(SOFTCAP_SPLIT_ENV, "1")
+    on = {n: lower_source(dense, ir) for n, ir in irs.items()}
+    assert "constexpr bool kScoreGradOne = false;" in off["composite"] and "cuir_softcap_grad_from_p" not in off["composite"]
+    assert "constexpr bool kScoreGradOne = true;" in on["composite"]
+    assert "constexpr bool kDsFromP16 = kDsFromP32;" in on["composite"] and "cuir_softcap_grad_from_p(p," in on["composite"]
+    assert on["sigmoid"] == off["sigmoid"] and on["prefixlm"] == off["prefixlm"]
+    monkeypatch.setenv(SOFTCAP_SPLIT_ENV, "on")
+    with pytest.raises(LowerError, match=SOFTCAP_SPLIT_ENV):
+        lower_source(dense, irs["composite"])
+    s = torch.linspace(-200.0, 200.0, 400001, dtype=torch.float64)
+    for amp, rate, bias in ((50.0, 0.02, -9.01), (2.0, 0.5, 0.0), (30.0, 1 / 30, 3.0), (50.0, 0.02, -13.9)):
+        t = torch.tanh(s * rate)
+        y = (t.float() * (amp / 2) + bias / 2).float()
+        p = (0.5 * torch.tanh(y) + 0.5).float()                      # the kernel's P, float32
+        exact = (p.double() * (1 - p.double())) * amp * rate * (1 - t * t)
+        tr = ((torch.log2(p) - torch.log2(1 - p)) * (0.6931471805599453 / amp) - bias / amp).clamp(-1, 1)
+        rec = (p - p * p) * (amp * rate * (1 - tr * tr))
+        assert torch.isfinite(rec).all()
+        assert (rec.double() - exact).abs().max() <= 1e-6 * exact.abs().max(), (amp, rate, bias)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_softcap_split_compiles_spill_free(monkeypatch, tmp_path):
+    """composite on the split passes (CUBRIDGE_BWD_SOFTCAP_SPLIT=1): spill-free, no ptxas warning, D 128 bf16 on
+    VARIANT_OPTION, D 64 fp16."""
+    from cubridge.lower.fa3_bwd_sm90 import SOFTCAP_SPLIT_ENV
+    monkeypatch.setenv(SOFTCAP_SPLIT_ENV, "1")
+    bwd = VariantBackward("composite")
+    assert "cuir_softcap_grad_from_p(p," in bwd.hopper.source
+    jobs = [(bwd, "composite_scsplit", d, bf16, o) for d, bf16, o in
+            ((128, True, hb.VARIANT_OPTION), (64, False, hb.VARIANT_OPTION))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
+    for spec, proc in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) == 3 and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
+        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
+            assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"

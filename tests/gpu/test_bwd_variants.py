@@ -89,7 +89,7 @@ def hopper_backwards():
     out = {(n, tuple(sorted(p.items()))): VariantBackward(n, **p) for n, p in VARIANTS}
     jobs = {(bwd.hopper.source, d, dt == BF16) for bwd in out.values() for (*_, d, dt, _) in _hopper_shapes()}
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda j: hb.build_cubin(j[1], False, j[2], option=hb.VARIANT_OPTION, source=j[0]), jobs))
+        list(pool.map(lambda j: hb.build_cubin(j[1], False, j[2], option=hb.variant_option(), source=j[0]), jobs))
     return out
 
 
@@ -111,9 +111,9 @@ def test_variant_backward_rule_hopper(hopper_backwards, variant, shape, monkeypa
 def _other_variant_options() -> list[str]:
     """VARIANT_OPTIONS but VARIANT_OPTION; CUBRIDGE_BWD_OPTIONS (as tests/gpu/test_bwd_sm90.py reads
     it) narrows them to the ones it names (none of them: no case)."""
-    from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTION, VARIANT_OPTIONS
+    from cubridge.runtime.fa3_bwd_sm90 import VARIANT_OPTIONS, variant_option
     wanted = [o for o in os.environ.get("CUBRIDGE_BWD_OPTIONS", "").split(",") if o]
-    return [o for o in VARIANT_OPTIONS if o != VARIANT_OPTION and (not wanted or o in wanted)]
+    return [o for o in VARIANT_OPTIONS if o != variant_option() and (not wanted or o in wanted)]
 
 
 # a block table with runs (prefixlm), a GQA document-like table (share_question), the one-pass P / dS
@@ -135,3 +135,24 @@ def test_variant_backward_rule_hopper_options(option, variant, shape):
     bwd = VariantBackward(name, use_hopper=True, hopper_option=option, **params)
     grads, again = _run_rule(bwd, name, params, shape, f"hopper{name}{shape}")
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), "dk / dv not repeatable"
+
+
+@pytest.mark.parametrize("variant", [("share_question", {}), ("global_sliding_window", {}), ("composite", {})],
+                         ids=lambda v: v[0])
+def test_variant_backward_rule_hopper_persist_queue(variant, monkeypatch):
+    """PERSIST (ref_kernels/fa3_bwd_sm90/persist.cuh): the grid capped at 1 and at 5 CTAs, so each CTA runs
+    many tiles of the queue (GQA, ragged, a block table, an interval band, the one-pass path): both pass the
+    rule, and dK / dV are bitwise equal between the two (a tile's sums do not depend on which CTA ran it or
+    what it ran before: no state carried across tiles)."""
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    from cubridge.runtime.variant_bwd import VariantBackward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    name, params = variant
+    bwd = VariantBackward(name, use_hopper=True, hopper_option=hb.VARIANT_ONLY_OPTIONS[0], **params)
+    shape = (2, 8, 2, 1000, 1000, 128, BF16, False)   # 8 KV tiles x 2 kv heads x 2 batches = 32 tiles
+    runs = []
+    for ctas in ("1", "5"):
+        monkeypatch.setenv(hb.PERSIST_CTAS_ENV, ctas)
+        runs.append(_run_rule(bwd, name, params, shape, f"persist{name}")[0])
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2]), "dk / dv depend on the CTA count"

@@ -66,6 +66,7 @@ import torch
 
 from cubridge.errors import LaunchError
 from cubridge.paths import REF_KERNELS_DIR
+from cubridge.runtime import fa3_bwd_gqa as gqa
 from cubridge.runtime.build import compile_cubin, default_compiler
 from cubridge.runtime.driver import capability, current_stream, driver, pack_params
 
@@ -172,27 +173,34 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
 
 
-def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION) -> list[str]:
+def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION, gqa_split: int = 1) -> list[str]:
+    """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa), 1
+    leaves the macros (and the compile cache key) exactly as before the split existed."""
     macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()]
+    split = [f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
-            *macros,
+            *macros, *split,
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
 
 
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
                 compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
-                source: str | None = None):
+                source: str | None = None, gqa_split: int = 1):
     """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
-    `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one."""
+    `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one;
+    gqa_split: fa3_bwd_gqa's split (needs an EPILOGUE 1 option)."""
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
-    _modes(option)
+    if gqa_split > 1 and not _modes(option).epilogue:
+        raise LaunchError(f"gqa_split={gqa_split} with option {option!r}", where="fa3_bwd_sm90",
+                          hint="the split writes its partials in EPILOGUE 1's place: use an option ending in _epi "
+                               "(the default) or gqa_split=1")
     if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
     return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
-                         options=[*options(head_dim, causal, bf16, option), *extra_options],
+                         options=[*options(head_dim, causal, bf16, option, gqa_split), *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
 
 
@@ -210,13 +218,15 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}
 
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
-               compiler: str | None, source: str | None = None):
-    """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess]) of one specialisation
-    (of `source`, a lowered variant, when given)."""
-    key = (head_dim, causal, bf16, option, device.index, compiler, source)
+               compiler: str | None, source: str | None = None, gqa_split: int = 1):
+    """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess][, GQA_SPLIT's dK / dV
+    sum, last]) of one specialisation (of `source`, a lowered variant, when given)."""
+    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split)
     if key not in _FUNCTIONS:
-        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source).cubin
+        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source,
+                            gqa_split=gqa_split).cubin
         entries = (CONVERT_ENTRY, PREP_ENTRY) if _modes(option).lean else (CONVERT_ENTRY,)
+        entries += (gqa.SUM_ENTRY,) if gqa_split > 1 else ()
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, *entries)
     return _FUNCTIONS[key]
@@ -316,7 +326,7 @@ def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int,
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                  dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
-                 variant=None, l2_bytes: int | None = None):
+                 variant=None, l2_bytes: int | None = None, gqa_split: int | str | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
@@ -324,7 +334,9 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
     causal=False; option one of VARIANT_OPTIONS); its VariantArgs must stay alive until the kernel ran.
     l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
-    tests pass small ones to exercise several sections)."""
+    tests pass small ones to exercise several sections). gqa_split: fa3_bwd_gqa's split of each GQA
+    group over CTAs (None: CUBRIDGE_BWD_GQA_SPLIT, default 1 = off; an option without EPILOGUE 1 runs
+    unsplit when the split comes from the environment, and refuses an explicit one)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     modes = _modes(option)
     if variant is not None and (causal or option not in VARIANT_OPTIONS):
@@ -342,8 +354,11 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                              shape.head_dim)
     bf16 = q.dtype == torch.bfloat16
+    split = gqa.effective(gqa.requested(gqa_split), hq // hkv)
+    if split > 1 and not modes.epilogue and gqa_split is None:
+        split = 1   # the environment's split applies to the options that can take it
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
-                       variant.source if variant is not None else None)
+                       variant.source if variant is not None else None, split)
     func, convert = funcs[:2]
     stream = current_stream(device.index)
     num_m = math.ceil(nq / BLOCK_M)
@@ -353,18 +368,22 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
         row_terms, accum = _classic_prep(out, dout, lse, shape, modes.dq_mode, modes.lse_smem, device, stream)
     tm = driver().tensor_map
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
-    scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]
+    # GQA_SPLIT: the kernel sees Hkv * s virtual kv heads of G / s query heads and writes fp32 partials
+    parts = gqa.partials(b, hkv, split, nk, d, device) if split > 1 else (dk, dv)
+    scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, *parts)]
     tiles = math.ceil(nk / BLOCK_N)
     section = 1
     if modes.tile_order == 2:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
         # a variant's tiles are uneven like causal's (VARIANT_OPTIONS): sections sized the same way
-        section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal) or variant is not None, l2)
-    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
+        section = tile_sections(b * hkv * split, hq // hkv // split, nq, d, bool(causal) or variant is not None, l2)
+    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv * split, hq // hkv // split)] + [ctypes.c_float(scale)]
     scalars += [ctypes.c_int32(section)]   # l2_section
     scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
-    grid = _grid(option, tiles, hkv, b)
+    grid = _grid(option, tiles, hkv * split, b)
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
+    if split > 1:
+        gqa.launch_sum(funcs[-1], *parts, dk, dv, hkv, scale, stream)
     _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream)
     return dq, dk, dv
 

@@ -85,11 +85,22 @@ typedef unsigned long long uint64_t;
 #ifndef DQ_WRITER
 #define DQ_WRITER 0
 #endif
+// GQA_SPLIT s > 1 (session 14, off until an H100 run proves it): a GQA group's G query heads are
+// split over s CTAs per KV tile, G / s heads each (the launcher passes heads_kv * s "virtual kv
+// heads" and group G / s, so bh_q and every hook's query head stay exact); the s CTAs of one KV
+// tile write fp32 partial dK / dV that fa3_bwd_dkdv_sum adds in a fixed order (bitwise repeatable).
+#ifndef GQA_SPLIT
+#define GQA_SPLIT 1
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
 
 namespace fa3b {
+constexpr int kGqaSplit = GQA_SPLIT;
+static_assert(kGqaSplit == 1 || kGqaSplit == 2 || kGqaSplit == 4 || kGqaSplit == 8 || kGqaSplit == 16,
+              "GQA_SPLIT must be 1 (off) or a power of two up to 16");
+static_assert(kGqaSplit == 1 || EPILOGUE == 1, "GQA_SPLIT > 1 writes its fp32 partials in EPILOGUE 1's place");
 using fa3::fast_exp2; using fa3::make_desc; using fa3::mbar_arrive; using fa3::mbar_expect_tx;
 using fa3::mbar_init; using fa3::mbar_wait; using fa3::named_arrive; using fa3::named_sync; using fa3::pack2;
 using fa3::tma_load_3d; using fa3::wgmma_commit; using fa3::wgmma_fence; using fa3::wgmma_wait;
@@ -235,6 +246,9 @@ struct Problem {
   __device__ __forceinline__ int q_shift() const { return seqlen_k - seqlen_q; }
   __device__ __forceinline__ int bh_q(int g) const { return b * heads_q + h_kv * group + g; }
   __device__ __forceinline__ int bh_kv() const { return b * heads_kv + h_kv; }
+  // The K / V rows to load: GQA_SPLIT's virtual kv head h_kv = real head * s + slice (heads_kv =
+  // real heads * s), so b * heads_kv + h_kv = (b * real heads + real head) * s + slice.
+  __device__ __forceinline__ int bh_kv_src() const { return bh_kv() / kGqaSplit; }
 };
 
 // ------------------------------------------------------------------ tile order
@@ -290,8 +304,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
   mbar_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
   for (int p = 0; p < kPanels; ++p) {
-    tma_load_3d(sm.k() + p * kKVPanelBytes, tm_k, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv());
-    tma_load_3d(sm.v() + p * kKVPanelBytes, tm_v, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv());
+    tma_load_3d(sm.k() + p * kKVPanelBytes, tm_k, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv_src());
+    tma_load_3d(sm.v() + p * kKVPanelBytes, tm_v, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv_src());
   }
   int it = 0;
   if constexpr (kRangeRuns) {
@@ -447,3 +461,36 @@ fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ 
   }
 }
 #endif  // LEAN
+
+// GQA_SPLIT s > 1's one launch after the backward: dV = sum of its s fp32 partials and dK = scale x
+// the sum of its partials (partials [B * Hkv, s, Nk, D] row-major, added in slice order 0..s-1:
+// the same bits every run), 16-bit, into dk / dv at the caller's element strides (batch, head, row;
+// D contiguous, strides multiples of 4 elements: fa3_bwd_sm90.py checks). One thread per 4 floats of
+// a row; blockIdx.y 0 is dV, 1 is dK. Grid (ceil(rows * D / 4 / 256), 2), block 256, rows = B * Hkv * Nk.
+#if GQA_SPLIT > 1
+extern "C" __global__ void __launch_bounds__(256)
+fa3_bwd_dkdv_sum(const float* __restrict__ dk_part, const float* __restrict__ dv_part, uint16_t* __restrict__ dk,
+                 uint16_t* __restrict__ dv, int heads_kv, int seqlen_k, long long rows, long long dk_sb,
+                 long long dk_sh, long long dk_sn, long long dv_sb, long long dv_sh, long long dv_sn,
+                 float softmax_scale) {
+  using namespace fa3b;
+  constexpr int kRowChunks = kHeadDim / 4;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * kRowChunks) return;
+  const bool is_k = blockIdx.y == 1;
+  const long long row = i / kRowChunks, bh = row / seqlen_k;
+  const int col = int(i % kRowChunks) * 4, n = int(row - bh * seqlen_k);
+  const float* part = (is_k ? dk_part : dv_part) + (bh * kGqaSplit * seqlen_k + n) * kHeadDim + col;
+  const long long slice = static_cast<long long>(seqlen_k) * kHeadDim;
+  float4 acc = *reinterpret_cast<const float4*>(part);
+#pragma unroll
+  for (int j = 1; j < kGqaSplit; ++j) {
+    const float4 x = *reinterpret_cast<const float4*>(part + j * slice);
+    acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+  }
+  const float mul = is_k ? softmax_scale : 1.f;
+  const long long b = bh / heads_kv, h = bh - b * heads_kv;
+  uint16_t* out = is_k ? dk + b * dk_sb + h * dk_sh + n * dk_sn : dv + b * dv_sb + h * dv_sh + n * dv_sn;
+  *reinterpret_cast<uint2*>(out + col) = make_uint2(pack2(acc.x * mul, acc.y * mul), pack2(acc.z * mul, acc.w * mul));
+}
+#endif  // GQA_SPLIT

@@ -1,0 +1,229 @@
+"""The GQA penalty of our Hopper backward beside FA4's and Flex-FLASH's (issue 17, session 14).
+
+Shape of the transformers Llama client's training step: 8k tokens, B 2, D 128, bf16, heads MHA 16 / 16,
+GQA 16 / 4 and 32 / 8. Cases: dense causal and full (ours = fa3_bwd_sm90's fa3_backward after our
+forward; FA4 = flash_attn.cute's backward through torch.autograd.grad, native GQA) and the prefixlm
+variant (ours = VariantBackward on the Hopper kernel; Flex-FLASH = compiled flex_attention with
+kernel_options BACKEND FLASH, enable_gqa, its BlockMask). Ours runs at each GQA split of
+fa3_bwd_gqa (1 = today's kernel; 2, 4 = CUBRIDGE_BWD_GQA_SPLIT) that the group allows, all in
+the same round-robin (cubridge.runtime.timing.bench_round_robin: L2 flushed, GPU work only).
+
+Checks before a time counts: every system's gradients against ours at split 1 (max |x - ours| /
+max |ours| per gradient, `agrees` at <= 0.05; the rule itself is tests/gpu/test_bwd_gqa.py), a split's
+dK / dV bitwise equal over two calls (`repeatable`). TFLOPS = 2.5 x 4 x D x attended pairs x B x Hq
+(issue 17's count; prefixlm's pairs counted from the spec's mask). `vs_mha` = this shape's
+TFLOPS / the MHA shape's (the GQA penalty); `x_ours1` = ours at split 1's ms / the system's ms.
+
+    python3 experiments/bench_bwd_gqa.py --out $OUT/bwd_gqa.json [--cases causal full prefixlm] [--reps 10]
+    python3 experiments/bench_bwd_gqa.py --table $OUT/bwd_gqa.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import expkit
+from expkit import grad_rel_errors
+from expkit.peers import Unsupported, fa4_backward
+import torch
+
+from cubridge.runtime import fa3_bwd_gqa as gqa
+from cubridge.runtime import fa3_bwd_sm90 as hb
+from cubridge.runtime.timing import attention_flops, bench_round_robin, compiled_flex_attention, tflops
+from cubridge.spec import load_spec
+from cubridge.transfer.pairs import count_attended
+
+N, B, D = 8192, 2, 128
+HEADS = [(16, 16), (16, 4), (32, 8)]
+CASES = ["causal", "full", "prefixlm"]
+SPLITS = (1, 2, 4)
+BWD_FLOP_FACTOR = 2.5
+AGREE_REL = 0.05
+
+
+def _inputs(hq: int, hkv: int):
+    g = torch.Generator(device="cuda").manual_seed(hq * 131 + hkv)
+    q, dout = (torch.randn(B, hq, N, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(B, hkv, N, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    return q, k, v, dout
+
+
+def splits_for(hq: int, hkv: int) -> list[int]:
+    return sorted({gqa.effective(s, hq // hkv) for s in SPLITS})
+
+
+def ours_dense(causal: bool, q, k, v, dout, split: int):
+    from cubridge.runtime.autograd import forward_with_lse
+    out, lse = forward_with_lse(q, k, v, causal)
+    return lambda: hb.fa3_backward(dout, q, k, v, out, lse, causal=causal, gqa_split=split)
+
+
+class VariantOurs:
+    """prefixlm lowered onto fa3_sm90 (forward) and fa3_bwd_sm90 (VariantBackward, Hopper); the
+    split reaches the variant path through CUBRIDGE_BWD_GQA_SPLIT (set around each call)."""
+
+    def __init__(self, name: str):
+        from cubridge.runtime.variant_bwd import VariantBackward
+        self.name, self.fwd, self.bwd = name, expkit.Ours(), VariantBackward(name, use_hopper=True)
+
+    def system(self, q, k, v, dout, split: int):
+        out, lse = self.fwd.fn(self.name, q, k, v)()
+
+        def call():
+            os.environ[gqa.SPLIT_ENV] = str(split)
+            try:
+                return self.bwd(dout, q, k, v, out, lse)
+            finally:
+                os.environ.pop(gqa.SPLIT_ENV, None)
+        return call
+
+
+def flex_flash(mask_mod, q, k, v, dout):
+    fx, cbm = compiled_flex_attention()
+    bm = cbm(mask_mod, None, None, N, N, device=q.device) if mask_mod is not None else None
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    try:
+        out = fx(*leaves, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1], kernel_options={"BACKEND": "FLASH"})
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    except Exception as e:  # noqa: BLE001 - the backend's refusal is the recorded reason
+        raise Unsupported(f"{type(e).__name__}: {str(e).strip()[:300]}")
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def flops_of(case: str, hq: int, hkv: int) -> float:
+    if case in ("causal", "full"):
+        return attention_flops(B, hq, D, N, N, case == "causal")
+    hooks = load_spec(case).hooks_for(N, N, hq, hkv, "cuda")
+    return 4.0 * D * count_attended(hooks, B, hq, N, N, device="cuda")
+
+
+def make_systems(case: str, hq: int, hkv: int, q, k, v, dout, variant: VariantOurs | None,
+                 wanted: list[str]) -> tuple[dict, dict]:
+    """({name: callable}, {name: refusal}) for one (case, heads); wanted: the peers to add."""
+    systems, refused = {}, {}
+    for s in splits_for(hq, hkv):
+        name = f"ours[s{s}]"
+        systems[name] = (variant.system(q, k, v, dout, s) if variant is not None
+                         else ours_dense(case == "causal", q, k, v, dout, s))
+    peers = {"fa4": lambda: fa4_backward(case == "causal", q, k, v, dout)} if variant is None else {}
+    mask = {"causal": causal_mask, "full": None}.get(case)
+    if variant is not None:
+        mask = load_spec(case).hooks_for(N, N, hq, hkv, "cuda").mask_mod
+    peers["flex_flash"] = lambda: flex_flash(mask, q, k, v, dout)
+    for name, make in ((n, m) for n, m in peers.items() if n in wanted):
+        try:
+            systems[name] = make()
+        except (Unsupported, RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            refused[name] = str(e)[:300]
+            print(f"  {case} {hq}/{hkv} {name}: refused: {str(e)[:160]}", flush=True)
+    return systems, refused
+
+
+def bench_one(case: str, hq: int, hkv: int, reps: int, variant, peers: list[str]) -> list[dict]:
+    q, k, v, dout = _inputs(hq, hkv)
+    systems, refused = make_systems(case, hq, hkv, q, k, v, dout, variant, peers)
+    base = dict(case=case, N=N, B=B, Hq=hq, Hkv=hkv, D=D, dtype="bf16")
+    rows = [dict(base, system=s, refused=r) for s, r in refused.items()]
+    grads = {s: [g.clone() for g in fn()] for s, fn in systems.items()}
+    mine = grads["ours[s1]"]
+    names = list(systems)
+    times = dict(zip(names, bench_round_robin([systems[s] for s in names], warmup=2, reps=reps)))
+    flops = flops_of(case, hq, hkv)
+    for s in names:
+        ms = times[s].median_ms
+        row = dict(base, system=s, bwd_ms=round(ms, 4), bwd_tflops=round(tflops(BWD_FLOP_FACTOR * flops, ms), 1),
+                   x_ours1=round(times["ours[s1]"].median_ms / ms, 3))
+        if s != "ours[s1]":
+            rel = max(grad_rel_errors(grads[s], mine).values())
+            row.update(max_rel_vs_ours=float(f"{rel:.3g}"), agrees=rel <= AGREE_REL)
+        if s.startswith("ours[s") and s != "ours[s1]":
+            again = systems[s]()
+            row["repeatable"] = bool(torch.equal(again[1], grads[s][1]) and torch.equal(again[2], grads[s][2]))
+        rows.append(row)
+        print(f"  {case:8s} {hq:2d}/{hkv:2d} {s:10s} {ms:8.3f} ms {row['bwd_tflops']:6.1f} TFLOPS "
+              f"x_ours1 {row['x_ours1']:.3f}" + (f" rel {row['max_rel_vs_ours']:.1e}" if "max_rel_vs_ours" in row else "")
+              + ("" if row.get("repeatable", True) else " NOT REPEATABLE"), flush=True)
+    return rows
+
+
+def add_penalty(rows: list[dict]) -> None:
+    """vs_mha: a GQA row's TFLOPS / the MHA (Hq = Hkv) row's of the same case and system (ours at
+    any split against ours at MHA, where there is no split)."""
+    family = lambda s: "ours" if s.startswith("ours") else s  # noqa: E731
+    mha = {(r["case"], family(r["system"])): r["bwd_tflops"] for r in rows
+           if r["Hq"] == r["Hkv"] and "bwd_tflops" in r}
+    for r in rows:
+        ref = mha.get((r["case"], family(r["system"])))
+        if "bwd_tflops" in r and r["Hq"] != r["Hkv"] and ref:
+            r["vs_mha"] = round(r["bwd_tflops"] / ref, 3)
+
+
+def prebuild(cases: list[str]) -> None:
+    """Every cubin of the run, in parallel (nvcc runs outside the GIL)."""
+    jobs = [(c == "causal", s) for c in cases if c in ("causal", "full") for s in SPLITS]
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(hb.build_cubin, D, causal, True, gqa_split=s) for causal, s in jobs]
+        for f in futs:
+            f.result()
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| case | Hq/Hkv | system | bwd ms | TFLOPS | x ours s1 | vs MHA | rel vs ours | repeatable |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "refused" in r:
+            print(f"| {r['case']} | {r['Hq']}/{r['Hkv']} | {r['system']} | refused: {r['refused'][:70]} | | | | | |")
+            continue
+        rel = "" if "max_rel_vs_ours" not in r else f"{r['max_rel_vs_ours']:.1e}" + ("" if r["agrees"] else " DISAGREES")
+        print(f"| {r['case']} | {r['Hq']}/{r['Hkv']} | {r['system']} | {r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | "
+              f"{r['x_ours1']:.3f} | {r.get('vs_mha', '')} | {rel} | {r.get('repeatable', '')} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    ap.add_argument("--heads", nargs="+", default=[f"{a}/{b}" for a, b in HEADS], help="Hq/Hkv pairs")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--peers", nargs="*", default=["fa4", "flex_flash"], choices=["fa4", "flex_flash"],
+                    help="peers beside ours (fa4: the dense cases only)")
+    ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        print_table(json.loads(args.table.read_text())["rows"])
+        return 0
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
+    result = {"gpu": torch.cuda.get_device_name(), "versions": expkit.versions(), "rows": [], "failed": [],
+              "protocol": f"round-robin, L2 flushed, 2 warm-ups, {args.reps} reps, median (bench_round_robin)"}
+    try:
+        prebuild(args.cases)
+    except Exception:  # noqa: BLE001 - a build failure shows again per case below
+        print(f"# prebuild failed\n{traceback.format_exc()[-1500:]}", flush=True)
+    variants = {c: VariantOurs(c) for c in args.cases if c not in ("causal", "full")}
+    for case in args.cases:
+        for hq, hkv in heads:
+            try:
+                result["rows"] += bench_one(case, hq, hkv, args.reps, variants.get(case), args.peers)
+            except Exception:  # noqa: BLE001 - one case failing is reported, the others still run
+                result["failed"].append(dict(case=case, Hq=hq, Hkv=hkv, error=traceback.format_exc()[-1500:]))
+                print(f"# {case} {hq}/{hkv}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+            torch.cuda.empty_cache()
+            add_penalty(result["rows"])
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+    print_table(result["rows"])
+    return 1 if result["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -116,10 +116,11 @@ def make_systems(case: str, hq: int, hkv: int, q, k, v, dout, variant: VariantOu
         systems[name] = (variant.system(q, k, v, dout, s) if variant is not None
                          else ours_dense(case == "causal", q, k, v, dout, s))
     peers = {"fa4": lambda: fa4_backward(case == "causal", q, k, v, dout)} if variant is None else {}
-    mask = {"causal": causal_mask, "full": None}.get(case)
-    if variant is not None:
-        mask = load_spec(case).hooks_for(N, N, hq, hkv, "cuda").mask_mod
-    peers["flex_flash"] = lambda: flex_flash(mask, q, k, v, dout)
+    if variant is not None or "flex_dense" in wanted:   # dense: FA4 is the peer unless asked
+        mask = {"causal": causal_mask, "full": None}.get(case)
+        if variant is not None:
+            mask = load_spec(case).hooks_for(N, N, hq, hkv, "cuda").mask_mod
+        peers["flex_flash"] = lambda: flex_flash(mask, q, k, v, dout)
     for name, make in ((n, m) for n, m in peers.items() if n in wanted):
         try:
             systems[name] = make()
@@ -195,8 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     ap.add_argument("--heads", nargs="+", default=[f"{a}/{b}" for a, b in HEADS], help="Hq/Hkv pairs")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--peers", nargs="*", default=["fa4", "flex_flash"], choices=["fa4", "flex_flash"],
-                    help="peers beside ours (fa4: the dense cases only)")
+    ap.add_argument("--peers", nargs="*", default=["fa4", "flex_flash"], choices=["fa4", "flex_flash", "flex_dense"],
+                    help="peers beside ours (fa4: the dense cases; flex_flash: the variant, and the dense cases "
+                         "too with flex_dense)")
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:

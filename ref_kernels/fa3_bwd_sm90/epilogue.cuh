@@ -48,7 +48,7 @@ __device__ __forceinline__ void copy_rows(const Consumer& cs, uint32_t tile, uin
     const int q = cs.wg_thread + k * kWgThreads, row = q / kStageChunks, cc = q % kStageChunks;
     const int kv_idx = pb.n0 + cs.c * kWgRows + row;
     if (kv_idx < pb.seqlen_k)
-      *reinterpret_cast<uint4*>(out + (size_t(pb.bh_kv()) * pb.seqlen_k + kv_idx) * kHeadDim + cc * 8) = v[k];
+      *reinterpret_cast<uint4*>(out + io_row(pb.bh_kv(), kv_idx, pb.seqlen_k, pb.heads_kv) + cc * 8) = v[k];
   }
 }
 

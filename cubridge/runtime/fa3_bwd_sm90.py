@@ -67,8 +67,10 @@ import torch
 from cubridge.errors import LaunchError
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime import fa3_bwd_gqa as gqa
+from cubridge.runtime import fa3_bwd_layout as lay
 from cubridge.runtime.build import compile_cubin, default_compiler
 from cubridge.runtime.driver import capability, current_stream, driver, pack_params
+from cubridge.runtime.fa3_sm90 import tensor_map as map_4d
 
 KERNEL_DIR = REF_KERNELS_DIR / "fa3_bwd_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
@@ -173,11 +175,12 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + (1 + 2 * STAGES) * 8 + SMEM_ALIGN
 
 
-def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION, gqa_split: int = 1) -> list[str]:
-    """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa), 1
-    leaves the macros (and the compile cache key) exactly as before the split existed."""
+def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION, gqa_split: int = 1,
+            bnhd: bool = False) -> list[str]:
+    """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa) and bnhd
+    -DBNHD=1 (fa3_bwd_layout); without them the macros (and the compile cache key) are as before both."""
     macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()]
-    split = [f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []
+    split = ([f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []) + (["-DBNHD=1"] if bnhd else [])
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
             *macros, *split,
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
@@ -185,10 +188,10 @@ def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTIO
 
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
                 compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
-                source: str | None = None, gqa_split: int = 1):
+                source: str | None = None, gqa_split: int = 1, bnhd: bool = False):
     """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
     `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one;
-    gqa_split: fa3_bwd_gqa's split (needs an EPILOGUE 1 option)."""
+    gqa_split: fa3_bwd_gqa's split (needs an EPILOGUE 1 option); bnhd: fa3_bwd_layout's BNHD build."""
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
@@ -200,7 +203,7 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
     return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
-                         options=[*options(head_dim, causal, bf16, option, gqa_split), *extra_options],
+                         options=[*options(head_dim, causal, bf16, option, gqa_split, bnhd), *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
 
 
@@ -218,13 +221,13 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}
 
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
-               compiler: str | None, source: str | None = None, gqa_split: int = 1):
+               compiler: str | None, source: str | None = None, gqa_split: int = 1, bnhd: bool = False):
     """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess][, GQA_SPLIT's dK / dV
     sum, last]) of one specialisation (of `source`, a lowered variant, when given)."""
-    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split)
+    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd)
     if key not in _FUNCTIONS:
         cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source,
-                            gqa_split=gqa_split).cubin
+                            gqa_split=gqa_split, bnhd=bnhd).cubin
         entries = (CONVERT_ENTRY, PREP_ENTRY) if _modes(option).lean else (CONVERT_ENTRY,)
         entries += (gqa.SUM_ENTRY,) if gqa_split > 1 else ()
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
@@ -264,16 +267,18 @@ def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
     return _padded_lse(lse, bh, nq, num_m), _padded_dvec(dvec, bh, nq, num_m)
 
 
-def _lean_prep(prep, out, dout, lse, bh: int, nq: int, num_m: int, d: int, stream: int):
+def _lean_prep(prep, out, dout, lse, bh: int, nq: int, num_m: int, d: int, stream: int, heads: int | None = None):
     """LEAN 1: ((padded log2 LSE, padded Dvec), the zeroed tiled dQ accumulator) from one
     fa3_bwd_preprocess launch (kernel.cu), in place of fa2_bwd_preprocess and the torch ops of
-    _padded_row_terms (5-7 small kernels, each a few us of host time while the GPU waits)."""
+    _padded_row_terms (5-7 small kernels, each a few us of host time while the GPU waits). heads: BNHD's
+    Hq (out and dout [B, N, Hq, D] memory), None for contiguous [B, H, N, D]."""
     padded = bh * num_m * BLOCK_M
     lse2 = torch.empty((bh, num_m * BLOCK_M), device=out.device, dtype=torch.float32)
     dvec = torch.empty_like(lse2)
     accum = torch.empty(padded * d, device=out.device, dtype=torch.float32)
     args = [ctypes.c_uint64(t.data_ptr()) for t in (out, dout, lse, lse2, dvec, accum)]
     args += [ctypes.c_int32(nq), ctypes.c_int32(num_m * BLOCK_M), ctypes.c_int64(padded)]
+    args += [ctypes.c_int32(heads)] if heads is not None else []
     driver().launch(prep, (math.ceil(padded * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
                     stream, pack_params(args))
     return (lse2, dvec), accum
@@ -326,7 +331,8 @@ def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int,
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                  dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
-                 variant=None, l2_bytes: int | None = None, gqa_split: int | str | None = None):
+                 variant=None, l2_bytes: int | None = None, gqa_split: int | str | None = None,
+                 layout: str | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
@@ -336,21 +342,29 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
     tests pass small ones to exercise several sections). gqa_split: fa3_bwd_gqa's split of each GQA
     group over CTAs (None: CUBRIDGE_BWD_GQA_SPLIT, default 1 = off; an option without EPILOGUE 1 runs
-    unsplit when the split comes from the environment, and refuses an explicit one)."""
+    unsplit when the split comes from the environment, and refuses an explicit one). layout: "auto"
+    (None), "bhnd" or "bnhd" (fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in place;
+    "auto" takes it under CUBRIDGE_BWD_BNHD=1 where dout and out are [B, N, H, D] memory)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     modes = _modes(option)
+    bnhd = all(isinstance(t, torch.Tensor) for t in (dout, q, k, v, out)) and lay.choose(layout, modes, dout, q, k, v,
+                                                                                          out)
     if variant is not None and (causal or option not in VARIANT_OPTIONS):
         raise LaunchError(f"a variant with causal={causal}, option={option!r}", where="fa3_backward",
                           hint="a lowered variant carries its own mask: pass causal=False and option one of "
                                f"{list(VARIANT_OPTIONS)}")
-    shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
+    shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, strided=bnhd)
     device = q.device
     if capability(device.index) != (9, 0):
         raise LaunchError(f"{torch.cuda.get_device_name(device)} is not sm_90", where="fa3_backward",
                           hint="this kernel needs a Hopper GPU (H100/H200); use Fa2BwdSm80 elsewhere")
-    dq, dk, dv, done = gradient_buffers(shape, q, k, v, dq, dk, dv)
+    dq, dk, dv, done = gradient_buffers(shape, q, k, v, dq, dk, dv)   # fresh ones like q, k, v (empty_like)
     if done:
         return dq, dk, dv
+    wanted = (dq, dk, dv)
+    if bnhd:   # where the kernel writes: the caller's buffers if [B, N, H, D] memory, else temporaries
+        dout, q, k, v, out = (lay.aligned(t) for t in (dout, q, k, v, out))
+        dq, dk, dv = (lay.target(t) for t in wanted)
     b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                              shape.head_dim)
     bf16 = q.dtype == torch.bfloat16
@@ -358,15 +372,15 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's split applies to the options that can take it
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
-                       variant.source if variant is not None else None, split)
+                       variant.source if variant is not None else None, split, bnhd)
     func, convert = funcs[:2]
     stream = current_stream(device.index)
     num_m = math.ceil(nq / BLOCK_M)
     if modes.lean:
-        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream)
+        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream, hq if bnhd else None)
     else:
         row_terms, accum = _classic_prep(out, dout, lse, shape, modes.dq_mode, modes.lse_smem, device, stream)
-    tm = driver().tensor_map
+    tm = map_4d if bnhd else driver().tensor_map   # BNHD: (D, N, H, B) maps of the tensors' own strides
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
     # GQA_SPLIT: the kernel sees Hkv * s virtual kv heads of G / s query heads and writes fp32 partials
     parts = gqa.partials(b, hkv, split, nk, d, device) if split > 1 else (dk, dv)
@@ -384,18 +398,22 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if split > 1:
         gqa.launch_sum(funcs[-1], *parts, dk, dv, hkv, scale, stream)
-    _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream)
-    return dq, dk, dv
+    _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream, hq if bnhd else None)
+    if bnhd:
+        lay.finish(zip((dq, dk, dv), wanted))
+    return wanted
 
 
-def _convert(tiled, accum, dq, shape, scale: float, stream: int) -> None:
+def _convert(tiled, accum, dq, shape, scale: float, stream: int, heads: int | None = None) -> None:
     """dQ = accumulator * scale in 16 bit: fa3_bwd_dq_convert_tiled (`tiled`, DQ_MODE 1's tiled
-    accumulator) or fa2_bwd_dq_convert (the row-major one of DQ_MODE 0)."""
+    accumulator; heads: BNHD's Hq, dq [B, N, Hq, D] memory) or fa2_bwd_dq_convert (the row-major one of
+    DQ_MODE 0)."""
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     if tiled is not None:
         chunks = accum.numel() // 4
         args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(shape.len_q),
                 ctypes.c_int32(math.ceil(shape.len_q / BLOCK_M)), ctypes.c_int64(chunks), ctypes.c_float(scale)]
+        args += [ctypes.c_int32(heads)] if heads is not None else []
         driver().launch(tiled, (math.ceil(chunks / CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0,
                         stream, pack_params(args))
         return

@@ -13,6 +13,9 @@ max |ours| per gradient, `agrees` at <= 0.05; the rule itself is tests/gpu/test_
 dK / dV bitwise equal over two calls (`repeatable`). TFLOPS = 2.5 x 4 x D x attended pairs x B x Hq
 (issue 17's count; prefixlm's pairs counted from the spec's mask). `vs_mha` = this shape's
 TFLOPS / the MHA shape's (the GQA penalty); `x_ours1` = ours at split 1's ms / the system's ms.
+The caller's layout (issue 15, --peers layout): "ours[copy]" = the five .contiguous() copies of the model's
+[B, N, H, D] memory that cubridge/op's run_backward made, then our backward; "ours[bnhd]" = the same
+memory read and written in place (kernel.cu BNHD, CUBRIDGE_BWD_BNHD=1); their ratio is the copies' cost.
 
     python3 experiments/bench_bwd_gqa.py --out $OUT/bwd_gqa.json [--cases causal full prefixlm] [--reps 10]
     python3 experiments/bench_bwd_gqa.py --table $OUT/bwd_gqa.json
@@ -33,6 +36,7 @@ from expkit.peers import Unsupported, fa4_backward
 import torch
 
 from cubridge.runtime import fa3_bwd_gqa as gqa
+from cubridge.runtime import fa3_bwd_layout as lay
 from cubridge.runtime import fa3_bwd_sm90 as hb
 from cubridge.runtime.timing import attention_flops, bench_round_robin, compiled_flex_attention, tflops
 from cubridge.spec import load_spec
@@ -63,6 +67,38 @@ def ours_dense(causal: bool, q, k, v, dout, split: int):
     return lambda: hb.fa3_backward(dout, q, k, v, out, lse, causal=causal, gqa_split=split)
 
 
+def bnhd(t: torch.Tensor) -> torch.Tensor:
+    """The same values as [B, N, H, D] memory seen as [B, H, N, D] (a transformers model's views)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def with_env(name: str, value: str, fn):
+    """fn with os.environ[name] = value around each call (the split / layout knobs of the variant path)."""
+    def call():
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            os.environ.pop(name, None)
+    return call
+
+
+def layout_systems(case: str, q, k, v, dout, variant) -> dict:
+    """Our backward on the model's [B, N, H, D] memory (split 1): "ours[copy]" as cubridge/op's
+    run_backward did it (five .contiguous() copies, then the bhnd kernel), "ours[bnhd]" in place
+    (kernel.cu BNHD, CUBRIDGE_BWD_BNHD=1). Both return [B, H, N, D] views of the same values."""
+    from cubridge.runtime.autograd import forward_with_lse
+    if variant is None:
+        out, lse = forward_with_lse(q, k, v, case == "causal")
+        bwd = lambda *t: hb.fa3_backward(*t, lse, causal=case == "causal", gqa_split=1)  # noqa: E731
+    else:
+        out, lse = variant.fwd.fn(variant.name, q, k, v)()
+        bwd = lambda *t: with_env(gqa.SPLIT_ENV, "1", lambda: variant.bwd(*t, lse))()  # noqa: E731
+    model = [bnhd(t) for t in (dout, q, k, v, out)]
+    return {"ours[copy]": lambda: bwd(*(t.contiguous() for t in model)),
+            "ours[bnhd]": with_env(lay.ENV, "1", lambda: bwd(*model))}
+
+
 class VariantOurs:
     """prefixlm lowered onto fa3_sm90 (forward) and fa3_bwd_sm90 (VariantBackward, Hopper); the
     split reaches the variant path through CUBRIDGE_BWD_GQA_SPLIT (set around each call)."""
@@ -74,13 +110,7 @@ class VariantOurs:
     def system(self, q, k, v, dout, split: int):
         out, lse = self.fwd.fn(self.name, q, k, v)()
 
-        def call():
-            os.environ[gqa.SPLIT_ENV] = str(split)
-            try:
-                return self.bwd(dout, q, k, v, out, lse)
-            finally:
-                os.environ.pop(gqa.SPLIT_ENV, None)
-        return call
+        return with_env(gqa.SPLIT_ENV, str(split), lambda: self.bwd(dout, q, k, v, out, lse))
 
 
 def flex_flash(mask_mod, q, k, v, dout):
@@ -115,6 +145,8 @@ def make_systems(case: str, hq: int, hkv: int, q, k, v, dout, variant: VariantOu
         name = f"ours[s{s}]"
         systems[name] = (variant.system(q, k, v, dout, s) if variant is not None
                          else ours_dense(case == "causal", q, k, v, dout, s))
+    if "layout" in wanted:
+        systems.update(layout_systems(case, q, k, v, dout, variant))
     peers = {"fa4": lambda: fa4_backward(case == "causal", q, k, v, dout)} if variant is None else {}
     if variant is not None or "flex_dense" in wanted:   # dense: FA4 is the peer unless asked
         mask = {"causal": causal_mask, "full": None}.get(case)
@@ -160,7 +192,7 @@ def bench_one(case: str, hq: int, hkv: int, reps: int, variant, peers: list[str]
 def add_penalty(rows: list[dict]) -> None:
     """vs_mha: a GQA row's TFLOPS / the MHA (Hq = Hkv) row's of the same case and system (ours at
     any split against ours at MHA, where there is no split)."""
-    family = lambda s: "ours" if s.startswith("ours") else s  # noqa: E731
+    family = lambda s: "ours" if s.startswith("ours[s") else s  # noqa: E731
     mha = {(r["case"], family(r["system"])): r["bwd_tflops"] for r in rows
            if r["Hq"] == r["Hkv"] and "bwd_tflops" in r}
     for r in rows:
@@ -171,9 +203,10 @@ def add_penalty(rows: list[dict]) -> None:
 
 def prebuild(cases: list[str]) -> None:
     """Every cubin of the run, in parallel (nvcc runs outside the GIL)."""
-    jobs = [(c == "causal", s) for c in cases if c in ("causal", "full") for s in SPLITS]
+    jobs = [(c == "causal", s, False) for c in cases if c in ("causal", "full") for s in SPLITS]
+    jobs += [(c == "causal", 1, True) for c in cases if c in ("causal", "full")]
     with ThreadPoolExecutor(8) as pool:
-        futs = [pool.submit(hb.build_cubin, D, causal, True, gqa_split=s) for causal, s in jobs]
+        futs = [pool.submit(hb.build_cubin, D, causal, True, gqa_split=s, bnhd=b) for causal, s, b in jobs]
         for f in futs:
             f.result()
 
@@ -196,9 +229,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     ap.add_argument("--heads", nargs="+", default=[f"{a}/{b}" for a, b in HEADS], help="Hq/Hkv pairs")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--peers", nargs="*", default=["fa4", "flex_flash"], choices=["fa4", "flex_flash", "flex_dense"],
-                    help="peers beside ours (fa4: the dense cases; flex_flash: the variant, and the dense cases "
-                         "too with flex_dense)")
+    ap.add_argument("--peers", nargs="*", default=["fa4", "flex_flash", "layout"],
+                    choices=["fa4", "flex_flash", "flex_dense", "layout"],
+                    help="systems beside ours at each split (fa4: the dense cases; flex_flash: the variant, and the "
+                         "dense cases too with flex_dense; layout: ours[copy] / ours[bnhd] on [B, N, H, D] memory)")
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:

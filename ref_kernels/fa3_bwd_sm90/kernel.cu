@@ -271,9 +271,6 @@ struct Problem {
   __device__ __forceinline__ int q_shift() const { return seqlen_k - seqlen_q; }
   __device__ __forceinline__ int bh_q(int g) const { return b * heads_q + h_kv * group + g; }
   __device__ __forceinline__ int bh_kv() const { return b * heads_kv + h_kv; }
-  // The K / V rows to load: GQA_SPLIT's virtual kv head h_kv = real head * s + slice (heads_kv =
-  // real heads * s), so b * heads_kv + h_kv = (b * real heads + real head) * s + slice.
-  __device__ __forceinline__ int bh_kv_src() const { return bh_kv() / kGqaSplit; }
 };
 
 // ------------------------------------------------------------------ tile order
@@ -329,6 +326,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
   mbar_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
   for (int p = 0; p < kPanels; ++p) {
+    // GQA_SPLIT: virtual kv head h_kv = real head * s + slice, heads_kv = real heads * s
     tma_rows(sm.k() + p * kKVPanelBytes, tm_k, sm.kv_full(), p * kPanelCols, pb.n0, pb.b, pb.h_kv / kGqaSplit,
              pb.heads_kv / kGqaSplit);
     tma_rows(sm.v() + p * kKVPanelBytes, tm_v, sm.kv_full(), p * kPanelCols, pb.n0, pb.b, pb.h_kv / kGqaSplit,

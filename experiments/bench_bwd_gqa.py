@@ -61,10 +61,20 @@ def splits_for(hq: int, hkv: int) -> list[int]:
     return sorted({gqa.effective(s, hq // hkv) for s in SPLITS})
 
 
-def ours_dense(causal: bool, q, k, v, dout, split: int):
+# "lpt": TILE_ORDER 2 (longest KV tiles first inside sections of (batch, kv head) pairs). Its launcher sizes
+# sections to L2 by the pairs' Q / dO bytes, which grow with the group: at 8k, GQA 16 / 4 one pair is ~50 MB,
+# so the section is one pair and the order is TILE_ORDER 0's (the CTA model, experiments/bwd_cta_model.py,
+# reads that order's causal makespan at 0.81 of ideal vs 1.00 longest-first). "lpt,s1" passes an L2 budget
+# that holds every pair (one section: longest-first over the whole grid); lpt,s2 / s4 keep the launcher's sizing.
+DENSE_LPT = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+ALL_PAIRS_L2 = 1 << 40
+
+
+def ours_dense(causal: bool, q, k, v, dout, split: int, option: str = hb.DEFAULT_OPTION, l2=None):
     from cubridge.runtime.autograd import forward_with_lse
     out, lse = forward_with_lse(q, k, v, causal)
-    return lambda: hb.fa3_backward(dout, q, k, v, out, lse, causal=causal, gqa_split=split)
+    return lambda: hb.fa3_backward(dout, q, k, v, out, lse, causal=causal, gqa_split=split, option=option,
+                                   l2_bytes=l2)
 
 
 def bnhd(t: torch.Tensor) -> torch.Tensor:
@@ -107,10 +117,15 @@ class VariantOurs:
         from cubridge.runtime.variant_bwd import VariantBackward
         self.name, self.fwd, self.bwd = name, expkit.Ours(), VariantBackward(name, use_hopper=True)
 
-    def system(self, q, k, v, dout, split: int):
+    def system(self, q, k, v, dout, split: int, l2=None):
+        """VariantBackward as the op calls it; with l2, fa3_backward directly with that L2 budget."""
         out, lse = self.fwd.fn(self.name, q, k, v)()
-
-        return with_env(gqa.SPLIT_ENV, str(split), lambda: self.bwd(dout, q, k, v, out, lse))
+        if l2 is None:
+            return with_env(gqa.SPLIT_ENV, str(split), lambda: self.bwd(dout, q, k, v, out, lse))
+        b, hq, n, d = q.shape
+        va = self.bwd.launchable(b, hq, k.shape[1], n, k.shape[2], d, q.device, hopper=True)
+        return lambda: hb.fa3_backward(dout, q, k, v, out, lse, causal=False, option=self.bwd.hopper_option,
+                                       variant=va, l2_bytes=l2, gqa_split=split)
 
 
 def flex_flash(mask_mod, q, k, v, dout):
@@ -142,9 +157,13 @@ def make_systems(case: str, hq: int, hkv: int, q, k, v, dout, variant: VariantOu
     """({name: callable}, {name: refusal}) for one (case, heads); wanted: the peers to add."""
     systems, refused = {}, {}
     for s in splits_for(hq, hkv):
-        name = f"ours[s{s}]"
-        systems[name] = (variant.system(q, k, v, dout, s) if variant is not None
-                         else ours_dense(case == "causal", q, k, v, dout, s))
+        systems[f"ours[s{s}]"] = (variant.system(q, k, v, dout, s) if variant is not None
+                                  else ours_dense(case == "causal", q, k, v, dout, s))
+    if "lpt" in wanted:   # the variant's option is TILE_ORDER 2 already: only its all-pairs section is new
+        systems["ours[lpt,s1]"] = (variant.system(q, k, v, dout, 1, ALL_PAIRS_L2) if variant is not None
+                                   else ours_dense(case == "causal", q, k, v, dout, 1, DENSE_LPT, ALL_PAIRS_L2))
+        for s in splits_for(hq, hkv)[1:] if variant is None else []:
+            systems[f"ours[lpt,s{s}]"] = ours_dense(case == "causal", q, k, v, dout, s, DENSE_LPT)
     if "layout" in wanted:
         systems.update(layout_systems(case, q, k, v, dout, variant))
     peers = {"fa4": lambda: fa4_backward(case == "causal", q, k, v, dout)} if variant is None else {}
@@ -179,7 +198,7 @@ def bench_one(case: str, hq: int, hkv: int, reps: int, variant, peers: list[str]
         if s != "ours[s1]":
             rel = max(grad_rel_errors(grads[s], mine).values())
             row.update(max_rel_vs_ours=float(f"{rel:.3g}"), agrees=rel <= AGREE_REL)
-        if s.startswith("ours[s") and s != "ours[s1]":
+        if s.startswith("ours[") and s not in ("ours[s1]", "ours[copy]", "ours[bnhd]", "ours[lpt,s1]"):
             again = systems[s]()
             row["repeatable"] = bool(torch.equal(again[1], grads[s][1]) and torch.equal(again[2], grads[s][2]))
         rows.append(row)
@@ -192,7 +211,7 @@ def bench_one(case: str, hq: int, hkv: int, reps: int, variant, peers: list[str]
 def add_penalty(rows: list[dict]) -> None:
     """vs_mha: a GQA row's TFLOPS / the MHA (Hq = Hkv) row's of the same case and system (ours at
     any split against ours at MHA, where there is no split)."""
-    family = lambda s: "ours" if s.startswith("ours[s") else s  # noqa: E731
+    family = lambda s: "ours" if s.startswith("ours[s") else "ours[lpt]" if s.startswith("ours[lpt") else s  # noqa: E731
     mha = {(r["case"], family(r["system"])): r["bwd_tflops"] for r in rows
            if r["Hq"] == r["Hkv"] and "bwd_tflops" in r}
     for r in rows:
@@ -205,8 +224,10 @@ def prebuild(cases: list[str]) -> None:
     """Every cubin of the run, in parallel (nvcc runs outside the GIL)."""
     jobs = [(c == "causal", s, False) for c in cases if c in ("causal", "full") for s in SPLITS]
     jobs += [(c == "causal", 1, True) for c in cases if c in ("causal", "full")]
+    lpt = [(c == "causal", s) for c in cases if c in ("causal", "full") for s in SPLITS]
     with ThreadPoolExecutor(8) as pool:
         futs = [pool.submit(hb.build_cubin, D, causal, True, gqa_split=s, bnhd=b) for causal, s, b in jobs]
+        futs += [pool.submit(hb.build_cubin, D, causal, True, option=DENSE_LPT, gqa_split=s) for causal, s in lpt]
         for f in futs:
             f.result()
 
@@ -229,10 +250,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     ap.add_argument("--heads", nargs="+", default=[f"{a}/{b}" for a, b in HEADS], help="Hq/Hkv pairs")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--peers", nargs="*", default=["fa4", "flex_flash", "layout"],
-                    choices=["fa4", "flex_flash", "flex_dense", "layout"],
+    ap.add_argument("--peers", nargs="*", default=["fa4", "flex_flash", "layout", "lpt"],
+                    choices=["fa4", "flex_flash", "flex_dense", "layout", "lpt"],
                     help="systems beside ours at each split (fa4: the dense cases; flex_flash: the variant, and the "
-                         "dense cases too with flex_dense; layout: ours[copy] / ours[bnhd] on [B, N, H, D] memory)")
+                         "dense cases too with flex_dense; layout: ours[copy] / ours[bnhd] on [B, N, H, D] memory; lpt: "
+                         "ours[lpt,sS] in TILE_ORDER 2's longest-first order)")
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:

@@ -75,7 +75,9 @@ def reads_in_place(op, dout, q, k, v, out) -> bool:
     from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
     if getattr(op, "backward_impl", None) is not None or not lay.enabled() or q.device.type != "cuda":
         return False
-    vb = variant_backward(op, tuned_config(op, q.shape[2]))
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():   # the fake asks too: build (and cache) the real object, never a traced one
+        vb = variant_backward(op, tuned_config(op, int(q.shape[2])))
     modes = OPTIONS[vb.hopper_option]
     return bool(modes.lean and modes.epilogue) and vb.uses_hopper(q.device) and lay.fits(dout, q, k, v, out)
 

@@ -46,6 +46,11 @@ variant path too. lean had
 replaced bulk_overlap_lse in session 10: racecheck clean where bulk_overlap_lse's lane-0 stage release
 drew 10240 potential write-after-read reports (NOTES.md "Session 10").
 
+Two switches orthogonal to the options (session 14, off by default; NOTES.md "Session 14"): GQA_SPLIT
+(cubridge.runtime.fa3_bwd_gqa: a GQA group's query heads over s CTAs, fp32 dK / dV partials summed in
+order) and BNHD (cubridge.runtime.fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in
+place through 4-D TMA maps); fa3_backward's gqa_split= / layout= or CUBRIDGE_BWD_GQA_SPLIT / CUBRIDGE_BWD_BNHD.
+
 Status: every option passed tests/gpu/test_bwd_sm90.py on an H100 (446 cases, session 9), so
 cubridge.runtime.autograd routes sm_90 backwards here by default (atomic dQ mode);
 CUBRIDGE_HOPPER_BWD=0 sends them to the portable backward instead.

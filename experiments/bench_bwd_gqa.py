@@ -185,8 +185,17 @@ def bench_one(case: str, hq: int, hkv: int, reps: int, variant, peers: list[str]
     q, k, v, dout = _inputs(hq, hkv)
     systems, refused = make_systems(case, hq, hkv, q, k, v, dout, variant, peers)
     base = dict(case=case, N=N, B=B, Hq=hq, Hkv=hkv, D=D, dtype="bf16")
+    grads = {}
+    for s, fn in list(systems.items()):
+        try:
+            grads[s] = [g.clone() for g in fn()]
+        except Exception as e:  # noqa: BLE001 - a peer failing on its first backward is a refusal; ours raise
+            if s.startswith("ours["):
+                raise
+            refused[s] = f"{type(e).__name__}: {str(e)[:300]}"
+            del systems[s]
+            print(f"  {case} {hq}/{hkv} {s}: refused at its first backward: {str(e)[:160]}", flush=True)
     rows = [dict(base, system=s, refused=r) for s, r in refused.items()]
-    grads = {s: [g.clone() for g in fn()] for s, fn in systems.items()}
     mine = grads["ours[s1]"]
     names = list(systems)
     times = dict(zip(names, bench_round_robin([systems[s] for s in names], warmup=2, reps=reps)))

@@ -17,8 +17,9 @@ contend with nothing. The price is memory: 2 x s x B x Hkv x Nk x D x 4 bytes wh
 runs (s = 4, 8k, B 2, Hkv 4, D 128: 268 MB; atomics would need a quarter of that) and the sum
 kernel's read of it (at 3 TB/s about 0.1 ms of a ~3.6 ms backward).
 
-Select with fa3_backward(gqa_split=...) or CUBRIDGE_BWD_GQA_SPLIT: 1 (off, default), 2, 4, 8, 16
-or "group" (one query head per CTA). The effective split is the largest power of two dividing both
+Select with fa3_backward(gqa_split=...) or CUBRIDGE_BWD_GQA_SPLIT: 1 (off), 2, 4, 8, 16 or "group"
+(one query head per CTA); unset: default_split (2 for the dense causal kernel since the session 14 mid
+call, 1 for full attention and the variants). The effective split is the largest power of two dividing both
 the request and G (GQA 16 / 4 with 8: 4), so MHA always runs unsplit.
 """
 from __future__ import annotations
@@ -54,12 +55,25 @@ def _parse(value, where: str) -> int:
     return value
 
 
-def requested(gqa_split=None) -> int:
-    """The requested split: the argument, else CUBRIDGE_BWD_GQA_SPLIT, else 1 (off)."""
+# The default where nothing asks (session 14 mid call, H100, 8k, B 2, D 128, same run as the unsplit kernel):
+# dense causal GQA 16 / 4 split 2 1.069x, 32 / 8 1.023x (split 4 1.090x / 1.019x; the rule tests passed).
+# Full attention loses (16 / 4 0.978x, 32 / 8 0.963x: more CTAs, each paying the fixed cost, nothing to
+# balance) and the variants were measured on prefixlm only (1.042x / 1.000x): both stay at 1.
+DENSE_CAUSAL_SPLIT = 2
+
+
+def default_split(causal: bool, variant: bool) -> int:
+    """The split used when neither gqa_split= nor CUBRIDGE_BWD_GQA_SPLIT asks: DENSE_CAUSAL_SPLIT for
+    the dense causal kernel, 1 for full attention and the lowered variants."""
+    return DENSE_CAUSAL_SPLIT if causal and not variant else 1
+
+
+def requested(gqa_split=None, default: int = 1) -> int:
+    """The requested split: the argument, else CUBRIDGE_BWD_GQA_SPLIT, else `default`."""
     if gqa_split is not None:
         return _parse(gqa_split, "gqa_split")
     value = os.environ.get(SPLIT_ENV)
-    return 1 if value in (None, "") else _parse(value, SPLIT_ENV)
+    return default if value in (None, "") else _parse(value, SPLIT_ENV)
 
 
 def effective(request: int, group: int) -> int:

@@ -346,8 +346,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     causal=False; option one of VARIANT_OPTIONS); its VariantArgs must stay alive until the kernel ran.
     l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
     tests pass small ones to exercise several sections). gqa_split: fa3_bwd_gqa's split of each GQA
-    group over CTAs (None: CUBRIDGE_BWD_GQA_SPLIT, default 1 = off; an option without EPILOGUE 1 runs
-    unsplit when the split comes from the environment, and refuses an explicit one). layout: "auto"
+    group over CTAs (None: CUBRIDGE_BWD_GQA_SPLIT, else fa3_bwd_gqa.default_split: 2 dense causal, 1
+    otherwise; an option without EPILOGUE 1 runs unsplit unless the split is explicit, which it refuses). layout: "auto"
     (None), "bhnd" or "bnhd" (fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in place;
     "auto" takes it under CUBRIDGE_BWD_BNHD=1 where dout and out are [B, N, H, D] memory)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
@@ -373,9 +373,9 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                              shape.head_dim)
     bf16 = q.dtype == torch.bfloat16
-    split = gqa.effective(gqa.requested(gqa_split), hq // hkv)
+    split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
     if split > 1 and not modes.epilogue and gqa_split is None:
-        split = 1   # the environment's split applies to the options that can take it
+        split = 1   # the environment's / default split applies to the options that can take it
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
                        variant.source if variant is not None else None, split, bnhd)
     func, convert = funcs[:2]

@@ -31,6 +31,15 @@ def test_requested_split_from_argument_and_environment(monkeypatch):
         gqa.requested(32)
 
 
+def test_default_split_is_dense_causal_only(monkeypatch):
+    monkeypatch.delenv(gqa.SPLIT_ENV, raising=False)
+    assert gqa.default_split(True, False) == gqa.DENSE_CAUSAL_SPLIT == 2
+    assert gqa.default_split(False, False) == 1 and gqa.default_split(True, True) == 1
+    assert gqa.requested(None, 2) == 2 and gqa.requested(1, 2) == 1
+    monkeypatch.setenv(gqa.SPLIT_ENV, "1")
+    assert gqa.requested(None, 2) == 1   # the environment switches the default off
+
+
 @pytest.mark.parametrize("request_,group,want", [(1, 4, 1), (2, 4, 2), (4, 4, 4), (16, 4, 4), (16, 8, 8), (4, 1, 1),
                                                  (4, 6, 2), (8, 3, 1), (16, 32, 16)])
 def test_effective_split_divides_the_group(request_, group, want):

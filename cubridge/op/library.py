@@ -56,7 +56,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, handle, scale, runtime):
     from cubridge.op.autograd import backward_fake
-    return backward_fake(dout, q, k, v)
+    return backward_fake(dout, q, k, v, op_for(handle), out)
 
 
 def _register_autograd():

@@ -224,17 +224,18 @@ class Fa2BwdSm80:
 
 
 def check_backward_args(dout, q, k, v, out, lse, dq=None, dk=None, dv=None, sm_scale=None, *,
-                        require_cuda: bool = True):
+                        require_cuda: bool = True, strided: bool = False):
     """Validate a backward call before launch; returns (AttnShape, scale). Raises LaunchError
-    naming the argument and what it should be."""
-    shape = check_attention_args(q, k, v, head_dims=HEAD_DIMS, require_cuda=require_cuda)
+    naming the argument and what it should be. strided: the tensors may be any [B, H, N, D] views
+    (fa3_bwd_sm90's BNHD path checks their layouts itself); otherwise contiguous."""
+    shape = check_attention_args(q, k, v, head_dims=HEAD_DIMS, require_cuda=require_cuda, strided=strided)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise LaunchError(f"{name}: expected a torch.Tensor, got {type(t).__name__}", where="backward inputs")
         if tuple(t.shape) != tuple(q.shape) or t.dtype != q.dtype:
             raise LaunchError(f"{name}: expected shape {tuple(q.shape)} {q.dtype} (as q), got "
                               f"{tuple(t.shape)} {t.dtype}", where="backward inputs")
-        if not t.is_contiguous():
+        if not strided and not t.is_contiguous():
             raise LaunchError(f"{name}: expected a contiguous tensor, got strides {t.stride()}",
                               where="backward inputs", hint=f"pass {name}.contiguous()")
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
@@ -255,7 +256,7 @@ def check_backward_args(dout, q, k, v, out, lse, dq=None, dk=None, dv=None, sm_s
                           where="backward inputs")
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t is not None:
-            check_output(name, t, tuple(like.shape), like.dtype, q, k, v)
+            check_output(name, t, tuple(like.shape), like.dtype, q, k, v, strided=strided)
             for other_name, other in (("dout", dout), ("out", out), ("lse", lse)):
                 if overlaps(t, other):
                     raise LaunchError(f"{name} memory: expected separate from {other_name}, got overlapping buffers",

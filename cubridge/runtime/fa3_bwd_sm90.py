@@ -59,6 +59,11 @@ variant path too. lean had
 replaced bulk_overlap_lse in session 10: racecheck clean where bulk_overlap_lse's lane-0 stage release
 drew 10240 potential write-after-read reports (NOTES.md "Session 10").
 
+Two switches orthogonal to the options (session 14, off by default; NOTES.md "Session 14"): GQA_SPLIT
+(cubridge.runtime.fa3_bwd_gqa: a GQA group's query heads over s CTAs, fp32 dK / dV partials summed in
+order) and BNHD (cubridge.runtime.fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in
+place through 4-D TMA maps); fa3_backward's gqa_split= / layout= or CUBRIDGE_BWD_GQA_SPLIT / CUBRIDGE_BWD_BNHD.
+
 Status: every option passed tests/gpu/test_bwd_sm90.py on an H100 (446 cases, session 9), so
 cubridge.runtime.autograd routes sm_90 backwards here by default (atomic dQ mode);
 CUBRIDGE_HOPPER_BWD=0 sends them to the portable backward instead.
@@ -79,8 +84,11 @@ import torch
 
 from cubridge.errors import LaunchError
 from cubridge.paths import REF_KERNELS_DIR
+from cubridge.runtime import fa3_bwd_gqa as gqa
+from cubridge.runtime import fa3_bwd_layout as lay
 from cubridge.runtime.build import compile_cubin, default_compiler
 from cubridge.runtime.driver import capability, current_stream, driver, pack_params
+from cubridge.runtime.fa3_sm90 import tensor_map as map_4d
 
 KERNEL_DIR = REF_KERNELS_DIR / "fa3_bwd_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
@@ -238,18 +246,23 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + barriers * 8 + SMEM_ALIGN
 
 
-def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION) -> list[str]:
+def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION, gqa_split: int = 1,
+            bnhd: bool = False) -> list[str]:
+    """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa) and bnhd
+    -DBNHD=1 (fa3_bwd_layout); without them the macros (and the compile cache key) are as before both."""
     macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()]
+    split = ([f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []) + (["-DBNHD=1"] if bnhd else [])
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
-            *macros,
+            *macros, *split,
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
 
 
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
                 compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
-                source: str | None = None):
+                source: str | None = None, gqa_split: int = 1, bnhd: bool = False):
     """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
-    `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one."""
+    `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one;
+    gqa_split: fa3_bwd_gqa's split (needs an EPILOGUE 1 option); bnhd: fa3_bwd_layout's BNHD build."""
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
@@ -257,11 +270,15 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
     if source is None and option in VARIANT_ONLY_OPTIONS:
         raise LaunchError(f"option {option!r} builds for a lowered variant only", where="fa3_bwd_sm90",
                           hint=f"pass a variant's source, or one of {sorted(set(OPTIONS) - set(VARIANT_ONLY_OPTIONS))}")
+    if gqa_split > 1 and not _modes(option).epilogue:
+        raise LaunchError(f"gqa_split={gqa_split} with option {option!r}", where="fa3_bwd_sm90",
+                          hint="the split writes its partials in EPILOGUE 1's place: use an option ending in _epi "
+                               "(the default) or gqa_split=1")
     if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
     return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
-                         options=[*options(head_dim, causal, bf16, option), *extra_options],
+                         options=[*options(head_dim, causal, bf16, option, gqa_split, bnhd), *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
 
 
@@ -279,13 +296,15 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}
 
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
-               compiler: str | None, source: str | None = None):
-    """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess]) of one specialisation
-    (of `source`, a lowered variant, when given)."""
-    key = (head_dim, causal, bf16, option, device.index, compiler, source)
+               compiler: str | None, source: str | None = None, gqa_split: int = 1, bnhd: bool = False):
+    """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess][, GQA_SPLIT's dK / dV
+    sum, last]) of one specialisation (of `source`, a lowered variant, when given)."""
+    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd)
     if key not in _FUNCTIONS:
-        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source).cubin
+        cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source,
+                            gqa_split=gqa_split, bnhd=bnhd).cubin
         entries = (CONVERT_ENTRY, PREP_ENTRY) if _modes(option).lean else (CONVERT_ENTRY,)
+        entries += (gqa.SUM_ENTRY,) if gqa_split > 1 else ()
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, *entries)
     return _FUNCTIONS[key]
@@ -323,16 +342,18 @@ def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
     return _padded_lse(lse, bh, nq, num_m), _padded_dvec(dvec, bh, nq, num_m)
 
 
-def _lean_prep(prep, out, dout, lse, bh: int, nq: int, num_m: int, d: int, stream: int):
+def _lean_prep(prep, out, dout, lse, bh: int, nq: int, num_m: int, d: int, stream: int, heads: int | None = None):
     """LEAN 1: ((padded log2 LSE, padded Dvec), the zeroed tiled dQ accumulator) from one
     fa3_bwd_preprocess launch (kernel.cu), in place of fa2_bwd_preprocess and the torch ops of
-    _padded_row_terms (5-7 small kernels, each a few us of host time while the GPU waits)."""
+    _padded_row_terms (5-7 small kernels, each a few us of host time while the GPU waits). heads: BNHD's
+    Hq (out and dout [B, N, Hq, D] memory), None for contiguous [B, H, N, D]."""
     padded = bh * num_m * BLOCK_M
     lse2 = torch.empty((bh, num_m * BLOCK_M), device=out.device, dtype=torch.float32)
     dvec = torch.empty_like(lse2)
     accum = torch.empty(padded * d, device=out.device, dtype=torch.float32)
     args = [ctypes.c_uint64(t.data_ptr()) for t in (out, dout, lse, lse2, dvec, accum)]
     args += [ctypes.c_int32(nq), ctypes.c_int32(num_m * BLOCK_M), ctypes.c_int64(padded)]
+    args += [ctypes.c_int32(heads)] if heads is not None else []
     driver().launch(prep, (math.ceil(padded * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
                     stream, pack_params(args))
     return (lse2, dvec), accum
@@ -385,7 +406,8 @@ def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int,
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                  dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
-                 variant=None, l2_bytes: int | None = None):
+                 variant=None, l2_bytes: int | None = None, gqa_split: int | str | None = None,
+                 layout: str | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
@@ -393,63 +415,84 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
     causal=False; option one of VARIANT_OPTIONS); its VariantArgs must stay alive until the kernel ran.
     l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
-    tests pass small ones to exercise several sections)."""
+    tests pass small ones to exercise several sections). gqa_split: fa3_bwd_gqa's split of each GQA
+    group over CTAs (None: CUBRIDGE_BWD_GQA_SPLIT, else fa3_bwd_gqa.default_split: 2 dense causal, 1
+    otherwise; an option without EPILOGUE 1 runs unsplit unless the split is explicit, which it refuses). layout: "auto"
+    (None), "bhnd" or "bnhd" (fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in place;
+    "auto" takes it under CUBRIDGE_BWD_BNHD=1 where dout and out are [B, N, H, D] memory)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     modes = _modes(option)
+    bnhd = all(isinstance(t, torch.Tensor) for t in (dout, q, k, v, out)) and lay.choose(layout, modes, dout, q, k, v,
+                                                                                          out)
     if variant is not None and (causal or option not in VARIANT_OPTIONS):
         raise LaunchError(f"a variant with causal={causal}, option={option!r}", where="fa3_backward",
                           hint="a lowered variant carries its own mask: pass causal=False and option one of "
                                f"{list(VARIANT_OPTIONS)}")
-    shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
+    shape, scale = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, strided=bnhd)
     device = q.device
     if capability(device.index) != (9, 0):
         raise LaunchError(f"{torch.cuda.get_device_name(device)} is not sm_90", where="fa3_backward",
                           hint="this kernel needs a Hopper GPU (H100/H200); use Fa2BwdSm80 elsewhere")
-    dq, dk, dv, done = gradient_buffers(shape, q, k, v, dq, dk, dv)
+    dq, dk, dv, done = gradient_buffers(shape, q, k, v, dq, dk, dv)   # fresh ones like q, k, v (empty_like)
     if done:
         return dq, dk, dv
+    wanted = (dq, dk, dv)
+    if bnhd:   # where the kernel writes: the caller's buffers if [B, N, H, D] memory, else temporaries
+        dout, q, k, v, out = (lay.aligned(t) for t in (dout, q, k, v, out))
+        dq, dk, dv = (lay.target(t) for t in wanted)
     b, hq, hkv, nq, nk, d = (shape.batch, shape.heads_q, shape.heads_kv, shape.len_q, shape.len_k,
                              shape.head_dim)
     bf16 = q.dtype == torch.bfloat16
+    split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
+    if split > 1 and not modes.epilogue and gqa_split is None:
+        split = 1   # the environment's / default split applies to the options that can take it
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
-                       variant.source if variant is not None else None)
+                       variant.source if variant is not None else None, split, bnhd)
     func, convert = funcs[:2]
     stream = current_stream(device.index)
     num_m = math.ceil(nq / BLOCK_M)
     if modes.lean:
-        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream)
+        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream, hq if bnhd else None)
     else:
         row_terms, accum = _classic_prep(out, dout, lse, shape, modes.dq_mode, modes.lse_smem, device, stream)
-    tm = driver().tensor_map
+    tm = map_4d if bnhd else driver().tensor_map   # BNHD: (D, N, H, B) maps of the tensors' own strides
     maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
-    scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, dk, dv)]
+    # GQA_SPLIT: the kernel sees Hkv * s virtual kv heads of G / s query heads and writes fp32 partials
+    parts = gqa.partials(b, hkv, split, nk, d, device) if split > 1 else (dk, dv)
+    scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, *parts)]
     tiles = math.ceil(nk / BLOCK_N)
     section = 1
     if modes.tile_order == 2:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
         # a variant's tiles are uneven like causal's (VARIANT_OPTIONS): sections sized the same way
-        section = tile_sections(b * hkv, hq // hkv, nq, d, bool(causal) or variant is not None, l2)
-    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)] + [ctypes.c_float(scale)]
+        section = tile_sections(b * hkv * split, hq // hkv // split, nq, d, bool(causal) or variant is not None, l2)
+    scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv * split, hq // hkv // split)] + [ctypes.c_float(scale)]
     scalars += [ctypes.c_int32(section)]   # l2_section
     scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
-    grid = _grid(option, tiles, hkv, b)
+    grid = _grid(option, tiles, hkv * split, b)
     if modes.persist:   # persist.cuh: one CTA per SM at most, the rest of the tiles from a zeroed queue counter
         queue = torch.zeros(1, dtype=torch.int32, device=device)
         scalars += [ctypes.c_uint64(queue.data_ptr()), ctypes.c_int32(grid[0])]
         grid = (min(grid[0], persist_ctas(device.index)), 1, 1)
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
-    _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream)
-    return dq, dk, dv
+    if split > 1:
+        gqa.launch_sum(funcs[-1], *parts, dk, dv, hkv, scale, stream)
+    _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream, hq if bnhd else None)
+    if bnhd:
+        lay.finish(zip((dq, dk, dv), wanted))
+    return wanted
 
 
-def _convert(tiled, accum, dq, shape, scale: float, stream: int) -> None:
+def _convert(tiled, accum, dq, shape, scale: float, stream: int, heads: int | None = None) -> None:
     """dQ = accumulator * scale in 16 bit: fa3_bwd_dq_convert_tiled (`tiled`, DQ_MODE 1's tiled
-    accumulator) or fa2_bwd_dq_convert (the row-major one of DQ_MODE 0)."""
+    accumulator; heads: BNHD's Hq, dq [B, N, Hq, D] memory) or fa2_bwd_dq_convert (the row-major one of
+    DQ_MODE 0)."""
     from cubridge.runtime.launch import arg_f32, arg_i64, arg_ptr
     if tiled is not None:
         chunks = accum.numel() // 4
         args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(shape.len_q),
                 ctypes.c_int32(math.ceil(shape.len_q / BLOCK_M)), ctypes.c_int64(chunks), ctypes.c_float(scale)]
+        args += [ctypes.c_int32(heads)] if heads is not None else []
         driver().launch(tiled, (math.ceil(chunks / CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0,
                         stream, pack_params(args))
         return

@@ -62,8 +62,10 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_attention_args(q, k, v, out=None, lse=None, *, head_dims: Sequence[int] = (64, 128),
-                         require_cuda: bool = True) -> AttnShape:
-    """Validate an attention call before launch; return its sizes. Raises LaunchError."""
+                         require_cuda: bool = True, strided: bool = False) -> AttnShape:
+    """Validate an attention call before launch; return its sizes. Raises LaunchError. strided: q, k,
+    v (and out) may be any [B, H, N, D] view (the caller's kernel checks its strides, e.g. through
+    its TMA maps); otherwise they must be contiguous."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise _fail(name, "a torch.Tensor", type(t).__name__)
@@ -71,7 +73,7 @@ def check_attention_args(q, k, v, out=None, lse=None, *, head_dims: Sequence[int
             raise _fail(f"{name} shape", "4 dims [B, H, N, D]", _describe(t))
         if t.dtype not in ATTN_DTYPES:
             raise _fail(f"{name} dtype", "float16 or bfloat16", _describe(t))
-        if not t.is_contiguous():
+        if not strided and not t.is_contiguous():
             raise _fail(f"{name} layout", "contiguous [B, H, N, D] (call .contiguous())",
                         f"strides {t.stride()} for {_describe(t)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -94,7 +96,7 @@ def check_attention_args(q, k, v, out=None, lse=None, *, head_dims: Sequence[int
                     f"Nq={len_q}, Nk={len_k}, D={head_dim}")
     shape = AttnShape(batch, heads_q, heads_kv, len_q, len_k, head_dim, q.dtype)
     if out is not None:
-        check_output("out", out, tuple(q.shape), q.dtype, q, k, v)
+        check_output("out", out, tuple(q.shape), q.dtype, q, k, v, strided=strided)
     if lse is not None:
         check_output("lse", lse, (batch, heads_q, len_q), torch.float32, q, k, v)
     if out is not None and lse is not None and overlaps(out, lse):
@@ -107,12 +109,12 @@ def check_attention_args(q, k, v, out=None, lse=None, *, head_dims: Sequence[int
     return shape
 
 
-def check_output(name, t, shape, dtype, *inputs) -> None:
+def check_output(name, t, shape, dtype, *inputs, strided: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise _fail(name, "a torch.Tensor", type(t).__name__)
     if tuple(t.shape) != shape or t.dtype != dtype:
         raise _fail(name, f"{shape} {str(dtype).removeprefix('torch.')}", _describe(t))
-    if not t.is_contiguous():
+    if not strided and not t.is_contiguous():
         raise _fail(f"{name} layout", "contiguous", f"strides {t.stride()}")
     for iname, i in zip("qkv", inputs):
         if overlaps(t, i):

@@ -48,7 +48,23 @@ __device__ __forceinline__ void copy_rows(const Consumer& cs, uint32_t tile, uin
     const int q = cs.wg_thread + k * kWgThreads, row = q / kStageChunks, cc = q % kStageChunks;
     const int kv_idx = pb.n0 + cs.c * kWgRows + row;
     if (kv_idx < pb.seqlen_k)
-      *reinterpret_cast<uint4*>(out + (size_t(pb.bh_kv()) * pb.seqlen_k + kv_idx) * kHeadDim + cc * 8) = v[k];
+      *reinterpret_cast<uint4*>(out + io_row(pb.bh_kv(), kv_idx, pb.seqlen_k, pb.heads_kv) + cc * 8) = v[k];
+  }
+}
+
+// GQA_SPLIT > 1: this CTA's share of dK (unscaled) or dV in fp32, row-major [B * Hkv * s, Nk, D]
+// at the virtual kv head (kernel.cu Problem). Straight from the fragments: a warp's float2 stores
+// cover 8 rows x 32 bytes, whole sectors, so there is nothing for staging to merge.
+__device__ __forceinline__ void store_partial_f32(const Consumer& cs, float* __restrict__ out,
+                                                  const float (&acc)[kAccRegs], const Problem& pb) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int kv_idx = pb.n0 + cs.c * kWgRows + cs.row0() + 8 * h;
+    if (kv_idx >= pb.seqlen_k) continue;
+    float* row = out + (size_t(pb.bh_kv()) * pb.seqlen_k + kv_idx) * kHeadDim + cs.col0();
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+      *reinterpret_cast<float2*>(row + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
   }
 }
 
@@ -59,6 +75,11 @@ __device__ __forceinline__ void store_rows_staged(const Consumer& cs, const Smem
                                                   uint16_t* __restrict__ dv, const float (&dk_acc)[kAccRegs],
                                                   const float (&dv_acc)[kAccRegs], float softmax_scale,
                                                   const Problem& pb) {
+  if constexpr (kGqaSplit > 1) {   // dk / dv point at the fp32 partials then (fa3_bwd_sm90.py)
+    store_partial_f32(cs, reinterpret_cast<float*>(dv), dv_acc, pb);
+    store_partial_f32(cs, reinterpret_cast<float*>(dk), dk_acc, pb);
+    return;
+  }
   const uint32_t tile_v = sm.dq() + cs.c * kDqPartBytes, tile_k = sm.dq() + (kConsumers + cs.c) * kDqPartBytes;
   if (!kDqWriter && cs.wg_thread == 0) bulk_wait_read<0>();   // DQ_WRITER: dq_drain waited instead
   cs.wg_sync();

@@ -94,11 +94,32 @@ typedef unsigned long long uint64_t;
 #ifndef PERSIST
 #define PERSIST 0
 #endif
+// GQA_SPLIT s > 1 (session 14, off until an H100 run proves it): a GQA group's G query heads are
+// split over s CTAs per KV tile, G / s heads each (the launcher passes heads_kv * s "virtual kv
+// heads" and group G / s, so bh_q and every hook's query head stay exact); the s CTAs of one KV
+// tile write fp32 partial dK / dV that fa3_bwd_dkdv_sum adds in a fixed order (bitwise repeatable).
+#ifndef GQA_SPLIT
+#define GQA_SPLIT 1
+#endif
+// BNHD 1 (session 14, off until an H100 run proves it): the caller's layout. Q, K, V, dO through 4-D
+// TMA maps (D, N, H, B) built from the tensors' own strides (any 16-byte-aligned view, as the
+// forward's), and O, dO (preprocess), dQ (convert), dK, dV (epilogue) addressed as [B, N, H, D]
+// memory: the layout a transformers model hands over, so its views need no copies either way.
+#ifndef BNHD
+#define BNHD 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
 
 namespace fa3b {
+constexpr int kGqaSplit = GQA_SPLIT;
+static_assert(kGqaSplit == 1 || kGqaSplit == 2 || kGqaSplit == 4 || kGqaSplit == 8 || kGqaSplit == 16,
+              "GQA_SPLIT must be 1 (off) or a power of two up to 16");
+static_assert(kGqaSplit == 1 || EPILOGUE == 1, "GQA_SPLIT > 1 writes its fp32 partials in EPILOGUE 1's place");
+constexpr bool kBnhd = BNHD == 1;
+static_assert(BNHD == 0 || (BNHD == 1 && LEAN == 1 && EPILOGUE == 1),
+              "BNHD=1 needs LEAN=1 (its preprocess reads O / dO) and EPILOGUE=1 (its stores write dK / dV)");
 using fa3::fast_exp2; using fa3::make_desc; using fa3::mbar_arrive; using fa3::mbar_expect_tx;
 using fa3::mbar_init; using fa3::mbar_wait; using fa3::named_arrive; using fa3::named_sync; using fa3::pack2;
 using fa3::tma_load_3d; using fa3::wgmma_commit; using fa3::wgmma_fence; using fa3::wgmma_wait;
@@ -208,6 +229,21 @@ __device__ __forceinline__ int sweep_tile(QRange qr, int i, int steps) {
   }
   return qr.m_begin + i;
 }
+// A TMA tile of rows [row, row + box) of head bh = b * heads + h: 3-D maps (D, N, B * H) of contiguous
+// [B, H, N, D], or BNHD's 4-D maps (D, N, H, B) of any strides.
+__device__ __forceinline__ void tma_rows(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col, int row, int b,
+                                         int h, int heads) {
+  if constexpr (kBnhd) fa3::tma_load_4d(dst, map, bar, col, row, h, b);
+  else fa3::tma_load_3d(dst, map, bar, col, row, b * heads + h);
+}
+// Element offset of (head bh = b * heads + h, row) in contiguous [B, H, N, D], or in BNHD's [B, N, H, D].
+__device__ __forceinline__ size_t io_row(long long bh, int row, int len, int heads) {
+  if constexpr (kBnhd) {
+    const long long b = bh / heads;
+    return (size_t((b * len + row) * heads + (bh - b * heads))) * kHeadDim;
+  }
+  return (size_t(bh) * len + row) * kHeadDim;
+}
 // kRangeRuns (variants): warp 0's q_scan writes [count, lo_0, len_0, lo_1, len_1, ...]: the
 // CTA's query tiles are runs [lo_k, lo_k + len_k), read back at every step (volatile: a few
 // shared loads per step instead of 2 kQRuns + 1 registers held through the loops). A q_range
@@ -298,10 +334,10 @@ __device__ __forceinline__ void load_stage(const Smem& sm, const CUtensorMap* tm
   mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes + (kLseSmem ? 2 * kRowTermBytes : 0));
 #pragma unroll
   for (int p = 0; p < kPanels; ++p) {
-    tma_load_3d(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full() + 8 * st, p * kPanelCols,
-                m * kBlockM, pb.bh_q(g));
-    tma_load_3d(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full() + 8 * st, p * kPanelCols,
-                m * kBlockM, pb.bh_q(g));
+    tma_rows(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full() + 8 * st, p * kPanelCols, m * kBlockM, pb.b,
+             pb.h_kv * pb.group + g, pb.heads_q);
+    tma_rows(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full() + 8 * st, p * kPanelCols, m * kBlockM, pb.b,
+             pb.h_kv * pb.group + g, pb.heads_q);
   }
   if constexpr (kLseSmem) {   // padded [B * Hq, num_m * 64]: tile m of head bh_q is contiguous
     const size_t off = (size_t(pb.bh_q(g)) * ((pb.seqlen_q + kBlockM - 1) / kBlockM) + m) * kBlockM;
@@ -317,8 +353,11 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
   mbar_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
   for (int p = 0; p < kPanels; ++p) {
-    tma_load_3d(sm.k() + p * kKVPanelBytes, tm_k, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv());
-    tma_load_3d(sm.v() + p * kKVPanelBytes, tm_v, sm.kv_full(), p * kPanelCols, pb.n0, pb.bh_kv());
+    // GQA_SPLIT: virtual kv head h_kv = real head * s + slice, heads_kv = real heads * s
+    tma_rows(sm.k() + p * kKVPanelBytes, tm_k, sm.kv_full(), p * kPanelCols, pb.n0, pb.b, pb.h_kv / kGqaSplit,
+             pb.heads_kv / kGqaSplit);
+    tma_rows(sm.v() + p * kKVPanelBytes, tm_v, sm.kv_full(), p * kPanelCols, pb.n0, pb.b, pb.h_kv / kGqaSplit,
+             pb.heads_kv / kGqaSplit);
   }
   int it = 0;
   if constexpr (kRangeRuns) {
@@ -332,6 +371,12 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     const int steps = qr.m_end - qr.m_begin;
     for (int g = 0; g < pb.group; ++g)
       for (int i = 0; i < steps; ++i, ++it) load_stage(sm, tm_q, tm_do, pb, g, sweep_tile(qr, i, steps), it, lse, dvec);
+    return;
+  }
+  if constexpr (kBnhd) {   // not unrolled: ptxas unrolled x4 and spilled 4 bytes (the 4-D maps' extra coordinate)
+    for (int g = 0; g < pb.group; ++g)
+#pragma unroll 1
+      for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) load_stage(sm, tm_q, tm_do, pb, g, m, it, lse, dvec);
     return;
   }
   for (int g = 0; g < pb.group; ++g)
@@ -419,7 +464,11 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
 // One thread per float4: rows r and r + 8, two columns. Grid ceil(chunks / 256), block 256.
 extern "C" __global__ void __launch_bounds__(256)
 fa3_bwd_dq_convert_tiled(const float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int seqlen_q,
-                         int num_m, long long chunks, float softmax_scale) {
+                         int num_m, long long chunks, float softmax_scale
+#if BNHD
+                         , int heads_q   // BNHD: dq is [B, N, Hq, D] memory
+#endif
+                         ) {
   using namespace fa3b;
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= chunks) return;
@@ -433,12 +482,21 @@ fa3_bwd_dq_convert_tiled(const float* __restrict__ dq_accum, uint16_t* __restric
   const int row = m * kBlockM + 16 * (t / kWarpSize) + (t % kWarpSize) / 4;
   const int col = part * kDqCols + 8 * j + 2 * (t % 4);
   const float4 a = reinterpret_cast<const float4*>(dq_accum)[i];
+#if BNHD
+  if (row < seqlen_q)
+    *reinterpret_cast<uint32_t*>(dq + io_row(bh, row, seqlen_q, heads_q) + col) =
+        fa3::pack2(a.x * softmax_scale, a.y * softmax_scale);
+  if (row + 8 < seqlen_q)
+    *reinterpret_cast<uint32_t*>(dq + io_row(bh, row + 8, seqlen_q, heads_q) + col) =
+        fa3::pack2(a.z * softmax_scale, a.w * softmax_scale);
+#else
   if (row < seqlen_q)
     *reinterpret_cast<uint32_t*>(dq + (bh * seqlen_q + row) * kHeadDim + col) =
         fa3::pack2(a.x * softmax_scale, a.y * softmax_scale);
   if (row + 8 < seqlen_q)
     *reinterpret_cast<uint32_t*>(dq + (bh * seqlen_q + row + 8) * kHeadDim + col) =
         fa3::pack2(a.z * softmax_scale, a.w * softmax_scale);
+#endif
 }
 
 // LEAN 1's one launch before the backward (it replaces fa2_bwd_preprocess, the torch ops that made
@@ -453,7 +511,11 @@ fa3_bwd_dq_convert_tiled(const float* __restrict__ dq_accum, uint16_t* __restric
 extern "C" __global__ void __launch_bounds__(256)
 fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ dout, const float* __restrict__ lse,
                    float* __restrict__ lse2, float* __restrict__ dvec, float* __restrict__ dq_accum, int seqlen_q,
-                   int padded_q, long long padded_rows) {
+                   int padded_q, long long padded_rows
+#if BNHD
+                   , int heads_q   // BNHD: o and dout are [B, N, Hq, D] memory
+#endif
+                   ) {
   using namespace fa3b;
   constexpr int kChunk = 8, kRowChunks = kHeadDim / kChunk, kRowsPerBlock = 256 / kRowChunks;
   const long long p = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowChunks;
@@ -463,7 +525,11 @@ fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ 
   const bool in_rows = p < padded_rows, real = in_rows && row < seqlen_q;
   float acc = 0.f;
   if (real) {
+#if BNHD
+    const long long off = io_row(bh, row, seqlen_q, heads_q) + chunk * kChunk;
+#else
     const long long off = (bh * seqlen_q + row) * kHeadDim + chunk * kChunk;
+#endif
     const uint4 a = *reinterpret_cast<const uint4*>(o + off);
     const uint4 d = *reinterpret_cast<const uint4*>(dout + off);
     const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, dw[4] = {d.x, d.y, d.z, d.w};
@@ -491,3 +557,36 @@ fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ 
   }
 }
 #endif  // LEAN
+
+// GQA_SPLIT s > 1's one launch after the backward: dV = sum of its s fp32 partials and dK = scale x
+// the sum of its partials (partials [B * Hkv, s, Nk, D] row-major, added in slice order 0..s-1:
+// the same bits every run), 16-bit, into dk / dv at the caller's element strides (batch, head, row;
+// D contiguous, strides multiples of 4 elements: fa3_bwd_sm90.py checks). One thread per 4 floats of
+// a row; blockIdx.y 0 is dV, 1 is dK. Grid (ceil(rows * D / 4 / 256), 2), block 256, rows = B * Hkv * Nk.
+#if GQA_SPLIT > 1
+extern "C" __global__ void __launch_bounds__(256)
+fa3_bwd_dkdv_sum(const float* __restrict__ dk_part, const float* __restrict__ dv_part, uint16_t* __restrict__ dk,
+                 uint16_t* __restrict__ dv, int heads_kv, int seqlen_k, long long rows, long long dk_sb,
+                 long long dk_sh, long long dk_sn, long long dv_sb, long long dv_sh, long long dv_sn,
+                 float softmax_scale) {
+  using namespace fa3b;
+  constexpr int kRowChunks = kHeadDim / 4;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * kRowChunks) return;
+  const bool is_k = blockIdx.y == 1;
+  const long long row = i / kRowChunks, bh = row / seqlen_k;
+  const int col = int(i % kRowChunks) * 4, n = int(row - bh * seqlen_k);
+  const float* part = (is_k ? dk_part : dv_part) + (bh * kGqaSplit * seqlen_k + n) * kHeadDim + col;
+  const long long slice = static_cast<long long>(seqlen_k) * kHeadDim;
+  float4 acc = *reinterpret_cast<const float4*>(part);
+#pragma unroll
+  for (int j = 1; j < kGqaSplit; ++j) {
+    const float4 x = *reinterpret_cast<const float4*>(part + j * slice);
+    acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+  }
+  const float mul = is_k ? softmax_scale : 1.f;
+  const long long b = bh / heads_kv, h = bh - b * heads_kv;
+  uint16_t* out = is_k ? dk + b * dk_sb + h * dk_sh + n * dk_sn : dv + b * dv_sb + h * dv_sh + n * dv_sn;
+  *reinterpret_cast<uint2*>(out + col) = make_uint2(pack2(acc.x * mul, acc.y * mul), pack2(acc.z * mul, acc.w * mul));
+}
+#endif  // GQA_SPLIT

@@ -85,6 +85,9 @@ class Fa3Config:
     # With the split P V wait, the exponentials before the wait too (consumer.cuh kSoftmaxFirst;
     # FA4's source order). Off until measured; spill-free at D 256 with wg_turns=False.
     softmax_first: bool = False
+    # Head dim 256 only: the producer issues K_i before V_{i-1} (kernel.cu K_BEFORE_V; FA4's SM90
+    # producer order). Off until an H100 A/B at D 256 shows the gain (session 14, bench_d256 rows "k").
+    k_before_v: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -98,6 +101,7 @@ class Fa3Config:
         flags += ["-DTAIL_SPLIT=1"] * self.tail_split
         flags += ["-DWG_TURNS=0"] * (not self.wg_turns) + ["-DRESCALE_BEFORE_PV=1"] * self.rescale_before_pv
         flags += ["-DSOFTMAX_FIRST=1"] * self.softmax_first
+        flags += ["-DK_BEFORE_V=1"] * self.k_before_v
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

@@ -107,16 +107,17 @@ def phase_of(op: str, recent: list[str]) -> str:
     return "other"
 
 
-def annotate(rows: list[dict]) -> list[dict]:
+def annotate(rows: list[dict], phase_fn=None) -> list[dict]:
     """Adds 'phase', 'index' (position in the SASS) and 'context' (the last four landmarks before the
-    instruction, newest last, with the HGMMA run lengths) to every row."""
+    instruction, newest last, with the HGMMA run lengths) to every row. phase_fn(op, recent, sass):
+    another kernel's phases (expkit.sass_stalls_fwd.phase_of for the forward); default the backward's."""
     recent: list[str] = []
     trail: list[str] = []
     for i, r in enumerate(rows):
         op = opcode(r["sass"])
         r["index"] = i
         r["opcode"] = op
-        r["phase"] = phase_of(op, recent)
+        r["phase"] = phase_fn(op, recent, r["sass"]) if phase_fn else phase_of(op, recent)
         r["context"] = " > ".join(trail[-4:])
         mark = _landmark(op)
         if mark:
@@ -128,9 +129,9 @@ def annotate(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict], top: int = 12) -> dict:
+def summarize(rows: list[dict], top: int = 12, phase_fn=None, annotated: bool = False) -> dict:
     """The kernel's totals (samples per stall reason and per phase) and its `top` most-sampled PCs."""
-    rows = annotate(rows)
+    rows = rows if annotated else annotate(rows, phase_fn)   # annotated: phases already set
     total = sum(r["samples"] for r in rows) or 1
     reasons: dict[str, int] = {}
     phases: dict[str, int] = {}

@@ -86,6 +86,14 @@ typedef unsigned long long uint64_t;
 #ifndef TAIL_SPLIT
 #define TAIL_SPLIT 0
 #endif
+// K_BEFORE_V (HEAD_DIM 256 only; ignored elsewhere): the producer issues K_i before V_{i-1}, the
+// order the consumers read them in (QK_i, then P_{i-1} V_{i-1}) and FA4's SM90 producer order with
+// intra-warpgroup overlap, so K_{i+1} no longer queues behind V_i's wait for its slot (freed only
+// when P_{i-2} V_{i-2} completes). Off unless Fa3Config.k_before_v (session 14: A/B pending; at
+// D 128 with turns it lost 2-7%, session 12, experiments/patches/k_before_v.patch).
+#ifndef K_BEFORE_V
+#define K_BEFORE_V 0
+#endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
 
@@ -460,6 +468,7 @@ constexpr bool kUniformWg = kNewCodegen && kProducerRegs >= 40 && kConsumerRegs 
 constexpr bool kL2Hints = L2_HINTS && !kCausal;
 constexpr uint64_t kQPolicy = kL2Hints ? kL2EvictFirst : 0;
 constexpr uint64_t kKVPolicy = kL2Hints ? kL2EvictLast : 0;
+constexpr bool kKBeforeV = K_BEFORE_V && kHeadDim == 256;   // (see K_BEFORE_V above)
 // tile_counter[0] is the dynamic scheduler's next-tile counter, tile_counter[1] counts producers
 // past their last atomicAdd on it. The last producer out resets both, so the host keeps one
 // zeroed pair per stream instead of zeroing one before every launch (a memset kernel and an
@@ -521,6 +530,16 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_arrive(sm.q_full + 8 * qs);
       ++q_iter;
     }
+    // kKBeforeV: V of the visit's j-th KV tile (ring position `ring`) one iteration behind its K.
+    auto load_v_lagged = [&](int j, int ring) {
+      const int n = tile_at(tl.r, j), st = ring_stage(ring);
+      mbar_wait(sm.v_empty + 8 * st, ring_phase(ring) ^ 1);
+      mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p)
+        tma_load_4d<kKVPolicy>(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
+                               n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
+    };
     // ptxas unrolls this loop twice, which spills 4-18 bytes in the 32-register producer of three
     // consumers (20 causal builds of the tuner's space). Not unrolled (experiments/patches/
     // three_consumer_unroll1.patch) it does not spill, but the mid call measured that together with
@@ -537,12 +556,17 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       // @cuir-end load_kv
       // One Q slot: after the first K, so that the K load overlaps the wait for the slot.
       if (kQSlots == 1 && i == 0) load_q();
+      if constexpr (kKBeforeV) {
+        if (i > 0) load_v_lagged(i - 1, it - 1);
+        if (i == tiles - 1) load_v_lagged(i, it);       // the tile's last V, after its last K
+      } else {
       mbar_wait(sm.v_empty + 8 * st, empty_parity);
       mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
         tma_load_4d<kKVPolicy>(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
                                n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
+      }
     }
     // Fetched after the loads (keeps the 24-register producer spill-free); its latency hides
     // behind the STAGES tiles the ring holds ahead of the consumers.

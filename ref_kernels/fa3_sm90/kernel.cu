@@ -530,22 +530,17 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       mbar_arrive(sm.q_full + 8 * qs);
       ++q_iter;
     }
-    // kKBeforeV: V of the visit's j-th KV tile (ring position `ring`) one iteration behind its K.
-    auto load_v_lagged = [&](int j, int ring) {
-      const int n = tile_at(tl.r, j), st = ring_stage(ring);
-      mbar_wait(sm.v_empty + 8 * st, ring_phase(ring) ^ 1);
-      mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
-#pragma unroll
-      for (int p = 0; p < kPanels; ++p)
-        tma_load_4d<kKVPolicy>(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
-                               n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
-    };
     // ptxas unrolls this loop twice, which spills 4-18 bytes in the 32-register producer of three
     // consumers (20 causal builds of the tuner's space). Not unrolled (experiments/patches/
     // three_consumer_unroll1.patch) it does not spill, but the mid call measured that together with
     // the descriptors 3-6% slower at D 64 (kNewCodegen): it waits for an A/B of its own.
-    for (int i = 0; i < tiles; ++i, ++it) {
+    // kKBeforeV: V runs one iteration behind K (iteration i loads K_i, then V_{i-1}; one more
+    // iteration loads the last V). One V load site: with a second one after the loop the 24-register
+    // producer spilled 40 bytes (nvcc 13.0).
+    constexpr int kLag = kKBeforeV ? 1 : 0;
+    for (int i = 0; i < tiles + kLag; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
+      if (!kKBeforeV || i < tiles) {
       // @cuir-region load_kv
       mbar_wait(sm.k_empty + 8 * st, empty_parity);
       mbar_expect_tx(sm.k_full + 8 * st, kKVBytes);
@@ -554,20 +549,22 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
         tma_load_4d<kKVPolicy>(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
                                n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
       // @cuir-end load_kv
+      }
       // One Q slot: after the first K, so that the K load overlaps the wait for the slot.
       if (kQSlots == 1 && i == 0) load_q();
-      if constexpr (kKBeforeV) {
-        if (i > 0) load_v_lagged(i - 1, it - 1);
-        if (i == tiles - 1) load_v_lagged(i, it);       // the tile's last V, after its last K
-      } else {
-      mbar_wait(sm.v_empty + 8 * st, empty_parity);
-      mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
+      if (kKBeforeV && i == 0) continue;
+      // (the dense range visits n_end - 1 down: tile_at(i - 1) = n + 1, one live value less)
+      const int nv = !kKBeforeV ? n : kDenseKernel && !kKvRotate ? n + 1 : tile_at(tl.r, i - 1);
+      const int sv = kKBeforeV ? ring_stage(it - 1) : st;
+      const int v_parity = kKBeforeV ? ring_phase(it - 1) ^ 1 : empty_parity;
+      mbar_wait(sm.v_empty + 8 * sv, v_parity);
+      mbar_expect_tx(sm.v_full + 8 * sv, kKVBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
-        tma_load_4d<kKVPolicy>(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
-                               n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
-      }
+        tma_load_4d<kKVPolicy>(sm.v_tile(sv) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * sv, p * kPanelCols,
+                               nv * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
     }
+    it -= kLag;
     // Fetched after the loads (keeps the 24-register producer spill-free); its latency hides
     // behind the STAGES tiles the ring holds ahead of the consumers.
     t = gridDim.x + atomicAdd(pb.tile_counter, 1);

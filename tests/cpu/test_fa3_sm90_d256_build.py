@@ -21,7 +21,7 @@ from cubridge.runtime.kernels import fit_params, reference_kernel
 from cubridge.spec import load_spec
 from cubridge.verify import Case, verify_program, verify_transfer
 
-from test_fa3_sm90_build import _nvcc   # tests/cpu is on sys.path (no __init__.py)
+from test_fa3_sm90_build import _disassembler, _nvcc   # tests/cpu is on sys.path (no __init__.py)
 
 GEMMA2 = Path(__file__).resolve().parents[1] / "corpus" / "gemma2_local.py"
 NEEDS_NVCC = pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
@@ -146,3 +146,27 @@ def test_lift_check_runs_the_cuir_at_its_tile_at_256(tmp_path):
     outcome, detail = lift_check_job({"spec": "causal", "cuir": cuir, "launcher": str(launcher), "device": "cpu",
                                       "shapes": [(1, 2, 1, 90, 256, 0)]})
     assert outcome.state.value == "ok", (outcome, detail)
+
+
+@NEEDS_NVCC
+def test_k_before_v_builds_spill_free_and_only_at_256(tmp_path):
+    """k_before_v (K_BEFORE_V=1, off by default; FA4's producer order) is a D 256 option: it builds
+    128 x 80 causal spill-free with turns and in FA4's schedule (no turns, O rescaled before the
+    P V), changes the SASS there, and leaves a D 128 build as it was (the macro is ignored)."""
+    assert "-DK_BEFORE_V=1" in Fa3Config(k_before_v=True).defines()
+    assert not any("K_BEFORE_V" in f for f in Fa3Config(256, 128, 80, 2, causal=True).defines())
+    cfgs = [Fa3Config(256, 128, 80, 2, causal=True, k_before_v=True),
+            Fa3Config(256, 128, 80, 2, causal=True, wg_turns=False, rescale_before_pv=True, k_before_v=True),
+            Fa3Config(256, 128, 80, 2, causal=True, wg_turns=False, rescale_before_pv=True)]
+    d128 = [Fa3Config(128, 128, 128, 2, causal=True), Fa3Config(128, 128, 128, 2, causal=True, k_before_v=True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        logs = list(pool.map(lambda ic: _build(ic[1].defines(), KERNEL_SOURCE, tmp_path / f"{ic[0]}.cubin"),
+                             enumerate(cfgs + d128)))
+    assert [_fwd_spill(log) for log in logs[:2]] == [0, 0]
+    cubins = [(tmp_path / f"{i}.cubin").read_bytes() for i in range(len(cfgs + d128))]
+    assert cubins[1] != cubins[2], "k_before_v built the same code as without it"
+    tool = _disassembler()
+    if tool is not None:
+        sass = [subprocess.run([*tool, str(tmp_path / f"{i}.cubin")], capture_output=True, text=True, check=True).stdout
+                for i in (3, 4)]
+        assert sass[0] == sass[1], "K_BEFORE_V changed a D 128 build"

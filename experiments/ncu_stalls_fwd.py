@@ -28,14 +28,14 @@ from expkit import sass_stalls, sass_stalls_fwd as fwd
 from ncu_stalls import raw_metrics
 
 KERNEL = {"ours": "regex:fa3_sm90_fwd", "fa4": "regex:FlashAttentionForwardSm90"}
-SECTIONS = ["SourceCounters", "WarpStateStats", "SpeedOfLight", "MemoryWorkloadAnalysis"]
+SECTIONS = ["SourceCounters", "WarpStateStats", "SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis"]
 B, HEADS, N, D = 2, 16, 8192, 256
 BM, BN = 128, 80                       # ours' product tile and FA4's at D 256 (both)
-MORE_RAW = ("lts__t_sector_hit_rate.pct", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-            "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
-            "lts__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum", "lts__t_bytes.sum",
-            "sm__throughput.avg.pct_of_peak_sustained_elapsed", "smsp__inst_executed.sum",
-            "sm__cycles_elapsed.avg", "sm__cycles_active.avg")
+# Raw-page columns kept beside ncu_stalls.raw_metrics' list: any whose name holds one of these (from
+# the sections above; no --metrics list, whose one unknown name would fail the whole profile).
+MORE_RAW = ("pipe_tensor", "lts__t_sector_hit_rate", "lts__t_sectors_srcunit_tex_lookup_hit", "dram__throughput",
+            "lts__throughput", "dram__bytes_read.sum", "sm__throughput", "smsp__inst_executed.sum",
+            "sm__cycles_elapsed.avg", "l1tex__throughput", "gpc__cycles_elapsed.max")
 
 
 def worker(system: str, row: str) -> None:
@@ -82,7 +82,6 @@ def profile(system: str, row: str, ncu: str, timeout: int, steps: int) -> dict:
         cmd = [ncu, "--profile-from-start", "off", "-k", KERNEL[system], "--launch-count", "1", "-f", "-o", str(rep)]
         for s in SECTIONS:
             cmd += ["--section", s]
-        cmd += ["--metrics", ",".join(MORE_RAW)]
         cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--rows", row]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         path = rep.with_suffix(".ncu-rep")
@@ -96,24 +95,25 @@ def profile(system: str, row: str, ncu: str, timeout: int, steps: int) -> dict:
         out = reduce(page.stdout, raw.stdout, steps)
     except ValueError as e:
         return {"error": f"{e}: {(page.stdout[:300] + page.stderr[-300:])}"}
-    for name in MORE_RAW:                                 # raw_metrics keeps its own list; add ours
-        got = _raw_value(raw.stdout, name)
-        if got is not None:
-            out[name] = got
+    out["raw"] = raw_matching(raw.stdout, MORE_RAW)
     return out
 
 
-def _raw_value(text: str, name: str):
+def raw_matching(text: str, parts, limit: int = 60) -> dict:
+    """{column: value} of the raw page's first kernel row, for columns whose name holds one of `parts`."""
     import csv
     import io
     rows = list(csv.reader(io.StringIO(text[text.find('"ID"'):] if '"ID"' in text else text)))
-    if len(rows) < 3 or name not in rows[0]:
-        return None
-    v = rows[2][rows[0].index(name)]
-    try:
-        return float(v.replace(",", ""))
-    except ValueError:
-        return v
+    if len(rows) < 3:
+        return {}
+    got = {}
+    for h, v in zip(rows[0], rows[2]):
+        if any(p in h for p in parts) and len(got) < limit:
+            try:
+                got[h] = float(v.replace(",", ""))
+            except ValueError:
+                got[h] = v
+    return got
 
 
 def print_run(run: dict) -> None:
@@ -126,8 +126,8 @@ def print_run(run: dict) -> None:
         f", {run.get('launch__registers_per_thread', '?')} regs, grid {run.get('launch__grid_size', '?')})"
     print(sass_stalls.table(head, run, top=12), flush=True)
     print("   per KV step per consumer warp: " + ", ".join(f"{k} {v}" for k, v in run["per_step_per_warp"].items()))
-    print("   " + ", ".join(f"{k.split('.')[0].split('__')[-1]} {run[k]:.1f}" for k in MORE_RAW
-                           if isinstance(run.get(k), float) and "pct" in k))
+    print("   " + ", ".join(f"{k.replace('.avg.pct_of_peak_sustained', '%')[:48]} {v:.1f}"
+                           for k, v in run.get("raw", {}).items() if isinstance(v, float) and "pct" in k)[:900])
 
 
 def print_tables(result: dict, each: bool = True) -> None:

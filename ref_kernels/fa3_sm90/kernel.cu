@@ -469,6 +469,14 @@ constexpr bool kL2Hints = L2_HINTS && !kCausal;
 constexpr uint64_t kQPolicy = kL2Hints ? kL2EvictFirst : 0;
 constexpr uint64_t kKVPolicy = kL2Hints ? kL2EvictLast : 0;
 constexpr bool kKBeforeV = K_BEFORE_V && kHeadDim == 256;   // (see K_BEFORE_V above)
+// The dense kv_range visits n_end - 1 down to 0: the tile before visit i is the next one up (a
+// lowered variant's range, or a rotated one, is asked again). (The region's own constants are not
+// visible here: a variant replaces them; the region's mark is.)
+#if defined(FA3_DENSE_KV_RANGE) && !KV_ROTATE
+constexpr bool kVisitsDescend = true;
+#else
+constexpr bool kVisitsDescend = false;
+#endif
 // tile_counter[0] is the dynamic scheduler's next-tile counter, tile_counter[1] counts producers
 // past their last atomicAdd on it. The last producer out resets both, so the host keeps one
 // zeroed pair per stream instead of zeroing one before every launch (a memset kernel and an
@@ -535,10 +543,11 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     // three_consumer_unroll1.patch) it does not spill, but the mid call measured that together with
     // the descriptors 3-6% slower at D 64 (kNewCodegen): it waits for an A/B of its own.
     // kKBeforeV: V runs one iteration behind K (iteration i loads K_i, then V_{i-1}; one more
-    // iteration loads the last V). One V load site: with a second one after the loop the 24-register
-    // producer spilled 40 bytes (nvcc 13.0).
+    // iteration loads the last V; a tile without KV tiles starts past it: its Q slot is taken above).
+    // One V load site: with a second one after the loop the 24-register producer spilled 40 bytes.
     constexpr int kLag = kKBeforeV ? 1 : 0;
-    for (int i = 0; i < tiles + kLag; ++i, ++it) {
+    const int i0 = tiles == 0 ? kLag : 0;
+    for (int i = i0; i < tiles + kLag; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
       if (!kKBeforeV || i < tiles) {
       // @cuir-region load_kv
@@ -553,8 +562,8 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       // One Q slot: after the first K, so that the K load overlaps the wait for the slot.
       if (kQSlots == 1 && i == 0) load_q();
       if (kKBeforeV && i == 0) continue;
-      // (the dense range visits n_end - 1 down: tile_at(i - 1) = n + 1, one live value less)
-      const int nv = !kKBeforeV ? n : kDenseKernel && !kKvRotate ? n + 1 : tile_at(tl.r, i - 1);
+      // (kVisitsDescend: tile_at(i - 1) = n + 1, one live value less)
+      const int nv = !kKBeforeV ? n : kVisitsDescend ? n + 1 : tile_at(tl.r, i - 1);
       const int sv = kKBeforeV ? ring_stage(it - 1) : st;
       const int v_parity = kKBeforeV ? ring_phase(it - 1) ^ 1 : empty_parity;
       mbar_wait(sm.v_empty + 8 * sv, v_parity);
@@ -564,7 +573,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
         tma_load_4d<kKVPolicy>(sm.v_tile(sv) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * sv, p * kPanelCols,
                                nv * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
     }
-    it -= kLag;
+    it -= kLag - i0;
     // Fetched after the loads (keeps the 24-register producer spill-free); its latency hides
     // behind the STAGES tiles the ring holds ahead of the consumers.
     t = gridDim.x + atomicAdd(pb.tile_counter, 1);

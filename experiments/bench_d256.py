@@ -31,7 +31,8 @@ D = 256
 # persistent: grid = #SMs, dynamic scheduler), f = free consumers (Fa3Config.wg_turns=False: no GEMM
 # turns, FA4's schedule at D 256), r = O rescaled while the next QK runs (rescale_before_pv, FA4's
 # rescale_O_before_gemm), s = the whole softmax before the P V wait (softmax_first), k = the producer
-# issues K_i before V_{i-1} (k_before_v, FA4's load order); --rows picks them.
+# issues K_i before V_{i-1} (k_before_v, FA4's load order), e = the P V waited for before the softmax
+# (pv_wait_early: the V slot freed earlier); --rows picks them.
 ROWS = ("128x80", "128x64")
 
 
@@ -43,16 +44,17 @@ def parse_row(text: str) -> tuple[int, int, dict]:
     >>> parse_row("128x80frs")[2]["softmax_first"]
     True
     """
-    body = text.rstrip("gfrsk")
+    body = text.rstrip("gfrske")
     flags = text[len(body):]
     m, _, n = body.partition("x")
     if not (m.isdigit() and n.isdigit()) or len(set(flags)) != len(flags):
-        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r][s][k], e.g. 128x80, 128x80g, 128x80frk")
+        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r][s][k][e], e.g. 128x80, 128x80g, 128x80frk")
     return int(m), int(n), {**({"persistent": False} if "g" in flags else {}),
                             **({"wg_turns": False} if "f" in flags else {}),
                             **({"rescale_before_pv": True} if "r" in flags else {}),
                             **({"softmax_first": True} if "s" in flags else {}),
-                            **({"k_before_v": True} if "k" in flags else {})}
+                            **({"k_before_v": True} if "k" in flags else {}),
+                            **({"pv_wait_early": True} if "e" in flags else {})}
 
 
 GEMMA2 = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "gemma2_local.py"
@@ -195,9 +197,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="dense_causal,gemma2_local")
     ap.add_argument("--rows", nargs="*", default=list(ROWS),
-                    help="our configs, BLOCK_MxBLOCK_N[g][f][r][s][k] (g: one tile per CTA, FA4's grid; f: no GEMM "
+                    help="our configs, BLOCK_MxBLOCK_N[g][f][r][s][k][e] (g: one tile per CTA, FA4's grid; f: no GEMM "
                          "turns between the consumers, FA4's D 256 schedule; r: O rescaled before the P V "
-                         "issue; s: the whole softmax before the P V wait; k: K_i loaded before V_{i-1}); default: %(default)s")
+                         "issue; s: the whole softmax before the P V wait; k: K_i loaded before V_{i-1}; e: the P V waited for before the softmax); default: %(default)s")
     a = ap.parse_args()
     for row in a.rows:
         try:

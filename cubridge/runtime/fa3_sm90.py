@@ -88,6 +88,9 @@ class Fa3Config:
     # Head dim 256 only: the producer issues K_i before V_{i-1} (kernel.cu K_BEFORE_V; FA4's SM90
     # producer order). Off until an H100 A/B at D 256 shows the gain (session 14, bench_d256 rows "k").
     k_before_v: bool = False
+    # Head dim 256 only: the P V waited for right after the QK, before the softmax, freeing the V slot
+    # earlier (consumer.cuh PV_WAIT_EARLY). Off until an H100 A/B shows the gain (bench_d256 rows "e").
+    pv_wait_early: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -102,6 +105,7 @@ class Fa3Config:
         flags += ["-DWG_TURNS=0"] * (not self.wg_turns) + ["-DRESCALE_BEFORE_PV=1"] * self.rescale_before_pv
         flags += ["-DSOFTMAX_FIRST=1"] * self.softmax_first
         flags += ["-DK_BEFORE_V=1"] * self.k_before_v
+        flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

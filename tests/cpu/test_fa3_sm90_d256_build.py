@@ -149,24 +149,32 @@ def test_lift_check_runs_the_cuir_at_its_tile_at_256(tmp_path):
 
 
 @NEEDS_NVCC
-def test_k_before_v_builds_spill_free_and_only_at_256(tmp_path):
-    """k_before_v (K_BEFORE_V=1, off by default; FA4's producer order) is a D 256 option: it builds
-    128 x 80 causal spill-free with turns and in FA4's schedule (no turns, O rescaled before the
-    P V), changes the SASS there, and leaves a D 128 build as it was (the macro is ignored)."""
+def test_session14_options_build_spill_free_and_only_at_256(tmp_path):
+    """k_before_v (K_BEFORE_V=1; FA4's producer order) and pv_wait_early (PV_WAIT_EARLY=1), off by
+    default, are D 256 options: they build 128 x 80 causal spill-free with turns and in FA4's
+    schedule (no turns, O rescaled before the P V), change the SASS there, and leave a D 128 build
+    as it was (the macros are ignored)."""
     assert "-DK_BEFORE_V=1" in Fa3Config(k_before_v=True).defines()
-    assert not any("K_BEFORE_V" in f for f in Fa3Config(256, 128, 80, 2, causal=True).defines())
-    cfgs = [Fa3Config(256, 128, 80, 2, causal=True, k_before_v=True),
-            Fa3Config(256, 128, 80, 2, causal=True, wg_turns=False, rescale_before_pv=True, k_before_v=True),
-            Fa3Config(256, 128, 80, 2, causal=True, wg_turns=False, rescale_before_pv=True)]
-    d128 = [Fa3Config(128, 128, 128, 2, causal=True), Fa3Config(128, 128, 128, 2, causal=True, k_before_v=True)]
+    assert "-DPV_WAIT_EARLY=1" in Fa3Config(pv_wait_early=True).defines()
+    assert not any("K_BEFORE_V" in f or "PV_WAIT" in f for f in Fa3Config(256, 128, 80, 2, causal=True).defines())
+    fr = dict(causal=True, wg_turns=False, rescale_before_pv=True)
+    cfgs = [Fa3Config(256, 128, 80, 2, causal=True, k_before_v=True, pv_wait_early=True),
+            Fa3Config(256, 128, 80, 2, **fr, k_before_v=True),
+            Fa3Config(256, 128, 80, 2, **fr, pv_wait_early=True),
+            Fa3Config(256, 128, 80, 2, **fr)]
+    d128 = [Fa3Config(128, 128, 128, 2, causal=True),
+            Fa3Config(128, 128, 128, 2, causal=True, k_before_v=True, pv_wait_early=True)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         logs = list(pool.map(lambda ic: _build(ic[1].defines(), KERNEL_SOURCE, tmp_path / f"{ic[0]}.cubin"),
                              enumerate(cfgs + d128)))
-    assert [_fwd_spill(log) for log in logs[:2]] == [0, 0]
+    assert [_fwd_spill(log) for log in logs[:3]] == [0, 0, 0]
     cubins = [(tmp_path / f"{i}.cubin").read_bytes() for i in range(len(cfgs + d128))]
-    assert cubins[1] != cubins[2], "k_before_v built the same code as without it"
+    assert cubins[1] != cubins[3] and cubins[2] != cubins[3], "an option built the same code as without it"
     tool = _disassembler()
     if tool is not None:
         sass = [subprocess.run([*tool, str(tmp_path / f"{i}.cubin")], capture_output=True, text=True, check=True).stdout
-                for i in (3, 4)]
-        assert sass[0] == sass[1], "K_BEFORE_V changed a D 128 build"
+                for i in (2, 4, 5)]
+        # pv_wait_early: the steady step waits for the QK (wait_group 1) and at once for the P V (0)
+        assert re.search(r"DEPBAR\.LE gsb0, 0x1 ;.*\n(?:.*\n){0,10}.*DEPBAR\.LE gsb0, 0x0 ;", sass[0]), \
+            "pv_wait_early: no wait_group 0 right after the wait_group 1"
+        assert sass[1] == sass[2], "K_BEFORE_V / PV_WAIT_EARLY changed a D 128 build"

@@ -25,13 +25,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from expkit import sass_stalls, sass_stalls_fwd as fwd
-from ncu_stalls import raw_metrics
+from expkit.sass_stalls import raw_metrics
 
 KERNEL = {"ours": "regex:fa3_sm90_fwd", "fa4": "regex:FlashAttentionForwardSm90"}
 SECTIONS = ["SourceCounters", "WarpStateStats", "SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis"]
 B, HEADS, N, D = 2, 16, 8192, 256
 BM, BN = 128, 80                       # ours' product tile and FA4's at D 256 (both)
-# Raw-page columns kept beside ncu_stalls.raw_metrics' list: any whose name holds one of these (from
+# Raw-page columns kept beside expkit.sass_stalls.raw_metrics' list: any whose name holds one of these (from
 # the sections above; no --metrics list, whose one unknown name would fail the whole profile).
 MORE_RAW = ("pipe_tensor", "lts__t_sector_hit_rate", "lts__t_sectors_srcunit_tex_lookup_hit", "dram__throughput",
             "lts__throughput", "dram__bytes_read.sum", "sm__throughput", "smsp__inst_executed.sum",
@@ -43,13 +43,12 @@ def worker(system: str, row: str) -> None:
     import torch
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, HEADS, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    from expkit.d256 import fa4, ours_dense, parse_row
     if system == "ours":
-        from bench_d256 import _ours_dense, parse_row
         bm, bn, options = parse_row(row)
-        fn = _ours_dense(q, k, v, bm, bn, options)
+        fn = ours_dense(q, k, v, bm, bn, options)
     else:
-        from bench_d256 import _fa4
-        fn = _fa4(q, k, v)
+        fn = fa4(q, k, v)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -142,6 +141,24 @@ def print_tables(result: dict, each: bool = True) -> None:
         phases = ", ".join(f"{k.split(' (')[0]} {v / run['samples']:.0%}" for k, v in list(run["phases"].items())[:5])
         print(f"{run['system']:<6} {run['row']:<8} {us / 1e3 if isinstance(us, float) else 0:7.0f} "
               f"{run['samples']:8d}  {run['per_step_per_warp']['all']:14.1f}  {phases}")
+    print("\n" + phase_us(result))
+
+
+def phase_us(result: dict) -> str:
+    """Each phase's share of a run's samples times the run's duration (us under ncu's locked clocks):
+    where the kernels differ in time, not in share, side by side."""
+    runs = [r for r in result["runs"] if "error" not in r and isinstance(r.get("gpu__time_duration.sum"), float)]
+    if not runs:
+        return ""
+    phases = sorted({p for r in runs for p in r["phases"]}, key=lambda p: -max(r["phases"].get(p, 0) / r["samples"]
+                                                                            * r["gpu__time_duration.sum"] for r in runs))
+    head = f"{'phase (us = share x duration)':46}" + "".join(f"{r['system'] + ' ' + r['row']:>14}" for r in runs)
+    lines = [head]
+    for p in phases:
+        lines.append(f"{p[:46]:46}" + "".join(
+            f"{r['phases'].get(p, 0) / r['samples'] * r['gpu__time_duration.sum'] / 1e3:14.1f}" for r in runs))
+    lines.append(f"{'kernel':46}" + "".join(f"{r['gpu__time_duration.sum'] / 1e3:14.1f}" for r in runs))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

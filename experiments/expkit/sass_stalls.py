@@ -160,3 +160,27 @@ def table(name: str, s: dict, top: int = 8) -> str:
         out.append(f"          after: {t['context'][-90:]}")
     return "\n".join(out)
 
+
+# ncu's raw page (--page raw --csv --print-units base): the whole-kernel numbers the stall tables print
+RAW_KEEP = ("gpu__time_duration.sum", "smsp__average_warp_latency_per_inst_issued.ratio",
+            "smsp__issue_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
+            "launch__grid_size", "launch__block_size")
+
+
+def raw_metrics(text: str) -> dict:
+    """A few whole-kernel numbers (duration, issue rate, registers, grid) and every
+    smsp__average_warps_issue_stalled_*_per_issue_active ratio from the raw page."""
+    rows = list(csv.reader(io.StringIO(text[text.find('"ID"'):] if '"ID"' in text else text)))
+    if len(rows) < 3:
+        return {}
+    head, row = rows[0], rows[2]
+    got = {}
+    for h, v in zip(head, row):
+        if h in RAW_KEEP or (h.startswith("smsp__average_warps_issue_stalled_") and h.endswith("per_issue_active.ratio")):
+            try:
+                got[h] = float(v.replace(",", ""))
+            except ValueError:
+                got[h] = v
+        elif h == "Kernel Name":
+            got["kernel"] = v[:120]
+    return got

@@ -13,7 +13,8 @@ D = 256
 # turns, FA4's schedule at D 256), r = O rescaled while the next QK runs (rescale_before_pv, FA4's
 # rescale_O_before_gemm), s = the whole softmax before the P V wait (softmax_first), k = the producer
 # issues K_i before V_{i-1} (k_before_v, FA4's load order), e = the P V waited for before the softmax
-# (pv_wait_early: the V slot freed earlier); --rows picks them.
+# (pv_wait_early: the V slot freed earlier), z = mbarrier waits sleep in the barrier (mbar_sleep); --rows
+# picks them.
 
 
 def parse_row(text: str) -> tuple[int, int, dict]:
@@ -24,17 +25,18 @@ def parse_row(text: str) -> tuple[int, int, dict]:
     >>> parse_row("128x80frs")[2]["softmax_first"]
     True
     """
-    body = text.rstrip("gfrske")
+    body = text.rstrip("gfrskez")
     flags = text[len(body):]
     m, _, n = body.partition("x")
     if not (m.isdigit() and n.isdigit()) or len(set(flags)) != len(flags):
-        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r][s][k][e], e.g. 128x80, 128x80g, 128x80frk")
+        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r][s][k][e][z], e.g. 128x80, 128x80g, 128x80frk")
     return int(m), int(n), {**({"persistent": False} if "g" in flags else {}),
                             **({"wg_turns": False} if "f" in flags else {}),
                             **({"rescale_before_pv": True} if "r" in flags else {}),
                             **({"softmax_first": True} if "s" in flags else {}),
                             **({"k_before_v": True} if "k" in flags else {}),
-                            **({"pv_wait_early": True} if "e" in flags else {})}
+                            **({"pv_wait_early": True} if "e" in flags else {}),
+                            **({"mbar_sleep": True} if "z" in flags else {})}
 
 
 def ours_dense(q, k, v, bm, bn, options):

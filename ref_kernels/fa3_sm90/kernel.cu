@@ -94,6 +94,10 @@ typedef unsigned long long uint64_t;
 #ifndef K_BEFORE_V
 #define K_BEFORE_V 0
 #endif
+// MBAR_SLEEP (HEAD_DIM 256 only): mbarrier waits with a suspend-time hint (hopper_ptx.cuh).
+#ifndef MBAR_SLEEP
+#define MBAR_SLEEP 0
+#endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
 

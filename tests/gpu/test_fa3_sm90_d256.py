@@ -38,7 +38,7 @@ def _tile_id(t: dict) -> str:
     return (f"{t['block_m']}x{t['block_n']}" + ("_free" if t.get("wg_turns") is False else "")
             + ("_rescale_before_pv" if t.get("rescale_before_pv") else "")
             + ("_softmax_first" if t.get("softmax_first") else "") + ("_k_before_v" if t.get("k_before_v") else "")
-            + ("_pv_wait_early" if t.get("pv_wait_early") else ""))
+            + ("_pv_wait_early" if t.get("pv_wait_early") else "") + ("_mbar_sleep" if t.get("mbar_sleep") else ""))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
@@ -150,9 +150,10 @@ def test_gemma2_local_free(tiles, n, window):
 
 # Session 14's options (off by default), in FA4's D 256 schedule (no turns, O rescaled before the P V issue):
 # the producer's K_i before V_{i-1} (Fa3Config.k_before_v, FA4's load order); the P V waited for before the
-# softmax (pv_wait_early: the V slot freed earlier); both
+# softmax (pv_wait_early: the V slot freed earlier); both; mbarrier waits that sleep (mbar_sleep)
 FR = dict(TILES[0], wg_turns=False, rescale_before_pv=True)
-S14 = [dict(FR, k_before_v=True), dict(FR, pv_wait_early=True), dict(FR, k_before_v=True, pv_wait_early=True)]
+S14 = [dict(FR, k_before_v=True), dict(FR, pv_wait_early=True), dict(FR, k_before_v=True, pv_wait_early=True),
+       dict(FR, mbar_sleep=True), dict(FR, k_before_v=True, mbar_sleep=True)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -182,5 +183,5 @@ def test_d256_s14_bitwise_equal(causal):
     outs = [fa3_forward(q, k, v, causal=causal, config=Fa3Config(head_dim=D, causal=causal, persistent=True, **t))[0]
             for t in (FR, *S14)]
     assert not torch.isnan(outs[0]).any()
-    for name, out in zip(("k_before_v", "pv_wait_early", "both"), outs[1:]):
+    for name, out in zip(("k_before_v", "pv_wait_early", "both", "mbar_sleep", "k_before_v + mbar_sleep"), outs[1:]):
         assert torch.equal(outs[0], out), f"{name} changed the output (free, rescale_before_pv)"

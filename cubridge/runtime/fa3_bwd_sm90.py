@@ -31,12 +31,23 @@ next step's first wgmma wait instead of at its own end; session 12: racecheck cl
 pass and dQ queued behind it; session 12: 2-6% slower than the default, off),
 "bulk_overlap_lse_lean_issue_pf32_epi_dqw" (the default with DQ_WRITER: FA4's dQ writer warp in the producer
 warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, dense only, off until timed),
+"bulk_overlap_lse_lean_issue_pf32_epi_dqw_early" (ROWS_EARLY 2: the LSE and Dvec rows read before the step's GEMMs
+are queued rather than behind them; session 14, dense only, off), "..._dqw_early_carry" (that with CARRY) and
+"..._dqw_early_rot" (that with M_ROTATE: full attention's CTAs start their query sweep at tile 2n, as causal's do),
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
 order; variant options), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
-DEFAULT_OPTION is "bulk_overlap_lse_lean_issue_pf32_epi" since session 12 (VARIANT_OPTION, the variant
+DEFAULT_OPTION is "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early" since session 14's mid call (H100, bf16 D 128,
+16k tokens, TFLOPS causal 8k / full 8k / causal 16k / full 16k 586 / 650 / 619 / 634 vs _dqw's 556 / 573 / 597 / 564
+in the same run, cuDNN 517 / 558 / 552 / 592, FA4 614 / 664 / 664 / 686; dK / dV bitwise pf32_epi's); before it, from the
+same session's early call, "bulk_overlap_lse_lean_issue_pf32_epi_dqw": bulk_overlap_lse_lean_issue_pf32_epi
+with bwd13's dQ writer warp (H100, bf16 D 128, 16k tokens, TFLOPS causal 8k / full 8k / causal 16k / full 16k:
+session 13 mid 572 / 575 / 592 / 564 vs 544 / 568 / 571 / 546, session 14 early 554 / 549 / 563 / 526 vs 529 / 545 /
+543 / 510, same runs; test_bwd_sm90 -k dqw 95 passed, synccheck 0 errors, racecheck 0 hazards). It is dense only:
+the variant path keeps the body without the writer. Before it, from session 12,
+"bulk_overlap_lse_lean_issue_pf32_epi" (VARIANT_OPTION, the variant
 backwards', that body in TILE_ORDER 2's order since session 13: bulk_overlap_lse_lean_issue_pf32_epi_l2lpt): on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
 537 / 541 / 554 / 543 TFLOPS causal 8k / full 8k / causal 16k / full 16k against the session-10
 default bulk_overlap_lse_lean's 496 / 540 / 536 / 520 (cuDNN 533 / 583 / 577 / 599), passed every
@@ -93,6 +104,8 @@ class Modes(NamedTuple):
     carry: int = 0
     dv_late: int = 0
     dq_writer: int = 0
+    rows_early: int = 0
+    m_rotate: int = 0
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
@@ -108,11 +121,23 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
                                                                       epilogue=1, carry=1, dv_late=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_dqw": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
                                                              dq_writer=1),
+           # session 14 (ROWS_EARLY, params.cuh): LSE rows read before the S / dP GEMMs are queued (1), and the
+           # Dvec rows before dV's (2, these options); on the default, off until an H100 A/B and the rule tests
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                   epilogue=1, dq_writer=1, rows_early=2),
+           # with CARRY (session 12: -2..-5% alone, when the LSE loads still queued behind dK's and S's HGMMAs)
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                         epilogue=1, carry=1, dq_writer=1,
+                                                                         rows_early=2),
+           # with M_ROTATE (full attention's CTAs start their query sweep at tile 2n, as causal's do)
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                       epilogue=1, dq_writer=1, rows_early=2,
+                                                                       m_rotate=1),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2)}
-DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi"   # fastest of OPTIONS on an H100, tested (docstring)
+DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of OPTIONS on an H100, tested (docstring)
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
 # bulk_overlap_lse_lean_l2lpt (session 12): lean in TILE_ORDER 2's order, the KV tiles of a section of

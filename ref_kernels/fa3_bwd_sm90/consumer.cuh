@@ -185,9 +185,11 @@ template <bool kPartial>
 __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0, uint32_t lse_tile,
-                                           const float (&lse_pre)[kPreRegs]) {
+                                           const float (&lse_pre)[kPreRegs], int shift_pre) {
   constexpr bool partial = kPartial;
-  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - step_q_shift();   // as probs_and_ds
+  // ROWS_EARLY: Nk - Nq as read before the GEMMs (a shared load here waits behind dP^T's HGMMAs)
+  const int q_shift = kRowsEarly ? shift_pre : step_q_shift();
+  const int kv_row_base = pb.n0 + cs.c * kWgRows + cs.row0() - q_shift;   // as probs_and_ds
   const size_t row_base = size_t(pb.bh_q(g)) * pb.seqlen_q;
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j)
@@ -218,9 +220,9 @@ __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer
 __device__ __forceinline__ void probs_only(const VariantArgs& va, bool partial, const Consumer& cs,
                                            float (&s)[kSRegs], const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0, uint32_t lse_tile,
-                                           const float (&lse_pre)[kPreRegs]) {
-  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre);
-  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre);
+                                           const float (&lse_pre)[kPreRegs], int shift_pre = 0) {
+  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre, shift_pre);
+  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre, shift_pre);
 }
 
 // kSplitPasses false (a variant whose score_mod has a derivative other than 1, e.g. a softcap, or
@@ -358,15 +360,26 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   // A variant's mask test may read a block table: issued before the GEMMs, its load latency hides
   // under them (false and unused in the dense kernel).
   const bool variant_partial = kRangeRuns && step_needs_mask(va, cs, pb, m0);
+  // ROWS_EARLY (params.cuh): the LSE rows and the mask decision read before any HGMMA of the step is
+  // queued, so their LDS do not wait behind the SS GEMMs' shared-memory reads
+  float early_pre[kPreRegs];
+  bool early_partial = false;
+  int early_shift = 0;
+  if constexpr (kRowsEarly >= 1) {
+    preload_row_terms(early_pre, cs, sm.lse_tile(st));
+    early_shift = step_q_shift();
+    early_partial = !kRangeRuns && step_partial(m0, pb.n0 + cs.c * kWgRows - early_shift, pb.seqlen_q);
+  }
   wgmma_fence();
   gemm_xt(s, kr, sm.q_tile(st));
   wgmma_commit();
   gemm_xt(dp, vr, sm.do_tile(st));
   wgmma_commit();
   float row_pre[kPreRegs];
-  preload_row_terms(row_pre, cs, sm.lse_tile(st));   // ISSUE 1: LSE under the S / dP GEMMs
+  if constexpr (kRowsEarly == 0) preload_row_terms(row_pre, cs, sm.lse_tile(st));   // ISSUE 1: LSE under the S / dP GEMMs
   // ISSUE 1: the mask decision (a shared read of Nk - Nq) also before the wait
-  const bool pre_partial = kIssue && !kRangeRuns && step_needs_mask(va, cs, pb, m0);
+  const bool pre_partial = kRowsEarly ? early_partial : kIssue && !kRangeRuns && step_needs_mask(va, cs, pb, m0);
+  const float (&lse_pre)[kPreRegs] = kRowsEarly ? early_pre : row_pre;
   // kSplitPasses false: score_mod' or dscore needs the f32 score, so P^T and dS^T in one pass after both
   if constexpr (kSplitPasses) wgmma_wait<1>();  // S^T landed, dP^T in flight
   else wgmma_wait<0>();
@@ -379,20 +392,22 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
   if constexpr (kSplitPasses) {
     probs_only(va, kRangeRuns ? variant_partial : kIssue ? pre_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse,
                scale_log2, pb, g,
-               m0, sm.lse_tile(st), row_pre);
+               m0, sm.lse_tile(st), lse_pre, early_shift);
   } else {
     reg_fence(dp);
     probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));
   }
   uint32_t p16[kPRegs];
   pack_frag(p16, s);
+  // ROWS_EARLY 2: Dvec before the dV GEMM's HGMMAs are queued (else after them, ISSUE 1)
+  if constexpr (kSplitPasses && kRowsEarly >= 2) preload_row_terms(row_pre, cs, sm.dvec_tile(st));
   if constexpr (!kDvLate) {
     wgmma_fence();
     gemm_rs(dv_acc, p16, sm.do_tile(st));        // dV += P^T dO runs under the dS pass
     wgmma_commit();
   }
   if constexpr (kSplitPasses) {
-    preload_row_terms(row_pre, cs, sm.dvec_tile(st));   // ISSUE 1: Dvec under the dP / dV GEMMs
+    if constexpr (kRowsEarly < 2) preload_row_terms(row_pre, cs, sm.dvec_tile(st));   // ISSUE 1: Dvec under the dP / dV GEMMs
     if constexpr (kDvLate) wgmma_wait<0>();     // dP^T landed (DV_LATE: nothing else in flight)
     else wgmma_wait<1>();                        // dP^T landed
     reg_fence(dp);
@@ -469,7 +484,8 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
     for (int i = 0; i < kPRegs; ++i) ds16[i] = 0u;
     for (int it = 0; it < total; ++it) {
       const int g = kIssue ? g_run : it / steps, i = kIssue ? i_run : it - g * steps,
-                m0 = (kRangeRuns ? q_runs_tile(i) : kIssue ? qr.m_begin + i : qr.m_begin + it - g * steps) * kBlockM,
+                m0 = (kRangeRuns ? q_runs_tile(i) : kMRotate ? sweep_tile(qr, i, steps)
+                      : kIssue ? qr.m_begin + i : qr.m_begin + it - g * steps) * kBlockM,
                 st = it % kStages;   // (ISSUE 0's form kept: its SASS stays as it was)
       if constexpr (kIssue) {
         i_run = i_run + 1 == steps ? 0 : i_run + 1;

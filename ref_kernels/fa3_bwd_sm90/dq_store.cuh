@@ -98,7 +98,7 @@ __device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRa
   const int steps = kRangeRuns ? q_runs_count() : qr.m_end - qr.m_begin, total = has_work ? steps * pb.group : 0;
   int g = 0, i = 0;
   for (int it = 0; it < total; ++it) {
-    const int m = kRangeRuns ? q_runs_tile(i) : qr.m_begin + i;
+    const int m = kRangeRuns ? q_runs_tile(i) : sweep_tile(qr, i, steps);   // qr.m_begin + i unless M_ROTATE
     float* tile = dq_accum + dq_tile_offset(pb.bh_q(g), m, 0, num_m);
 #pragma unroll
     for (int c = 0; c < kConsumers; ++c) {

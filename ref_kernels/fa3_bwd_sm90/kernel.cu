@@ -85,6 +85,12 @@ typedef unsigned long long uint64_t;
 #ifndef DQ_WRITER
 #define DQ_WRITER 0
 #endif
+#ifndef ROWS_EARLY
+#define ROWS_EARLY 0
+#endif
+#ifndef M_ROTATE
+#define M_ROTATE 0
+#endif
 
 #include "../fa3_sm90/hopper_ptx.cuh"   // after DTYPE_BF16: pack2 reads it
 #include "params.cuh"
@@ -181,12 +187,24 @@ static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs
 // 2's dS pass reads the f32 P^T, so relu could split there: not yet run on a GPU, NOTES.md "Session 12".)
 constexpr bool kSplitPasses = kScoreGradOne && kDsFromP16;
 static_assert(kSplitPasses || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
+static_assert(!kMRotate || !kRangeRuns, "M_ROTATE is dense only (a variant's runs order its own sweep)");
 
 // ------------------------------------------------------------------ shared memory
 // Nk - Nq for the consumers, re-read from shared memory at every step: held in a register across
 // the step loop, it made ptxas spill 8 bytes at D = 128 causal.
 __shared__ int g_q_shift;
 __device__ __forceinline__ int step_q_shift() { return *static_cast<volatile int*>(&g_q_shift); }
+// M_ROTATE (params.cuh): this CTA's first query tile of the sweep, as an offset into its range (0 for causal),
+// written by thread 0 with g_q_shift and re-read per step (a register held through the loops would cost one
+// more at the consumers' peak and in the producer's 24). Step i of a head visits tile m_begin + (i + rot) % steps.
+__shared__ int g_m_rot;
+__device__ __forceinline__ int sweep_tile(QRange qr, int i, int steps) {
+  if constexpr (kMRotate) {
+    const int r = i + *static_cast<volatile int*>(&g_m_rot);
+    return qr.m_begin + (r >= steps ? r - steps : r);
+  }
+  return qr.m_begin + i;
+}
 // kRangeRuns (variants): warp 0's q_scan writes [count, lo_0, len_0, lo_1, len_1, ...]: the
 // CTA's query tiles are runs [lo_k, lo_k + len_k), read back at every step (volatile: a few
 // shared loads per step instead of 2 kQRuns + 1 registers held through the loops). A q_range
@@ -301,6 +319,12 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
         load_stage(sm, tm_q, tm_do, pb, g, q_runs_tile(i), it, lse, dvec);
     return;
   }
+  if constexpr (kMRotate) {   // the consumers' and the writer's order (sweep_tile)
+    const int steps = qr.m_end - qr.m_begin;
+    for (int g = 0; g < pb.group; ++g)
+      for (int i = 0; i < steps; ++i, ++it) load_stage(sm, tm_q, tm_do, pb, g, sweep_tile(qr, i, steps), it, lse, dvec);
+    return;
+  }
   for (int g = 0; g < pb.group; ++g)
     for (int m = qr.m_begin; m < qr.m_end; ++m, ++it) load_stage(sm, tm_q, tm_do, pb, g, m, it, lse, dvec);
 }
@@ -336,6 +360,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
 
   if (threadIdx.x == 0) {
     g_q_shift = pb.q_shift();
+    if constexpr (kMRotate) g_m_rot = m_rotation(tc.n, qr.m_end - qr.m_begin);
     mbar_init(sm.kv_full(), 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.q_full() + 8 * s, 1);

@@ -100,6 +100,26 @@ constexpr bool kDvLate = DV_LATE == 1;
 //              warpgroup barrier and waits for its bulk group (wait_group.read) before the ds_ready
 //              barrier, so a slow add stalls thread 0's warp and with it the 256-thread barrier.
 constexpr bool kDqWriter = DQ_WRITER == 1;
+//   ROWS_EARLY 1 (with ISSUE >= 1; session 14): the stage's LSE rows (and the mask decision's read of
+//              Nk - Nq) are loaded BEFORE the S^T / dP^T GEMMs are issued, not after. Session 13's ncu
+//              (H100, 8k, default): the P pass's first FFMA held 11.9% (causal) / 12.7% (full) of all
+//              warp samples in short_scoreboard on an LSE register, twice the S^T wait before it: LDS
+//              issued behind 16 HGMMAs return only as the SS GEMMs (128 B/clk of shared memory, all of
+//              it) let them, i.e. near dP^T's end, so the P pass ran after dP^T instead of under it.
+//              2: also the Dvec rows before the dV GEMM is issued (its FADD held 1.2-1.5%). Same
+//              operations on the same values: dK / dV bitwise the option without it.
+constexpr int kRowsEarly = ROWS_EARLY;
+//   M_ROTATE 1 (with SCHED 1; session 14): full attention's CTAs start their sweep over the query tiles at tile
+//              2n of their range (n = the KV tile, mod the range) and wrap around, instead of all at tile 0.
+//              Causal CTAs already start at 2n (their range begins at the diagonal): they are unchanged. Why:
+//              with every CTA of a head at the same query tile at once, the head's 64 (8k) or 128 (16k) CTAs
+//              bulk-add into the same 32 KB of the fp32 dQ accumulator in the same step; ours loses 2-6% going
+//              from full 8k to full 16k (same CTA count, twice the steps) where cuDNN and FA4 gain 1-3% and our
+//              causal gains 5%. dK / dV sum the same terms in another order (the rule decides).
+constexpr bool kMRotate = M_ROTATE == 1 && !kCausal;   // causal builds: the option's code is not there
+__device__ __forceinline__ constexpr int m_rotation(int n_tile, int steps) {
+  return (kMRotate && steps > 0) ? (2 * n_tile) % steps : 0;
+}
 #if DTYPE_BF16
 using MmaTag = TagBf16;
 #else
@@ -207,6 +227,10 @@ static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSU
 static_assert(DV_LATE == 0 || (DV_LATE == 1 && SCHED == 1 && ISSUE == 2), "DV_LATE=1 needs SCHED=1 and ISSUE=2");
 static_assert(DQ_WRITER == 0 || (DQ_WRITER == 1 && DQ_MODE == 1 && SCHED == 1),
               "DQ_WRITER=1 needs DQ_MODE=1 and SCHED=1 (it hands SCHED 1's bulk dQ adds to a writer warp)");
+static_assert(ROWS_EARLY >= 0 && ROWS_EARLY <= 2 && (ROWS_EARLY == 0 || (ISSUE >= 1 && SCHED == 1)),
+              "ROWS_EARLY=1 or 2 needs ISSUE>=1 and SCHED=1 (it moves ISSUE's row-term preloads)");
+static_assert(M_ROTATE == 0 || (M_ROTATE == 1 && SCHED == 1 && ISSUE >= 1),
+              "M_ROTATE=1 needs SCHED=1 and ISSUE>=1 (it changes the flat step loop's tile)");
 static_assert(kBarDqEmpty0 + kDqSlots * kConsumers <= 16, "DQ_WRITER's named barriers exceed the 16 ids");
 static_assert(CARRY == 0 || (CARRY == 1 && SCHED == 1), "CARRY=1 needs SCHED=1 (it changes SCHED 1's step end)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");

@@ -46,7 +46,13 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # DV_LATE moves dV's issue (and P^T's 16-bit registers' lifetime) past the dS pass: all four corners
     ("bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate", s) for s in SPECS] + [
     # DQ_WRITER adds a writer warp under the producer warpgroup's 24 registers: all four corners
-    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw", s) for s in SPECS]
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw", s) for s in SPECS] + [
+    # ROWS_EARLY moves 16 LSE registers' birth above the S / dP GEMMs' issue: all four corners
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early", s) for s in SPECS] + [
+    # ... and with CARRY's loop-carried dK (ptxas must not inject a wgmma wait: C7517 above)
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry", s) for s in SPECS] + [
+    # M_ROTATE changes full attention's loops only (causal builds are _dqw_early's): the full corners
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot", s) for s in ((128, False, False), (64, False, True))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -98,7 +104,7 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 def test_option_table_matches_the_kernel_macros():
     """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
     with SCHED 1 (static_asserts)."""
-    assert hb.OPTIONS["base"] == (0,) * 11 and hb.DEFAULT_OPTION in hb.OPTIONS
+    assert hb.OPTIONS["base"] == (0,) * 13 and hb.DEFAULT_OPTION in hb.OPTIONS
     for name, m in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
         assert f"-DDQ_MODE={m.dq_mode}" in opts and f"-DSCHED={m.sched}" in opts and f"-DLSE_SMEM={m.lse_smem}" in opts
@@ -107,6 +113,8 @@ def test_option_table_matches_the_kernel_macros():
         assert f"-DCARRY={m.carry}" in opts and not (m.carry and m.sched != 1), name
         assert f"-DDV_LATE={m.dv_late}" in opts and not (m.dv_late and (m.sched != 1 or m.issue != 2)), name
         assert f"-DDQ_WRITER={m.dq_writer}" in opts and not (m.dq_writer and (m.sched != 1 or m.dq_mode != 1)), name
+        assert f"-DROWS_EARLY={m.rows_early}" in opts and not (m.rows_early and (m.sched != 1 or not m.issue)), name
+        assert f"-DM_ROTATE={m.m_rotate}" in opts and not (m.m_rotate and (m.sched != 1 or not m.issue)), name
         assert m.sched in (0, 1, 2) and m.tile_order in (0, 2) and m.arrive_all in (0, 1), name
         assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
         assert not (m.lean and not m.lse_smem) and not (m.issue and not m.lse_smem), name
@@ -128,11 +136,18 @@ def test_variant_options_carry_the_hooks():
     assert hb.OPTIONS[hb.DEFAULT_OPTION].arrive_all == 1 and hb.OPTIONS[hb.VARIANT_OPTION].arrive_all == 1
     # session 12: the default is ISSUE 2 + EPILOGUE (session 11 H100: faster than lean on all four
     # dense shapes, every test_bwd_sm90 case, racecheck 0 hazards), and variants build on the same body
-    assert hb.DEFAULT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi"
+    pf32 = "bulk_overlap_lse_lean_issue_pf32_epi"
+    assert hb.OPTIONS[pf32] == hb.OPTIONS["bulk_overlap_lse_lean"]._replace(issue=2, epilogue=1)
     # session 13: variants run that body in TILE_ORDER 2's order (H100 8k: 1.030-1.058x on six variants)
     assert hb.VARIANT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
-    assert hb.OPTIONS[hb.VARIANT_OPTION] == hb.OPTIONS[hb.DEFAULT_OPTION]._replace(tile_order=2)
-    assert hb.OPTIONS[hb.DEFAULT_OPTION] == hb.OPTIONS["bulk_overlap_lse_lean"]._replace(issue=2, epilogue=1)
+    assert hb.OPTIONS[hb.VARIANT_OPTION] == hb.OPTIONS[pf32]._replace(tile_order=2)
+    # session 14: the dense default adds the dQ writer warp (H100: +0.8-5.2% in two runs, its 95 rule tests,
+    # synccheck and racecheck clean); dense only, so variants keep the body without it
+    # and (mid call) ROWS_EARLY 2, the LSE / Dvec loads ahead of the GEMMs (H100 TFLOPS causal / full 8k, causal /
+    # full 16k: 586 / 650 / 619 / 634 vs _dqw's 556 / 573 / 597 / 564; dK / dV bitwise pf32_epi's)
+    assert hb.DEFAULT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"
+    assert hb.OPTIONS[hb.DEFAULT_OPTION] == hb.OPTIONS[pf32]._replace(dq_writer=1, rows_early=2)
+    assert hb.DEFAULT_OPTION not in hb.VARIANT_OPTIONS
     assert hb.OPTIONS["bulk_overlap_lse_arriveall"] == hb.OPTIONS["bulk_overlap_lse"]._replace(arrive_all=1)
     assert hb.OPTIONS["bulk_overlap_lse_lean"] == hb.OPTIONS["bulk_overlap_lse_arriveall"]._replace(lean=1)
     for name in ("bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean"):

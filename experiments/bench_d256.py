@@ -21,47 +21,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from expkit.peers import SampledCheck, Unsupported, bshd, make_cudnn, make_flex, make_flex_flash  # noqa: E402
+from expkit.d256 import fa4 as _fa4, ours_dense as _ours_dense, parse_row  # noqa: E402 (rows: expkit/d256.py)
+from expkit.peers import SampledCheck, Unsupported, make_cudnn, make_flex, make_flex_flash  # noqa: E402
 
 from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench_round_robin  # noqa: E402
 
 D = 256
-# Our rows: BLOCK_M x BLOCK_N, then flags: g = one tile per CTA (FA4's SM90 launch; default
-# persistent: grid = #SMs, dynamic scheduler), f = free consumers (Fa3Config.wg_turns=False: no GEMM
-# turns, FA4's schedule at D 256), r = O rescaled while the next QK runs (rescale_before_pv, FA4's
-# rescale_O_before_gemm), s = the whole softmax before the P V wait (softmax_first); --rows picks them.
-ROWS = ("128x80", "128x64")
-
-
-def parse_row(text: str) -> tuple[int, int, dict]:
-    """'128x80' -> (128, 80, {}); '128x80gf' -> (128, 80, Fa3Config overrides).
-
-    >>> parse_row("128x80"), parse_row("128x64g"), parse_row("128x80fr")
-    ((128, 80, {}), (128, 64, {'persistent': False}), (128, 80, {'wg_turns': False, 'rescale_before_pv': True}))
-    >>> parse_row("128x80frs")[2]["softmax_first"]
-    True
-    """
-    body = text.rstrip("gfrs")
-    flags = text[len(body):]
-    m, _, n = body.partition("x")
-    if not (m.isdigit() and n.isdigit()) or len(set(flags)) != len(flags):
-        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r][s], e.g. 128x80, 128x80g, 128x80frs")
-    return int(m), int(n), {**({"persistent": False} if "g" in flags else {}),
-                            **({"wg_turns": False} if "f" in flags else {}),
-                            **({"rescale_before_pv": True} if "r" in flags else {}),
-                            **({"softmax_first": True} if "s" in flags else {})}
+ROWS = ("128x80", "128x64")   # our rows: expkit/d256.py parse_row (tile, then option flags g f r s k e)
 
 
 GEMMA2 = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "gemma2_local.py"
 WINDOW, SOFTCAP = 4096, 50.0
-
-
-def _ours_dense(q, k, v, bm, bn, options):
-    cfg = Fa3Config(**{**dict(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=True, bf16=True, persistent=True), **options})
-    out = torch.full_like(q, float("nan"))
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    return lambda: fa3_forward(q, k, v, causal=True, config=cfg, out=out, lse=lse)[0]
 
 
 def _ours_gemma2(q, k, v, bm, bn, options):
@@ -79,19 +50,6 @@ def _ours_gemma2(q, k, v, bm, bn, options):
     cfg = Fa3Config(**{**dict(head_dim=D, block_m=bm, block_n=bn, stages=2, causal=False, bf16=True, persistent=True), **options})
     out = torch.full_like(q, float("nan"))
     return lambda: fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)[0]
-
-
-def _fa4(q, k, v, **kw):
-    try:
-        from flash_attn.cute import flash_attn_func
-    except Exception as e:  # noqa: BLE001 (any import failure is the reason)
-        raise Unsupported(f"flash_attn.cute not importable: {type(e).__name__}: {str(e)[:200]}")
-    qt, kt, vt = bshd(q), bshd(k), bshd(v)
-
-    def fn():
-        out = flash_attn_func(qt, kt, vt, causal=True, **kw)
-        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
-    return fn
 
 
 def _sdpa_flash(q, k, v):
@@ -193,9 +151,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="dense_causal,gemma2_local")
     ap.add_argument("--rows", nargs="*", default=list(ROWS),
-                    help="our configs, BLOCK_MxBLOCK_N[g][f][r][s] (g: one tile per CTA, FA4's grid; f: no GEMM "
+                    help="our configs, BLOCK_MxBLOCK_N[g][f][r][s][k][e] (g: one tile per CTA, FA4's grid; f: no GEMM "
                          "turns between the consumers, FA4's D 256 schedule; r: O rescaled before the P V "
-                         "issue; s: the whole softmax before the P V wait); default: %(default)s")
+                         "issue; s: the whole softmax before the P V wait; k: K_i loaded before V_{i-1}; e: the P V waited for before the softmax); default: %(default)s")
     a = ap.parse_args()
     for row in a.rows:
         try:

@@ -17,8 +17,6 @@ keeps every PC with at least --keep of its kernel's samples, for a re-reading la
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import subprocess
 import sys
@@ -27,13 +25,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from expkit import sass_stalls
+from expkit.sass_stalls import raw_metrics
 
 KERNEL = {"ours": "regex:fa3_bwd_sm90", "fa4": "regex:FlashAttentionBackwardSm90"}
 SECTIONS = ["SourceCounters", "WarpStateStats"]
 TOKENS, HEADS, D = 16384, 32, 128
-RAW_KEEP = ("gpu__time_duration.sum", "smsp__average_warp_latency_per_inst_issued.ratio",
-            "smsp__issue_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
-            "launch__grid_size", "launch__block_size")
 
 
 def worker(system: str, n: int, variant: str, option: str) -> None:
@@ -82,25 +78,6 @@ def profile(system: str, n: int, variant: str, option: str, ncu: str, timeout: i
     out["pcs"] = [[r["index"], r["sass"][:80], r["samples"], r["stalls"]] for r in rows
                   if r["samples"] >= keep * total]
     return out
-
-
-def raw_metrics(text: str) -> dict:
-    """A few whole-kernel numbers (duration, issue rate, registers, grid) and every
-    smsp__average_warps_issue_stalled_*_per_issue_active ratio from the raw page."""
-    rows = list(csv.reader(io.StringIO(text[text.find('"ID"'):] if '"ID"' in text else text)))
-    if len(rows) < 3:
-        return {}
-    head, row = rows[0], rows[2]
-    got = {}
-    for h, v in zip(head, row):
-        if h in RAW_KEEP or (h.startswith("smsp__average_warps_issue_stalled_") and h.endswith("per_issue_active.ratio")):
-            try:
-                got[h] = float(v.replace(",", ""))
-            except ValueError:
-                got[h] = v
-        elif h == "Kernel Name":
-            got["kernel"] = v[:120]
-    return got
 
 
 def print_run(run: dict) -> None:

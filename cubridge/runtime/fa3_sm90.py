@@ -89,6 +89,15 @@ class Fa3Config:
     # in turn, so the Q slot is freed after a tile's last QK and tiles overlap (params.cuh O_HALF,
     # session 14); no effect where O has its own stage. Off until an H100 A/B shows the gain.
     o_half: bool = False
+    # Head dim 256 only: the producer issues K_i before V_{i-1} (kernel.cu K_BEFORE_V; FA4's SM90
+    # producer order). Off until an H100 A/B at D 256 shows the gain (session 14, bench_d256 rows "k").
+    k_before_v: bool = False
+    # Head dim 256 only: the P V waited for right after the QK, before the softmax, freeing the V slot
+    # earlier (consumer.cuh PV_WAIT_EARLY). Off until an H100 A/B shows the gain (bench_d256 rows "e").
+    pv_wait_early: bool = False
+    # Head dim 256 only: mbarrier waits sleep in the barrier (try_wait with a suspend-time hint, CUTLASS's)
+    # instead of retrying (hopper_ptx.cuh MBAR_SLEEP). Off until an H100 A/B shows it (bench_d256 rows "z").
+    mbar_sleep: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -102,6 +111,9 @@ class Fa3Config:
         flags += ["-DTAIL_SPLIT=1"] * self.tail_split
         flags += ["-DWG_TURNS=0"] * (not self.wg_turns) + ["-DRESCALE_BEFORE_PV=1"] * self.rescale_before_pv
         flags += ["-DSOFTMAX_FIRST=1"] * self.softmax_first + ["-DO_HALF=1"] * self.o_half
+        flags += ["-DK_BEFORE_V=1"] * self.k_before_v
+        flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
+        flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property
@@ -179,8 +191,16 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
         # FlashAttention-3's hdim-256 tiles (hopper/tile_size.h): 128 x 80 (64 with a window), two
         # stages; 64 + 160 KB of Q and K/V: one Q slot, O staged in it. 128 x 64 compiles spill-free
         # under 40 / 232 registers, 128 x 80 under 24 / 240 (2 bytes per tile before session 10).
-        # A lowered variant (softcap, window) takes 128 x 64. Not yet measured on an H100.
-        return Fa3Config(head_dim, 128, 64 if variant else 80, 2, causal, bf16, persistent=True)
+        # A lowered variant (softcap, window) takes 128 x 64.
+        # Dense: FA4's D 256 schedule (no GEMM turns, O rescaled before the P V issue: "fr"), measured
+        # beside the turns in three H100 runs at causal 8k: 703.8 vs 679.8 TFLOPS (session 13 mid),
+        # 690.8 vs 685.2 (session 14 early), 700.2 vs 696.5 (session 14 mid); GPU rule tests passed
+        # (test_fa3_sm90_d256 free / s14). A lowered variant keeps the turns (Gemma-2 local: fr 559 vs
+        # 574, session 13 mid).
+        if variant:
+            return Fa3Config(head_dim, 128, 64, 2, causal, bf16, persistent=True)
+        return Fa3Config(head_dim, 128, 80, 2, causal, bf16, persistent=True, wg_turns=False,
+                         rescale_before_pv=True)
     if head_dim == 64:
         if causal and seqlen <= 2048:
             # d64 causal 1k: v3 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226. Stages: 3 vs 2

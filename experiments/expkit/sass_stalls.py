@@ -107,16 +107,17 @@ def phase_of(op: str, recent: list[str]) -> str:
     return "other"
 
 
-def annotate(rows: list[dict]) -> list[dict]:
+def annotate(rows: list[dict], phase_fn=None) -> list[dict]:
     """Adds 'phase', 'index' (position in the SASS) and 'context' (the last four landmarks before the
-    instruction, newest last, with the HGMMA run lengths) to every row."""
+    instruction, newest last, with the HGMMA run lengths) to every row. phase_fn(op, recent, sass):
+    another kernel's phases (expkit.sass_stalls_fwd.phase_of for the forward); default the backward's."""
     recent: list[str] = []
     trail: list[str] = []
     for i, r in enumerate(rows):
         op = opcode(r["sass"])
         r["index"] = i
         r["opcode"] = op
-        r["phase"] = phase_of(op, recent)
+        r["phase"] = phase_fn(op, recent, r["sass"]) if phase_fn else phase_of(op, recent)
         r["context"] = " > ".join(trail[-4:])
         mark = _landmark(op)
         if mark:
@@ -128,9 +129,9 @@ def annotate(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict], top: int = 12) -> dict:
+def summarize(rows: list[dict], top: int = 12, phase_fn=None, annotated: bool = False) -> dict:
     """The kernel's totals (samples per stall reason and per phase) and its `top` most-sampled PCs."""
-    rows = annotate(rows)
+    rows = rows if annotated else annotate(rows, phase_fn)   # annotated: phases already set
     total = sum(r["samples"] for r in rows) or 1
     reasons: dict[str, int] = {}
     phases: dict[str, int] = {}
@@ -159,3 +160,27 @@ def table(name: str, s: dict, top: int = 8) -> str:
         out.append(f"          after: {t['context'][-90:]}")
     return "\n".join(out)
 
+
+# ncu's raw page (--page raw --csv --print-units base): the whole-kernel numbers the stall tables print
+RAW_KEEP = ("gpu__time_duration.sum", "smsp__average_warp_latency_per_inst_issued.ratio",
+            "smsp__issue_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
+            "launch__grid_size", "launch__block_size")
+
+
+def raw_metrics(text: str) -> dict:
+    """A few whole-kernel numbers (duration, issue rate, registers, grid) and every
+    smsp__average_warps_issue_stalled_*_per_issue_active ratio from the raw page."""
+    rows = list(csv.reader(io.StringIO(text[text.find('"ID"'):] if '"ID"' in text else text)))
+    if len(rows) < 3:
+        return {}
+    head, row = rows[0], rows[2]
+    got = {}
+    for h, v in zip(head, row):
+        if h in RAW_KEEP or (h.startswith("smsp__average_warps_issue_stalled_") and h.endswith("per_issue_active.ratio")):
+            try:
+                got[h] = float(v.replace(",", ""))
+            except ValueError:
+                got[h] = v
+        elif h == "Kernel Name":
+            got["kernel"] = v[:120]
+    return got

@@ -49,6 +49,17 @@ constexpr bool kRescaleBeforePv = RESCALE_BEFORE_PV != 0;
 // FA4's order too: the softmax, then the pinned wait (session 14, D 64's 0.91-0.98 of FA4).
 constexpr bool kSoftmaxFirst = SOFTMAX_FIRST != 0;
 
+// PV_WAIT_EARLY=1 (HEAD_DIM 256 only): the P V is waited for right after the QK, before the softmax,
+// so that both consumers' V slot is freed a softmax earlier (the default frees it after the row max
+// and the exp2 arguments, SOFTMAX_FIRST after the exponentials too, which measured 5% slower at
+// D 256: session 13). The softmax then runs whole and hides under the other consumer's two GEMMs
+// (1280 tensor cycles at 128 x 80 against ~700 of softmax) instead of under its own P V. Same
+// arithmetic, bitwise equal output. An option until measured (session 14).
+#ifndef PV_WAIT_EARLY
+#define PV_WAIT_EARLY 0
+#endif
+constexpr bool kPvWaitEarly = PV_WAIT_EARLY != 0 && kHeadDim == 256;
+
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
@@ -240,9 +251,14 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       wgmma_wait<1>();
       reg_fence(s);
       cs.release(sm.k_empty + 8 * sk);
+      if constexpr (kPvWaitEarly) {
+        wgmma_wait<0>();
+        reg_fence(o);
+        cs.release(sm.v_empty + 8 * sv);
+      }
       process_scores(tile_at(tl.r, i), partial);
 #ifdef FA3_SOFTMAX_SPLIT
-      if constexpr (kSplitPvWait) {
+      if constexpr (kSplitPvWait && !kPvWaitEarly) {
         // The row max and the exp2 arguments before this warpgroup's P V is waited for, the
         // exponentials after (FA4's order in SASS). A lone wait_group 0 is hoisted by ptxas to the
         // top of the softmax (NOTES v17 item 3); a block boundary pins it: a warp-uniform branch
@@ -260,10 +276,12 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
 #endif
       {
         softmax_update(pb.va, s, st, rescale, score_scale);
-        wgmma_wait<0>();
+        if constexpr (!kPvWaitEarly) wgmma_wait<0>();
       }
-      reg_fence(o);
-      cs.release(sm.v_empty + 8 * sv);
+      if constexpr (!kPvWaitEarly) {
+        reg_fence(o);
+        cs.release(sm.v_empty + 8 * sv);
+      }
       if constexpr (!kRescaleBeforePv) rescale_o(o, rescale);
       convert_p(p, s);
     }

@@ -86,6 +86,18 @@ typedef unsigned long long uint64_t;
 #ifndef TAIL_SPLIT
 #define TAIL_SPLIT 0
 #endif
+// K_BEFORE_V (HEAD_DIM 256 only; ignored elsewhere): the producer issues K_i before V_{i-1}, the
+// order the consumers read them in (QK_i, then P_{i-1} V_{i-1}) and FA4's SM90 producer order with
+// intra-warpgroup overlap, so K_{i+1} no longer queues behind V_i's wait for its slot (freed only
+// when P_{i-2} V_{i-2} completes). Off unless Fa3Config.k_before_v (session 14: A/B pending; at
+// D 128 with turns it lost 2-7%, session 12, experiments/patches/k_before_v.patch).
+#ifndef K_BEFORE_V
+#define K_BEFORE_V 0
+#endif
+// MBAR_SLEEP (HEAD_DIM 256 only): mbarrier waits with a suspend-time hint (hopper_ptx.cuh).
+#ifndef MBAR_SLEEP
+#define MBAR_SLEEP 0
+#endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
 
@@ -460,6 +472,15 @@ constexpr bool kUniformWg = kNewCodegen && kProducerRegs >= 40 && kConsumerRegs 
 constexpr bool kL2Hints = L2_HINTS && !kCausal;
 constexpr uint64_t kQPolicy = kL2Hints ? kL2EvictFirst : 0;
 constexpr uint64_t kKVPolicy = kL2Hints ? kL2EvictLast : 0;
+constexpr bool kKBeforeV = K_BEFORE_V && kHeadDim == 256;   // (see K_BEFORE_V above)
+// The dense kv_range visits n_end - 1 down to 0: the tile before visit i is the next one up (a
+// lowered variant's range, or a rotated one, is asked again). (The region's own constants are not
+// visible here: a variant replaces them; the region's mark is.)
+#if defined(FA3_DENSE_KV_RANGE) && !KV_ROTATE
+constexpr bool kVisitsDescend = true;
+#else
+constexpr bool kVisitsDescend = false;
+#endif
 // tile_counter[0] is the dynamic scheduler's next-tile counter, tile_counter[1] counts producers
 // past their last atomicAdd on it. The last producer out resets both, so the host keeps one
 // zeroed pair per stream instead of zeroing one before every launch (a memset kernel and an
@@ -532,8 +553,14 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     // consumers (20 causal builds of the tuner's space). Not unrolled (experiments/patches/
     // three_consumer_unroll1.patch) it does not spill, but the mid call measured that together with
     // the descriptors 3-6% slower at D 64 (kNewCodegen): it waits for an A/B of its own.
-    for (int i = 0; i < tiles; ++i, ++it) {
+    // kKBeforeV: V runs one iteration behind K (iteration i loads K_i, then V_{i-1}; one more
+    // iteration loads the last V; a tile without KV tiles starts past it: its Q slot is taken above).
+    // One V load site: with a second one after the loop the 24-register producer spilled 40 bytes.
+    constexpr int kLag = kKBeforeV ? 1 : 0;
+    const int i0 = tiles == 0 ? kLag : 0;
+    for (int i = i0; i < tiles + kLag; ++i, ++it) {
       const int n = tile_at(tl.r, i), st = ring_stage(it), empty_parity = ring_phase(it) ^ 1;
+      if (!kKBeforeV || i < tiles) {
       // @cuir-region load_kv
       mbar_wait(sm.k_empty + 8 * st, empty_parity);
       mbar_expect_tx(sm.k_full + 8 * st, kKVBytes);
@@ -542,15 +569,22 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
         tma_load_4d<kKVPolicy>(sm.k_tile(st) + p * kKVPanelBytes, tm_k, sm.k_full + 8 * st, p * kPanelCols,
                                n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
       // @cuir-end load_kv
+      }
       // One Q slot: after the first K, so that the K load overlaps the wait for the slot.
       if (kQSlots == 1 && i == 0) load_q();
-      mbar_wait(sm.v_empty + 8 * st, empty_parity);
-      mbar_expect_tx(sm.v_full + 8 * st, kKVBytes);
+      if (kKBeforeV && i == 0) continue;
+      // (kVisitsDescend: tile_at(i - 1) = n + 1, one live value less)
+      const int nv = !kKBeforeV ? n : kVisitsDescend ? n + 1 : tile_at(tl.r, i - 1);
+      const int sv = kKBeforeV ? ring_stage(it - 1) : st;
+      const int v_parity = kKBeforeV ? ring_phase(it - 1) ^ 1 : empty_parity;
+      mbar_wait(sm.v_empty + 8 * sv, v_parity);
+      mbar_expect_tx(sm.v_full + 8 * sv, kKVBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p)
-        tma_load_4d<kKVPolicy>(sm.v_tile(st) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * st, p * kPanelCols,
-                               n * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
+        tma_load_4d<kKVPolicy>(sm.v_tile(sv) + p * kKVPanelBytes, tm_v, sm.v_full + 8 * sv, p * kPanelCols,
+                               nv * kBlockN, tl.hm.bh_kv % pb.heads_kv, tl.hm.bh_kv / pb.heads_kv);
     }
+    it -= kLag - i0;
     // Fetched after the loads (keeps the 24-register producer spill-free); its latency hides
     // behind the STAGES tiles the ring holds ahead of the consumers.
     t = gridDim.x + atomicAdd(pb.tile_counter, 1);

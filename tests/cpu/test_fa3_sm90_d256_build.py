@@ -21,7 +21,7 @@ from cubridge.runtime.kernels import fit_params, reference_kernel
 from cubridge.spec import load_spec
 from cubridge.verify import Case, verify_program, verify_transfer
 
-from test_fa3_sm90_build import _nvcc   # tests/cpu is on sys.path (no __init__.py)
+from test_fa3_sm90_build import _disassembler, _nvcc   # tests/cpu is on sys.path (no __init__.py)
 
 GEMMA2 = Path(__file__).resolve().parents[1] / "corpus" / "gemma2_local.py"
 NEEDS_NVCC = pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
@@ -39,6 +39,10 @@ def test_default_tiles_and_shared_memory():
     dense, variant = default_config(256, causal=True), default_config(256, causal=True, variant=True)
     assert (dense.block_m, dense.block_n, dense.stages) == (128, 80, 2) and dense.persistent
     assert (variant.block_m, variant.block_n, variant.stages) == (128, 64, 2)
+    # dense: FA4's D 256 schedule (session 14: fr over the turns in three H100 runs); a variant keeps the turns
+    assert not dense.wg_turns and dense.rescale_before_pv and not dense.k_before_v and not dense.pv_wait_early
+    assert variant.wg_turns and not variant.rescale_before_pv
+    assert "-DWG_TURNS=0" in dense.defines() and "-DRESCALE_BEFORE_PV=1" in dense.defines()
     bars = 8 * (2 * 1 + 2 * 2 + 4 * 2) + 2 * 128
     assert dense.smem_bytes == 128 * 256 * 2 + 2 * 2 * 80 * 256 * 2 + bars + 1024 == 230768
     assert variant.smem_bytes == 128 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + bars + 1024
@@ -146,3 +150,39 @@ def test_lift_check_runs_the_cuir_at_its_tile_at_256(tmp_path):
     outcome, detail = lift_check_job({"spec": "causal", "cuir": cuir, "launcher": str(launcher), "device": "cpu",
                                       "shapes": [(1, 2, 1, 90, 256, 0)]})
     assert outcome.state.value == "ok", (outcome, detail)
+
+
+@NEEDS_NVCC
+def test_session14_options_build_spill_free_and_only_at_256(tmp_path):
+    """k_before_v (K_BEFORE_V=1; FA4's producer order), pv_wait_early (PV_WAIT_EARLY=1) and mbar_sleep
+    (MBAR_SLEEP=1), off by default, are D 256 options: they build 128 x 80 causal spill-free with turns and in FA4's
+    schedule (no turns, O rescaled before the P V), change the SASS there, and leave a D 128 build
+    as it was (the macros are ignored)."""
+    assert "-DK_BEFORE_V=1" in Fa3Config(k_before_v=True).defines()
+    assert "-DPV_WAIT_EARLY=1" in Fa3Config(pv_wait_early=True).defines()
+    assert "-DMBAR_SLEEP=1" in Fa3Config(mbar_sleep=True).defines()
+    assert not any("K_BEFORE_V" in f or "PV_WAIT" in f for f in Fa3Config(256, 128, 80, 2, causal=True).defines())
+    fr = dict(causal=True, wg_turns=False, rescale_before_pv=True)
+    cfgs = [Fa3Config(256, 128, 80, 2, causal=True, k_before_v=True, pv_wait_early=True),
+            Fa3Config(256, 128, 80, 2, **fr, k_before_v=True),
+            Fa3Config(256, 128, 80, 2, **fr, pv_wait_early=True),
+            Fa3Config(256, 128, 80, 2, **fr),
+            Fa3Config(256, 128, 80, 2, **fr, mbar_sleep=True)]
+    d128 = [Fa3Config(128, 128, 128, 2, causal=True),
+            Fa3Config(128, 128, 128, 2, causal=True, k_before_v=True, pv_wait_early=True, mbar_sleep=True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        logs = list(pool.map(lambda ic: _build(ic[1].defines(), KERNEL_SOURCE, tmp_path / f"{ic[0]}.cubin"),
+                             enumerate(cfgs + d128)))
+    assert [_fwd_spill(log) for log in logs[:5]] == [0, 0, 0, 0, 0]
+    cubins = [(tmp_path / f"{i}.cubin").read_bytes() for i in range(len(cfgs + d128))]
+    assert cubins[1] != cubins[3] and cubins[2] != cubins[3], "an option built the same code as without it"
+    tool = _disassembler()
+    if tool is not None:
+        sass = [subprocess.run([*tool, str(tmp_path / f"{i}.cubin")], capture_output=True, text=True, check=True).stdout
+                for i in (2, 5, 6, 4)]
+        # pv_wait_early: the steady step waits for the QK (wait_group 1) and at once for the P V (0)
+        assert re.search(r"DEPBAR\.LE gsb0, 0x1 ;.*\n(?:.*\n){0,10}.*DEPBAR\.LE gsb0, 0x0 ;", sass[0]), \
+            "pv_wait_early: no wait_group 0 right after the wait_group 1"
+        assert sass[1] == sass[2], "K_BEFORE_V / PV_WAIT_EARLY / MBAR_SLEEP changed a D 128 build"
+        # mbar_sleep: the waits' retry paths sleep in the barrier (the suspend-time hint)
+        assert "NANOSLEEP.SYNCS" in sass[3], "mbar_sleep: no NANOSLEEP.SYNCS in the build"

@@ -37,7 +37,8 @@ FREE = [dict(t, wg_turns=False) for t in TILES] + [dict(TILES[0], wg_turns=False
 def _tile_id(t: dict) -> str:
     return (f"{t['block_m']}x{t['block_n']}" + ("_free" if t.get("wg_turns") is False else "")
             + ("_rescale_before_pv" if t.get("rescale_before_pv") else "")
-            + ("_softmax_first" if t.get("softmax_first") else ""))
+            + ("_softmax_first" if t.get("softmax_first") else "") + ("_k_before_v" if t.get("k_before_v") else "")
+            + ("_pv_wait_early" if t.get("pv_wait_early") else "") + ("_mbar_sleep" if t.get("mbar_sleep") else ""))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
@@ -145,3 +146,42 @@ def test_d256_rescale_before_pv_bitwise_equal(causal):
 @pytest.mark.parametrize("tiles", FREE, ids=_tile_id)
 def test_gemma2_local_free(tiles, n, window):
     _gemma2(n, window, tiles, *((4, 2) if n > 4096 else (16, 8)))
+
+
+# Session 14's options (off by default), in FA4's D 256 schedule (no turns, O rescaled before the P V issue):
+# the producer's K_i before V_{i-1} (Fa3Config.k_before_v, FA4's load order); the P V waited for before the
+# softmax (pv_wait_early: the V slot freed earlier); both; mbarrier waits that sleep (mbar_sleep)
+FR = dict(TILES[0], wg_turns=False, rescale_before_pv=True)
+S14 = [dict(FR, k_before_v=True), dict(FR, pv_wait_early=True), dict(FR, k_before_v=True, pv_wait_early=True),
+       dict(FR, mbar_sleep=True), dict(FR, k_before_v=True, mbar_sleep=True)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 8)], ids=["mha", "gqa16_8"])
+@pytest.mark.parametrize("n", [17, 2500], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("tiles", S14, ids=_tile_id)
+def test_d256_s14_square(tiles, n, heads, causal):
+    hq, hkv = heads
+    run_case(2 if n < 1000 else 1, hq, hkv, n, n, D, torch.bfloat16, causal, persistent=True, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(17, 1000), (1000, 17), (300, 129), (1, 4096)])
+@pytest.mark.parametrize("tiles", S14, ids=_tile_id)
+def test_d256_s14_ragged(tiles, nq, nk, causal):
+    """Few CTAs over many tiles (the lagged V crosses into the next tile's loads), one KV tile per
+    query tile, rows before key 0 (tiles with no KV tile)."""
+    run_case(2, 16, 8, nq, nk, D, torch.bfloat16, causal, persistent=True, max_ctas=7, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d256_s14_bitwise_equal(causal):
+    """The load order and the wait's place change no arithmetic: bitwise the output without them."""
+    from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward
+    g = torch.Generator(device="cuda").manual_seed(2562)
+    q, k, v = (torch.randn(1, 8, 2500, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    outs = [fa3_forward(q, k, v, causal=causal, config=Fa3Config(head_dim=D, causal=causal, persistent=True, **t))[0]
+            for t in (FR, *S14)]
+    assert not torch.isnan(outs[0]).any()
+    for name, out in zip(("k_before_v", "pv_wait_early", "both", "mbar_sleep", "k_before_v + mbar_sleep"), outs[1:]):
+        assert torch.equal(outs[0], out), f"{name} changed the output (free, rescale_before_pv)"

@@ -1,0 +1,115 @@
+"""The forward's side of expkit.sass_stalls (issue 19, D 256): each SASS instruction of a Hopper
+forward kernel (ours fa3_sm90_fwd, FA4's FlashAttentionForwardSm90) gets a phase of the KV step from
+its opcode, its operands and the landmarks before it; executed instructions are summed per opcode
+class; and the tile model counts the KV steps of a causal launch (what the per-step numbers divide
+by) and the tail of a greedy longest-first schedule. tests/cpu/test_sass_stalls_fwd.py checks it.
+
+Phases: a warpgroup that waits for its wgmma parks on WARPGROUP.DEPBAR (wait_group 1 = the QK of
+the step with the P V still queued; wait_group 0 = the P V, or a lone QK); a warp waiting for a
+TMA (K / V / Q full) or for a free slot (the producer) spins on SYNCS ... TRYWAIT and its retry
+branch; the turns / epilogue on BAR; the softmax is MUFU.EX2 and the FFMA / FADD around it, the
+row max FMNMX and SHFL; the O rescale FMUL runs of 16 or more; P's conversion F2FP.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from expkit.sass_stalls import _landmark
+
+CLASSES = {"hgmma": ("HGMMA",), "mufu": ("MUFU",), "fp32": ("FFMA", "FMUL", "FADD", "FSEL", "FMNMX", "FSETP"),
+           "convert": ("F2FP",), "shuffle": ("SHFL",),
+           "sync": ("BAR", "SYNCS", "WARPGROUP", "MEMBAR", "FENCE", "DEPBAR"),
+           "int": ("IMAD", "VIADD", "LOP3", "SHF", "IADD3", "LEA", "ISETP", "SEL", "PRMT", "PLOP3", "MOV", "CS2R",
+                   "IABS", "I2F", "F2I"),
+           "memory": ("LDS", "STS", "STSM", "LDSM", "LDG", "STG", "LDL", "STL", "UTMALDG", "UTMASTG"),
+           "branch": ("BRA", "BSSY", "BSYNC", "EXIT", "YIELD", "WARPSYNC", "NOP")}
+
+
+def op_class(op: str) -> str:
+    base = op.split(".")[0]
+    if base.startswith("U") and base not in ("UTMALDG", "UTMASTG"):
+        return "uniform"
+    if base in ("R2UR", "S2UR", "S2R", "ELECT", "VOTEU"):
+        return "uniform"
+    return next((c for c, ops in CLASSES.items() if base in ops), "other")
+
+
+def phase_of(op: str, recent: list[str], sass: str = "") -> str:
+    """The phase of one instruction of the forward's step (see the module's docstring)."""
+    own = _landmark(op)
+    last = recent[-1] if recent else None
+    if own == "mbar_wait" or (op == "BRA" and last == "mbar_wait"):
+        return "mbarrier wait (K/V/Q full, slot empty, tile)"
+    if own == "bar":
+        return "named barrier (turn / epilogue)"
+    if own == "wgmma_wait":
+        # WARPGROUP.DEPBAR.LE gsb0, 0x1 = wait_group 1 (the QK; the P V may stay queued)
+        return "wgmma wait 1 (QK)" if re.search(r",\s*0x1\s*;?\s*$", sass) else "wgmma wait 0 (P V / all)"
+    if own == "hgmma":
+        return "HGMMA issue"
+    if op.startswith("WARPGROUP.ARRIVE"):
+        return "HGMMA issue"
+    if own == "exp2" or op.startswith("FADD"):
+        return "softmax exp2 / row sum"
+    if op.startswith(("FMNMX", "SHFL")):
+        return "row max (FMNMX / SHFL)"
+    if op.startswith("F2FP"):
+        return "convert P / O (F2FP)"
+    if op.startswith(("FMUL", "FFMA")):
+        return "FMUL / FFMA (scale, rescale)"
+    if op.startswith(("STS", "STSM", "UTMASTG", "STG")) or op.startswith("UTMACMDFLUSH") or "exit" in recent[-2:]:
+        return "epilogue (O stage / store)"
+    if op.startswith("UTMALDG"):
+        return "producer TMA issue"
+    if last == "wgmma_wait":
+        return "after a wgmma wait (first use of its result)"
+    return "other"
+
+
+def fmul_runs(rows: list[dict], at_least: int = 16) -> None:
+    """Relabels runs of >= at_least consecutive FMUL (O's rescale, 128 a thread at D 256; the
+    epilogue's normalisation) so that the rescale stands apart from the scale FFMA / FMUL."""
+    i = 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j]["opcode"].startswith("FMUL"):
+            j += 1
+        if j - i >= at_least:
+            for r in rows[i:j]:
+                r["phase"] = "O rescale (FMUL run)"
+        i = max(j, i + 1)
+
+
+def executed_by_class(rows: list[dict]) -> dict:
+    """Warp-level instructions executed per opcode class (ncu's Instructions Executed per PC)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        c = op_class(r["opcode"])
+        out[c] = out.get(c, 0) + r["executed"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def causal_steps(n: int, bm: int, bn: int) -> list[int]:
+    """KV tiles each query block of a causal N x N head visits, bottom-right aligned."""
+    return [math.ceil(min(n, (m + 1) * bm) / bn) for m in range(math.ceil(n / bm))]
+
+
+def tile_model(n: int, bm: int, bn: int, heads: int, sms: int = 132, tile_cost: float = 0.0) -> dict:
+    """Tiles, KV steps and the makespan (in KV steps) of a greedy longest-first schedule on `sms`
+    CTAs (ours persistent with its longest-first order and FA4's one-tile-per-CTA LPT launch are both
+    greedy list schedules of the same tiles); tile_cost: fixed steps a tile costs beyond its KV steps
+    (drain, epilogue, Q load). efficiency = ideal / makespan, ideal = all steps / sms."""
+    import heapq
+    per_head = causal_steps(n, bm, bn)
+    tiles = sorted(per_head * heads, reverse=True)
+    free = [0.0] * sms
+    heapq.heapify(free)
+    for s in tiles:
+        heapq.heappush(free, heapq.heappop(free) + s + tile_cost)
+    makespan = max(free)
+    total = sum(tiles) + tile_cost * len(tiles)
+    return {"tiles": len(tiles), "steps": sum(tiles), "steps_per_tile_max": tiles[0],
+            "steps_per_tile_mean": round(sum(tiles) / len(tiles), 2), "tiles_per_cta": round(len(tiles) / sms, 2),
+            "steps_per_cta": round(total / sms, 1), "makespan_steps": round(makespan, 1),
+            "efficiency": round(total / sms / makespan, 4)}

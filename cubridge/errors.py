@@ -58,3 +58,13 @@ class BuildError(CubridgeError):
 
 class LaunchError(CubridgeError):
     """Inputs rejected before a kernel launch (shape, dtype, device, contiguity)."""
+
+
+def env_switch(name: str, default: str, hint: str, error: type[CubridgeError] = LaunchError) -> bool:
+    """An on / off environment switch: "1" on, "0" off, unset `default`; any other value raises `error`
+    naming the variable (where="environment") with `hint`."""
+    import os
+    value = os.environ.get(name, default)
+    if value not in ("0", "1"):
+        raise error(f"{name}={value!r} is neither 0 nor 1", where="environment", hint=hint)
+    return value == "1"

@@ -19,6 +19,7 @@ from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
 from cubridge.lower.variant import VariantIR
+from cubridge.errors import env_switch
 
 EPILOGUE_NORMALISE = """\
   float inv[2], row_lse[2];
@@ -79,11 +80,7 @@ WIDE_MIN_RATIO = 0.975
 
 
 def wide_share_enabled() -> bool:
-    value = os.environ.get(WIDE_SHARE_ENV, "1")
-    if value not in ("0", "1"):
-        raise LowerError(f"{WIDE_SHARE_ENV}={value!r} is neither 0 nor 1",
-                         hint=f"unset {WIDE_SHARE_ENV} (session 12's rule) or set it to 0 / 1")
-    return value == "1"
+    return env_switch(WIDE_SHARE_ENV, "1", f"unset {WIDE_SHARE_ENV} (session 12's rule) or set it to 0 / 1", LowerError)
 
 
 def wide_tile(ir: VariantIR) -> bool:

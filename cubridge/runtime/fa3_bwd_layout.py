@@ -13,11 +13,10 @@ CUBRIDGE_BWD_BNHD=1 turns it on (fa3_backward(layout="auto") then takes it when 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from cubridge.errors import LaunchError
+from cubridge.errors import LaunchError, env_switch
 
 ENV = "CUBRIDGE_BWD_BNHD"
 LAYOUTS = ("auto", "bhnd", "bnhd")
@@ -25,11 +24,7 @@ LAYOUTS = ("auto", "bhnd", "bnhd")
 
 def enabled() -> bool:
     """CUBRIDGE_BWD_BNHD: "1" lets "auto" take the BNHD path, "0" or unset keeps [B, H, N, D]."""
-    value = os.environ.get(ENV, "0")
-    if value not in ("0", "1"):
-        raise LaunchError(f"{ENV}={value!r} is neither 0 nor 1", where="environment",
-                          hint=f"unset {ENV} (contiguous [B, H, N, D] backward) or set it to 1 (the caller's layout)")
-    return value == "1"
+    return env_switch(ENV, "0", f"unset {ENV} (contiguous [B, H, N, D] backward) or set it to 1 (the caller's layout)")
 
 
 def is_bnhd(t: torch.Tensor) -> bool:

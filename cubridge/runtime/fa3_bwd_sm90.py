@@ -82,7 +82,7 @@ from typing import NamedTuple
 
 import torch
 
-from cubridge.errors import LaunchError
+from cubridge.errors import LaunchError, env_switch
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime import fa3_bwd_gqa as gqa
 from cubridge.runtime import fa3_bwd_layout as lay
@@ -285,11 +285,7 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
 def enabled() -> bool:
     """Whether autograd may route sm_90 backwards here: yes unless CUBRIDGE_HOPPER_BWD=0 (the
     portable fa2_bwd_sm80 then, e.g. to compare the two)."""
-    value = os.environ.get(ENABLE_ENV, "1")
-    if value not in ("0", "1"):
-        raise LaunchError(f"{ENABLE_ENV}={value!r} is neither 0 nor 1", where="environment",
-                          hint=f"unset {ENABLE_ENV} (the Hopper backward on sm_90) or set it to 0 (the portable one)")
-    return value == "1"
+    return env_switch(ENABLE_ENV, "1", f"unset {ENABLE_ENV} (the Hopper backward on sm_90) or set it to 0 (the portable one)")
 
 
 _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}

@@ -23,7 +23,6 @@ the backward reads no row statistics: pass any float32 [B, Hq, Nq], e.g. zeros).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -31,6 +30,7 @@ from cubridge.lower import LoweredKernel, struct_fields
 from cubridge.lower.fa2_bwd_sm80 import lower_source
 from cubridge.lower.variant import extract
 from cubridge.runtime.fa2_bwd_sm80 import KERNEL_PATH, Config, Fa2BwdSm80, default_config
+from cubridge.errors import env_switch
 
 FORWARD_REF = "fa2_sm80"
 HOPPER_ENV = "CUBRIDGE_HOPPER_VARIANT_BWD"
@@ -53,12 +53,7 @@ ARGS_CACHED_SHAPES = 16
 
 def args_cache_enabled() -> bool:
     """ARGS_CACHE_ENV: "1" or unset, VariantBackward.launchable keeps each shape's VariantArgs; "0", packs them per call."""
-    value = os.environ.get(ARGS_CACHE_ENV, "1")
-    if value not in ("0", "1"):
-        from cubridge.errors import LaunchError
-        raise LaunchError(f"{ARGS_CACHE_ENV}={value!r} is neither 0 nor 1", where="environment",
-                          hint=f"unset {ARGS_CACHE_ENV} (VariantArgs kept per shape) or 0 (packed per call)")
-    return value == "1"
+    return env_switch(ARGS_CACHE_ENV, "1", f"unset {ARGS_CACHE_ENV} (VariantArgs kept per shape) or 0 (packed per call)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,11 +115,8 @@ class VariantBackward:
                 raise LaunchError(f"use_hopper=True on {device}, not an sm_90 GPU", where="VariantBackward",
                                   hint="use_hopper=None picks the kernel the device has")
             return True
-        value = os.environ.get(HOPPER_ENV, "1")
-        if value not in ("0", "1"):
-            raise LaunchError(f"{HOPPER_ENV}={value!r} is neither 0 nor 1", where="environment",
-                              hint=f"set {HOPPER_ENV}=0 for the portable fa2_bwd_sm80 variant backward, or unset it")
-        return not deterministic and value == "1" and device.type == "cuda" and capability(device.index) == (9, 0)
+        on = env_switch(HOPPER_ENV, "1", f"set {HOPPER_ENV}=0 for the portable fa2_bwd_sm80 variant backward, or unset it")
+        return not deterministic and on and device.type == "cuda" and capability(device.index) == (9, 0)
 
     @property
     def norm(self) -> str:
@@ -165,13 +157,9 @@ class VariantBackward:
         """fa3_backward's l2_bytes for this shape: None (the device's L2) with FIT_ENV=0 or a TILE_ORDER 0
         option, else the L2 over the attended fraction of the pairs (counted once per shape:
         cubridge.transfer.pairs; a spec with runtime inputs counts the values sampled at this shape)."""
-        from cubridge.errors import LaunchError
-        value = os.environ.get(FIT_ENV, "1")
-        if value not in ("0", "1"):
-            raise LaunchError(f"{FIT_ENV}={value!r} is neither 0 nor 1", where="environment",
-                              hint=f"unset {FIT_ENV} (sections sized by the attended fraction) or 0 (by the whole L2)")
+        fit = env_switch(FIT_ENV, "1", f"unset {FIT_ENV} (sections sized by the attended fraction) or 0 (by the whole L2)")
         from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
-        if value == "0" or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
+        if not fit or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
             return None
         key = (B, Hq, Hkv, Nq, Nk)
         if key not in self._fractions:

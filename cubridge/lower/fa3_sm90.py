@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from cubridge.cuir import nodes as N
-from cubridge.lower import fusion, itspace, maskclass, regions, rowint, rowrange, saturate, tileshare
+from cubridge.lower import fusion, itspace, maskclass, regions, rowint, rowrange, saturate, tablerange, tileshare
 from cubridge.lower.hooks import c_names, c_tables, extra_io, mask
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.fusion import positive_const, split_factor
@@ -112,7 +112,12 @@ def kv_range(ir: VariantIR) -> str:
                "#define CUIR_VARIANT_CODEGEN 1\n") if session10_codegen(ir) else ""
     scan = itspace.kv_range_region(ir, t)
     rows = rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)) if ir.mask is not None else None
-    return (scan if rows is None else rowrange.region(ir, t, rows, scan)) + classes + codegen
+    if rows is not None:
+        return rowrange.region(ir, t, rows, scan) + classes + codegen
+    table = tablerange.table_rows(ir, _mask_names(ir), c_tables(ir))
+    if table is not None:
+        return tablerange.region(ir, t, *table, scan) + classes + codegen
+    return scan + classes + codegen
 
 
 def _mask_names(ir: VariantIR) -> dict:

@@ -1,0 +1,183 @@
+"""The arithmetic KV range for a block-table mask with an index-only factor (fa3_sm90, knob table_range).
+
+A mask `R & X` whose factor R reads only the query / key indices (and scalars) and keeps one
+interval [lo(q), hi(q)) per row with both bounds nondecreasing in q (rowint.row_range: causal,
+windows, prefixes), X reading captured tables (padded_causal's `pad[b, kv]`, packed_sequences'
+`ids[b, q] == ids[b, kv]`), gets R's range (rowrange.py: a query tile attends keys in
+[lo(q_lo), hi(q_hi)) only) trimmed at both ends by the block table: from the top while a chunk of
+kScanChunk tiles is all empty, then from the bottom. Every tile in between is visited; a tile is
+unmasked only where R's range says so and the table's class is full (2).
+
+Why: the block-table scan (itspace.bitmap_region) reads every tile's class below the diagonal in
+chunks of 8 (8 dependent round trips for the longest query tile at 8k / 128) and hands 15 ints over
+through shared memory; session 14 measured what replacing such a scan by the arithmetic range
+gains on the one table mask that lost it, ag_head_mask: 0.820 -> 0.945 of our dense causal (+15%,
+cubridge/lower/NOTES.md). Here the trim reads one or two chunks for a right-padded batch (the
+tiles past a sequence's length), none for a full row.
+
+Exact (the visited tiles are those holding an attended pair) where X keeps, per query tile, one
+run of tiles: padding (a prefix of keys per batch), contiguous documents. Interior holes (a table
+that drops a middle block of keys: share_question's other answers, bitpacked_blocks) are visited
+as partial tiles with every pair masked: correct, slower than the bitmap. So the default (auto)
+takes it only where X does not read the query index (a key table: padding); CUBRIDGE_TABLE_RANGE=1
+takes it for every qualifying mask, 0 for none; the knob experiments/patches/knobs/table_range.patch
+sets it in a lowered source (variant_tiles.py CONFIG+table_range).
+"""
+from __future__ import annotations
+
+import os
+
+from cubridge.cuir import nodes as N
+from cubridge.lower import rowint
+from cubridge.lower.cexpr import LowerError
+from cubridge.lower.itspace import Target, predicates
+from cubridge.lower.rowint import Rows
+from cubridge.lower.variant import VariantIR
+
+TABLE_RANGE_ENV = "CUBRIDGE_TABLE_RANGE"
+# "0" until a GPU run measures it (session 15 mid call: padded_causal, packed_sequences A/B).
+TABLE_RANGE_DEFAULT = "0"
+SCAN_CHUNK = 8
+
+
+def _conjuncts(e) -> list:
+    """The factors of a top-level conjunction (`a & b`, `a and b`), nested ones flattened."""
+    if isinstance(e, N.BinOp) and e.op == "&":
+        return _conjuncts(e.left) + _conjuncts(e.right)
+    if isinstance(e, N.BoolOp) and e.op == "and":
+        return [x for v in e.values for x in _conjuncts(v)]
+    return [e]
+
+
+def _reads_table(e) -> bool:
+    return any(isinstance(x, N.Call) and x.op == "gather" for x in N.walk_expr(e))
+
+
+def split(mask) -> tuple | None:
+    """(R, X): the mask's index-only factors and its table-reading ones (each conjoined), or None
+    where either is missing."""
+    if mask is None:
+        return None
+    parts = _conjuncts(mask)
+    index = [p for p in parts if not _reads_table(p)]
+    table = [p for p in parts if _reads_table(p)]
+    if not index or not table:
+        return None
+    conj = lambda ps: ps[0] if len(ps) == 1 else N.BoolOp("and", tuple(ps))  # noqa: E731
+    return conj(index), conj(table)
+
+
+def table_rows(ir: VariantIR, names: dict, tables: dict) -> tuple[Rows, bool] | None:
+    """(R's monotone row interval, whether X reads only keys: no query index) for a block-table
+    variant of the form R & X, else None."""
+    if not ir.table:
+        return None
+    parts = split(ir.mask)
+    if parts is None:
+        return None
+    rows = rowint.row_range(parts[0], names, tables)
+    if rows is None:
+        return None
+    return rows, not rowint._has_key(parts[1], rowint.QUERY)
+
+
+def define(key_only: bool) -> str:
+    """CUIR_TABLE_RANGE's default in the generated source: 1 / 0, or auto (a key table, head dim 128)."""
+    value = os.environ.get(TABLE_RANGE_ENV, TABLE_RANGE_DEFAULT)
+    if value not in ("0", "1", "auto"):
+        raise LowerError(f"{TABLE_RANGE_ENV}={value!r} is neither 0, 1 nor auto",
+                         hint=f"unset {TABLE_RANGE_ENV} (default {TABLE_RANGE_DEFAULT}) or set it to 0 / 1 / auto")
+    if value == "auto":
+        return "(HEAD_DIM == 128)" if key_only else "0"
+    return value
+
+
+def region(ir: VariantIR, t: Target, rows: Rows, key_only: bool, scan: str) -> str:
+    """The kv_range region with both ranges: the trimmed arithmetic one where CUIR_TABLE_RANGE is 1,
+    `scan` (the bitmap region) otherwise."""
+    return (f"#ifndef CUIR_TABLE_RANGE   // 1: R's range trimmed by the block table (cubridge/lower/tablerange.py)\n"
+            f"#define CUIR_TABLE_RANGE {define(key_only)}\n#endif\n#if CUIR_TABLE_RANGE\n"
+            + trimmed(ir, t, rows) + "#else\n" + scan + "#endif\n")
+
+
+def trimmed(ir: VariantIR, t: Target, rows: Rows) -> str:
+    cls, may, must, _ = predicates(ir, t)
+    bm, bn, lk, lq = t.block_m, t.block_n, t.len_k, t.len_q
+    lo = rows.lo or "-(1 << 30)"
+    hi = rows.hi or "(1 << 30)"
+    return f"""\
+// Generated by cubridge.lower (tablerange.py): the mask is R & X, R's row q keeps the keys
+// [row_key_lo(q), row_key_hi(q)), both nondecreasing in q, X reads a table. Query rows [q_lo, q_hi]
+// visit the KV tiles over [lo(q_lo), hi(q_hi)) less the empty tiles (block table class 0) at both
+// ends, highest first; a tile needs no mask inside [lo(q_hi), hi(q_lo)) where its class is 2.
+// Computed once per work tile by the producer (the trim reads the table) and handed over.
+struct KvRange {{
+  int b, h, {t.q_tile}, q_lo, q_hi, {lq}, {lk};
+  int n_begin, n_end, full_begin, full_end;
+}};
+constexpr bool kRangeViaSmem = true;
+constexpr bool kProducerReadsTable = true;
+__device__ __forceinline__ int row_key_lo(const VariantArgs& va, int b, int h, int q_idx) {{
+  return {lo};
+}}
+__device__ __forceinline__ int row_key_hi(const VariantArgs& va, int b, int h, int q_idx) {{
+  return {hi};
+}}
+// A tile's class in the variant's block table (0 empty, 1 partial, 2 full).
+__device__ __forceinline__ int tile_class(const VariantArgs& va, const KvRange& r, int n) {{
+  return {cls};
+}}
+__device__ __forceinline__ bool tile_may(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi,
+                                         int cls) {{
+  return {may};
+}}
+__device__ __forceinline__ bool tile_must(const VariantArgs& va, const KvRange& r, int n, int k_lo, int k_hi) {{
+  return {must};
+}}
+constexpr int kScanChunk = {SCAN_CHUNK};
+__device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int {t.q_tile}, int {t.q_begin},
+                                            int {lq}, int {lk}) {{
+  KvRange r;
+  r.b = b; r.h = h; r.{t.q_tile} = {t.q_tile}; r.{lq} = {lq}; r.{lk} = {lk};
+  r.q_lo = {t.q_begin};
+  r.q_hi = min({t.q_begin} + {bm}, {lq}) - 1;
+  const int lo = max(row_key_lo(va, b, h, r.q_lo), 0), hi = min(row_key_hi(va, b, h, r.q_hi), {lk});
+  r.n_begin = lo / {bn};
+  r.n_end = hi > lo ? (hi + {bn} - 1) / {bn} : r.n_begin;
+  const int full_lo = max(row_key_lo(va, b, h, r.q_hi), 0), full_hi = min(row_key_hi(va, b, h, r.q_lo), {lk});
+  r.full_begin = (full_lo + {bn} - 1) / {bn};
+  r.full_end = max(full_hi, 0) / {bn};            // whole tiles below both hi(q_lo) and the key bound
+  // Trim the empty tiles at the top, kScanChunk classes per round trip, then at the bottom.
+  while (r.n_end > r.n_begin) {{
+    const int n0 = max(r.n_end - kScanChunk, r.n_begin);
+    int cls[kScanChunk];
+#pragma unroll
+    for (int j = 0; j < kScanChunk; ++j) cls[j] = n0 + j < r.n_end ? tile_class(va, r, n0 + j) : 0;
+    int top = n0;                                  // one past the highest nonempty tile of the chunk
+#pragma unroll
+    for (int j = 0; j < kScanChunk; ++j) top = cls[j] != 0 ? n0 + j + 1 : top;
+    r.n_end = top;
+    if (top > n0) break;
+  }}
+  while (r.n_begin < r.n_end) {{
+    const int n1 = min(r.n_begin + kScanChunk, r.n_end);
+    int cls[kScanChunk];
+#pragma unroll
+    for (int j = 0; j < kScanChunk; ++j) cls[j] = r.n_begin + j < n1 ? tile_class(va, r, r.n_begin + j) : 0;
+    int bottom = n1;                               // the lowest nonempty tile of the chunk
+#pragma unroll
+    for (int j = kScanChunk - 1; j >= 0; --j) bottom = cls[j] != 0 ? r.n_begin + j : bottom;
+    const bool found = bottom < n1;
+    r.n_begin = bottom;
+    if (found) break;
+  }}
+  return r;
+}}
+__device__ __forceinline__ int kv_count(const KvRange& r) {{ return r.n_end - r.n_begin; }}
+__device__ __forceinline__ int tile_at(const KvRange& r, int i) {{ return r.n_end - 1 - i; }}
+// R's range decides without the table where R masks the tile; inside it the class does (one
+// global load per tile, asked a tile ahead by the consumer).
+__device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {{
+  return n < r.full_begin || n >= r.full_end || tile_class(va, r, n) != 2;
+}}
+"""

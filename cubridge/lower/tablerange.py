@@ -19,7 +19,7 @@ Exact (the visited tiles are those holding an attended pair) where X keeps, per 
 run of tiles: padding (a prefix of keys per batch), contiguous documents. Interior holes (a table
 that drops a middle block of keys: share_question's other answers, bitpacked_blocks) are visited
 as partial tiles with every pair masked: correct, slower than the bitmap. So the default (auto)
-takes it only where X does not read the query index (a key table: padding); CUBRIDGE_TABLE_RANGE=1
+takes it only for the kinds of X in AUTO_KINDS (a key table: padding); CUBRIDGE_TABLE_RANGE=1
 takes it for every qualifying mask, 0 for none; the knob experiments/patches/knobs/table_range.patch
 sets it in a lowered source (variant_tiles.py CONFIG+table_range).
 """
@@ -67,9 +67,26 @@ def split(mask) -> tuple | None:
     return conj(index), conj(table)
 
 
-def table_rows(ir: VariantIR, names: dict, tables: dict) -> tuple[Rows, bool] | None:
-    """(R's monotone row interval, whether X reads only keys: no query index) for a block-table
-    variant of the form R & X, else None."""
+# What X is (table_rows): "key" reads no query index (a key table: padding), "doc" is one equality
+# of two table reads, one at the query index and one at the key (document / packed-sequence ids:
+# holes only where a document is split), "other" anything else (share_question, bitpacked_blocks).
+AUTO_KINDS = ("key",)
+
+
+def _kind(x) -> str:
+    if not rowint._has_key(x, rowint.QUERY):
+        return "key"
+    if (isinstance(x, N.Compare) and x.op == "==" and all(isinstance(s, N.Call) and s.op == "gather"
+                                                          for s in (x.left, x.right))
+            and {rowint._has_key(x.left, rowint.QUERY), rowint._has_key(x.right, rowint.QUERY)} == {True, False}
+            and {rowint._has_key(x.left), rowint._has_key(x.right)} == {True, False}):
+        return "doc"
+    return "other"
+
+
+def table_rows(ir: VariantIR, names: dict, tables: dict) -> tuple[Rows, str] | None:
+    """(R's monotone row interval, X's kind: key / doc / other) for a block-table variant of the
+    form R & X, else None."""
     if not ir.table:
         return None
     parts = split(ir.mask)
@@ -78,25 +95,26 @@ def table_rows(ir: VariantIR, names: dict, tables: dict) -> tuple[Rows, bool] | 
     rows = rowint.row_range(parts[0], names, tables)
     if rows is None:
         return None
-    return rows, not rowint._has_key(parts[1], rowint.QUERY)
+    return rows, _kind(parts[1])
 
 
-def define(key_only: bool) -> str:
-    """CUIR_TABLE_RANGE's default in the generated source: 1 / 0, or auto (a key table, head dim 128)."""
+def define(kind: str) -> str:
+    """CUIR_TABLE_RANGE's default in the generated source: 1 / 0, or auto (X of a kind in
+    AUTO_KINDS, head dim 128)."""
     value = os.environ.get(TABLE_RANGE_ENV, TABLE_RANGE_DEFAULT)
     if value not in ("0", "1", "auto"):
         raise LowerError(f"{TABLE_RANGE_ENV}={value!r} is neither 0, 1 nor auto",
                          hint=f"unset {TABLE_RANGE_ENV} (default {TABLE_RANGE_DEFAULT}) or set it to 0 / 1 / auto")
     if value == "auto":
-        return "(HEAD_DIM == 128)" if key_only else "0"
+        return "(HEAD_DIM == 128)" if kind in AUTO_KINDS else "0"
     return value
 
 
-def region(ir: VariantIR, t: Target, rows: Rows, key_only: bool, scan: str) -> str:
+def region(ir: VariantIR, t: Target, rows: Rows, kind: str, scan: str) -> str:
     """The kv_range region with both ranges: the trimmed arithmetic one where CUIR_TABLE_RANGE is 1,
     `scan` (the bitmap region) otherwise."""
     return (f"#ifndef CUIR_TABLE_RANGE   // 1: R's range trimmed by the block table (cubridge/lower/tablerange.py)\n"
-            f"#define CUIR_TABLE_RANGE {define(key_only)}\n#endif\n#if CUIR_TABLE_RANGE\n"
+            f"#define CUIR_TABLE_RANGE {define(kind)}\n#endif\n#if CUIR_TABLE_RANGE\n"
             + trimmed(ir, t, rows) + "#else\n" + scan + "#endif\n")
 
 

@@ -193,3 +193,25 @@ def test_bad_env_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(ROW_RANGE_ENV, "yes")
     with pytest.raises(CubridgeError, match=ROW_RANGE_ENV):
         lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec("causal")).program, "fa3_sm90")
+
+
+@pytest.mark.parametrize("value, name, define", [
+    ("auto", "padded_causal", "(HEAD_DIM == 128)"), ("auto", "packed_sequences", "0"), ("auto", "share_question", "0"),
+    ("1", "share_question", "1"), ("0", "padded_causal", "0")])
+def test_table_range_env_and_kinds(value, name, define, monkeypatch):
+    """auto takes a key table (padding) only; 1 / 0 every qualifying mask / none."""
+    from cubridge.lower.tablerange import TABLE_RANGE_ENV
+    monkeypatch.setenv(TABLE_RANGE_ENV, value)
+    path = CORPUS / f"{name}.py"
+    spec = load_spec(str(path) if path.exists() else name)
+    kernel = lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90")
+    assert f"#define CUIR_TABLE_RANGE {define}\n" in kernel.source
+
+
+def test_table_range_bad_env_value_names_the_variable(monkeypatch):
+    from cubridge.errors import CubridgeError
+    from cubridge.lower.tablerange import TABLE_RANGE_ENV
+    monkeypatch.setenv(TABLE_RANGE_ENV, "yes")
+    with pytest.raises(CubridgeError, match=TABLE_RANGE_ENV):
+        lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec(str(CORPUS / "padded_causal.py"))).program,
+              "fa3_sm90")

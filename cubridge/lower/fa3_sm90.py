@@ -83,7 +83,13 @@ def wide_share_enabled() -> bool:
     return env_switch(WIDE_SHARE_ENV, "1", f"unset {WIDE_SHARE_ENV} (session 12's rule) or set it to 0 / 1", LowerError)
 
 
-def wide_tile(ir: VariantIR) -> bool:
+# A mask with the arithmetic range runs the dense kernel's code: 128 x 128 at 8k (session 14 mid call).
+# RANGE_WIDE_FROM: the length from which it takes 128 x 176 (the dense causal's from 16k), None: never
+# (session 15 mid call times 16k: experiments/jobs/s15_var15_mid.txt).
+RANGE_WIDE_FROM = None
+
+
+def wide_tile(ir: VariantIR) -> bool | int:
     """Does the variant default to the dense kernel's 128 x 176 from 8k (runtime default_config's
     `wide`)? session10_codegen, one interval of keys per row (a near-dense mask: prefix, block
     causal, causal, chunks), and (unless CUBRIDGE_WIDE_SHARE=0) a useful share (tileshare.py) at
@@ -92,12 +98,13 @@ def wide_tile(ir: VariantIR) -> bool:
     default at D 128) runs the dense kernel's code and takes its 8k tile, 128 x 128: session 14 mid
     call (H100, 8k, x our dense causal 128 x 176 in the same run; dense 128 x 128 1.020): 128x128 /
     128x176 with the range ag_causal 1.019 / 1.006, ag_prefix_lm 1.027 / 1.015, llama4_chunked
-    1.017 / 1.003, prefixlm 1.050 / 1.039 (16k not measured: default_config's `wide` branch)."""
+    1.017 / 1.003, prefixlm 1.050 / 1.039); an int, RANGE_WIDE_FROM, for those where set: the length
+    from which they take 176 (default_config's `wide`)."""
     pieces = _pieces(ir)
     if not (_dense_family(ir) and pieces is not None and len(pieces) == 1):
         return False
     if rowrange.row_range_define() != "0" and rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)):
-        return False
+        return RANGE_WIDE_FROM or False
     shares = tileshare.useful_shares(ir.mask) if wide_share_enabled() else None
     return shares is None or shares[176] >= WIDE_MIN_RATIO * shares[128]
 

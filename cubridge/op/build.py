@@ -21,7 +21,7 @@ from cubridge.errors import CubridgeError
 DEFAULT_LENGTHS = (1024, 8192)
 
 
-def default_points(reference: str, head_dim: int, lengths, wide: bool = False) -> dict:
+def default_points(reference: str, head_dim: int, lengths, wide: bool | int = False) -> dict:
     """seqlen -> tile config point: the reference kernel's untuned defaults for a lowered variant
     (wide: the generator's wide_tile of its VariantIR, see wide_tile)."""
     from cubridge.runtime.kernels import reference_kernel
@@ -29,11 +29,13 @@ def default_points(reference: str, head_dim: int, lengths, wide: bool = False) -
     return {n: kernel.variant_default(head_dim, n, wide) for n in lengths}
 
 
-def wide_tile(reference: str, ir) -> bool:
-    """The generator's wide_tile(ir) (a measured wider default tile for this variant), else False."""
+def wide_tile(reference: str, ir) -> bool | int:
+    """The generator's wide_tile(ir) (a measured wider default tile for this variant; an int: from
+    that length on), else False."""
     import importlib
     from cubridge.runtime.kernels import reference_kernel
-    return bool(getattr(importlib.import_module(reference_kernel(reference).generator), "wide_tile", lambda _: False)(ir))
+    wide = getattr(importlib.import_module(reference_kernel(reference).generator), "wide_tile", lambda _: False)(ir)
+    return wide if isinstance(wide, int) else bool(wide)
 
 
 def build_run(spec: str, out, *, reference: str = "fa3_sm90", dtype: str = "bf16", head_dim: int = 128,

@@ -164,7 +164,7 @@ class Fa3Config:
 
 
 def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int = 8192,
-                   variant: bool = False, wide: bool = False) -> Fa3Config:
+                   variant: bool = False, wide: bool | int = False) -> Fa3Config:
     """Tile sizes and grid mode for a shape class. Pure; each branch cites its measurement
     (H100, bf16, 16k tokens; experiments/results/fa3_sm90_v3_sweep_h100.json, then
     fa3_sm90_v11_sweep_h100.json after the scale fold; P = persistent with the dynamic tile
@@ -173,8 +173,9 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     a softmax variant with no score_mod, no block table and one interval of keys per row, e.g.
     prefixlm, causal_blockwise, the corpus's causal / prefix / chunk masks; not a window, whose edges
     cut more of a 176-wide tile: lower/tileshare.py), which takes 128 x 176 from 8k at D 128 (session
-    12's variant_tiles; the dense kernel takes 176 from 8k full / 16k causal since session 14); the
-    tuner searches the rest.
+    12's variant_tiles; the dense kernel takes 176 from 8k full / 16k causal since session 14); an
+    int `wide` is the length from which it does (lower/fa3_sm90.py RANGE_WIDE_FROM); the tuner
+    searches the rest.
 
     >>> [default_config(128, causal=True, seqlen=n).block_n for n in (1024, 8192, 16384)]
     [128, 128, 176]
@@ -186,6 +187,8 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     128
     >>> default_config(128, False, variant=True, wide=True).block_n, default_config(128, False, seqlen=4096, variant=True, wide=True).block_n
     (176, 128)
+    >>> [default_config(128, False, seqlen=n, variant=True, wide=16384).block_n for n in (8192, 16384)]
+    [128, 176]
     """
     if head_dim == 256:
         # FlashAttention-3's hdim-256 tiles (hopper/tile_size.h): 128 x 80 (64 with a window), two
@@ -229,7 +232,7 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     # Lowered variants are not the dense kernel: `wide` ones keep 176 from 8k, no tail_split.
     if not variant and seqlen >= (16384 if causal else 8192):
         return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True, tail_split=not causal)
-    if variant and wide and seqlen >= 8192:
+    if variant and wide and seqlen >= (8192 if wide is True else wide):
         return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True)
     return Fa3Config(head_dim, 128, 128, 2, causal, bf16, persistent=True)
 

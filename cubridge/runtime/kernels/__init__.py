@@ -89,7 +89,7 @@ class ReferenceKernel(ABC):
         `cubin` was compiled with compile_options(point, head_dim, dtype); `variant` is the
         lowered variant's cubridge.lower.Launchable (its packed extra inputs)."""
 
-    def variant_default(self, head_dim: int, seqlen: int, wide: bool = False) -> dict:
+    def variant_default(self, head_dim: int, seqlen: int, wide: bool | int = False) -> dict:
         """The tile config a lowered variant runs at untuned (cubridge.op.build): the space's first
         measured point; a kernel whose best tile depends on N (or on the variant: `wide`, the
         generator's wide_tile) says so by overriding this."""

@@ -150,7 +150,7 @@ class Fa3Sm90Kernel(ReferenceKernel):
         func, counts = load_cubin(cubin, config, device)
         return Fa3Launch(func, counts, config, device, *dims, scale, variant)
 
-    def variant_default(self, head_dim: int, seqlen: int, wide: bool = False) -> dict:
+    def variant_default(self, head_dim: int, seqlen: int, wide: bool | int = False) -> dict:
         """The runtime's default for a lowered variant, which depends on N and on `wide`
         (cubridge.lower.fa3_sm90.wide_tile; fa3_sm90.default_config)."""
         c = default_config(head_dim, causal=False, seqlen=seqlen, variant=True, wide=wide)

@@ -4,16 +4,16 @@ A mask `R & X` whose factor R reads only the query / key indices (and scalars) a
 interval [lo(q), hi(q)) per row with both bounds nondecreasing in q (rowint.row_range: causal,
 windows, prefixes), X reading captured tables (padded_causal's `pad[b, kv]`, packed_sequences'
 `ids[b, q] == ids[b, kv]`), gets R's range (rowrange.py: a query tile attends keys in
-[lo(q_lo), hi(q_hi)) only) trimmed at both ends by the block table: from the top while a chunk of
-kScanChunk tiles is all empty, then from the bottom. Every tile in between is visited; a tile is
+[lo(q_lo), hi(q_hi)) only) trimmed at both ends by the block table, kScanChunk classes per end
+and round trip, the first round trip reading both ends' chunks. Every tile in between is visited; a tile is
 unmasked only where R's range says so and the table's class is full (2).
 
 Why: the block-table scan (itspace.bitmap_region) reads every tile's class below the diagonal in
 chunks of 8 (8 dependent round trips for the longest query tile at 8k / 128) and hands 15 ints over
-through shared memory; session 14 measured what replacing such a scan by the arithmetic range
+through shared memory, under a 56 / 224 register split; session 14 measured what replacing such a scan by the arithmetic range
 gains on the one table mask that lost it, ag_head_mask: 0.820 -> 0.945 of our dense causal (+15%,
-cubridge/lower/NOTES.md). Here the trim reads one or two chunks for a right-padded batch (the
-tiles past a sequence's length), none for a full row.
+cubridge/lower/NOTES.md). Here the trim reads one round trip for a row with a nonempty tile at
+each end of R's range (every row of a full sequence), two for a right-padded row past its length.
 
 Exact (the visited tiles are those holding an attended pair) where X keeps, per query tile, one
 run of tiles: padding (a prefix of keys per batch), contiguous documents. Interior holes (a table
@@ -134,9 +134,9 @@ struct KvRange {{
   int n_begin, n_end, full_begin, full_end;
 }};
 constexpr bool kRangeViaSmem = true;
-// The trim's kScanChunk classes fit the 40-register producer (so the consumers keep 232 and the
-// uniform warpgroup index): nvcc 13.0, 128 x 128, padded_causal 0 bytes spilled (4752 -> 4552
-// instructions, S2R 30 -> 4 against 56 / 224), packed_sequences 4 (6 with 56 / 224, and with the scan).
+// The trim's two chunks of classes fit the 40-register producer (so the consumers keep 232 and the
+// uniform warpgroup index): nvcc 13.0, 128 x 128, padded_causal 0 bytes spilled (S2R 30 -> 4 against
+// 56 / 224), packed_sequences 4 (6 with 56 / 224, and with the scan).
 constexpr bool kProducerReadsTable = false;
 __device__ __forceinline__ int row_key_lo(const VariantArgs& va, int b, int h, int q_idx) {{
   return {lo};
@@ -168,30 +168,48 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   const int full_lo = max(row_key_lo(va, b, h, r.q_hi), 0), full_hi = min(row_key_hi(va, b, h, r.q_lo), {lk});
   r.full_begin = (full_lo + {bn} - 1) / {bn};
   r.full_end = max(full_hi, 0) / {bn};            // whole tiles below both hi(q_lo) and the key bound
-  // Trim the empty tiles at the top, kScanChunk classes per round trip, then at the bottom.
-  while (r.n_end > r.n_begin) {{
+  // Trim the empty tiles at both ends, kScanChunk classes per end and round trip; the first round
+  // trip reads the top and the bottom chunk together (a row with no empty end tile needs no more).
+  const int t0 = max(r.n_end - kScanChunk, r.n_begin), b1 = min(r.n_begin + kScanChunk, r.n_end);
+  int top_cls[kScanChunk], bottom_cls[kScanChunk];
+#pragma unroll
+  for (int j = 0; j < kScanChunk; ++j) {{
+    top_cls[j] = t0 + j < r.n_end ? tile_class(va, r, t0 + j) : 0;
+    bottom_cls[j] = r.n_begin + j < b1 ? tile_class(va, r, r.n_begin + j) : 0;
+  }}
+  int top = t0, bottom = b1;   // one past the highest nonempty tile of the top chunk; the lowest of the bottom one
+#pragma unroll
+  for (int j = 0; j < kScanChunk; ++j) top = top_cls[j] != 0 ? t0 + j + 1 : top;
+#pragma unroll
+  for (int j = kScanChunk - 1; j >= 0; --j) bottom = bottom_cls[j] != 0 ? r.n_begin + j : bottom;
+  const bool top_found = top > t0, bottom_found = bottom < b1;
+  // A nonempty tile found at one end lies outside the other end's empty chunk: the order holds.
+  r.n_end = top;
+  r.n_begin = bottom;
+  while (!top_found && r.n_end > r.n_begin) {{
     const int n0 = max(r.n_end - kScanChunk, r.n_begin);
     int cls[kScanChunk];
 #pragma unroll
     for (int j = 0; j < kScanChunk; ++j) cls[j] = n0 + j < r.n_end ? tile_class(va, r, n0 + j) : 0;
-    int top = n0;                                  // one past the highest nonempty tile of the chunk
+    int hi = n0;
 #pragma unroll
-    for (int j = 0; j < kScanChunk; ++j) top = cls[j] != 0 ? n0 + j + 1 : top;
-    r.n_end = top;
-    if (top > n0) break;
+    for (int j = 0; j < kScanChunk; ++j) hi = cls[j] != 0 ? n0 + j + 1 : hi;
+    r.n_end = hi;
+    if (hi > n0) break;
   }}
-  while (r.n_begin < r.n_end) {{
+  while (!bottom_found && r.n_begin < r.n_end) {{
     const int n1 = min(r.n_begin + kScanChunk, r.n_end);
     int cls[kScanChunk];
 #pragma unroll
     for (int j = 0; j < kScanChunk; ++j) cls[j] = r.n_begin + j < n1 ? tile_class(va, r, r.n_begin + j) : 0;
-    int bottom = n1;                               // the lowest nonempty tile of the chunk
+    int lo = n1;
 #pragma unroll
-    for (int j = kScanChunk - 1; j >= 0; --j) bottom = cls[j] != 0 ? r.n_begin + j : bottom;
-    const bool found = bottom < n1;
-    r.n_begin = bottom;
+    for (int j = kScanChunk - 1; j >= 0; --j) lo = cls[j] != 0 ? r.n_begin + j : lo;
+    const bool found = lo < n1;
+    r.n_begin = lo;
     if (found) break;
   }}
+  r.n_begin = min(r.n_begin, r.n_end);            // both first chunks empty and overlapping: nothing to visit
   return r;
 }}
 __device__ __forceinline__ int kv_count(const KvRange& r) {{ return r.n_end - r.n_begin; }}

@@ -5,14 +5,14 @@ interval [lo(q), hi(q)) per row with both bounds nondecreasing in q (rowint.row_
 windows, prefixes), X reading captured tables (padded_causal's `pad[b, kv]`, packed_sequences'
 `ids[b, q] == ids[b, kv]`), gets R's range (rowrange.py: a query tile attends keys in
 [lo(q_lo), hi(q_hi)) only) trimmed at both ends by the block table, kScanChunk classes per end
-and round trip, the first round trip reading both ends' chunks. Every tile in between is visited; a tile is
-unmasked only where R's range says so and the table's class is full (2).
+and round trip, the first round trip reading both ends' chunks. Every tile in between is visited;
+a tile is unmasked only where R's range says so and the table's class is full (2).
 
 Why: the block-table scan (itspace.bitmap_region) reads every tile's class below the diagonal in
 chunks of 8 (8 dependent round trips for the longest query tile at 8k / 128) and hands 15 ints over
-through shared memory, under a 56 / 224 register split; session 14 measured what replacing such a scan by the arithmetic range
-gains on the one table mask that lost it, ag_head_mask: 0.820 -> 0.945 of our dense causal (+15%,
-cubridge/lower/NOTES.md). Here the trim reads one round trip for a row with a nonempty tile at
+through shared memory, under a 56 / 224 register split; session 14 measured what replacing such
+a scan by the arithmetic range gains on the one table mask that lost it, ag_head_mask: 0.820 ->
+0.945 of our dense causal (+15%, cubridge/lower/NOTES.md). Here the trim reads one round trip for a row with a nonempty tile at
 each end of R's range (every row of a full sequence), two for a right-padded row past its length.
 
 Exact (the visited tiles are those holding an attended pair) where X keeps, per query tile, one

@@ -12,8 +12,9 @@ Why: the block-table scan (itspace.bitmap_region) reads every tile's class below
 chunks of 8 (8 dependent round trips for the longest query tile at 8k / 128) and hands 15 ints over
 through shared memory, under a 56 / 224 register split; session 14 measured what replacing such
 a scan by the arithmetic range gains on the one table mask that lost it, ag_head_mask: 0.820 ->
-0.945 of our dense causal (+15%, cubridge/lower/NOTES.md). Here the trim reads one round trip for a row with a nonempty tile at
-each end of R's range (every row of a full sequence), two for a right-padded row past its length.
+0.945 of our dense causal (+15%, cubridge/lower/NOTES.md). Here the trim reads one round trip for a
+row with a nonempty tile at each end of R's range (every row of a full sequence), two for a
+right-padded row past its length.
 
 Exact (the visited tiles are those holding an attended pair) where X keeps, per query tile, one
 run of tiles: padding (a prefix of keys per batch), contiguous documents. Interior holes (a table

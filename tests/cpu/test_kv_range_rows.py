@@ -245,7 +245,7 @@ def test_table_range_env_and_kinds(value, name, define, monkeypatch):
 def test_table_range_bad_env_value_names_the_variable(monkeypatch):
     from cubridge.errors import CubridgeError
     from cubridge.lower.tablerange import TABLE_RANGE_ENV
+    spec = load_spec(str(CORPUS / "padded_causal.py"))
     monkeypatch.setenv(TABLE_RANGE_ENV, "yes")
     with pytest.raises(CubridgeError, match=TABLE_RANGE_ENV):
-        lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec(str(CORPUS / "padded_causal.py"))).program,
-              "fa3_sm90")
+        lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90")

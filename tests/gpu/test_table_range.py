@@ -26,7 +26,8 @@ CAP = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0
 pytestmark = pytest.mark.skipif(CAP != (9, 0), reason="fa3_sm90 needs an sm_90 GPU (H100 / H200)")
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 SPECS = ["padded_causal", "packed_sequences", "share_question", "bitpacked_blocks"]
-SHAPES = [(3, 4, 2, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (8, 2, 2, 2500, 128)]   # B, Hq, Hkv, N, D (the tables have 8 rows)
+# B, Hq, Hkv, N, D (the corpus tables have 8 rows)
+SHAPES = [(3, 4, 2, 1000, 128), (2, 8, 2, 300, 64), (1, 4, 1, 17, 128), (8, 2, 2, 2500, 128)]
 
 
 def _spec(name):

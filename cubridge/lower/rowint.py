@@ -72,6 +72,11 @@ def _has_key(e, name: str = KEY) -> bool:
     return any(_has_key(getattr(e, f), name) for f in getattr(e, "__dataclass_fields__", {}) if f != "line")
 
 
+def reads_index(e, name: str = KEY) -> bool:
+    """Does the expression read the index `name` (KEY or QUERY)?"""
+    return _has_key(e, name)
+
+
 def _combine(*ms):
     """The direction of a sum / max / min of terms with directions ms (+1 nondecreasing in the
     query index, -1 nonincreasing, 0 free of it, None unknown)."""

@@ -75,12 +75,12 @@ AUTO_KINDS = ("key",)
 
 
 def _kind(x) -> str:
-    if not rowint._has_key(x, rowint.QUERY):
+    if not rowint.reads_index(x, rowint.QUERY):
         return "key"
-    if (isinstance(x, N.Compare) and x.op == "==" and all(isinstance(s, N.Call) and s.op == "gather"
-                                                          for s in (x.left, x.right))
-            and {rowint._has_key(x.left, rowint.QUERY), rowint._has_key(x.right, rowint.QUERY)} == {True, False}
-            and {rowint._has_key(x.left), rowint._has_key(x.right)} == {True, False}):
+    sides = (x.left, x.right) if isinstance(x, N.Compare) and x.op == "==" else ()
+    if (sides and all(isinstance(s, N.Call) and s.op == "gather" for s in sides)
+            and {rowint.reads_index(s, rowint.QUERY) for s in sides} == {True, False}
+            and {rowint.reads_index(s) for s in sides} == {True, False}):
         return "doc"
     return "other"
 

@@ -249,3 +249,16 @@ def test_table_range_bad_env_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(TABLE_RANGE_ENV, "yes")
     with pytest.raises(CubridgeError, match=TABLE_RANGE_ENV):
         lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90")
+
+
+@pytest.mark.parametrize("name, kind", [("padded_causal", "key"), ("packed_sequences", "doc"), ("document", "doc"),
+                                        ("share_question", "other"), ("bitpacked_blocks", "other")])
+def test_table_range_kind_of_the_table_factor(name, kind):
+    from cubridge.lower.fa3_sm90 import _mask_names
+    from cubridge.lower.hooks import c_tables
+    from cubridge.lower.tablerange import table_rows
+    from cubridge.lower.variant import extract
+    path = CORPUS / f"{name}.py"
+    spec = load_spec(str(path) if path.exists() else name)
+    ir = extract(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program)
+    assert table_rows(ir, _mask_names(ir), c_tables(ir))[1] == kind

@@ -98,15 +98,18 @@ def wide_tile(ir: VariantIR) -> bool | int:
     default at D 128) runs the dense kernel's code and takes its 8k tile, 128 x 128: session 14 mid
     call (H100, 8k, x our dense causal 128 x 176 in the same run; dense 128 x 128 1.020): 128x128 /
     128x176 with the range ag_causal 1.019 / 1.006, ag_prefix_lm 1.027 / 1.015, llama4_chunked
-    1.017 / 1.003, prefixlm 1.050 / 1.039); an int, RANGE_WIDE_FROM, for those where set: the length
-    from which they take 176 (default_config's `wide`)."""
+    1.017 / 1.003, prefixlm 1.050 / 1.039); an int, RANGE_WIDE_FROM, for those where set and the
+    share rule allows: the length from which they take 176 (default_config's `wide`)."""
     pieces = _pieces(ir)
     if not (_dense_family(ir) and pieces is not None and len(pieces) == 1):
         return False
-    if rowrange.row_range_define() != "0" and rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)):
-        return RANGE_WIDE_FROM or False
+    ranged = rowrange.row_range_define() != "0" and rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir))
+    if ranged and not RANGE_WIDE_FROM:
+        return False
     shares = tileshare.useful_shares(ir.mask) if wide_share_enabled() else None
-    return shares is None or shares[176] >= WIDE_MIN_RATIO * shares[128]
+    if not (shares is None or shares[176] >= WIDE_MIN_RATIO * shares[128]):
+        return False                    # a window: 176 cuts more partial tiles
+    return RANGE_WIDE_FROM if ranged else True
 
 
 def kv_range(ir: VariantIR) -> str:

@@ -20,7 +20,8 @@ Exact (the visited tiles are those holding an attended pair) where X keeps, per 
 run of tiles: padding (a prefix of keys per batch), contiguous documents. Interior holes (a table
 that drops a middle block of keys: share_question's other answers, bitpacked_blocks) are visited
 as partial tiles with every pair masked: correct, slower than the bitmap. So the default (auto)
-takes it only for the kinds of X in AUTO_KINDS (a key table: padding); CUBRIDGE_TABLE_RANGE=1
+takes it only for the kinds of X in AUTO_KINDS (a key table: padding; document ids: packed
+sequences), at head dim 128 (measured there); CUBRIDGE_TABLE_RANGE=1
 takes it for every qualifying mask, 0 for none; the knob experiments/patches/knobs/table_range.patch
 sets it in a lowered source (variant_tiles.py CONFIG+table_range).
 """
@@ -36,8 +37,10 @@ from cubridge.lower.rowint import Rows
 from cubridge.lower.variant import VariantIR
 
 TABLE_RANGE_ENV = "CUBRIDGE_TABLE_RANGE"
-# "0" until a GPU run measures it (session 15 mid call: padded_causal, packed_sequences A/B).
-TABLE_RANGE_DEFAULT = "0"
+# Session 15 mid call (H100, variant_tiles, 8k, MHA 32 heads, B 2, 128 x 128, every check passed; x = Flex-FLASH ms /
+# ours in the same run): padded_causal 0.954 -> 1.008 (+5.8%), packed_sequences 0.985 -> 1.065 (+8.2%);
+# tests/gpu/test_table_range.py 16 passed. auto: key and document tables (AUTO_KINDS) at head dim 128.
+TABLE_RANGE_DEFAULT = "auto"
 SCAN_CHUNK = 8
 
 
@@ -70,8 +73,9 @@ def split(mask) -> tuple | None:
 
 # What X is (table_rows): "key" reads no query index (a key table: padding), "doc" is one equality
 # of two table reads, one at the query index and one at the key (document / packed-sequence ids:
-# holes only where a document is split), "other" anything else (share_question, bitpacked_blocks).
-AUTO_KINDS = ("key",)
+# holes only where a document is split), "other" anything else (share_question, bitpacked_blocks:
+# holes by design, they keep the bitmap scan).
+AUTO_KINDS = ("key", "doc")
 
 
 def _kind(x) -> str:

@@ -230,12 +230,17 @@ def test_bad_env_value_names_the_variable(monkeypatch):
 
 
 @pytest.mark.parametrize("value, name, define", [
-    ("auto", "padded_causal", "(HEAD_DIM == 128)"), ("auto", "packed_sequences", "0"), ("auto", "share_question", "0"),
-    ("1", "share_question", "1"), ("0", "padded_causal", "0")])
+    (None, "padded_causal", "(HEAD_DIM == 128)"), (None, "packed_sequences", "(HEAD_DIM == 128)"),
+    (None, "share_question", "0"), ("auto", "bitpacked_blocks", "0"), ("1", "share_question", "1"),
+    ("0", "padded_causal", "0")])
 def test_table_range_env_and_kinds(value, name, define, monkeypatch):
-    """auto takes a key table (padding) only; 1 / 0 every qualifying mask / none."""
+    """The default, auto, takes key and document tables (padding, packed sequences: session 15 mid
+    call) at head dim 128; 1 / 0 every qualifying mask / none."""
     from cubridge.lower.tablerange import TABLE_RANGE_ENV
-    monkeypatch.setenv(TABLE_RANGE_ENV, value)
+    if value is None:
+        monkeypatch.delenv(TABLE_RANGE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TABLE_RANGE_ENV, value)
     path = CORPUS / f"{name}.py"
     spec = load_spec(str(path) if path.exists() else name)
     kernel = lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90")

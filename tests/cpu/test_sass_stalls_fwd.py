@@ -83,3 +83,21 @@ def test_tile_model_of_d256_causal_8k(mods):
     worse = fwd.tile_model(8192, 128, 80, heads=32, tile_cost=2.0)
     assert worse["steps_per_cta"] == pytest.approx((m["steps"] + 2 * 2048) / 132, abs=0.1)
     assert fwd.tile_model(256, 128, 80, heads=1, sms=4)["efficiency"] < 0.7      # 2 tiles on 4 SMs
+
+
+def test_tiles_steps_and_per_step_of_other_shapes(mods):
+    """Session 15 (D 128 / 64, full attention): FA4's tile read from its profile (the QK HGMMA's width, the
+    block size's consumer warpgroups), KV steps of a full launch, and the per-step numbers of each own tile
+    (per 128 keys where tile widths differ; cycles per step per SM from gpc__cycles_elapsed.max)."""
+    _, _, ncu = mods
+    pcs = [[0, "HGMMA.64x64x16.F32.BF16 R88, R148, gdesc[UR24].tnspB, R88 ;"],
+           [1, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR48], RZ, !UPT ;"]]
+    assert ncu.sass_tile({"pcs": pcs, "launch__block_size": 512.0}, (0, 0)) == (192, 128)
+    assert ncu.sass_tile({"pcs": [], "launch__block_size": None}, (128, 128)) == (128, 128)
+    assert ncu.kv_steps(8192, 128, 176, 32, causal=False) == 64 * 47 * 32
+    assert ncu.kv_steps(8192, 128, 80, 32, causal=True) == 32 * 3354
+    out = {"executed_by_class": {"mufu": 6600, "fp32": 27000}, "raw": {"gpc__cycles_elapsed.max": 1000.0}}
+    ncu.per_step(out, steps=100, warps=1, bn=176)
+    assert out["per_step_per_warp"]["all"] == 336.0 and out["per_128_keys_per_warp"] == round(33600 / 137.5, 1)
+    assert out["cycles_per_step_per_sm"] == 1320.0 and out["cycles_per_128_keys_per_sm"] == 960.0
+    assert ncu.our_config("dfltd", 64, True, 8192).desc_once and ncu.our_config("dflt", 128, False, 8192).tail_split

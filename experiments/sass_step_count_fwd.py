@@ -25,8 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from expkit import disassembler
-from expkit.sass_stalls_fwd import op_class
-from sass_step_count import parse
+from expkit.sass_stalls_fwd import op_class, parse_listing as parse
 
 from cubridge.runtime.fa3_sm90 import KERNEL_DIR, KERNEL_SOURCE, NVCC_FLAGS, default_config
 

@@ -101,3 +101,26 @@ def test_tiles_steps_and_per_step_of_other_shapes(mods):
     assert out["per_step_per_warp"]["all"] == 336.0 and out["per_128_keys_per_warp"] == round(33600 / 137.5, 1)
     assert out["cycles_per_step_per_sm"] == 1320.0 and out["cycles_per_128_keys_per_sm"] == 960.0
     assert ncu.our_config("dfltd", 64, True, 8192).desc_once and ncu.our_config("dflt", 128, False, 8192).tail_split
+
+
+def test_steady_loop_of_a_listing():
+    """experiments/sass_step_count_fwd.py: the innermost loop with HGMMA and MUFU, its mask pass (a forward
+    span of >= 16 FSEL) left out, a retry stub's return branch (BRA right after BRA) not taken for a loop."""
+    before = list(sys.path)
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import sass_step_count_fwd as ssc
+    finally:
+        sys.path[:] = before
+        sys.modules.pop("sass_step_count_fwd", None)
+    ops = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;"] * 2 + ["@P0 BRA 0x%x ;"] + ["FSEL R1, R2, R3, P0 ;"] * 16 \
+        + ["MUFU.EX2 R3, R3 ;"] * 30 + ["@P1 BRA 0x0 ;", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;",
+                                         "@!P0 BRA 0x%x ;", "BRA 0x10 ;"]
+    lines = []
+    for i, op in enumerate(ops):
+        if "%x" in op:
+            op = op % (16 * (i + 17) if i == 2 else 16 * i)
+        lines.append(f"        /*{16 * i:04x}*/                   {op}")
+    counts = ssc.counts(ssc.steady_loop("\n".join(lines)))
+    assert counts["classes"]["hgmma"] == 2 and counts["classes"]["mufu"] == 30 and "FSEL" not in counts["opcodes"]
+    assert counts["instructions"] == 2 + 1 + 30 + 1

@@ -185,16 +185,6 @@ constexpr bool kVariantCodegen = true;
 constexpr bool kVariantCodegen = false;
 #endif
 constexpr bool kNewCodegen = (kDenseKernel || kVariantCodegen) && kConsumers == 2;
-// DESC_ONCE=1 (Fa3Config.desc_once, off; session 15): the dense kernel's three consumers (D 64's
-// 192 x 128) build each GEMM's descriptors once and add the k-steps (kNewCodegen's form), without
-// the rest of session 10's change (the producer loop). Session 15 SASS (experiments/
-// sass_step_count_fwd.py): D 64's steady step carries 93 uniform-datapath instructions and 8 R2UR
-// against 59 / 0 at D 128 128 x 128 (FA4 D 128: 57 / 0), about 5 per HGMMA: the descriptor rebuilt
-// per k-step (UIADD3, ULOP3, USHF, ULOP3, UMOV). An option until an H100 A/B shows it.
-#ifndef DESC_ONCE
-#define DESC_ONCE 0
-#endif
-constexpr bool kDescOnce = kNewCodegen || (DESC_ONCE && kDenseKernel && kConsumers == 3);
 
 // @cuir-region score
 // score = kScoreFactor * score_mod(va, x, scale, ...), x the raw q.k and scale the softmax scale
@@ -403,6 +393,17 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
     for (int i = 0; i < 4; ++i) o[4 * j + i] *= rescale[i / 2];
 }
 // @cuir-end softmax
+
+// DESC_ONCE=1 (Fa3Config.desc_once, off; session 15): the dense kernel's three consumers (D 64's
+// 192 x 128) build each GEMM's descriptors once and add the k-steps (kNewCodegen's form), without
+// the rest of session 10's change (the producer loop). Session 15 SASS (experiments/
+// sass_step_count_fwd.py): D 64's steady step carries 93 uniform-datapath instructions and 8 R2UR
+// against 59 / 0 at D 128 128 x 128 (FA4 D 128: 57 / 0), about 5 per HGMMA: the descriptor rebuilt
+// per k-step (UIADD3, ULOP3, USHF, ULOP3, UMOV). An option until an H100 A/B shows it.
+#ifndef DESC_ONCE
+#define DESC_ONCE 0
+#endif
+constexpr bool kDescOnce = kNewCodegen || (DESC_ONCE && kDenseKernel && kConsumers == 3);
 
 // @cuir-region qk
 // S(64 x kBlockN) = Q_c(64 x D) K_n^T; both operands K-major in swizzled panels.

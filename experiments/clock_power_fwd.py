@@ -29,9 +29,12 @@ QUERY = "clocks.sm,power.draw,temperature.gpu"
 def sampled(fn, seconds: float) -> dict:
     """fn called back to back for `seconds` (batches of 10, events around each) under nvidia-smi sampling."""
     import torch
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "100",
-                            "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    try:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "100",
+                                "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    except OSError as e:                                  # no nvidia-smi: the times alone
+        smi, out, err = None, "", f"nvidia-smi: {e}"
     times, start = [], time.perf_counter()
     try:
         while time.perf_counter() - start < seconds:
@@ -43,8 +46,9 @@ def sampled(fn, seconds: float) -> dict:
             b.synchronize()
             times.append(a.elapsed_time(b) / 10)
     finally:
-        smi.terminate()
-        out, err = smi.communicate(timeout=10)
+        if smi is not None:
+            smi.terminate()
+            out, err = smi.communicate(timeout=10)
     rows = []
     for line in out.splitlines():
         try:

@@ -53,6 +53,8 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry", s) for s in SPECS] + [
     # M_ROTATE changes full attention's loops only (causal builds are _dqw_early's): the full corners
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot", s) for s in ((128, False, False), (64, False, True))] + [
+    # M_ROTATE 2 (grouped rotation): its full corners, as _rot
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot2", s) for s in ((128, False, False), (64, False, True))] + [
     # TILE_ORDER 2 on the default body: only blockIdx.x's decode differs (its causal corners: where it matters)
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", s) for s in ((128, True, True), (64, True, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
@@ -178,6 +180,7 @@ def test_variant_options_carry_the_hooks():
     assert hb.OPTIONS[hb.DEFAULT_OPTION] == hb.OPTIONS[pf32]._replace(dq_writer=1, rows_early=2)
     early = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # session 15: its body in TILE_ORDER 2's order
     assert hb.OPTIONS[early + "_l2lpt"] == hb.OPTIONS[early]._replace(tile_order=2)
+    assert hb.OPTIONS[early + "_rot2"] == hb.OPTIONS[early]._replace(m_rotate=2)
     assert hb.DEFAULT_OPTION not in hb.VARIANT_OPTIONS
     assert hb.OPTIONS["bulk_overlap_lse_arriveall"] == hb.OPTIONS["bulk_overlap_lse"]._replace(arrive_all=1)
     assert hb.OPTIONS["bulk_overlap_lse_lean"] == hb.OPTIONS["bulk_overlap_lse_arriveall"]._replace(lean=1)

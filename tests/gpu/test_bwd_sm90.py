@@ -133,6 +133,14 @@ def test_l2_sections(bwd, d, dtype):
     run_case(functools.partial(bwd, l2_bytes=per_pair), b, hq, hkv, nq, nk, d, dtype, True, seed=5)   # width 1
 
 
+def test_more_than_64_kv_tiles(bwd):
+    """Full attention over 66 KV tiles: M_ROTATE 2's second group of 64 KV tiles (session 15) starts its sweep at tile
+    128 mod the range (3 of a ragged 5-tile range here, 7 of 11 in the second case), which the lengths above never
+    reach; every option must pass it."""
+    run_case(bwd, 1, 4, 2, 300, 8400, 64, F16, False)
+    run_case(bwd, 1, 2, 2, 700, 8400, 128, BF16, False, seed=1)
+
+
 @pytest.mark.parametrize("env", [None, "1"], ids=["default", "env1"])
 def test_autograd_routes_here_by_default(monkeypatch, env):
     """Unless CUBRIDGE_HOPPER_BWD=0, autograd.attention's backward is this kernel's with the default

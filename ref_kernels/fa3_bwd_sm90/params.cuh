@@ -239,10 +239,10 @@ static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane 
 static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
 static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSUE=1 or 2 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");
 static_assert(DV_LATE == 0 || (DV_LATE == 1 && SCHED == 1 && ISSUE == 2), "DV_LATE=1 needs SCHED=1 and ISSUE=2");
-static_assert(DQ_WRITER == 0 || (DQ_WRITER == 1 && DQ_MODE == 1 && SCHED == 1),
-              "DQ_WRITER=1 needs DQ_MODE=1 and SCHED=1 (it hands SCHED 1's bulk dQ adds to a writer warp)");
-static_assert(ROWS_EARLY >= 0 && ROWS_EARLY <= 2 && (ROWS_EARLY == 0 || (ISSUE >= 1 && SCHED == 1)),
-              "ROWS_EARLY=1 or 2 needs ISSUE>=1 and SCHED=1 (it moves ISSUE's row-term preloads)");
+static_assert(DQ_WRITER == 0 || (DQ_WRITER == 1 && DQ_MODE == 1 && SCHED >= 1),
+              "DQ_WRITER=1 needs DQ_MODE=1 and SCHED=1 or 2 (it hands their bulk dQ adds to a writer warp)");
+static_assert(ROWS_EARLY >= 0 && ROWS_EARLY <= 2 && (ROWS_EARLY == 0 || (ISSUE >= 1 && SCHED >= 1)),
+              "ROWS_EARLY=1 or 2 needs ISSUE>=1 and SCHED=1 or 2 (it moves ISSUE's row-term preloads)");
 static_assert(M_ROTATE == 0 || ((M_ROTATE == 1 || M_ROTATE == 2) && SCHED == 1 && ISSUE >= 1),
               "M_ROTATE=1 or 2 needs SCHED=1 and ISSUE>=1 (it changes the flat step loop's tile)");
 static_assert(kBarDqEmpty0 + kDqSlots * kConsumers <= 16, "DQ_WRITER's named barriers exceed the 16 ids");

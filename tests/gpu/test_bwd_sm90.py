@@ -257,13 +257,14 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry",
-                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"])
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt",
+                                    "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early"])
 def test_carry_gradients_equal_pf32(option, causal, shape):
     """CARRY (session 12) only moves where each step waits for its dK GEMM (the next step's first
     wgmma wait) and when the stage is released, DV_LATE where dV is issued, DQ_WRITER (session 13)
     who adds the dQ parts (a writer warp; dK / dV then staged in the slots it read last), ROWS_EARLY
     (session 14) when the stage's LSE / Dvec rows are read into registers, TILE_ORDER 2 (session 15)
-    which CTA takes which KV tile, in what order: the same
+    which CTA takes which KV tile, in what order, and SCHED 2 (session 15) where dV is waited for: the same
     operations on the same values in the same order per accumulator, so dK and dV are bitwise
     bulk_overlap_lse_lean_issue_pf32_epi's (a dS^T or P^T register reused while a GEMM still read
     it, or a stage reloaded under it, would change them), dQ equal up to the reduce-add order

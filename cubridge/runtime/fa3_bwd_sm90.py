@@ -34,7 +34,7 @@ warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, d
 "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early" (ROWS_EARLY 2: the LSE and Dvec rows read before the step's GEMMs
 are queued rather than behind them; session 14, dense only, off), "..._dqw_early_carry" (that with CARRY) and
 "..._dqw_early_rot" (that with M_ROTATE: full attention's CTAs start their query sweep at tile 2n, as causal's do),
-"bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early" (the default with SCHED 2; session 15, dense only, off),
+"bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early" (the default with SCHED 2; session 15, dense only, off) and its "_l2lpt",
 "..._dqw_early_rot2" (M_ROTATE 2: that rotation per group of 64 KV tiles; session 15, dense only, off),
 "..._dqw_early_l2lpt" (that body in TILE_ORDER 2's order: causal's longest KV tiles first inside L2-sized sections of
 (batch, kv head) pairs, with GQA_SPLIT's virtual pairs; session 15, dense only, off until timed),
@@ -153,6 +153,9 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            # waiting for dV
            "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=2,
                                                                    epilogue=1, dq_writer=1, rows_early=2),
+           # ... and both session 15 candidates together (SCHED 2 in TILE_ORDER 2's order)
+           "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 2, 1, 2, arrive_all=1, lean=1, issue=2,
+                                                                         epilogue=1, dq_writer=1, rows_early=2),
            # session 15 (bwd15): M_ROTATE 2, full attention's sweep rotated per group of 64 KV tiles (8k: none, the
            # default's order; 16k: two groups half a range apart): a probe of full attention's 8k -> 16k per-step loss
            "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot2": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,

@@ -55,6 +55,7 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot", s) for s in ((128, False, False), (64, False, True))] + [
     # SCHED 2 on the default: dQ's 32 accumulators taken while P^T's registers still feed dV (all four corners)
     ("bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early", s) for s in SPECS] + [
+    ("bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt", (128, True, True))] + [
     # M_ROTATE 2 (grouped rotation): its full corners, as _rot
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot2", s) for s in ((128, False, False), (64, False, True))] + [
     # TILE_ORDER 2 on the default body: only blockIdx.x's decode differs (its causal corners: where it matters)
@@ -184,6 +185,7 @@ def test_variant_options_carry_the_hooks():
     assert hb.OPTIONS[early + "_l2lpt"] == hb.OPTIONS[early]._replace(tile_order=2)
     assert hb.OPTIONS[early + "_rot2"] == hb.OPTIONS[early]._replace(m_rotate=2)
     assert hb.OPTIONS[early.replace("overlap", "dqfirst")] == hb.OPTIONS[early]._replace(sched=2)
+    assert hb.OPTIONS[early.replace("overlap", "dqfirst") + "_l2lpt"] == hb.OPTIONS[early]._replace(sched=2, tile_order=2)
     assert hb.DEFAULT_OPTION not in hb.VARIANT_OPTIONS
     assert hb.OPTIONS["bulk_overlap_lse_arriveall"] == hb.OPTIONS["bulk_overlap_lse"]._replace(arrive_all=1)
     assert hb.OPTIONS["bulk_overlap_lse_lean"] == hb.OPTIONS["bulk_overlap_lse_arriveall"]._replace(lean=1)

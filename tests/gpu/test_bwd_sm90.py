@@ -258,7 +258,8 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt",
-                                    "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early"])
+                                    "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early",
+                                    "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt"])
 def test_carry_gradients_equal_pf32(option, causal, shape):
     """CARRY (session 12) only moves where each step waits for its dK GEMM (the next step's first
     wgmma wait) and when the stage is released, DV_LATE where dV is issued, DQ_WRITER (session 13)

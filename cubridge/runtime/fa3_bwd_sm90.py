@@ -180,6 +180,17 @@ VARIANT_ONLY_OPTIONS = ("bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist",)
 # each one's body without the queue: what a spec lowered to the dense reference itself (no runs to queue) runs
 QUEUELESS = {"bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"}
 DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of OPTIONS on an H100, tested (docstring)
+# Causal attention runs that body in TILE_ORDER 2's order (causal's longest KV tiles first inside L2-sized sections;
+# session 15 mid call, H100, same run: GQA 8k 16/4 2.334 vs 2.562 ms at the default split 2 (+9.8%, 589 TFLOPS vs
+# FA4's 574), 32/8 4.661 vs 4.947 ms (+6.1%, = FA4's 589); MHA causal 8k 596.6 vs 580.6 TFLOPS, 16k 623.2 vs 628.0
+# (a same-kernel control read 590.9 there: within noise); its 46 causal rule cases and dK / dV bitwise equality
+# passed). Full attention keeps DEFAULT_OPTION: there TILE_ORDER 2's sections are one pair, the same order.
+CAUSAL_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
+
+
+def default_option(causal: bool) -> str:
+    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else DEFAULT_OPTION."""
+    return CAUSAL_OPTION if causal else DEFAULT_OPTION
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
 # bulk_overlap_lse_lean_l2lpt (session 12): lean in TILE_ORDER 2's order, the KV tiles of a section of
@@ -423,13 +434,13 @@ def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int,
 
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
+                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str | None = None,
                  variant=None, l2_bytes: int | None = None, gqa_split: int | str | None = None,
                  layout: str | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
-    option: one of OPTIONS (the kernel's compile-time performance options). variant: a
+    option: one of OPTIONS (the kernel's compile-time performance options; None: default_option(causal)). variant: a
     cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
     causal=False; option one of VARIANT_OPTIONS); its VariantArgs must stay alive until the kernel ran.
     l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
@@ -439,6 +450,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     (None), "bhnd" or "bnhd" (fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in place;
     "auto" takes it under CUBRIDGE_BWD_BNHD=1 where dout and out are [B, N, H, D] memory)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
+    option = default_option(bool(causal)) if option is None else option
     modes = _modes(option)
     bnhd = all(isinstance(t, torch.Tensor) for t in (dout, q, k, v, out)) and lay.choose(layout, modes, dout, q, k, v,
                                                                                           out)

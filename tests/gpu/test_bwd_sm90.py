@@ -146,8 +146,8 @@ def test_autograd_routes_here_by_default(monkeypatch, env):
     """Unless CUBRIDGE_HOPPER_BWD=0, autograd.attention's backward is this kernel's with the default
     option (bitwise dK/dV)."""
     from cubridge.runtime import autograd
-    from cubridge.runtime.fa3_bwd_sm90 import DEFAULT_OPTION, fa3_backward
-    bwd = functools.partial(fa3_backward, option=DEFAULT_OPTION)
+    from cubridge.runtime.fa3_bwd_sm90 import default_option, fa3_backward
+    bwd = functools.partial(fa3_backward, option=default_option(True))
     if env is None:
         monkeypatch.delenv("CUBRIDGE_HOPPER_BWD", raising=False)
     else:

@@ -63,6 +63,10 @@ variant path too. lean had
 replaced bulk_overlap_lse in session 10: racecheck clean where bulk_overlap_lse's lane-0 stage release
 drew 10240 potential write-after-read reports (NOTES.md "Session 10").
 
+Since session 15's mid call causal backwards run CAUSAL_OPTION, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
+(that body in TILE_ORDER 2's order: GQA causal 8k +9.8% / +6.1% at 16 / 4 and 32 / 8, MHA causal 8k +2.8%, same run);
+fa3_backward's option=None takes default_option(causal).
+
 Two switches orthogonal to the options (session 14, off by default; NOTES.md "Session 14"): GQA_SPLIT
 (cubridge.runtime.fa3_bwd_gqa: a GQA group's query heads over s CTAs, fp32 dK / dV partials summed in
 order) and BNHD (cubridge.runtime.fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in

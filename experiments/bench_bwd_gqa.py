@@ -66,7 +66,9 @@ def splits_for(hq: int, hkv: int) -> list[int]:
 # so the section is one pair and the order is TILE_ORDER 0's (the CTA model, experiments/bwd_cta_model.py,
 # reads that order's causal makespan at 0.81 of ideal vs 1.00 longest-first). "lpt,s1" passes an L2 budget
 # that holds every pair (one section: longest-first over the whole grid); lpt,s2 / s4 keep the launcher's sizing.
-DENSE_LPT = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+# Session 15: the dense default's body in that order (_dqw_early_l2lpt); session 14 timed the older pf32_epi body
+# (--lpt-option bulk_overlap_lse_lean_issue_pf32_epi_l2lpt reproduces its rows).
+DENSE_LPT = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 ALL_PAIRS_L2 = 1 << 40
 
 
@@ -153,7 +155,7 @@ def flops_of(case: str, hq: int, hkv: int) -> float:
 
 
 def make_systems(case: str, hq: int, hkv: int, q, k, v, dout, variant: VariantOurs | None,
-                 wanted: list[str]) -> tuple[dict, dict]:
+                 wanted: list[str], lpt_options: tuple[str, ...] = (DENSE_LPT,)) -> tuple[dict, dict]:
     """({name: callable}, {name: refusal}) for one (case, heads); wanted: the peers to add."""
     systems, refused = {}, {}
     for s in splits_for(hq, hkv):
@@ -161,9 +163,10 @@ def make_systems(case: str, hq: int, hkv: int, q, k, v, dout, variant: VariantOu
                                   else ours_dense(case == "causal", q, k, v, dout, s))
     if "lpt" in wanted:   # the variant's option is TILE_ORDER 2 already: only its all-pairs section is new
         systems["ours[lpt,s1]"] = (variant.system(q, k, v, dout, 1, ALL_PAIRS_L2) if variant is not None
-                                   else ours_dense(case == "causal", q, k, v, dout, 1, DENSE_LPT, ALL_PAIRS_L2))
+                                   else ours_dense(case == "causal", q, k, v, dout, 1, lpt_options[0], ALL_PAIRS_L2))
         for s in splits_for(hq, hkv)[1:] if variant is None else []:
-            systems[f"ours[lpt,s{s}]"] = ours_dense(case == "causal", q, k, v, dout, s, DENSE_LPT)
+            for i, option in enumerate(lpt_options):   # the second option's rows are "lpt2", and so on
+                systems[f"ours[lpt{i + 1 if i else ''},s{s}]"] = ours_dense(case == "causal", q, k, v, dout, s, option)
     if "layout" in wanted:
         systems.update(layout_systems(case, q, k, v, dout, variant))
     peers = {"fa4": lambda: fa4_backward(case == "causal", q, k, v, dout)} if variant is None else {}
@@ -181,9 +184,10 @@ def make_systems(case: str, hq: int, hkv: int, q, k, v, dout, variant: VariantOu
     return systems, refused
 
 
-def bench_one(case: str, hq: int, hkv: int, reps: int, variant, peers: list[str]) -> list[dict]:
+def bench_one(case: str, hq: int, hkv: int, reps: int, variant, peers: list[str],
+              lpt_options: tuple[str, ...] = (DENSE_LPT,)) -> list[dict]:
     q, k, v, dout = _inputs(hq, hkv)
-    systems, refused = make_systems(case, hq, hkv, q, k, v, dout, variant, peers)
+    systems, refused = make_systems(case, hq, hkv, q, k, v, dout, variant, peers, lpt_options)
     base = dict(case=case, N=N, B=B, Hq=hq, Hkv=hkv, D=D, dtype="bf16")
     grads = {}
     for s, fn in list(systems.items()):
@@ -229,14 +233,15 @@ def add_penalty(rows: list[dict]) -> None:
             r["vs_mha"] = round(r["bwd_tflops"] / ref, 3)
 
 
-def prebuild(cases: list[str]) -> None:
+def prebuild(cases: list[str], lpt_options: tuple[str, ...] = (DENSE_LPT,)) -> None:
     """Every cubin of the run, in parallel (nvcc runs outside the GIL)."""
     jobs = [(c == "causal", s, False) for c in cases if c in ("causal", "full") for s in SPLITS]
     jobs += [(c == "causal", 1, True) for c in cases if c in ("causal", "full")]
     lpt = [(c == "causal", s) for c in cases if c in ("causal", "full") for s in SPLITS]
     with ThreadPoolExecutor(8) as pool:
         futs = [pool.submit(hb.build_cubin, D, causal, True, gqa_split=s, bnhd=b) for causal, s, b in jobs]
-        futs += [pool.submit(hb.build_cubin, D, causal, True, option=DENSE_LPT, gqa_split=s) for causal, s in lpt]
+        futs += [pool.submit(hb.build_cubin, D, causal, True, option=o, gqa_split=s) for causal, s in lpt
+                 for o in lpt_options]
         for f in futs:
             f.result()
 
@@ -264,6 +269,8 @@ def main(argv=None) -> int:
                     help="systems beside ours at each split (fa4: the dense cases; flex_flash: the variant, and the "
                          "dense cases too with flex_dense; layout: ours[copy] / ours[bnhd] on [B, N, H, D] memory; lpt: "
                          "ours[lpt,sS] in TILE_ORDER 2's longest-first order)")
+    ap.add_argument("--lpt-option", nargs="+", default=[DENSE_LPT], choices=sorted(hb.OPTIONS), metavar="OPTION",
+                    help="the TILE_ORDER 2 option(s) of the dense lpt rows (a second one's rows: lpt2, ...)")
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -271,16 +278,18 @@ def main(argv=None) -> int:
         return 0
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
     result = {"gpu": torch.cuda.get_device_name(), "versions": expkit.versions(), "rows": [], "failed": [],
+              "lpt_options": args.lpt_option,
               "protocol": f"round-robin, L2 flushed, 2 warm-ups, {args.reps} reps, median (bench_round_robin)"}
     try:
-        prebuild(args.cases)
+        prebuild(args.cases, tuple(args.lpt_option))
     except Exception:  # noqa: BLE001 - a build failure shows again per case below
         print(f"# prebuild failed\n{traceback.format_exc()[-1500:]}", flush=True)
     variants = {c: VariantOurs(c) for c in args.cases if c not in ("causal", "full")}
     for case in args.cases:
         for hq, hkv in heads:
             try:
-                result["rows"] += bench_one(case, hq, hkv, args.reps, variants.get(case), args.peers)
+                result["rows"] += bench_one(case, hq, hkv, args.reps, variants.get(case), args.peers,
+                                            tuple(args.lpt_option))
             except Exception:  # noqa: BLE001 - one case failing is reported, the others still run
                 result["failed"].append(dict(case=case, Hq=hq, Hkv=hkv, error=traceback.format_exc()[-1500:]))
                 print(f"# {case} {hq}/{hkv}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)

@@ -51,8 +51,12 @@ def cudnn(causal: bool, q, k, v, dout):
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
-def systems(options: list[str]) -> dict:
+def systems(options: list[str], control: bool = False) -> dict:
+    """control: the first option a second time (its own callable, the same kernel) as "...#2", so the table shows
+    how far two copies of one kernel read apart in the same round-robin (session 14: up to 4.6% at causal 16k)."""
     table = {f"{OURS}[{o}]": functools.partial(ours_backward, o) for o in options}
+    if control and options:
+        table[f"{OURS}[{options[0]}]#2"] = functools.partial(ours_backward, options[0])
     table.update({"cubridge/fa2_bwd_sm80": fa2, "sdpa_cudnn": cudnn, "fa4": fa4_backward})
     return table
 
@@ -162,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
+    ap.add_argument("--control", action="store_true", help="time the first option twice (a noise control)")
     ap.add_argument("--no-preflight", dest="preflight", action="store_false",
                     help="time every option without first running each in a child process")
     args = ap.parse_args(argv)
@@ -169,7 +174,7 @@ def main(argv=None) -> int:
         print_table(json.loads(args.table.read_text())["rows"])
         return 0
     options = preflight(args.options) if args.preflight else args.options
-    table, rows, info = systems(options), [], versions()
+    table, rows, info = systems(options, args.control), [], versions()
     info["options_left_out"] = sorted(set(args.options) - set(options))
     for n in args.n:
         for causal in (True, False):

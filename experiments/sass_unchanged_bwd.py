@@ -5,7 +5,7 @@ both trees is compiled by nvcc and the disassemblies are compared line by line (
 instruction encodings dropped). Used when the variant hooks went in (session 9: 20 of 20 identical
 to bcd5b0b). CPU only.
 
-    python experiments/sass_unchanged_bwd.py --base REV [--jobs 2]
+    python experiments/sass_unchanged_bwd.py --base REV [--jobs 2] [--options OPTION ...]
 """
 from __future__ import annotations
 
@@ -53,10 +53,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision to compare the working tree with")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--options", nargs="+", choices=sorted(hb.OPTIONS), metavar="OPTION",
+                    help="compare these options only (default: every option; one new since --base has no base build)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         old = checkout(args.base, Path(tmp) / "base")
-        cases = [(o, s) for o in sorted(hb.OPTIONS) for s in SPECS]
+        cases = [(o, s) for o in sorted(args.options or hb.OPTIONS) for s in SPECS]
         jobs = [(root, o, s) for o, s in cases for root in (old, ROOT)]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             texts = list(pool.map(lambda j: sass(j[0], j[1], j[2], Path(tmp)), jobs))

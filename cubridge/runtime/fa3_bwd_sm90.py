@@ -34,6 +34,10 @@ warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, d
 "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early" (ROWS_EARLY 2: the LSE and Dvec rows read before the step's GEMMs
 are queued rather than behind them; session 14, dense only, off), "..._dqw_early_carry" (that with CARRY) and
 "..._dqw_early_rot" (that with M_ROTATE: full attention's CTAs start their query sweep at tile 2n, as causal's do),
+"bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early" (the default with SCHED 2; session 15, dense only, off) and its "_l2lpt",
+"..._dqw_early_rot2" (M_ROTATE 2: that rotation per group of 64 KV tiles; session 15, dense only, off),
+"..._dqw_early_l2lpt" (that body in TILE_ORDER 2's order: causal's longest KV tiles first inside L2-sized sections of
+(batch, kv head) pairs, with GQA_SPLIT's virtual pairs; session 15, dense only, off until timed),
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
 order; variant options), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist" (that order served to min(tiles, SMs)
 persistent CTAs from a queue, PERSIST: ref_kernels/fa3_bwd_sm90/persist.cuh; session 14, variants only, off:
@@ -58,6 +62,10 @@ mid call: 528 / 557 / 576 / 544 vs lean 486 / 532 / 537 / 539, racecheck / syncc
 variant path too. lean had
 replaced bulk_overlap_lse in session 10: racecheck clean where bulk_overlap_lse's lane-0 stage release
 drew 10240 potential write-after-read reports (NOTES.md "Session 10").
+
+Since session 15's mid call causal backwards run CAUSAL_OPTION, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
+(that body in TILE_ORDER 2's order: GQA causal 8k +9.8% / +6.1% at 16 / 4 and 32 / 8, MHA causal 8k +2.8%, same run);
+fa3_backward's option=None takes default_option(causal).
 
 Two switches orthogonal to the options (session 14, off by default; NOTES.md "Session 14"): GQA_SPLIT
 (cubridge.runtime.fa3_bwd_gqa: a GQA group's query heads over s CTAs, fp32 dK / dV partials summed in
@@ -144,6 +152,24 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
                                                                        epilogue=1, dq_writer=1, rows_early=2,
                                                                        m_rotate=1),
+           # session 15 (bwd15): SCHED 2 on the default (dQ queued behind dV after the dS barrier, FA4's order; the
+           # writer warp and ROWS_EARLY now take SCHED 2): session 14's ncu held 5.8% of samples at the dQ issue
+           # waiting for dV
+           "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                   epilogue=1, dq_writer=1, rows_early=2),
+           # ... and both session 15 candidates together (SCHED 2 in TILE_ORDER 2's order)
+           "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 2, 1, 2, arrive_all=1, lean=1, issue=2,
+                                                                         epilogue=1, dq_writer=1, rows_early=2),
+           # session 15 (bwd15): M_ROTATE 2, full attention's sweep rotated per group of 64 KV tiles (8k: none, the
+           # default's order; 16k: two groups half a range apart): a probe of full attention's 8k -> 16k per-step loss
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot2": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
+                                                                        epilogue=1, dq_writer=1, rows_early=2,
+                                                                        m_rotate=2),
+           # session 15 (bwd15): the default's body in TILE_ORDER 2's order (causal's longest KV tiles first inside
+           # L2-sized sections of (batch, kv head) pairs; full attention's sections are 1 pair = TILE_ORDER 0's
+           # order); dense only (the writer warp), off until an H100 A/B beside the default and the rule tests
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2,
+                                                                         epilogue=1, dq_writer=1, rows_early=2),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
@@ -158,6 +184,17 @@ VARIANT_ONLY_OPTIONS = ("bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist",)
 # each one's body without the queue: what a spec lowered to the dense reference itself (no runs to queue) runs
 QUEUELESS = {"bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"}
 DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of OPTIONS on an H100, tested (docstring)
+# Causal attention runs that body in TILE_ORDER 2's order (causal's longest KV tiles first inside L2-sized sections;
+# session 15 mid call, H100, same run: GQA 8k 16/4 2.334 vs 2.562 ms at the default split 2 (+9.8%, 589 TFLOPS vs
+# FA4's 574), 32/8 4.661 vs 4.947 ms (+6.1%, = FA4's 589); MHA causal 8k 596.6 vs 580.6 TFLOPS, 16k 623.2 vs 628.0
+# (a same-kernel control read 590.9 there: within noise); its 46 causal rule cases and dK / dV bitwise equality
+# passed). Full attention keeps DEFAULT_OPTION: there TILE_ORDER 2's sections are one pair, the same order.
+CAUSAL_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
+
+
+def default_option(causal: bool) -> str:
+    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else DEFAULT_OPTION."""
+    return CAUSAL_OPTION if causal else DEFAULT_OPTION
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
 # bulk_overlap_lse_lean_l2lpt (session 12): lean in TILE_ORDER 2's order, the KV tiles of a section of
@@ -401,13 +438,13 @@ def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int,
 
 
 def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str = DEFAULT_OPTION,
+                 dq=None, dk=None, dv=None, compiler: str | None = None, option: str | None = None,
                  variant=None, l2_bytes: int | None = None, gqa_split: int | str | None = None,
                  layout: str | None = None):
     """(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D]) in q's dtype, from the forward's out and its
     natural-log lse [B, Hq, Nq] float32. causal: kv_idx <= q_idx = row + Nk - Nq (queries end-aligned,
     as the forward; with Nq > Nk the first Nq - Nk rows see no key and get dq = 0).
-    option: one of OPTIONS (the kernel's compile-time performance options). variant: a
+    option: one of OPTIONS (the kernel's compile-time performance options; None: default_option(causal)). variant: a
     cubridge.lower.Launchable of a source lowered by cubridge.lower.fa3_bwd_sm90 (its own mask:
     causal=False; option one of VARIANT_OPTIONS); its VariantArgs must stay alive until the kernel ran.
     l2_bytes: the L2 budget TILE_ORDER 2 sizes its head sections by (default the device's L2;
@@ -417,6 +454,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     (None), "bhnd" or "bnhd" (fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in place;
     "auto" takes it (unless CUBRIDGE_BWD_BNHD=0) where dout and out are [B, N, H, D] memory)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
+    option = default_option(bool(causal)) if option is None else option
     modes = _modes(option)
     bnhd = all(isinstance(t, torch.Tensor) for t in (dout, q, k, v, out)) and lay.choose(layout, modes, dout, q, k, v,
                                                                                           out)

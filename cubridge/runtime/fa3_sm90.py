@@ -95,9 +95,13 @@ class Fa3Config:
     # Head dim 256 only: the P V waited for right after the QK, before the softmax, freeing the V slot
     # earlier (consumer.cuh PV_WAIT_EARLY). Off until an H100 A/B shows the gain (bench_d256 rows "e").
     pv_wait_early: bool = False
-    # Head dim 256 only: mbarrier waits sleep in the barrier (try_wait with a suspend-time hint, CUTLASS's)
-    # instead of retrying (hopper_ptx.cuh MBAR_SLEEP). Off until an H100 A/B shows it (bench_d256 rows "z").
+    # mbarrier waits sleep in the barrier (try_wait with a suspend-time hint, CUTLASS's) instead of retrying
+    # (hopper_ptx.cuh MBAR_SLEEP; D 256 only until session 15, now every head dim). Off until an H100 A/B
+    # shows it (bench_d256 rows "z"; ab_peer_patches --options mbar_sleep at D 64 / 128).
     mbar_sleep: bool = False
+    # Three consumers (D 64's 192 x 128), dense kernel: each GEMM's wgmma descriptors built once, the k-steps
+    # added (kernel.cu DESC_ONCE; two consumers always do). Off until an H100 A/B shows it (session 15).
+    desc_once: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -113,7 +117,7 @@ class Fa3Config:
         flags += ["-DSOFTMAX_FIRST=1"] * self.softmax_first + ["-DO_HALF=1"] * self.o_half
         flags += ["-DK_BEFORE_V=1"] * self.k_before_v
         flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
-        flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep
+        flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep + ["-DDESC_ONCE=1"] * self.desc_once
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

@@ -35,6 +35,31 @@ def op_class(op: str) -> str:
     return next((c for c, ops in CLASSES.items() if base in ops), "other")
 
 
+LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def parse_listing(text: str) -> list[tuple[int, str, int | None]]:
+    """(address, opcode, branch target address or None) per instruction of a SASS listing (cuobjdump or
+    nvdisasm -c: targets as addresses or .L_x_ labels); experiments/sass_step_count_fwd.py's loops."""
+    from expkit import SASS_INSN
+    rows, labels, pending = [], {}, []
+    for line in text.splitlines():
+        m = LABEL.match(line.strip())
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = SASS_INSN.match(line)
+        if not m:
+            continue
+        addr, op, rest = int(m.group(1), 16), m.group(2), m.group(3)
+        for name in pending:
+            labels[name] = addr
+        pending = []
+        target = re.search(r"(\.L_x_\d+)|\b0x([0-9a-f]+)\b", rest) if op.startswith("BRA") else None
+        rows.append((addr, op, target.group(1) or int(target.group(2), 16) if target else None))
+    return [(a, op, labels.get(t) if isinstance(t, str) else t) for a, op, t in rows]
+
+
 def phase_of(op: str, recent: list[str], sass: str = "") -> str:
     """The phase of one instruction of the forward's step (see the module's docstring)."""
     own = _landmark(op)

@@ -116,8 +116,16 @@ constexpr int kRowsEarly = ROWS_EARLY;
 //              bulk-add into the same 32 KB of the fp32 dQ accumulator in the same step; ours loses 2-6% going
 //              from full 8k to full 16k (same CTA count, twice the steps) where cuDNN and FA4 gain 1-3% and our
 //              causal gains 5%. dK / dV sum the same terms in another order (the rule decides).
-constexpr bool kMRotate = M_ROTATE == 1 && !kCausal;   // causal builds: the option's code is not there
+//   M_ROTATE 2 (session 15, bwd15): the same in groups of kRotGroup KV tiles: group j (tiles 64j .. 64j + 63) starts
+//              at tile 128j of the range, all its CTAs together. At 8k (64 KV tiles) that is no rotation at all (the
+//              default's order: a same-kernel control); at 16k the head's two groups sweep half a range apart, so each
+//              dQ tile takes 64 CTAs' bulk adds per step (as at 8k) instead of 128, and each Q / dO tile is still read
+//              by 64 CTAs at once (M_ROTATE 1 lost 7% at full 8k / 16k, taking that sharing away). A probe of why full
+//              attention's per-step rate falls from 8k to 16k (NOTES "Session 15").
+constexpr bool kMRotate = M_ROTATE >= 1 && !kCausal;   // causal builds: the option's code is not there
+constexpr int kRotGroup = 64;
 __device__ __forceinline__ constexpr int m_rotation(int n_tile, int steps) {
+  if constexpr (M_ROTATE == 2) return (kMRotate && steps > 0) ? (2 * (n_tile - n_tile % kRotGroup)) % steps : 0;
   return (kMRotate && steps > 0) ? (2 * n_tile) % steps : 0;
 }
 #if DTYPE_BF16
@@ -231,12 +239,12 @@ static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane 
 static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
 static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSUE=1 or 2 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");
 static_assert(DV_LATE == 0 || (DV_LATE == 1 && SCHED == 1 && ISSUE == 2), "DV_LATE=1 needs SCHED=1 and ISSUE=2");
-static_assert(DQ_WRITER == 0 || (DQ_WRITER == 1 && DQ_MODE == 1 && SCHED == 1),
-              "DQ_WRITER=1 needs DQ_MODE=1 and SCHED=1 (it hands SCHED 1's bulk dQ adds to a writer warp)");
-static_assert(ROWS_EARLY >= 0 && ROWS_EARLY <= 2 && (ROWS_EARLY == 0 || (ISSUE >= 1 && SCHED == 1)),
-              "ROWS_EARLY=1 or 2 needs ISSUE>=1 and SCHED=1 (it moves ISSUE's row-term preloads)");
-static_assert(M_ROTATE == 0 || (M_ROTATE == 1 && SCHED == 1 && ISSUE >= 1),
-              "M_ROTATE=1 needs SCHED=1 and ISSUE>=1 (it changes the flat step loop's tile)");
+static_assert(DQ_WRITER == 0 || (DQ_WRITER == 1 && DQ_MODE == 1 && SCHED >= 1),
+              "DQ_WRITER=1 needs DQ_MODE=1 and SCHED=1 or 2 (it hands their bulk dQ adds to a writer warp)");
+static_assert(ROWS_EARLY >= 0 && ROWS_EARLY <= 2 && (ROWS_EARLY == 0 || (ISSUE >= 1 && SCHED >= 1)),
+              "ROWS_EARLY=1 or 2 needs ISSUE>=1 and SCHED=1 or 2 (it moves ISSUE's row-term preloads)");
+static_assert(M_ROTATE == 0 || ((M_ROTATE == 1 || M_ROTATE == 2) && SCHED == 1 && ISSUE >= 1),
+              "M_ROTATE=1 or 2 needs SCHED=1 and ISSUE>=1 (it changes the flat step loop's tile)");
 static_assert(kBarDqEmpty0 + kDqSlots * kConsumers <= 16, "DQ_WRITER's named barriers exceed the 16 ids");
 static_assert(CARRY == 0 || (CARRY == 1 && SCHED == 1), "CARRY=1 needs SCHED=1 (it changes SCHED 1's step end)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");

@@ -27,12 +27,13 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   asm volatile(
       "{\n.reg .pred done;\nWAIT_%=:\n"
-#if MBAR_SLEEP && HEAD_DIM == 256
-      // MBAR_SLEEP (HEAD_DIM 256 only; Fa3Config.mbar_sleep, off): try_wait with a suspend-time hint, as
-      // CUTLASS's ClusterBarrier::wait (0x989680 ns): the warp sleeps in the barrier (NANOSLEEP.SYNCS)
-      // until its phase completes instead of retrying. Session 14 mid ncu (D 256 causal 8k): ours issued
-      // 19 SYNCS, 21 BRA and 14 YIELD per KV step per consumer warp (FA4 6 / 4 / 0), retries of the K / V
-      // waits that take issue slots from the other consumer's softmax on the same scheduler.
+#if MBAR_SLEEP
+      // MBAR_SLEEP (Fa3Config.mbar_sleep, off; every head dim since session 15): try_wait with a
+      // suspend-time hint, as CUTLASS's ClusterBarrier::wait (0x989680 ns): the warp sleeps in the barrier
+      // (NANOSLEEP.SYNCS) until its phase completes instead of retrying. Session 14 mid ncu (D 256 causal
+      // 8k): ours issued 19 SYNCS, 21 BRA and 14 YIELD per KV step per consumer warp (FA4 6 / 4 / 0),
+      // retries of the K / V waits that take issue slots from the other consumer's softmax on the same
+      // scheduler; session 14 final: D 256 frz 691.2 vs fr 690.8 TFLOPS (no gain there).
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
       "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity), "r"(0x989680) : "memory");
 #else

@@ -94,7 +94,8 @@ typedef unsigned long long uint64_t;
 #ifndef K_BEFORE_V
 #define K_BEFORE_V 0
 #endif
-// MBAR_SLEEP (HEAD_DIM 256 only): mbarrier waits with a suspend-time hint (hopper_ptx.cuh).
+// MBAR_SLEEP (every head dim; D 256 only before session 15): mbarrier waits with a suspend-time hint
+// (hopper_ptx.cuh).
 #ifndef MBAR_SLEEP
 #define MBAR_SLEEP 0
 #endif
@@ -393,6 +394,17 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
 }
 // @cuir-end softmax
 
+// DESC_ONCE=1 (Fa3Config.desc_once, off; session 15): the dense kernel's three consumers (D 64's
+// 192 x 128) build each GEMM's descriptors once and add the k-steps (kNewCodegen's form), without
+// the rest of session 10's change (the producer loop). Session 15 SASS (experiments/
+// sass_step_count_fwd.py): D 64's steady step carries 93 uniform-datapath instructions and 8 R2UR
+// against 59 / 0 at D 128 128 x 128 (FA4 D 128: 57 / 0), about 5 per HGMMA: the descriptor rebuilt
+// per k-step (UIADD3, ULOP3, USHF, ULOP3, UMOV). An option until an H100 A/B shows it.
+#ifndef DESC_ONCE
+#define DESC_ONCE 0
+#endif
+constexpr bool kDescOnce = kNewCodegen || (DESC_ONCE && kDenseKernel && kConsumers == 3);
+
 // @cuir-region qk
 // S(64 x kBlockN) = Q_c(64 x D) K_n^T; both operands K-major in swizzled panels.
 __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uint32_t k_tile) {
@@ -401,17 +413,17 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kSRegs], uint32_t q_rows, uin
   // CUTLASS iterates them: ptxas builds each descriptor once instead of per HGMMA (session 9 A/B,
   // `uniform_desc`: +3-5% at D 128 8k / 16k, fa4fwd_ab.json). No carry out of the 14-bit field
   // (addresses < 2^18 B: the shared window is 228 KB), so these are the same bits as make_desc's.
-  // Lowered variants and three consumers: a descriptor per k-step (kNewCodegen).
+  // Lowered variants and three consumers: a descriptor per k-step (kDescOnce: kNewCodegen, DESC_ONCE).
   const uint64_t a0 = make_desc(q_rows, 1 * kDescUnit, kSwizzleAtomBytes);
   const uint64_t b0 = make_desc(k_tile, 1 * kDescUnit, kSwizzleAtomBytes);
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
     const int panel = kk / kKStepsPerPanel, step = (kk % kKStepsPerPanel) * kKStepBytes;
     const int qo = panel * kQPanelBytes + step, ko = panel * kKVPanelBytes + step;   // byte offsets
-    const uint64_t a = kNewCodegen ? a0 + uint64_t(qo / kDescUnit)
-                                    : make_desc(q_rows + qo, 1 * kDescUnit, kSwizzleAtomBytes);
-    const uint64_t b = kNewCodegen ? b0 + uint64_t(ko / kDescUnit)
-                                    : make_desc(k_tile + ko, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t a = kDescOnce ? a0 + uint64_t(qo / kDescUnit)
+                                  : make_desc(q_rows + qo, 1 * kDescUnit, kSwizzleAtomBytes);
+    const uint64_t b = kDescOnce ? b0 + uint64_t(ko / kDescUnit)
+                                  : make_desc(k_tile + ko, 1 * kDescUnit, kSwizzleAtomBytes);
     WgmmaSS<kBlockN, MmaTag>::mma(s, a, b, kk > 0);
   }
   wgmma_commit();
@@ -427,8 +439,8 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kORegs], const uint32_t (&p)[
   const uint64_t b0 = make_desc(v_tile, kKVPanelBytes, kSwizzleAtomBytes);   // k-steps added (gemm_qk)
 #pragma unroll
   for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
-    const uint64_t b = kNewCodegen ? b0 + uint64_t(kk * kMmaK * kSwizzleBytes / kDescUnit)
-                                    : make_desc(v_tile + kk * kMmaK * kSwizzleBytes, kKVPanelBytes, kSwizzleAtomBytes);
+    const uint64_t b = kDescOnce ? b0 + uint64_t(kk * kMmaK * kSwizzleBytes / kDescUnit)
+                                  : make_desc(v_tile + kk * kMmaK * kSwizzleBytes, kKVPanelBytes, kSwizzleAtomBytes);
     WgmmaRS<kHeadDim, MmaTag>::mma(o, &p[4 * kk], b);
   }
   wgmma_commit();

@@ -82,7 +82,7 @@ def test_split_builds_compile_spill_free(tmp_path):
     from cubridge.runtime.variant_bwd import VariantBackward
     dense = hb.KERNEL_SOURCE.read_text()
     prefix = VariantBackward("prefixlm").hopper.source
-    jobs = [("dense_d128c_s2", dense, 128, True, True, hb.DEFAULT_OPTION, 2),
+    jobs = [("dense_d128c_s2", dense, 128, True, True, hb.default_option(True), 2),
             ("dense_d64f_s16", dense, 64, False, False, hb.DEFAULT_OPTION, 16),
             ("prefixlm_d128_s4", prefix, 128, False, True, hb.VARIANT_OPTION, 4)]
     with ThreadPoolExecutor(max_workers=2) as pool:

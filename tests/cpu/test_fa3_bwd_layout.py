@@ -149,7 +149,7 @@ def test_bnhd_builds_compile_spill_free(tmp_path):
     from cubridge.runtime.variant_bwd import VariantBackward
     dense = hb.KERNEL_SOURCE.read_text()
     prefix = VariantBackward("prefixlm").hopper.source
-    jobs = [("dense_d128c", dense, 128, True, True, hb.DEFAULT_OPTION, 1),
+    jobs = [("dense_d128c", dense, 128, True, True, hb.default_option(True), 1),
             ("dense_d64f", dense, 64, False, False, hb.DEFAULT_OPTION, 1),
             ("dense_d128f_s4", dense, 128, False, True, hb.DEFAULT_OPTION, 4),
             ("prefixlm_d128", prefix, 128, False, True, hb.VARIANT_OPTION, 1),

@@ -52,7 +52,14 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # ... and with CARRY's loop-carried dK (ptxas must not inject a wgmma wait: C7517 above)
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry", s) for s in SPECS] + [
     # M_ROTATE changes full attention's loops only (causal builds are _dqw_early's): the full corners
-    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot", s) for s in ((128, False, False), (64, False, True))]
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot", s) for s in ((128, False, False), (64, False, True))] + [
+    # SCHED 2 on the default: dQ's 32 accumulators taken while P^T's registers still feed dV (all four corners)
+    ("bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early", s) for s in SPECS] + [
+    ("bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt", (128, True, True))] + [
+    # M_ROTATE 2 (grouped rotation): its full corners, as _rot
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot2", s) for s in ((128, False, False), (64, False, True))] + [
+    # TILE_ORDER 2 on the default body: only blockIdx.x's decode differs (its causal corners: where it matters)
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", s) for s in ((128, True, True), (64, True, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -112,8 +119,8 @@ def test_option_table_matches_the_kernel_macros():
         assert f"-DLEAN={m.lean}" in opts and f"-DISSUE={m.issue}" in opts and f"-DEPILOGUE={m.epilogue}" in opts
         assert f"-DCARRY={m.carry}" in opts and not (m.carry and m.sched != 1), name
         assert f"-DDV_LATE={m.dv_late}" in opts and not (m.dv_late and (m.sched != 1 or m.issue != 2)), name
-        assert f"-DDQ_WRITER={m.dq_writer}" in opts and not (m.dq_writer and (m.sched != 1 or m.dq_mode != 1)), name
-        assert f"-DROWS_EARLY={m.rows_early}" in opts and not (m.rows_early and (m.sched != 1 or not m.issue)), name
+        assert f"-DDQ_WRITER={m.dq_writer}" in opts and not (m.dq_writer and (m.sched == 0 or m.dq_mode != 1)), name
+        assert f"-DROWS_EARLY={m.rows_early}" in opts and not (m.rows_early and (m.sched == 0 or not m.issue)), name
         assert f"-DM_ROTATE={m.m_rotate}" in opts and not (m.m_rotate and (m.sched != 1 or not m.issue)), name
         assert m.sched in (0, 1, 2) and m.tile_order in (0, 2) and m.arrive_all in (0, 1), name
         assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
@@ -174,6 +181,14 @@ def test_variant_options_carry_the_hooks():
     # full 16k: 586 / 650 / 619 / 634 vs _dqw's 556 / 573 / 597 / 564; dK / dV bitwise pf32_epi's)
     assert hb.DEFAULT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"
     assert hb.OPTIONS[hb.DEFAULT_OPTION] == hb.OPTIONS[pf32]._replace(dq_writer=1, rows_early=2)
+    early = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # session 15: its body in TILE_ORDER 2's order
+    # session 15 mid call (GQA causal 8k +9.8% / +6.1% at the default split, MHA causal 8k +2.8%): causal runs it
+    assert hb.CAUSAL_OPTION == early + "_l2lpt" and hb.CAUSAL_OPTION not in hb.VARIANT_ONLY_OPTIONS
+    assert hb.default_option(True) == hb.CAUSAL_OPTION and hb.default_option(False) == hb.DEFAULT_OPTION
+    assert hb.OPTIONS[early + "_l2lpt"] == hb.OPTIONS[early]._replace(tile_order=2)
+    assert hb.OPTIONS[early + "_rot2"] == hb.OPTIONS[early]._replace(m_rotate=2)
+    assert hb.OPTIONS[early.replace("overlap", "dqfirst")] == hb.OPTIONS[early]._replace(sched=2)
+    assert hb.OPTIONS[early.replace("overlap", "dqfirst") + "_l2lpt"] == hb.OPTIONS[early]._replace(sched=2, tile_order=2)
     assert hb.DEFAULT_OPTION not in hb.VARIANT_OPTIONS
     assert hb.OPTIONS["bulk_overlap_lse_arriveall"] == hb.OPTIONS["bulk_overlap_lse"]._replace(arrive_all=1)
     assert hb.OPTIONS["bulk_overlap_lse_lean"] == hb.OPTIONS["bulk_overlap_lse_arriveall"]._replace(lean=1)

@@ -83,3 +83,44 @@ def test_tile_model_of_d256_causal_8k(mods):
     worse = fwd.tile_model(8192, 128, 80, heads=32, tile_cost=2.0)
     assert worse["steps_per_cta"] == pytest.approx((m["steps"] + 2 * 2048) / 132, abs=0.1)
     assert fwd.tile_model(256, 128, 80, heads=1, sms=4)["efficiency"] < 0.7      # 2 tiles on 4 SMs
+
+
+def test_tiles_steps_and_per_step_of_other_shapes(mods):
+    """Session 15 (D 128 / 64, full attention): FA4's tile read from its profile (the QK HGMMA's width, the
+    block size's consumer warpgroups), KV steps of a full launch, and the per-step numbers of each own tile
+    (per 128 keys where tile widths differ; cycles per step per SM from gpc__cycles_elapsed.max)."""
+    _, _, ncu = mods
+    pcs = [[0, "HGMMA.64x64x16.F32.BF16 R88, R148, gdesc[UR24].tnspB, R88 ;"],
+           [1, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR48], RZ, !UPT ;"]]
+    assert ncu.sass_tile({"pcs": pcs, "launch__block_size": 512.0}, (0, 0)) == (192, 128)
+    assert ncu.sass_tile({"pcs": [], "launch__block_size": None}, (128, 128)) == (128, 128)
+    assert ncu.kv_steps(8192, 128, 176, 32, causal=False) == 64 * 47 * 32
+    assert ncu.kv_steps(8192, 128, 80, 32, causal=True) == 32 * 3354
+    out = {"executed_by_class": {"mufu": 6600, "fp32": 27000}, "raw": {"gpc__cycles_elapsed.max": 1000.0}}
+    ncu.per_step(out, steps=100, warps=1, bn=176)
+    assert out["per_step_per_warp"]["all"] == 336.0 and out["per_128_keys_per_warp"] == round(33600 / 137.5, 1)
+    assert out["cycles_per_step_per_sm"] == 1320.0 and out["cycles_per_128_keys_per_sm"] == 960.0
+    assert ncu.our_config("dfltd", 64, True, 8192).desc_once and ncu.our_config("dflt", 128, False, 8192).tail_split
+
+
+def test_steady_loop_of_a_listing():
+    """experiments/sass_step_count_fwd.py: the innermost loop with HGMMA and MUFU, its mask pass (a forward
+    span of >= 16 FSEL) left out, a retry stub's return branch (BRA right after BRA) not taken for a loop."""
+    before = list(sys.path)
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import sass_step_count_fwd as ssc
+    finally:
+        sys.path[:] = before
+        sys.modules.pop("sass_step_count_fwd", None)
+    ops = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;"] * 2 + ["@P0 BRA 0x%x ;"] + ["FSEL R1, R2, R3, P0 ;"] * 16 \
+        + ["MUFU.EX2 R3, R3 ;"] * 30 + ["@P1 BRA 0x0 ;", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;",
+                                         "@!P0 BRA 0x%x ;", "BRA 0x10 ;"]
+    lines = []
+    for i, op in enumerate(ops):
+        if "%x" in op:
+            op = op % (16 * (i + 17) if i == 2 else 16 * i)
+        lines.append(f"        /*{16 * i:04x}*/                   {op}")
+    counts = ssc.counts(ssc.steady_loop("\n".join(lines)))
+    assert counts["classes"]["hgmma"] == 2 and counts["classes"]["mufu"] == 30 and "FSEL" not in counts["opcodes"]
+    assert counts["instructions"] == 2 + 1 + 30 + 1

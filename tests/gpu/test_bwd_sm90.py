@@ -133,13 +133,21 @@ def test_l2_sections(bwd, d, dtype):
     run_case(functools.partial(bwd, l2_bytes=per_pair), b, hq, hkv, nq, nk, d, dtype, True, seed=5)   # width 1
 
 
+def test_more_than_64_kv_tiles(bwd):
+    """Full attention over 66 KV tiles: M_ROTATE 2's second group of 64 KV tiles (session 15) starts its sweep at tile
+    128 mod the range (3 of a ragged 5-tile range here, 7 of 11 in the second case), which the lengths above never
+    reach; every option must pass it."""
+    run_case(bwd, 1, 4, 2, 300, 8400, 64, F16, False)
+    run_case(bwd, 1, 2, 2, 700, 8400, 128, BF16, False, seed=1)
+
+
 @pytest.mark.parametrize("env", [None, "1"], ids=["default", "env1"])
 def test_autograd_routes_here_by_default(monkeypatch, env):
     """Unless CUBRIDGE_HOPPER_BWD=0, autograd.attention's backward is this kernel's with the default
     option (bitwise dK/dV)."""
     from cubridge.runtime import autograd
-    from cubridge.runtime.fa3_bwd_sm90 import DEFAULT_OPTION, fa3_backward
-    bwd = functools.partial(fa3_backward, option=DEFAULT_OPTION)
+    from cubridge.runtime.fa3_bwd_sm90 import default_option, fa3_backward
+    bwd = functools.partial(fa3_backward, option=default_option(True))
     if env is None:
         monkeypatch.delenv("CUBRIDGE_HOPPER_BWD", raising=False)
     else:
@@ -248,12 +256,16 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
                                     "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early",
-                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry"])
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry",
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt",
+                                    "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early",
+                                    "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt"])
 def test_carry_gradients_equal_pf32(option, causal, shape):
     """CARRY (session 12) only moves where each step waits for its dK GEMM (the next step's first
     wgmma wait) and when the stage is released, DV_LATE where dV is issued, DQ_WRITER (session 13)
     who adds the dQ parts (a writer warp; dK / dV then staged in the slots it read last), ROWS_EARLY
-    (session 14) when the stage's LSE / Dvec rows are read into registers: the same
+    (session 14) when the stage's LSE / Dvec rows are read into registers, TILE_ORDER 2 (session 15)
+    which CTA takes which KV tile, in what order, and SCHED 2 (session 15) where dV is waited for: the same
     operations on the same values in the same order per accumulator, so dK and dV are bitwise
     bulk_overlap_lse_lean_issue_pf32_epi's (a dS^T or P^T register reused while a GEMM still read
     it, or a stage reloaded under it, would change them), dQ equal up to the reduce-add order

@@ -207,6 +207,31 @@ def test_softmax_first_three_consumers(nq, nk, grid, causal):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+# Session 15 options (off by default): mbar_sleep (mbarrier waits sleep in the barrier, every head dim
+# now) on the D 128 / 64 default configs at 8k (full 128 x 176 + tail_split, causal 128 x 128, D 64
+# 192 x 128), desc_once (three consumers: wgmma descriptors built once per GEMM) on D 64's 192 x 128.
+# By the rule at a capped and a full grid, and bitwise equal to the default (the same operations).
+S15_OPTIONS = [(128, dict(mbar_sleep=True)), (64, dict(mbar_sleep=True)), (64, dict(desc_once=True)),
+               (64, dict(mbar_sleep=True, desc_once=True))]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (300, 1000, 3)])
+@pytest.mark.parametrize("opt", S15_OPTIONS, ids=lambda o: f"d{o[0]}_" + "+".join(o[1]))
+def test_s15_options(opt, nq, nk, grid, causal):
+    d, options = opt
+    base = default_config(d, causal, True, 8192)
+    tiles = dict(block_m=base.block_m, block_n=base.block_n, tail_split=base.tail_split)
+    run_case(2, 8, 2, nq, nk, d, torch.bfloat16, causal, persistent=True, max_ctas=grid, **tiles, **options)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h, n in ((8, nq), (2, nk), (2, nk)))
+    outs = [fa3_forward(q, k, v, causal=causal, max_ctas=grid, config=dataclasses.replace(
+        base, persistent=True, **(options if on else {}))) for on in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def _cfg_id(cfg: dict) -> str:
     return "_".join(f"{k}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 

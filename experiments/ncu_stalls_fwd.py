@@ -133,13 +133,17 @@ def print_tables(result: dict, each: bool = True) -> None:
     print(f"tile model ({result['shape']}): {result['tile_model']}")
     for run in result["runs"] if each else []:
         print_run(run)
-    print("\nsystem row      us      samples  inst/step/warp  top phases (share of samples)")
+    # cycles per KV step per CTA (gpc__cycles_elapsed.max over the tile model's steps per CTA): ncu's clocks
+    # differ between kernels (session 14: FA4 1.45 GHz, ours 1.58), so cycles compare where us do not
+    print("\nsystem row         us  cyc/step  samples  inst/step/warp  top phases (share of samples)")
     for run in result["runs"]:
         if "error" in run:
             continue
         us = run.get("gpu__time_duration.sum")
+        cycles = run.get("raw", {}).get("gpc__cycles_elapsed.max")
+        per_step = cycles / result["tile_model"]["steps_per_cta"] if isinstance(cycles, float) else 0
         phases = ", ".join(f"{k.split(' (')[0]} {v / run['samples']:.0%}" for k, v in list(run["phases"].items())[:5])
-        print(f"{run['system']:<6} {run['row']:<8} {us / 1e3 if isinstance(us, float) else 0:7.0f} "
+        print(f"{run['system']:<6} {run['row']:<10} {us / 1e3 if isinstance(us, float) else 0:7.0f} {per_step:9.0f} "
               f"{run['samples']:8d}  {run['per_step_per_warp']['all']:14.1f}  {phases}")
     print("\n" + phase_us(result))
 

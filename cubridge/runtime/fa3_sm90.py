@@ -98,6 +98,10 @@ class Fa3Config:
     # Head dim 256 only: mbarrier waits sleep in the barrier (try_wait with a suspend-time hint, CUTLASS's)
     # instead of retrying (hopper_ptx.cuh MBAR_SLEEP). Off until an H100 A/B shows it (bench_d256 rows "z").
     mbar_sleep: bool = False
+    # Head dim 256 only: the consumer index made warp-uniform in the consumers' branch, so the Q descriptor
+    # lives in uniform registers (kernel.cu UNIFORM_Q; no R2UR pair before each QK HGMMA). Off until an H100
+    # A/B shows it (bench_d256 rows "u").
+    uniform_q: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -114,6 +118,7 @@ class Fa3Config:
         flags += ["-DK_BEFORE_V=1"] * self.k_before_v
         flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
         flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep
+        flags += ["-DUNIFORM_Q=1"] * self.uniform_q
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

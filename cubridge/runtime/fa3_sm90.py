@@ -99,8 +99,8 @@ class Fa3Config:
     # instead of retrying (hopper_ptx.cuh MBAR_SLEEP). Off until an H100 A/B shows it (bench_d256 rows "z").
     mbar_sleep: bool = False
     # Head dim 256 only: the consumer index made warp-uniform in the consumers' branch, so the Q descriptor
-    # lives in uniform registers (kernel.cu UNIFORM_Q; no R2UR pair before each QK HGMMA). Off until an H100
-    # A/B shows it (bench_d256 rows "u").
+    # lives in uniform registers (kernel.cu UNIFORM_Q; no R2UR pair before each QK HGMMA). On in the D 256
+    # causal default (session 15 mid: +0.6%, bench_d256 rows "u"); off elsewhere.
     uniform_q: bool = False
 
     def defines(self) -> list[str]:
@@ -201,11 +201,14 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
         # beside the turns in three H100 runs at causal 8k: 703.8 vs 679.8 TFLOPS (session 13 mid),
         # 690.8 vs 685.2 (session 14 early), 700.2 vs 696.5 (session 14 mid); GPU rule tests passed
         # (test_fa3_sm90_d256 free / s14). A lowered variant keeps the turns (Gemma-2 local: fr 559 vs
-        # 574, session 13 mid).
+        # 574, session 13 mid). Causal adds uniform_q (the Q descriptors in uniform registers: 76 fewer
+        # instructions per KV step per consumer warp under ncu): 706.2 vs fr 702.2 TFLOPS, frkzu 709.1 vs
+        # frkz 705.0 (session 15 mid, one round-robin; same cycles per step under ncu's clocks), 62 GPU
+        # rule tests passed (s15); full attention passed them too but is not timed with it.
         if variant:
             return Fa3Config(head_dim, 128, 64, 2, causal, bf16, persistent=True)
         return Fa3Config(head_dim, 128, 80, 2, causal, bf16, persistent=True, wg_turns=False,
-                         rescale_before_pv=True)
+                         rescale_before_pv=True, uniform_q=causal)
     if head_dim == 64:
         if causal and seqlen <= 2048:
             # d64 causal 1k: v3 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226. Stages: 3 vs 2

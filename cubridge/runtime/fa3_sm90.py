@@ -102,6 +102,10 @@ class Fa3Config:
     # Three consumers (D 64's 192 x 128), dense kernel: each GEMM's wgmma descriptors built once, the k-steps
     # added (kernel.cu DESC_ONCE; two consumers always do). Off until an H100 A/B shows it (session 15).
     desc_once: bool = False
+    # Head dim 256 only: the consumer index made warp-uniform in the consumers' branch, so the Q descriptor
+    # lives in uniform registers (kernel.cu UNIFORM_Q; no R2UR pair before each QK HGMMA). On in the D 256
+    # causal default (session 15 mid: +0.6%, bench_d256 rows "u"); off elsewhere.
+    uniform_q: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -118,6 +122,7 @@ class Fa3Config:
         flags += ["-DK_BEFORE_V=1"] * self.k_before_v
         flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
         flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep + ["-DDESC_ONCE=1"] * self.desc_once
+        flags += ["-DUNIFORM_Q=1"] * self.uniform_q
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property
@@ -203,11 +208,14 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
         # beside the turns in three H100 runs at causal 8k: 703.8 vs 679.8 TFLOPS (session 13 mid),
         # 690.8 vs 685.2 (session 14 early), 700.2 vs 696.5 (session 14 mid); GPU rule tests passed
         # (test_fa3_sm90_d256 free / s14). A lowered variant keeps the turns (Gemma-2 local: fr 559 vs
-        # 574, session 13 mid).
+        # 574, session 13 mid). Causal adds uniform_q (the Q descriptors in uniform registers: 76 fewer
+        # instructions per KV step per consumer warp under ncu): 706.2 vs fr 702.2 TFLOPS, frkzu 709.1 vs
+        # frkz 705.0 (session 15 mid, one round-robin; same cycles per step under ncu's clocks), 62 GPU
+        # rule tests passed (s15); full attention passed them too but is not timed with it.
         if variant:
             return Fa3Config(head_dim, 128, 64, 2, causal, bf16, persistent=True)
         return Fa3Config(head_dim, 128, 80, 2, causal, bf16, persistent=True, wg_turns=False,
-                         rescale_before_pv=True)
+                         rescale_before_pv=True, uniform_q=causal)
     if head_dim == 64:
         if causal and seqlen <= 2048:
             # d64 causal 1k: v3 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226. Stages: 3 vs 2

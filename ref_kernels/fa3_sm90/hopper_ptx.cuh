@@ -170,6 +170,13 @@ __device__ __forceinline__ T ld_shared_words(uint32_t addr) {
   return value;
 }
 
+// The value, through an empty volatile asm: not merged with the same value computed elsewhere (CSE) nor
+// hoisted, so what depends on it is computed where it is used.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // wgmma shared-memory descriptor, 128B swizzle. Address and offsets are encoded in 16-byte units.
 constexpr uint64_t kDescSwizzle128 = 1ull << 62;
 constexpr int kDescUnit = 16;

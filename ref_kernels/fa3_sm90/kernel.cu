@@ -99,6 +99,13 @@ typedef unsigned long long uint64_t;
 #ifndef MBAR_SLEEP
 #define MBAR_SLEEP 0
 #endif
+// UNIFORM_Q (HEAD_DIM 256 only): the consumer index through a lane-0 shuffle taken in the consumers'
+// branch only, so that ptxas keeps the Q descriptors in uniform registers (no R2UR pair before each QK
+// HGMMA) while the 24-register producer never holds it (kUniformWg's shuffle before the role split
+// spilled there). Off unless Fa3Config.uniform_q (session 15: A/B pending; kUniformQ below).
+#ifndef UNIFORM_Q
+#define UNIFORM_Q 0
+#endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
 
@@ -476,6 +483,12 @@ static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThrea
 // consumers) ptxas spilled 4-12 bytes, with 224-register consumers (a block-table producer,
 // share_question at 128 x 128) 6 -> 30 bytes.
 constexpr bool kUniformWg = kNewCodegen && kProducerRegs >= 40 && kConsumerRegs >= 232;
+// UNIFORM_Q where kUniformWg is off (128 x 80; 128 x 64 has it). Spill-free (nvcc 13.0) at 128 x 80 causal and
+// full, with or without turns, f / r / k / z, once the consumers recompute num_m / num_tiles after the role
+// split (entry point: without that, full attention spilled them, 4-8 bytes). Static steady step, 128 x 80 fr
+// (experiments/sass_step_count.py --fwd): causal 537 -> 468 warp instructions (R2UR 32 -> 0, IMAD 35 -> 4,
+// IADD3 16 -> 0), full 515 -> 499 (R2UR 32 -> 10: ptxas parks 5 of the 16 Q descriptors in vector registers).
+constexpr bool kUniformQ = UNIFORM_Q && kHeadDim == 256 && !kUniformWg;
 
 // ------------------------------------------------------------------ producer
 // L2 policies of the loads (L2_HINTS, full attention only; FlashAttention-3's choice): K and V are
@@ -749,8 +762,19 @@ fa3_sm90_fwd(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     if (threadIdx.x == 0) producer(sm, &tm_q, &tm_k, &tm_v, pb);
   } else {
     reg_alloc<kConsumerRegs>();
-    const Consumer cs{wg - 1, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
-    consumer(cs, sm, &tm_o, lse, pb, softmax_scale);
+    // kUniformQ: the warpgroup index made provably warp-uniform here, in the consumers' branch only
+    const int c = kUniformQ ? __shfl_sync(kFullMask, int(threadIdx.x / kWgThreads), 0) - 1 : wg - 1;
+    const Consumer cs{c, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
+    if constexpr (kUniformQ && !TAIL_SPLIT) {
+      // kUniformQ: the tile counts recomputed after the split (opaque: not merged with pb's), so the values
+      // computed before it are not live through the consumers' loop (full attention spilled them)
+      Problem pbc = pb;
+      pbc.num_m = (opaque(seqlen_q) + kBlockM - 1) / kBlockM;
+      pbc.num_tiles = pbc.num_m * heads_q * batch;
+      consumer(cs, sm, &tm_o, lse, pbc, softmax_scale);
+    } else {
+      consumer(cs, sm, &tm_o, lse, pb, softmax_scale);
+    }
   }
 }
 

@@ -38,7 +38,8 @@ def _tile_id(t: dict) -> str:
     return (f"{t['block_m']}x{t['block_n']}" + ("_free" if t.get("wg_turns") is False else "")
             + ("_rescale_before_pv" if t.get("rescale_before_pv") else "")
             + ("_softmax_first" if t.get("softmax_first") else "") + ("_k_before_v" if t.get("k_before_v") else "")
-            + ("_pv_wait_early" if t.get("pv_wait_early") else "") + ("_mbar_sleep" if t.get("mbar_sleep") else ""))
+            + ("_pv_wait_early" if t.get("pv_wait_early") else "") + ("_mbar_sleep" if t.get("mbar_sleep") else "")
+            + ("_uniform_q" if t.get("uniform_q") else ""))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
@@ -185,3 +186,41 @@ def test_d256_s14_bitwise_equal(causal):
     assert not torch.isnan(outs[0]).any()
     for name, out in zip(("k_before_v", "pv_wait_early", "both", "mbar_sleep", "k_before_v + mbar_sleep"), outs[1:]):
         assert torch.equal(outs[0], out), f"{name} changed the output (free, rescale_before_pv)"
+
+
+# Session 15's option (off by default): the consumer index warp-uniform in the consumers (uniform_q: the Q
+# descriptors in uniform registers), over fr, with the turns (the product before fr), and over frkz (session 14's
+# best row)
+S15 = [dict(FR, uniform_q=True), dict(TILES[0], uniform_q=True), dict(FR, k_before_v=True, mbar_sleep=True, uniform_q=True)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 8), (8, 1)], ids=["mha", "gqa16_8", "mqa"])
+@pytest.mark.parametrize("n", [17, 2500], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("tiles", S15, ids=_tile_id)
+def test_d256_s15_square(tiles, n, heads, causal):
+    """The persistent grid at n 2500, one tile per CTA at n 17."""
+    hq, hkv = heads
+    run_case(2 if n < 1000 else 1, hq, hkv, n, n, D, torch.bfloat16, causal, persistent=n > 1000, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(17, 1000), (1000, 17), (300, 129), (1, 4096)])
+@pytest.mark.parametrize("tiles", S15, ids=_tile_id)
+def test_d256_s15_ragged(tiles, nq, nk, causal):
+    """Few CTAs over many tiles (the tile counts the consumers recompute), rows before key 0, one KV tile, one row."""
+    run_case(2, 16, 8, nq, nk, D, torch.bfloat16, causal, persistent=True, max_ctas=7, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d256_s15_bitwise_equal(causal):
+    """uniform_q changes no arithmetic (only where the Q descriptor lives): bitwise the output without it."""
+    from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward
+    g = torch.Generator(device="cuda").manual_seed(2563)
+    q, k, v = (torch.randn(2, 8, 2500, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    pairs = [(FR, S15[0]), (TILES[0], S15[1]), (dict(FR, k_before_v=True, mbar_sleep=True), S15[2])]
+    for base, opt in pairs:
+        a, b = (fa3_forward(q, k, v, causal=causal, config=Fa3Config(head_dim=D, causal=causal, persistent=True, **t))[0]
+                for t in (base, opt))
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b), f"uniform_q changed the output of {_tile_id(base)}"

@@ -37,7 +37,8 @@ are queued rather than behind them; session 14, dense only, off), "..._dqw_early
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
 order; variant options), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist" (that order served to min(tiles, SMs)
 persistent CTAs from a queue, PERSIST: ref_kernels/fa3_bwd_sm90/persist.cuh; session 14, variants only, off:
-0.943-1.026x on the H100), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+0.943-1.026x on the H100), "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt" (the dense default's body in
+TILE_ORDER 2's order, for the variants; session 15, off until timed), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -148,6 +149,10 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2),
+           # session 15 (vbwd15): the dense default's body (DQ_WRITER + ROWS_EARLY 2) in TILE_ORDER 2's order,
+           # for the variants; off until an H100 A/B and the rule tests
+           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2,
+                                                                         epilogue=1, dq_writer=1, rows_early=2),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1,
                                                                        persist=1)}
 # PERSIST (session 14, ref_kernels/fa3_bwd_sm90/persist.cuh): min(tiles, SMs) CTAs take the tiles of TILE_ORDER 2's
@@ -170,7 +175,10 @@ DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
                    "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry",
                    "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt",
-                   *VARIANT_ONLY_OPTIONS)
+                   *VARIANT_ONLY_OPTIONS, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt")
+# (session 15: _dqw_early_l2lpt, the dense default's writer warp and early row loads for the variants. "Dense only"
+# was scope, not a limit: dq_writer already walks a variant's runs / list (q_runs_count, q_runs_tile), ROWS_EARLY
+# leaves a variant's mask decision to variant_partial; every built-in spill-free at D 64 / 128, fp16 / bf16)
 # (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
 # the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
 # fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule) in TILE_ORDER 2's

@@ -52,7 +52,10 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # ... and with CARRY's loop-carried dK (ptxas must not inject a wgmma wait: C7517 above)
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry", s) for s in SPECS] + [
     # M_ROTATE changes full attention's loops only (causal builds are _dqw_early's): the full corners
-    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot", s) for s in ((128, False, False), (64, False, True))]
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot", s) for s in ((128, False, False), (64, False, True))] + [
+    # session 15 (vbwd15): _dqw_early in TILE_ORDER 2's order (the variants' candidate; the order only decodes
+    # blockIdx.x differently): one corner dense, every built-in variant in tests/cpu/test_fa3_bwd_variants.py
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", (128, True, True))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 

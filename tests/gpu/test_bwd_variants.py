@@ -156,3 +156,29 @@ def test_variant_backward_rule_hopper_persist_queue(variant, monkeypatch):
         monkeypatch.setenv(hb.PERSIST_CTAS_ENV, ctas)
         runs.append(_run_rule(bwd, name, params, shape, f"persist{name}")[0])
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2]), "dk / dv depend on the CTA count"
+
+
+# session 15: the dense default's body for the variants (writer warp + early row loads, TILE_ORDER 2), against the
+# body it would replace (bulk_overlap_lse_lean_issue_pf32_epi_l2lpt, VARIANT_OPTION until then)
+DQW_EARLY, L2LPT = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+
+
+@pytest.mark.parametrize("shape", [_hopper_shapes()[0], _hopper_shapes()[4]],
+                         ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}".format(*s[:6], str(s[6])[6:]))
+@pytest.mark.parametrize("variant", [*HOPPER_OPTION_VARIANTS, ("global_sliding_window", {}), ("sigmoid", {})],
+                         ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
+def test_dqw_early_gradients_equal_l2lpt(variant, shape):
+    """DQ_WRITER only moves who issues each dQ bulk add (the writer warp, in the consumers' step order over the
+    variant's runs / list) and ROWS_EARLY only when the LSE / Dvec rows are read: both options pass the rule, dK /
+    dV are bitwise equal (same operations on the same values in each CTA), dQ within 2^-6 of its max (reduce-add
+    order across CTAs)."""
+    from cubridge.runtime.variant_bwd import VariantBackward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    name, params = variant
+    runs = [_run_rule(VariantBackward(name, use_hopper=True, hopper_option=o, **params), name, params, shape,
+                      f"dqw{name}{shape}")[0] for o in (DQW_EARLY, L2LPT)]
+    new, old = runs
+    assert torch.equal(new[1], old[1]) and torch.equal(new[2], old[2]), "dk / dv differ from the l2lpt body's"
+    scale = old[0].float().abs().max().item()
+    assert (new[0].float() - old[0].float()).abs().max().item() <= scale * 2 ** -6, "dq differs beyond reduce order"

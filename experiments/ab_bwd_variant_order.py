@@ -9,6 +9,7 @@ adds exact zeros; "+nofold", "+scsplit": within 2^-6 like dQ), dQ within 2^-6 of
 "OPTION+wide" (TILE_ORDER 2 options) makes one section of all (batch, head) pairs (l2_bytes unbounded);
 "OPTION+secK" sections of K pairs (K a power of two; +sec1 runs each pair's KV tiles in a row: TILE_ORDER 0's order);
 "OPTION+nofit" sections sized by the whole L2 (CUBRIDGE_BWD_FIT_SECTIONS=0; the default sizes them by L2 / f);
+"OPTION+staged" the dQ convert staged through shared memory (CUBRIDGE_BWD_STAGED_CONVERT=1, kernel.cu DQ_CONVERT 2);
 "OPTION+split" lowers with CUBRIDGE_BWD_RELU_SPLIT=1 (relu on the split passes on ISSUE 2 options);
 "OPTION+nofold" with CUBRIDGE_BWD_NORM_FOLD=0 (sigmoid's constants not folded into the score region; folded, the
 default since session 13, otherwise: "+fold" is kept as a no-op);
@@ -27,6 +28,7 @@ Writes $OUT-style JSON (--out) and prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -64,7 +66,7 @@ def lowered_option(name, option):
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, SOFTCAP_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "argcache", "noargcache", "scsplit"}
+    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "argcache", "noargcache", "scsplit"}
     unknown = {e for e in extras if e not in known and not SECTION.fullmatch(e)}
     assert not unknown, f"{option}: unknown suffix {sorted(unknown)} ({sorted(known)}, secK)"
     extra = "qlist" if "qlist" in extras else ""
@@ -147,10 +149,24 @@ def ours_option(name, option, q, k, v, dout, out, lse, attended_fraction=1.0):
         l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
     elif "fit" in extras:     # a pair's footprint counted at the attended fraction
         l2 = int(torch.cuda.get_device_properties(q.device).L2_cache_size / max(attended_fraction, 1e-6))
-    if l2 is not None:
-        return {"bwd": lambda: _with_l2(bwd, l2, dout, q, k, v, out, lse),
-                "grads": _with_l2(bwd, l2, dout, q, k, v, out, lse)}
-    return {"bwd": lambda: bwd(dout, q, k, v, out, lse), "grads": bwd(dout, q, k, v, out, lse)}
+    call = functools.partial(_with_l2, bwd, l2) if l2 is not None else bwd
+    if "staged" in extras:    # the dQ convert staged through shared memory (kernel.cu DQ_CONVERT 2)
+        call = functools.partial(_with_staged_convert, call)
+    return {"bwd": lambda: call(dout, q, k, v, out, lse), "grads": call(dout, q, k, v, out, lse)}
+
+
+def _with_staged_convert(call, *args):
+    """call(*args) with CUBRIDGE_BWD_STAGED_CONVERT=1 (fa3_backward reads it at each call), restored after."""
+    from cubridge.runtime.fa3_bwd_sm90 import STAGED_CONVERT_ENV
+    saved = os.environ.get(STAGED_CONVERT_ENV)
+    os.environ[STAGED_CONVERT_ENV] = "1"
+    try:
+        return call(*args)
+    finally:
+        if saved is None:
+            del os.environ[STAGED_CONVERT_ENV]
+        else:
+            os.environ[STAGED_CONVERT_ENV] = saved
 
 
 def section_l2_bytes(section: int, len_q: int, group: int = 1) -> int:

@@ -96,6 +96,10 @@ KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part of the cache key)
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
+# kernel.cu DQ_CONVERT 2 (session 15, vbwd15; off): the same dQ, staged through shared memory as FA4's postprocess
+# (one CTA per 64 x 64 part, 16-byte row stores). On with STAGED_CONVERT_ENV=1 (contiguous dq; BNHD keeps the tiled).
+STAGED_CONVERT_ENTRY = b"fa3_bwd_dq_convert_staged"
+STAGED_CONVERT_ENV = "CUBRIDGE_BWD_STAGED_CONVERT"
 PREP_ENTRY = b"fa3_bwd_preprocess"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
 
@@ -229,6 +233,8 @@ DQ_PART_BYTES = 64 * 64 * 4  # one consumer's 64 x 64 f32 dQ part (DQ_MODE 1)
 DQ_SLOTS = 2
 CONSUMERS = 2
 CONVERT_THREADS = 256
+STAGED_CONVERT_THREADS = 128   # DQ_CONVERT 2: one consumer warpgroup's worth per part
+DQ_PART_FLOATS = DQ_PART_BYTES // 4
 ROW_TERM_BYTES = BLOCK_M * 4   # one stage's LSE or Dvec (LSE_SMEM 1)
 LOG2E = 1.4426950408889634
 
@@ -255,11 +261,12 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION, gqa_split: int = 1,
-            bnhd: bool = False) -> list[str]:
+            bnhd: bool = False, staged_convert: bool = False) -> list[str]:
     """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa) and bnhd
     -DBNHD=1 (fa3_bwd_layout); without them the macros (and the compile cache key) are as before both."""
     macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()]
     split = ([f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []) + (["-DBNHD=1"] if bnhd else [])
+    split += ["-DDQ_CONVERT=2"] if staged_convert else []   # STAGED_CONVERT_ENV: the cache key changes only when on
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
             *macros, *split,
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
@@ -267,7 +274,7 @@ def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTIO
 
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
                 compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
-                source: str | None = None, gqa_split: int = 1, bnhd: bool = False):
+                source: str | None = None, gqa_split: int = 1, bnhd: bool = False, staged_convert: bool = False):
     """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
     `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one;
     gqa_split: fa3_bwd_gqa's split (needs an EPILOGUE 1 option); bnhd: fa3_bwd_layout's BNHD build."""
@@ -286,8 +293,15 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
     return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
-                         options=[*options(head_dim, causal, bf16, option, gqa_split, bnhd), *extra_options],
+                         options=[*options(head_dim, causal, bf16, option, gqa_split, bnhd, staged_convert),
+                                  *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
+
+
+def staged_convert_enabled() -> bool:
+    """STAGED_CONVERT_ENV: "1", DQ_MODE 1's dQ convert staged through shared memory (kernel.cu DQ_CONVERT 2); "0" or
+    unset, the tiled convert."""
+    return env_switch(STAGED_CONVERT_ENV, "0", f"unset {STAGED_CONVERT_ENV} (the tiled dQ convert) or 1 (staged)")
 
 
 def enabled() -> bool:
@@ -300,14 +314,16 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}
 
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
-               compiler: str | None, source: str | None = None, gqa_split: int = 1, bnhd: bool = False):
+               compiler: str | None, source: str | None = None, gqa_split: int = 1, bnhd: bool = False,
+               staged_convert: bool = False):
     """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess][, GQA_SPLIT's dK / dV
     sum, last]) of one specialisation (of `source`, a lowered variant, when given)."""
-    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd)
+    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd, staged_convert)
     if key not in _FUNCTIONS:
         cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source,
-                            gqa_split=gqa_split, bnhd=bnhd).cubin
-        entries = (CONVERT_ENTRY, PREP_ENTRY) if _modes(option).lean else (CONVERT_ENTRY,)
+                            gqa_split=gqa_split, bnhd=bnhd, staged_convert=staged_convert).cubin
+        convert = STAGED_CONVERT_ENTRY if staged_convert else CONVERT_ENTRY
+        entries = (convert, PREP_ENTRY) if _modes(option).lean else (convert,)
         entries += (gqa.SUM_ENTRY,) if gqa_split > 1 else ()
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, *entries)
@@ -450,8 +466,9 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's / default split applies to the options that can take it
+    staged = modes.dq_mode == 1 and not bnhd and staged_convert_enabled()
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
-                       variant.source if variant is not None else None, split, bnhd)
+                       variant.source if variant is not None else None, split, bnhd, staged)
     func, convert = funcs[:2]
     stream = current_stream(device.index)
     num_m = math.ceil(nq / BLOCK_M)
@@ -481,10 +498,22 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if split > 1:
         gqa.launch_sum(funcs[-1], *parts, dk, dv, hkv, scale, stream)
-    _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream, hq if bnhd else None)
+    if staged:
+        _convert_staged(convert, accum, dq, shape, scale, stream)
+    else:
+        _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream, hq if bnhd else None)
     if bnhd:
         lay.finish(zip((dq, dk, dv), wanted))
     return wanted
+
+
+def _convert_staged(staged, accum, dq, shape, scale: float, stream: int) -> None:
+    """dQ = accumulator * scale in 16 bit by fa3_bwd_dq_convert_staged (kernel.cu DQ_CONVERT 2): one CTA of 128
+    threads per 64 x 64 part of the tiled accumulator."""
+    args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(shape.len_q),
+            ctypes.c_int32(math.ceil(shape.len_q / BLOCK_M)), ctypes.c_float(scale)]
+    driver().launch(staged, (accum.numel() // DQ_PART_FLOATS, 1, 1), (STAGED_CONVERT_THREADS, 1, 1), 0, stream,
+                    pack_params(args))
 
 
 def _convert(tiled, accum, dq, shape, scale: float, stream: int, heads: int | None = None) -> None:

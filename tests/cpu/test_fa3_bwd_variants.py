@@ -406,3 +406,36 @@ def test_softcap_split_compiles_spill_free(monkeypatch, tmp_path):
         assert len(reports) == 3 and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
         for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
             assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
+
+
+def test_staged_convert_switch(monkeypatch):
+    """CUBRIDGE_BWD_STAGED_CONVERT: off by default (the compile options, hence the cache key, as before it), 1 adds
+    kernel.cu's DQ_CONVERT 2; anything else is a clear error."""
+    monkeypatch.delenv(hb.STAGED_CONVERT_ENV, raising=False)
+    assert not hb.staged_convert_enabled()
+    assert not any("DQ_CONVERT" in o for o in hb.options(128, False, True, DQW_EARLY))
+    assert "-DDQ_CONVERT=2" in hb.options(128, False, True, DQW_EARLY, staged_convert=True)
+    monkeypatch.setenv(hb.STAGED_CONVERT_ENV, "1")
+    assert hb.staged_convert_enabled()
+    monkeypatch.setenv(hb.STAGED_CONVERT_ENV, "yes")
+    with pytest.raises(LaunchError, match=hb.STAGED_CONVERT_ENV):
+        hb.staged_convert_enabled()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_staged_convert_compiles_spill_free(backwards, tmp_path):
+    """DQ_CONVERT 2 beside a lowered variant (D 128 bf16, D 64 fp16): every entry spill-free (the backward, both
+    converts, the preprocess) and the staged convert's shared tile 64 rows x 36 words."""
+    src = tmp_path / "prefixlm.cu"
+    src.write_text(backwards["prefixlm"].hopper.source)
+    for d, bf16 in ((128, True), (64, False)):
+        out = tmp_path / f"staged{d}.cubin"
+        proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                               *hb.options(d, False, bf16, DQW_EARLY, staged_convert=True), "-Xptxas", "-v",
+                               "-o", str(out), str(src)], capture_output=True, text=True)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"D {d}: nvcc failed\n{log[-3000:]}"
+        assert "fa3_bwd_dq_convert_staged" in log, f"D {d}: no staged entry\n{log}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) == 4 and all(r == ("0", "0") for r in reports), f"D {d}: spills\n{log}"
+        assert "9216 bytes smem" in log, f"D {d}: staged tile size\n{log}"

@@ -182,3 +182,50 @@ def test_dqw_early_gradients_equal_l2lpt(variant, shape):
     assert torch.equal(new[1], old[1]) and torch.equal(new[2], old[2]), "dk / dv differ from the l2lpt body's"
     scale = old[0].float().abs().max().item()
     assert (new[0].float() - old[0].float()).abs().max().item() <= scale * 2 ** -6, "dq differs beyond reduce order"
+
+
+
+@pytest.mark.parametrize("d,dtype,nq", [(128, BF16, 1000), (64, F16, 777), (128, F16, 64)])
+def test_staged_convert_equals_tiled(d, dtype, nq):
+    """kernel.cu DQ_CONVERT 2 (CUBRIDGE_BWD_STAGED_CONVERT=1's convert): from the same random tiled accumulator
+    (padding rows included) into NaN-poisoned dq, the staged convert writes every element and the same bits as the
+    tiled one (the same multiply and pack per element); the accumulator is left as it was."""
+    import math
+    import types
+
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    from cubridge.runtime.driver import current_stream
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    b, hq, dev = 2, 3, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(nq * d)
+    accum = torch.randn(b * hq * math.ceil(nq / 64) * 64 * d, device=dev, generator=g)
+    before = accum.clone()
+    shape = types.SimpleNamespace(batch=b, heads_q=hq, len_q=nq, head_dim=d)
+    outs = []
+    for staged in (False, True):
+        funcs = hb._functions(d, False, dtype == BF16, hb.DEFAULT_OPTION, dev, None, staged_convert=staged)
+        dq = torch.full((b, hq, nq, d), float("nan"), device=dev, dtype=dtype)
+        launch = hb._convert_staged if staged else hb._convert
+        launch(funcs[1], accum, dq, shape, d ** -0.5, current_stream(dev.index))
+        torch.cuda.synchronize()
+        outs.append(dq)
+    assert not outs[1].isnan().any(), "the staged convert left poisoned elements"
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), "staged dq differs from the tiled"
+    assert torch.equal(accum, before), "the accumulator was written"
+
+
+@pytest.mark.parametrize("variant", [("prefixlm", {}), ("share_question", {}), ("composite", {"softcap": 2.0})],
+                         ids=lambda v: v[0])
+def test_variant_backward_rule_hopper_staged_convert(variant, monkeypatch):
+    """The Hopper variant backward with CUBRIDGE_BWD_STAGED_CONVERT=1 passes the rule (ragged Nq, GQA, D 128 and
+    64), on the l2lpt and the dqw_early bodies."""
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    from cubridge.runtime.variant_bwd import VariantBackward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    monkeypatch.setenv(hb.STAGED_CONVERT_ENV, "1")
+    name, params = variant
+    for option, shape in ((L2LPT, _hopper_shapes()[0]), (DQW_EARLY, _hopper_shapes()[4])):
+        bwd = VariantBackward(name, use_hopper=True, hopper_option=option, **params)
+        _run_rule(bwd, name, params, shape, f"staged{name}{shape}")

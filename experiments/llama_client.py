@@ -75,6 +75,8 @@ def parse(argv=None):
     ap.add_argument("--no-forward", action="store_true", help="skip the forward comparison")
     ap.add_argument("--fwd-variants", nargs="+", default=["causal", "prefixlm"], choices=["causal", "prefixlm"],
                     help="forward comparisons to run (prefixlm includes layer 0's attention alone)")
+    ap.add_argument("--bnhd-ab", action="store_true",
+                    help="also time cubridge with its backward in place on [B, N, H, D] memory (CUBRIDGE_BWD_BNHD=1)")
     ap.add_argument("--train-n", type=int, default=8192, help="sequence length of the training step")
     ap.add_argument("--train-variants", nargs="+", default=["prefixlm", "causal"], choices=["prefixlm", "causal"])
     ap.add_argument("--steps", type=int, default=50, help="loss-curve steps (prefixlm)")
@@ -268,13 +270,15 @@ def train_parts(args, registered, result) -> None:
     n, masks, models, trained = args.train_n, {}, {}, []
     ids = random_ids(n, 11)
 
-    def step_of(system, variant):
-        model = models[system] = make_model(DEVICE, train=True)
+    def step_of(system, variant, key=None):
+        model = models[key or system] = make_model(DEVICE, train=True)
         model.set_attn_implementation(implementation(system, registered, variant))
         return train_step(model, optimizer(model, args.lr), ids, **call_kwargs(system, variant, n, masks, DEVICE))
 
     for variant in args.train_variants:
         fns = {"cubridge": step_of("cubridge", variant), "none": step_of("none", variant)}
+        if args.bnhd_ab:   # the same op with its backward in place on the model's [B, N, H, D] memory
+            fns[BNHD_SYSTEM] = with_bnhd(step_of("cubridge", variant, key=BNHD_SYSTEM))
         if variant == "prefixlm":
             fns["sdpa_bool_mask"] = step_of("sdpa_bool_mask", variant)
             made = {}
@@ -297,6 +301,27 @@ def train_parts(args, registered, result) -> None:
         write(args.out, result)        # kept if a later step runs past the job's time limit
     if "prefixlm" in args.train_variants and args.seeds:
         result["loss_curves"] = curves(args, registered, masks, trained[0] if trained else None)
+
+
+BNHD_SYSTEM = "cubridge[bnhd]"
+
+
+def with_bnhd(fn):
+    """fn run with CUBRIDGE_BWD_BNHD=1 (read by each backward call), the variable restored after."""
+    import os
+    from cubridge.runtime.fa3_bwd_layout import ENV
+
+    def run():
+        before = os.environ.get(ENV)
+        os.environ[ENV] = "1"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = before
+    return run
 
 
 def step_profile(model, fn) -> dict:

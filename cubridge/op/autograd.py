@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from cubridge.errors import LaunchError
+from cubridge.op.handles import op_for
 
 WHERE = "cubridge op backward"
 HEAD_DIMS = (64, 128)
@@ -82,25 +83,34 @@ def reads_in_place(op, dout, q, k, v, out) -> bool:
     return bool(modes.lean and modes.epilogue) and vb.uses_hopper(q.device) and lay.fits(dout, q, k, v, out)
 
 
-def run_backward(op, dout, q, k, v, out, lse, scale: float, rt: list):
-    """(dq, dk, dv) in q's dtype: laid out like q, k, v where reads_in_place (no copy on either side),
-    else contiguous [B, H, N, D]. `op.backward_impl`, where set, replaces the kernels (CPU tests stub
-    it as they stub the forward's launch)."""
+def run_backward(op, dout, q, k, v, out, lse, scale: float, rt: list, in_place: bool = False):
+    """(dq, dk, dv) in q's dtype: laid out like q, k, v when `in_place` (the trace's decision,
+    reads_in_place at the time the backward was traced), else contiguous [B, H, N, D]. The layout
+    follows the argument, never the environment at run time: a compiled graph (or inductor's on-disk
+    cache of one, traced in another process) asserts the strides its fake promised, so the promise
+    is kept even where the in-place path is not taken now (its gradients are then copied into
+    q / k / v's layout). `op.backward_impl`, where set, replaces the kernels (CPU tests stub it as
+    they stub the forward's launch)."""
     impl = getattr(op, "backward_impl", None)
     if impl is not None:
         return impl(dout, q, k, v, out, lse, scale, rt)
     check_trainable(op, rt)
-    if not reads_in_place(op, dout, q, k, v, out):
+    here = in_place and reads_in_place(op, dout, q, k, v, out)
+    if not here:
         # the portable fa2_bwd_sm80 and the Hopper kernel's default path address contiguous [B, H, N, D]
         # only: a model's [B, N, H, D] views are copied here (session 13: ~1.9 ms per Llama step at 8k)
+        like = (q, k, v)
         dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    return variant_backward(op, tuned_config(op, q.shape[2]))(dout, q, k, v, out, lse.contiguous(), sm_scale=scale)
+    grads = variant_backward(op, tuned_config(op, q.shape[2]))(dout, q, k, v, out, lse.contiguous(), sm_scale=scale)
+    if in_place and not here:   # promised like q, k, v (traced with the in-place path), run with copies
+        return tuple(torch.empty_like(t).copy_(g) for t, g in zip(like, grads))
+    return grads
 
 
-def backward_fake(dout, q, k, v, op=None, out=None):
+def backward_fake(dout, q, k, v, in_place: bool = False):
     """The gradients' shapes, dtypes and strides as run_backward makes them (torch.compile must see
     the strides the kernel writes: like q, k, v on the in-place path, else contiguous)."""
-    if op is not None and out is not None and reads_in_place(op, dout, q, k, v, out):
+    if in_place:
         return tuple(torch.empty_like(t) for t in (q, k, v))
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
@@ -115,5 +125,8 @@ def setup_context(ctx, inputs, output):
 
 def backward(ctx, dout, _dlse):
     q, k, v, out, lse, *rt = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cubridge.attention_backward(dout, q, k, v, out, lse, ctx.handle, ctx.scale, rt)
+    # decided here, once, where torch.compile traces it (fake tensors) as where eager runs it; the op
+    # then keeps to it (run_backward)
+    in_place = reads_in_place(op_for(ctx.handle), dout, q, k, v, out)
+    dq, dk, dv = torch.ops.cubridge.attention_backward(dout, q, k, v, out, lse, ctx.handle, ctx.scale, rt, in_place)
     return dq, dk, dv, None, None, [None] * ctx.n_runtime   # the runtime list: no gradient

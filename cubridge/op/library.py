@@ -2,8 +2,9 @@
 
     attention(q, k, v, handle, scale, runtime) -> out              # q [B, Hq, N, D] (a view the kernel reads)
     attention_lse(q, k, v, handle, scale, runtime) -> (out, lse)   # lse [B, Hq, N] float32
-    attention_backward(dout, q, k, v, out, lse, handle, scale, runtime) -> (dq, dk, dv)
-                                                                    # attention_lse's autograd backward
+    attention_backward(dout, q, k, v, out, lse, handle, scale, runtime, in_place) -> (dq, dk, dv)
+                                                                    # attention_lse's autograd backward;
+                                                                    # in_place: gradients like q, k, v
 
 `handle` names the TunedOp (cubridge.load's result) in this process; `runtime` are the spec's
 runtime inputs in declared order. The fake implementations return empty tensors of the output
@@ -48,15 +49,15 @@ def _attention_lse_fake(q, k, v, handle, scale, runtime):
 @torch.library.custom_op("cubridge::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, handle: int, scale: float,
-                       runtime: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       runtime: list[torch.Tensor], in_place: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from cubridge.op.autograd import run_backward
-    return run_backward(op_for(handle), dout, q, k, v, out, lse, scale, runtime)
+    return run_backward(op_for(handle), dout, q, k, v, out, lse, scale, runtime, in_place)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, handle, scale, runtime):
+def _attention_backward_fake(dout, q, k, v, out, lse, handle, scale, runtime, in_place):
     from cubridge.op.autograd import backward_fake
-    return backward_fake(dout, q, k, v, op_for(handle), out)
+    return backward_fake(dout, q, k, v, in_place)
 
 
 def _register_autograd():

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -82,16 +84,50 @@ def test_build_macro_and_cache_key():
 
 
 def test_op_fake_strides_follow_the_path(monkeypatch):
-    """backward_fake: contiguous gradients unless reads_in_place, then like q, k, v."""
+    """backward_fake: contiguous gradients unless the traced decision is in place, then like q, k, v."""
     from cubridge.op import autograd
     dout, q, k, v, out = _tensors(True)
     fake = autograd.backward_fake(dout, q, k, v)
     assert all(g.is_contiguous() and g.shape == t.shape for g, t in zip(fake, (q, k, v)))
     monkeypatch.delenv(lay.ENV, raising=False)
     assert not autograd.reads_in_place(object(), dout, q, k, v, out)   # off: nothing else asked
-    monkeypatch.setattr(autograd, "reads_in_place", lambda *a: True)
-    fake = autograd.backward_fake(dout, q, k, v, object(), out)
+    fake = autograd.backward_fake(dout, q, k, v, True)
     assert all(g.stride() == t.stride() for g, t in zip(fake, (q, k, v)))
+
+
+def _kernel_stub(monkeypatch, seen):
+    """run_backward's kernel replaced: records the strides it was handed, returns contiguous gradients
+    (as the kernel's copying path does) whose values depend on the inputs."""
+    from cubridge.op import autograd
+
+    def vb(dout, q, k, v, out, lse, sm_scale):
+        seen.append(tuple(t.is_contiguous() for t in (dout, q, k, v, out)))
+        return tuple((t.float() * (i + 2)).to(t.dtype).contiguous() for i, t in enumerate((q, k, v)))
+    monkeypatch.setattr(autograd, "variant_backward", lambda op, config: vb)
+    monkeypatch.setattr(autograd, "tuned_config", lambda op, nq: None)
+    monkeypatch.setattr(autograd, "check_trainable", lambda op, rt: None)
+
+
+@pytest.mark.parametrize("traced_in_place", [False, True])
+def test_op_backward_keeps_the_traced_layout_whatever_the_environment(monkeypatch, traced_in_place):
+    """Session 14's failing compiled case: the fake (traced with CUBRIDGE_BWD_BNHD=1, or taken from
+    inductor's cache of a graph traced so) promised q's strides, the real op decided again from the
+    environment and returned contiguous gradients: inductor's stride assert failed. The decision is
+    now an argument of the op: the real op keeps it, copying into q / k / v's layout where the in-place
+    path is not available at run time."""
+    from cubridge.op import autograd
+    seen = []
+    _kernel_stub(monkeypatch, seen)
+    monkeypatch.delenv(lay.ENV, raising=False)   # at run time the in-place path is off
+    dout, q, k, v, out = _tensors(True)
+    lse = torch.zeros(2, 8, 64)
+    op = SimpleNamespace()
+    grads = autograd.run_backward(op, dout, q, k, v, out, lse, 0.1, [], traced_in_place)
+    fake = autograd.backward_fake(dout, q, k, v, traced_in_place)
+    assert [g.stride() for g in grads] == [f.stride() for f in fake]
+    assert seen == [(True,) * 5]   # the kernel was handed contiguous copies (its default path)
+    for i, (g, t) in enumerate(zip(grads, (q, k, v))):
+        assert torch.equal(g, (t.float() * (i + 2)).to(t.dtype))
 
 
 def _compile(job, tmp_path):

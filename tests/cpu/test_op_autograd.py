@@ -97,7 +97,7 @@ def test_fake_tensor_mode_runs_forward_and_backward(run_dir):
     x = [q, k, v]
     out = q.clone()
     torch.library.opcheck(torch.ops.cubridge.attention_backward.default,
-                          (out, *x, out, torch.zeros(2, 8, 64), attn.handle, 0.125, []),
+                          (out, *x, out, torch.zeros(2, 8, 64), attn.handle, 0.125, [], False),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -400,6 +400,11 @@ def _classic_prep(out, dout, lse, shape, dq_mode: int, lse_smem: int, device, st
     return (lse, dvec), accum
 
 
+def pair_bytes(group: int, len_q: int, head_dim: int) -> int:
+    """tile_sections' L2 footprint of one (batch, kv head) pair: its group's Q, dO, fp32 dQ accumulator, LSE, Dvec."""
+    return group * len_q * (2 * head_dim * ELEM_BYTES + head_dim * 4 + 2 * 4)
+
+
 def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: bool, l2_bytes: int) -> int:
     """TILE_ORDER 2's section width: how many (batch, kv head) pairs run tile-major together. Each
     pair streams its group's Q, dO (16-bit), LSE, Dvec and reduces into its fp32 dQ accumulator:
@@ -413,8 +418,7 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
     """
     if not causal:
         return 1
-    per_pair = group * len_q * (2 * head_dim * ELEM_BYTES + head_dim * 4 + 2 * 4)
-    fit = max(1, l2_bytes // max(1, per_pair))
+    fit = max(1, l2_bytes // max(1, pair_bytes(group, len_q, head_dim)))
     return max(1, min(pairs, 1 << (fit.bit_length() - 1)))
 
 

@@ -48,6 +48,21 @@ FIT_ENV = "CUBRIDGE_BWD_FIT_SECTIONS"
 # per table, so a spec with tables (share_question's SEGMENT and BLOCK_CLASS, relative_pos's SLOPES, document's)
 # synced the stream once per backward call and its host path then ran with the GPU idle.
 ARGS_CACHE_ENV = "CUBRIDGE_BWD_ARGS_CACHE"
+# Off (session 15, vbwd15; mid-call A/B "+secK"): 1 caps a TILE_ORDER 2 section at section_cap_pairs (batch, kv head)
+# pairs, so that one wave of CTAs holds a pair's KV tiles side by side. Early call, 1k: the main kernel 1.33-1.41x
+# FA4's with fit sections of 64-128 pairs (a wave held 1-2 of a pair's 8 tiles; its Q / dO / dQ accumulator lines
+# left L2 between them).
+SECTION_CAP_ENV = "CUBRIDGE_BWD_SECTION_CAP"
+
+
+def section_cap_pairs(sms: int, kv_tiles: int) -> int:
+    """SECTION_CAP_ENV's most pairs per section: the largest power of two <= SMs / KV tiles, at least 1.
+
+    >>> section_cap_pairs(132, 8), section_cap_pairs(132, 32), section_cap_pairs(132, 64), section_cap_pairs(132, 256)
+    (16, 4, 2, 1)
+    """
+    fit = max(1, sms // max(1, kv_tiles))
+    return 1 << (fit.bit_length() - 1)
 ARGS_CACHED_SHAPES = 16
 
 
@@ -153,21 +168,32 @@ class VariantBackward:
                 lowered = self.hopper_list
         return lowered.args(inputs, device)
 
-    def section_l2_bytes(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, device) -> int | None:
-        """fa3_backward's l2_bytes for this shape: None (the device's L2) with FIT_ENV=0 or a TILE_ORDER 0
-        option, else the L2 over the attended fraction of the pairs (counted once per shape:
-        cubridge.transfer.pairs; a spec with runtime inputs counts the values sampled at this shape)."""
+    def section_l2_bytes(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, device, head_dim: int = 128) -> int | None:
+        """fa3_backward's l2_bytes for this shape: None (the device's L2) with FIT_ENV=0 and SECTION_CAP_ENV off or a
+        TILE_ORDER 0 option, else the L2 over the attended fraction of the pairs (counted once per shape:
+        cubridge.transfer.pairs; a spec with runtime inputs counts the values sampled at this shape), with
+        SECTION_CAP_ENV=1 at most section_cap_pairs pairs' bytes."""
         fit = env_switch(FIT_ENV, "1", f"unset {FIT_ENV} (sections sized by the attended fraction) or 0 (by the whole L2)")
-        from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
-        if not fit or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
+        cap = env_switch(SECTION_CAP_ENV, "0", f"unset {SECTION_CAP_ENV} (no cap) or 1 (a wave holds a pair's tiles)")
+        from cubridge.runtime.fa3_bwd_sm90 import OPTIONS, pair_bytes
+        if not (fit or cap) or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
             return None
+        props = torch.cuda.get_device_properties(device)
+        l2 = self._fit_l2_bytes(B, Hq, Hkv, Nq, Nk, device, props.L2_cache_size) if fit else props.L2_cache_size
+        if cap:
+            pairs = section_cap_pairs(props.multi_processor_count, -(-Nk // 128))
+            l2 = min(l2, pairs * pair_bytes(Hq // Hkv, Nq, head_dim))
+        return int(l2)
+
+    def _fit_l2_bytes(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, device, l2: int) -> float:
+        """FIT_ENV's budget: l2 over the attended fraction of the pairs (counted once per shape)."""
+        key = (B, Hq, Hkv, Nq, Nk)
         key = (B, Hq, Hkv, Nq, Nk)
         if key not in self._fractions:
             from cubridge.transfer.pairs import count_attended
             hooks = self.spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, **self.spec_params)
             self._fractions[key] = count_attended(hooks, B, Hq, Nq, Nk, device=device) / (B * Hq * Nq * Nk)
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        return int(l2 / max(self._fractions[key], 1e-6))
+        return l2 / max(self._fractions[key], 1e-6)
 
     def _launch_option(self) -> str:
         """hopper_option, except that a spec lowered to the dense reference itself (no q_range runs to
@@ -200,7 +226,7 @@ class VariantBackward:
         if self.uses_hopper(q.device, deterministic):
             from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
             va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device, hopper=True)
-            l2 = self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device)
+            l2 = self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device, d)
             fit = {} if l2 is None else {"l2_bytes": l2}   # absent unless set: callers may bind their own
             return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
                                 option=self._launch_option(), variant=va, **fit)   # default_compiler(), as the dense path

@@ -284,6 +284,31 @@ def test_fit_sections_knob(monkeypatch):
         VariantBackward("prefixlm", hopper_option=l2lpt).section_l2_bytes(1, 1, 1, 64, 64, cpu)
 
 
+def test_section_cap_knob(monkeypatch):
+    """CUBRIDGE_BWD_SECTION_CAP=1 (off by default): a TILE_ORDER 2 section holds at most the largest power of two
+    <= SMs / KV tiles pairs (132 SMs: 16 at 1k, 4 at 4k, 2 at 8k), over the fit sizing or the plain L2 one; off, the
+    widths are the fit ones (test_fit_sections_knob); a bad value is refused naming the variable."""
+    from cubridge.runtime.variant_bwd import FIT_ENV, SECTION_CAP_ENV
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("P", (), {"L2_cache_size": 50 << 20, "multi_processor_count": 132}))
+    cpu, l2lpt = torch.device("cpu"), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+    bwd = VariantBackward("share_question", hopper_option=l2lpt)
+
+    def width(n, d=128):
+        b = 16384 // n
+        return hb.tile_sections(b * 16, 1, n, d, True, bwd.section_l2_bytes(b, 16, 16, n, n, cpu, d))
+    monkeypatch.delenv(SECTION_CAP_ENV, raising=False)
+    assert [width(n) for n in (1024, 4096, 8192)] == [128, 32, 16]   # fit alone
+    monkeypatch.setenv(SECTION_CAP_ENV, "1")
+    assert [width(n) for n in (1024, 4096, 8192)] == [16, 4, 2]
+    assert width(1024, 64) == 16   # the cap counts pairs, whatever their bytes
+    monkeypatch.setenv(FIT_ENV, "0")
+    assert [width(n) for n in (1024, 4096, 8192)] == [16, 4, 2]   # capped plain sizing (32, 8, 4 uncapped)
+    monkeypatch.setenv(SECTION_CAP_ENV, "2")
+    with pytest.raises(LaunchError, match=SECTION_CAP_ENV):
+        width(1024)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
 def test_persist_compiles_spill_free_within_shared_memory(backwards, tmp_path):
     """PERSIST (ref_kernels/fa3_bwd_sm90/persist.cuh; its scheduler warp scans under the producer warpgroup's 24

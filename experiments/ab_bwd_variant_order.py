@@ -10,6 +10,7 @@ adds exact zeros; "+nofold", "+scsplit": within 2^-6 like dQ), dQ within 2^-6 of
 "OPTION+secK" sections of K pairs (K a power of two; +sec1 runs each pair's KV tiles in a row: TILE_ORDER 0's order);
 "OPTION+nofit" sections sized by the whole L2 (CUBRIDGE_BWD_FIT_SECTIONS=0; the default sizes them by L2 / f);
 "OPTION+staged" the dQ convert staged through shared memory (CUBRIDGE_BWD_STAGED_CONVERT=1, kernel.cu DQ_CONVERT 2);
+"OPTION+cap" sections capped at SMs / KV tiles pairs (CUBRIDGE_BWD_SECTION_CAP=1: 16 at 1k, 4 at 4k, 2 at 8k);
 "OPTION+split" lowers with CUBRIDGE_BWD_RELU_SPLIT=1 (relu on the split passes on ISSUE 2 options);
 "OPTION+nofold" with CUBRIDGE_BWD_NORM_FOLD=0 (sigmoid's constants not folded into the score region; folded, the
 default since session 13, otherwise: "+fold" is kept as a no-op);
@@ -66,7 +67,7 @@ def lowered_option(name, option):
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, SOFTCAP_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "argcache", "noargcache", "scsplit"}
+    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "cap", "argcache", "noargcache", "scsplit"}
     unknown = {e for e in extras if e not in known and not SECTION.fullmatch(e)}
     assert not unknown, f"{option}: unknown suffix {sorted(unknown)} ({sorted(known)}, secK)"
     extra = "qlist" if "qlist" in extras else ""
@@ -150,23 +151,28 @@ def ours_option(name, option, q, k, v, dout, out, lse, attended_fraction=1.0):
     elif "fit" in extras:     # a pair's footprint counted at the attended fraction
         l2 = int(torch.cuda.get_device_properties(q.device).L2_cache_size / max(attended_fraction, 1e-6))
     call = functools.partial(_with_l2, bwd, l2) if l2 is not None else bwd
-    if "staged" in extras:    # the dQ convert staged through shared memory (kernel.cu DQ_CONVERT 2)
-        call = functools.partial(_with_staged_convert, call)
+    from cubridge.runtime.fa3_bwd_sm90 import STAGED_CONVERT_ENV
+    from cubridge.runtime.variant_bwd import SECTION_CAP_ENV
+    envs = {STAGED_CONVERT_ENV: "1"} if "staged" in extras else {}   # the dQ convert staged (kernel.cu DQ_CONVERT 2)
+    envs.update({SECTION_CAP_ENV: "1"} if "cap" in extras else {})   # sections capped at SMs / KV tiles pairs
+    if envs:
+        call = functools.partial(_with_env, envs, call)
     return {"bwd": lambda: call(dout, q, k, v, out, lse), "grads": call(dout, q, k, v, out, lse)}
 
 
-def _with_staged_convert(call, *args):
-    """call(*args) with CUBRIDGE_BWD_STAGED_CONVERT=1 (fa3_backward reads it at each call), restored after."""
-    from cubridge.runtime.fa3_bwd_sm90 import STAGED_CONVERT_ENV
-    saved = os.environ.get(STAGED_CONVERT_ENV)
-    os.environ[STAGED_CONVERT_ENV] = "1"
+def _with_env(envs: dict, call, *args):
+    """call(*args) with the environment variables `envs` set (read by VariantBackward / fa3_backward at each call),
+    restored after."""
+    saved = {key: os.environ.get(key) for key in envs}
+    os.environ.update(envs)
     try:
         return call(*args)
     finally:
-        if saved is None:
-            del os.environ[STAGED_CONVERT_ENV]
-        else:
-            os.environ[STAGED_CONVERT_ENV] = saved
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
 
 
 def section_l2_bytes(section: int, len_q: int, group: int = 1) -> int:

@@ -189,7 +189,11 @@ VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overl
 # order (session 13 mid call, H100 8k: 1.030-1.058x pf32_epi on share_question, prefixlm,
 # global_sliding_window, relu, sigmoid, composite; the Hopper rule cases passed on it); lean stays in
 # VARIANT_OPTIONS as the A/B baseline
-VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+# Since session 15's mid call: the dense default's body (bwd13's dQ writer warp, bwd14's ROWS_EARLY 2) in that order,
+# _dqw_early_l2lpt (H100, x over pf32_epi_l2lpt, same run, bf16 D 128, 16k tokens: 8k prefixlm 1.125, share_question
+# 1.050, gsw 1.008, sigmoid 1.055, composite 0.996; 4k 0.997-1.083; 1k 0.995-0.997; its 50 rule cases passed, dK / dV
+# bitwise the l2lpt body's on 6 variants x 2 shapes)
+VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 # CUBRIDGE_BWD_VARIANT_OPTION names another of VARIANT_OPTIONS as the variant backwards' default (variant_option:
 # A/B runs, the GPU rule tests of an opt-in option over every variant and shape); unset: VARIANT_OPTION.
 VARIANT_OPTION_ENV = "CUBRIDGE_BWD_VARIANT_OPTION"

@@ -91,19 +91,20 @@ def _assert_clean_build(spec, proc) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
-def test_dqw_early_compiles_spill_free_for_every_builtin(backwards, tmp_path):
+def test_dqw_early_compiles_spill_free_on_the_exact_list(backwards, tmp_path):
     """Session 15: the dense default's body (DQ_WRITER: the writer warp walks the variant's runs or list under the
-    producer warpgroup's 24 registers; ROWS_EARLY 2) on every built-in, the four (D, dtype) corners in turn (all
-    44 were checked by hand, 0 spill), and the exact query-tile list of two block tables at D 128 / 64."""
+    producer warpgroup's 24 registers; ROWS_EARLY 2), VARIANT_OPTION since the mid call (every built-in at all four
+    corners: test_every_builtin_compiles_spill_free), on the exact query-tile list of two block tables."""
     from cubridge.lower.fa3_bwd_sm90 import lower_source
-    jobs = [(bwd, name, *SPECS[i % len(SPECS)], DQW_EARLY) for i, (name, bwd) in enumerate(backwards.items())]
+    assert hb.VARIANT_OPTION == DQW_EARLY
+    jobs = []
     for name, d in (("share_question", 128), ("document", 64)):   # FA3B_Q_TILE_LIST's q_runs_count / q_runs_tile
         listed = types.SimpleNamespace(hopper=types.SimpleNamespace(
             source=lower_source(hb.KERNEL_SOURCE.read_text(), backwards[name].ir, q_list=True)))
         jobs.append((listed, f"{name}_list", d, True, DQW_EARLY))
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
-    assert len(results) == len(BUILTINS) + 2
+    assert len(results) == 2
     for spec, proc in results:
         _assert_clean_build(spec, proc)
 
@@ -265,13 +266,16 @@ def test_fit_sections_knob(monkeypatch):
     attended fraction of the pairs, so sparse specs get wider sections (8k, B 2 x 16 heads:
     global_sliding_window 32 pairs, share_question 16, prefixlm 8, against 4); =0 or a TILE_ORDER 0
     option: None (fa3_backward takes the device's L2); a bad value is refused naming the variable."""
-    from cubridge.runtime.variant_bwd import FIT_ENV
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 50 << 20}))
+    from cubridge.runtime.variant_bwd import FIT_ENV, SECTION_CAP_ENV
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("P", (), {"L2_cache_size": 50 << 20, "multi_processor_count": 132}))
     cpu = torch.device("cpu")
     l2lpt = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
     monkeypatch.setenv(FIT_ENV, "0")
+    monkeypatch.setenv(SECTION_CAP_ENV, "0")
     assert VariantBackward("share_question", hopper_option=l2lpt).section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
     monkeypatch.delenv(FIT_ENV)
+    monkeypatch.delenv(SECTION_CAP_ENV)   # on by default, no cap at 8k (64 KV tiles): the fit widths below
     lean = "bulk_overlap_lse_lean"   # TILE_ORDER 0: no sections
     assert VariantBackward("share_question", hopper_option=lean).section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
     widths = {name: hb.tile_sections(32, 1, 8192, 128, True, VariantBackward(name, hopper_option=l2lpt)
@@ -285,9 +289,9 @@ def test_fit_sections_knob(monkeypatch):
 
 
 def test_section_cap_knob(monkeypatch):
-    """CUBRIDGE_BWD_SECTION_CAP=1 (off by default): a TILE_ORDER 2 section holds at most the largest power of two
-    <= SMs / KV tiles pairs (132 SMs: 16 at 1k, 4 at 4k, 2 at 8k), over the fit sizing or the plain L2 one; off, the
-    widths are the fit ones (test_fit_sections_knob); a bad value is refused naming the variable."""
+    """CUBRIDGE_BWD_SECTION_CAP (on by default since session 15): a TILE_ORDER 2 section holds at most the largest
+    power of two <= SMs / KV tiles pairs (132 SMs: 16 at 1k, 4 at 4k), no cap where that is below 4 (8k: the fit
+    widths stay), over the fit sizing or the plain L2 one; =0, the fit widths; a bad value is refused naming it."""
     from cubridge.runtime.variant_bwd import FIT_ENV, SECTION_CAP_ENV
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: type("P", (), {"L2_cache_size": 50 << 20, "multi_processor_count": 132}))
@@ -297,13 +301,13 @@ def test_section_cap_knob(monkeypatch):
     def width(n, d=128):
         b = 16384 // n
         return hb.tile_sections(b * 16, 1, n, d, True, bwd.section_l2_bytes(b, 16, 16, n, n, cpu, d))
-    monkeypatch.delenv(SECTION_CAP_ENV, raising=False)
+    monkeypatch.setenv(SECTION_CAP_ENV, "0")
     assert [width(n) for n in (1024, 4096, 8192)] == [128, 32, 16]   # fit alone
-    monkeypatch.setenv(SECTION_CAP_ENV, "1")
-    assert [width(n) for n in (1024, 4096, 8192)] == [16, 4, 2]
+    monkeypatch.delenv(SECTION_CAP_ENV)
+    assert [width(n) for n in (1024, 4096, 8192)] == [16, 4, 16]
     assert width(1024, 64) == 16   # the cap counts pairs, whatever their bytes
     monkeypatch.setenv(FIT_ENV, "0")
-    assert [width(n) for n in (1024, 4096, 8192)] == [16, 4, 2]   # capped plain sizing (32, 8, 4 uncapped)
+    assert [width(n) for n in (1024, 4096, 8192)] == [16, 4, 4]   # capped plain sizing (32, 8, 4 uncapped)
     monkeypatch.setenv(SECTION_CAP_ENV, "2")
     with pytest.raises(LaunchError, match=SECTION_CAP_ENV):
         width(1024)

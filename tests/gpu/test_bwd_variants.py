@@ -197,7 +197,7 @@ def test_staged_convert_equals_tiled(d, dtype, nq):
     from cubridge.runtime.driver import current_stream
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
-    b, hq, dev = 2, 3, torch.device("cuda")
+    b, hq, dev = 2, 3, torch.device("cuda", torch.cuda.current_device())   # an index: current_stream takes it
     g = torch.Generator(device=dev).manual_seed(nq * d)
     accum = torch.randn(b * hq * math.ceil(nq / 64) * 64 * d, device=dev, generator=g)
     before = accum.clone()

@@ -69,9 +69,9 @@ def tuned_config(op, nq: int) -> str | None:
 
 def reads_in_place(op, dout, q, k, v, out) -> bool:
     """Whether the backward reads dout, q, k, v, out where they are and writes gradients like q, k, v
-    (torch.empty_like): fa3_bwd_sm90's BNHD path (cubridge.runtime.fa3_bwd_layout), taken under
-    CUBRIDGE_BWD_BNHD=1 by the Hopper backward when dout and out are [B, N, H, D] memory (a transformers
-    model's views) and its TMA maps address q, k, v. Strides only: the fake implementation asks too."""
+    (torch.empty_like): fa3_bwd_sm90's BNHD path (cubridge.runtime.fa3_bwd_layout), taken by the Hopper
+    backward (the default; CUBRIDGE_BWD_BNHD=0 turns it off) when dout and out are [B, N, H, D] memory (a
+    transformers model's views) and its TMA maps address q, k, v. Strides only: the fake implementation asks too."""
     from cubridge.runtime import fa3_bwd_layout as lay
     from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
     if getattr(op, "backward_impl", None) is not None or not lay.enabled() or q.device.type != "cuda":

@@ -1,4 +1,4 @@
-"""The caller's layout in the Hopper backward (kernel.cu BNHD, session 14; off by default).
+"""The caller's layout in the Hopper backward (kernel.cu BNHD, session 14; on by default since session 15).
 
 A transformers model hands attention [B, N, H, D] memory seen as [B, H, N, D] (q_proj(x).view(B, N,
 H, D).transpose(1, 2)), and its gradient of the attention output arrives the same way. Session 13's
@@ -8,8 +8,11 @@ tensors' own strides (cubridge.runtime.fa3_sm90.tensor_map, as the forward), its
 and dO, and it writes dQ, dK, dV, as [B, N, H, D] memory; the gradients are allocated like the inputs
 (torch.empty_like), so a model's views need no copy either way.
 
-CUBRIDGE_BWD_BNHD=1 turns it on (fa3_backward(layout="auto") then takes it when dout and out are
-[B, N, H, D] memory); fa3_backward(layout="bnhd") asks for it explicitly.
+fa3_backward(layout="auto") takes it when dout and out are [B, N, H, D] memory; CUBRIDGE_BWD_BNHD=0 turns
+that off (contiguous copies, as before session 15); fa3_backward(layout="bnhd") asks for it explicitly.
+On by default since session 15's mid call (H100, prefixlm 8k Llama training step, one round-robin: 89.99 ms in
+place vs 90.89 ms copying, Flex-FLASH 88.88; the backward alone 7-12% faster than with the copies in session 14's
+mid call; tests/gpu/test_bwd_layout.py 15 passed and tests/gpu/test_bwd_op.py 11 passed with it on).
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ LAYOUTS = ("auto", "bhnd", "bnhd")
 
 
 def enabled() -> bool:
-    """CUBRIDGE_BWD_BNHD: "1" lets "auto" take the BNHD path, "0" or unset keeps [B, H, N, D]."""
-    return env_switch(ENV, "0", f"unset {ENV} (contiguous [B, H, N, D] backward) or set it to 1 (the caller's layout)")
+    """CUBRIDGE_BWD_BNHD: "1" or unset lets "auto" take the BNHD path, "0" keeps [B, H, N, D] (copies)."""
+    return env_switch(ENV, "1", f"unset {ENV} (the caller's layout, the default) or set it to 0 (contiguous [B, H, N, D] "
+                                "copies)")
 
 
 def is_bnhd(t: torch.Tensor) -> bool:
@@ -49,7 +53,7 @@ def fits(dout, q, k, v, out) -> bool:
 
 
 def choose(layout: str | None, modes, dout, q, k, v, out) -> bool:
-    """True for the BNHD path. layout None / "auto": CUBRIDGE_BWD_BNHD=1, an option with LEAN and
+    """True for the BNHD path. layout None / "auto": CUBRIDGE_BWD_BNHD on (the default), an option with LEAN and
     EPILOGUE (the preprocess and the stores it changes), and fits(); "bnhd": required (a clear error
     where the option or tensors cannot), "bhnd": never."""
     layout = "auto" if layout is None else layout

@@ -447,7 +447,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     group over CTAs (None: CUBRIDGE_BWD_GQA_SPLIT, else fa3_bwd_gqa.default_split: 2 dense causal, 1
     otherwise; an option without EPILOGUE 1 runs unsplit unless the split is explicit, which it refuses). layout: "auto"
     (None), "bhnd" or "bnhd" (fa3_bwd_layout: the caller's [B, N, H, D] memory read and written in place;
-    "auto" takes it under CUBRIDGE_BWD_BNHD=1 where dout and out are [B, N, H, D] memory)."""
+    "auto" takes it (unless CUBRIDGE_BWD_BNHD=0) where dout and out are [B, N, H, D] memory)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     modes = _modes(option)
     bnhd = all(isinstance(t, torch.Tensor) for t in (dout, q, k, v, out)) and lay.choose(layout, modes, dout, q, k, v,

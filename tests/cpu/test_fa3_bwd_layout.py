@@ -32,6 +32,8 @@ def _tensors(model_layout: bool):
 
 def test_enabled_reads_the_environment(monkeypatch):
     monkeypatch.delenv(lay.ENV, raising=False)
+    assert lay.enabled()          # on by default since session 15
+    monkeypatch.setenv(lay.ENV, "0")
     assert not lay.enabled()
     monkeypatch.setenv(lay.ENV, "1")
     assert lay.enabled()
@@ -44,7 +46,9 @@ def test_choose_auto_explicit_and_off(monkeypatch):
     modes = hb.OPTIONS[hb.DEFAULT_OPTION]
     model, contiguous = _tensors(True), _tensors(False)
     monkeypatch.delenv(lay.ENV, raising=False)
-    assert not lay.choose(None, modes, *model)                       # off by default
+    assert lay.choose(None, modes, *model)                           # on by default (session 15)
+    monkeypatch.setenv(lay.ENV, "0")
+    assert not lay.choose(None, modes, *model)                       # switched off
     assert lay.choose("bnhd", modes, *model)                         # asked for
     monkeypatch.setenv(lay.ENV, "1")
     assert lay.choose("auto", modes, *model) and not lay.choose("auto", modes, *contiguous)
@@ -89,7 +93,7 @@ def test_op_fake_strides_follow_the_path(monkeypatch):
     dout, q, k, v, out = _tensors(True)
     fake = autograd.backward_fake(dout, q, k, v)
     assert all(g.is_contiguous() and g.shape == t.shape for g, t in zip(fake, (q, k, v)))
-    monkeypatch.delenv(lay.ENV, raising=False)
+    monkeypatch.setenv(lay.ENV, "0")
     assert not autograd.reads_in_place(object(), dout, q, k, v, out)   # off: nothing else asked
     fake = autograd.backward_fake(dout, q, k, v, True)
     assert all(g.stride() == t.stride() for g, t in zip(fake, (q, k, v)))
@@ -118,7 +122,7 @@ def test_op_backward_keeps_the_traced_layout_whatever_the_environment(monkeypatc
     from cubridge.op import autograd
     seen = []
     _kernel_stub(monkeypatch, seen)
-    monkeypatch.delenv(lay.ENV, raising=False)   # at run time the in-place path is off
+    monkeypatch.setenv(lay.ENV, "0")   # at run time the in-place path is off
     dout, q, k, v, out = _tensors(True)
     lse = torch.zeros(2, 8, 64)
     op = SimpleNamespace()

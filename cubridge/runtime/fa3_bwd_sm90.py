@@ -48,8 +48,8 @@ in the same run, cuDNN 517 / 558 / 552 / 592, FA4 614 / 664 / 664 / 686; dK / dV
 same session's early call, "bulk_overlap_lse_lean_issue_pf32_epi_dqw": bulk_overlap_lse_lean_issue_pf32_epi
 with bwd13's dQ writer warp (H100, bf16 D 128, 16k tokens, TFLOPS causal 8k / full 8k / causal 16k / full 16k:
 session 13 mid 572 / 575 / 592 / 564 vs 544 / 568 / 571 / 546, session 14 early 554 / 549 / 563 / 526 vs 529 / 545 /
-543 / 510, same runs; test_bwd_sm90 -k dqw 95 passed, synccheck 0 errors, racecheck 0 hazards). It is dense only:
-the variant path keeps the body without the writer. Before it, from session 12,
+543 / 510, same runs; test_bwd_sm90 -k dqw 95 passed, synccheck 0 errors, racecheck 0 hazards). Since session 15
+the variant path builds on it too (VARIANT_OPTION, in TILE_ORDER 2's order: ..._dqw_early_l2lpt). Before it, from session 12,
 "bulk_overlap_lse_lean_issue_pf32_epi" (VARIANT_OPTION, the variant
 backwards', that body in TILE_ORDER 2's order since session 13: bulk_overlap_lse_lean_issue_pf32_epi_l2lpt): on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
 537 / 541 / 554 / 543 TFLOPS causal 8k / full 8k / causal 16k / full 16k against the session-10

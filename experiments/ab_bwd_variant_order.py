@@ -7,6 +7,10 @@ adds exact zeros; "+nofold", "+scsplit": within 2^-6 like dQ), dQ within 2^-6 of
 "OPTION+qlist" is OPTION with q_range lowered as the exact query-tile list (cubridge.lower.fa3_bwd_sm90, CUBRIDGE_BWD_Q_LIST);
 "OPTION+maskall" runs every step down the masked path (the cost of the mask per half-step);
 "OPTION+wide" (TILE_ORDER 2 options) makes one section of all (batch, head) pairs (l2_bytes unbounded);
+"OPTION+secK" sections of K pairs (K a power of two; +sec1 runs each pair's KV tiles in a row: TILE_ORDER 0's order);
+"OPTION+nofit" sections sized by the whole L2 (CUBRIDGE_BWD_FIT_SECTIONS=0; the default sizes them by L2 / f);
+"OPTION+staged" the dQ convert staged through shared memory (CUBRIDGE_BWD_STAGED_CONVERT=1, kernel.cu DQ_CONVERT 2);
+"OPTION+cap" sections capped at SMs / KV tiles pairs (CUBRIDGE_BWD_SECTION_CAP=1: 16 at 1k, 4 at 4k, 2 at 8k);
 "OPTION+split" lowers with CUBRIDGE_BWD_RELU_SPLIT=1 (relu on the split passes on ISSUE 2 options);
 "OPTION+nofold" with CUBRIDGE_BWD_NORM_FOLD=0 (sigmoid's constants not folded into the score region; folded, the
 default since session 13, otherwise: "+fold" is kept as a no-op);
@@ -28,6 +32,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
 import threading
 import traceback
@@ -48,6 +53,7 @@ BWD_FLOP_FACTOR = 2.5
 # only: what one masked half-step costs beside an unmasked one)
 STEP_PARTIAL = "int m, int len_q, int len_k) {\n  return q_partial_at(va, b, h_kv, group, n0, kv_lo, m, len_q, len_k);\n}"
 MASK_ALL = "int m, int len_q, int len_k) {\n  return true;\n}"
+SECTION = re.compile(r"sec(\d+)")   # "+secK": TILE_ORDER 2 sections of K (batch, head) pairs
 DEFAULT_OPTIONS = ["bulk_overlap_lse_lean", "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean+qlist"]
 _ENV_LOCK = threading.Lock()   # lowered_option sets the lowering's env around one lowering (prebuild's threads)
 
@@ -61,8 +67,9 @@ def lowered_option(name, option):
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, SOFTCAP_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "argcache", "noargcache", "scsplit"}
-    assert not set(extras) - known, f"{option}: unknown suffix {sorted(set(extras) - known)} ({sorted(known)})"
+    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "cap", "argcache", "noargcache", "scsplit"}
+    unknown = {e for e in extras if e not in known and not SECTION.fullmatch(e)}
+    assert not unknown, f"{option}: unknown suffix {sorted(unknown)} ({sorted(known)}, secK)"
     extra = "qlist" if "qlist" in extras else ""
     bwd = VariantBackward(name, use_hopper=True, hopper_option=base)
     if {"argcache", "noargcache"} & set(extras):   # else the environment / default decides, as in the product
@@ -134,21 +141,60 @@ def ours_option(name, option, q, k, v, dout, out, lse, attended_fraction=1.0):
     """Our backward on `option` (lowered_option's suffixes; "+wide", "+fit" as the module's docstring)."""
     bwd, extras = lowered_option(name, option)
     l2 = None
+    sections = [int(m.group(1)) for m in map(SECTION.fullmatch, extras) if m]
     if "wide" in extras:      # TILE_ORDER 2 with one section of every (batch, head): an unbounded L2 budget
         l2 = 1 << 50
+    elif sections:            # "+secK": sections of K pairs (K a power of two; 1 = each pair's tiles in a row)
+        l2 = section_l2_bytes(sections[0], q.shape[2])
+    elif "nofit" in extras:   # sections sized by the whole L2 (CUBRIDGE_BWD_FIT_SECTIONS=0's sizing)
+        l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
     elif "fit" in extras:     # a pair's footprint counted at the attended fraction
         l2 = int(torch.cuda.get_device_properties(q.device).L2_cache_size / max(attended_fraction, 1e-6))
-    if l2 is not None:
-        return {"bwd": lambda: _with_l2(bwd, l2, dout, q, k, v, out, lse),
-                "grads": _with_l2(bwd, l2, dout, q, k, v, out, lse)}
-    return {"bwd": lambda: bwd(dout, q, k, v, out, lse), "grads": bwd(dout, q, k, v, out, lse)}
+    call = functools.partial(_with_l2, bwd, l2) if l2 is not None else bwd
+    from cubridge.runtime.fa3_bwd_sm90 import STAGED_CONVERT_ENV
+    from cubridge.runtime.variant_bwd import SECTION_CAP_ENV
+    envs = {STAGED_CONVERT_ENV: "1"} if "staged" in extras else {}   # the dQ convert staged (kernel.cu DQ_CONVERT 2)
+    envs.update({SECTION_CAP_ENV: "1"} if "cap" in extras else {})   # sections capped at SMs / KV tiles pairs
+    if envs:
+        call = functools.partial(_with_env, envs, call)
+    return {"bwd": lambda: call(dout, q, k, v, out, lse), "grads": call(dout, q, k, v, out, lse)}
+
+
+def _with_env(envs: dict, call, *args):
+    """call(*args) with the environment variables `envs` set (read by VariantBackward / fa3_backward at each call),
+    restored after."""
+    saved = {key: os.environ.get(key) for key in envs}
+    os.environ.update(envs)
+    try:
+        return call(*args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
+def section_l2_bytes(section: int, len_q: int, group: int = 1) -> int:
+    """The l2_bytes for which fa3_bwd_sm90.tile_sections answers `section` pairs (a power of two) at this shape."""
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    per_pair = group * len_q * (2 * D * hb.ELEM_BYTES + D * 4 + 2 * 4)   # tile_sections' footprint of a pair
+    l2 = section * per_pair
+    assert hb.tile_sections(1 << 20, group, len_q, D, True, l2) == section, f"section {section} is not a power of two"
+    return l2
 
 
 def _with_l2(bwd, l2_bytes, *args):
-    """bwd(*args) with fa3_backward's l2_bytes set (VariantBackward looks fa3_backward up at each call)."""
+    """bwd(*args) with fa3_backward's l2_bytes set (VariantBackward looks fa3_backward up at each call). Forced over
+    the l2_bytes VariantBackward passes itself since session 13's fit sections (a functools.partial keyword loses to
+    the call's: "+wide" then ran the fit sections unnoticed)."""
     from cubridge.runtime import fa3_bwd_sm90 as hb
     orig = hb.fa3_backward
-    hb.fa3_backward = functools.partial(orig, l2_bytes=l2_bytes)
+
+    def forced(*a, **kw):
+        kw["l2_bytes"] = l2_bytes
+        return orig(*a, **kw)
+    hb.fa3_backward = forced
     try:
         return bwd(*args)
     finally:

@@ -21,11 +21,51 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-import bench_bwd_variants as bbv
-from cubridge.runtime.timing import bench_round_robin
+from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
 from cubridge.spec import load_spec
 
 FLUSH_BYTES = 128 << 20
+TOKENS, H, D = 16384, 16, 128   # bench_bwd_variants.py's shapes: bf16, 16 heads (MHA), B = 16384 // N
+
+
+class Refused(Exception):
+    """A peer that cannot run this variant (FLASH unavailable, a normalisation Flex cannot express)."""
+
+
+def _inputs(n: int, b: int):
+    """q, k, v, dout as bench_bwd_variants.py draws them (same seed, same order)."""
+    g = torch.Generator(device="cuda").manual_seed(n * 131 + b)
+    q, dout = (torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    return q, k, v, dout
+
+
+def ours(name: str, q, k, v, dout):
+    """Our backward (VariantBackward on the Hopper kernel) on our forward's out / LSE, as bench_bwd_variants.py."""
+    from expkit import Ours
+    from cubridge.runtime.variant_bwd import VariantBackward
+    bwd = VariantBackward(name, use_hopper=True)
+    out, lse = Ours().fn(name, q, k, v)()
+    return lambda: bwd(dout, q, k, v, out, lse)
+
+
+def flex(hooks, q, k, v, dout, backend: str):
+    """FlexAttention's backward alone: autograd.grad on a retained graph (backend "flash": FA4's CuTe DSL)."""
+    if not hooks.flex_expressible:
+        raise Refused(f"{hooks.normalization.kind} normalisation: FlexAttention is softmax only")
+    fx, cbm = compiled_flex_attention()
+    n = q.shape[2]
+    kw = {"score_mod": hooks.score_mod,
+          "block_mask": cbm(hooks.mask_mod, None, None, n, n, device=q.device) if hooks.mask_mod else None}
+    if backend == "flash":
+        kw["kernel_options"] = {"BACKEND": "FLASH"}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    try:
+        out = fx(*leaves, **kw)
+        torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    except Exception as e:  # noqa: BLE001 - the backend's refusal is the recorded reason
+        raise Refused(f"{type(e).__name__}: {str(e).strip()[:200]}")
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
 def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
@@ -49,25 +89,23 @@ def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
 
 
 def one(name: str, n: int, reps: int) -> list[dict]:
-    b = max(1, bbv.TOKENS // n)
+    b = max(1, TOKENS // n)
     spec = load_spec(name)
-    hooks = spec.hooks_for(n, n, bbv.H, bbv.H, "cuda")
-    q, k, v, dout = bbv._inputs(n, b)
-    from expkit import Ours
-    fwd_ours = Ours()
-    systems = {"cubridge": bbv.ours(name, q, k, v, dout, fwd_ours)}
+    hooks = spec.hooks_for(n, n, H, H, "cuda")
+    q, k, v, dout = _inputs(n, b)
+    systems = {"cubridge": ours(name, q, k, v, dout)}
     for peer, backend in (("flex_flash", "flash"), ("flex", "triton")):
         try:
-            systems[peer] = bbv.flex(name, hooks, q, k, v, dout, backend)
-        except bbv.Refused as e:
+            systems[peer] = flex(hooks, q, k, v, dout, backend)
+        except Refused as e:
             print(f"  {name} {n} {peer}: refused {str(e)[:120]}", flush=True)
-    names = [s for s in systems if systems[s]["bwd"] is not None]
-    walls = bench_round_robin([systems[s]["bwd"] for s in names], warmup=2, reps=reps)
+    names = list(systems)
+    walls = bench_round_robin([systems[s] for s in names], warmup=2, reps=reps)
     rows = []
     for s, t in zip(names, walls):
-        ks = kernel_ms(systems[s]["bwd"])
+        ks = kernel_ms(systems[s])
         total = sum(ks.values())
-        rows.append(dict(variant=name, N=n, B=b, H=bbv.H, D=bbv.D, system=s, wall_ms=round(t.median_ms, 4),
+        rows.append(dict(variant=name, N=n, B=b, H=H, D=D, system=s, wall_ms=round(t.median_ms, 4),
                          kernel_sum_ms=round(total, 4), gap_ms=round(t.median_ms - total, 4), kernels=ks))
         print(f"{name:22s} N={n:5d} {s:10s} wall {t.median_ms:7.3f}  kernels {total:7.3f}  gap {t.median_ms - total:6.3f}",
               flush=True)
@@ -85,7 +123,6 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=["prefixlm", "global_sliding_window", "share_question"])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
-    bbv.BWD_KERNEL["kernel"] = "hopper"
     rows = []
     for n in args.n:
         for name in args.variants:

@@ -41,7 +41,8 @@ are queued rather than behind them; session 14, dense only, off), "..._dqw_early
 "bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
 order; variant options), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist" (that order served to min(tiles, SMs)
 persistent CTAs from a queue, PERSIST: ref_kernels/fa3_bwd_sm90/persist.cuh; session 14, variants only, off:
-0.943-1.026x on the H100), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
+0.943-1.026x on the H100), "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt" (the dense default's body in
+TILE_ORDER 2's order, for the variants; session 15, off until timed), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
 queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
 "bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
 35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
@@ -51,8 +52,8 @@ in the same run, cuDNN 517 / 558 / 552 / 592, FA4 614 / 664 / 664 / 686; dK / dV
 same session's early call, "bulk_overlap_lse_lean_issue_pf32_epi_dqw": bulk_overlap_lse_lean_issue_pf32_epi
 with bwd13's dQ writer warp (H100, bf16 D 128, 16k tokens, TFLOPS causal 8k / full 8k / causal 16k / full 16k:
 session 13 mid 572 / 575 / 592 / 564 vs 544 / 568 / 571 / 546, session 14 early 554 / 549 / 563 / 526 vs 529 / 545 /
-543 / 510, same runs; test_bwd_sm90 -k dqw 95 passed, synccheck 0 errors, racecheck 0 hazards). It is dense only:
-the variant path keeps the body without the writer. Before it, from session 12,
+543 / 510, same runs; test_bwd_sm90 -k dqw 95 passed, synccheck 0 errors, racecheck 0 hazards). Since session 15
+the variant path builds on it too (VARIANT_OPTION, in TILE_ORDER 2's order: ..._dqw_early_l2lpt). Before it, from session 12,
 "bulk_overlap_lse_lean_issue_pf32_epi" (VARIANT_OPTION, the variant
 backwards', that body in TILE_ORDER 2's order since session 13: bulk_overlap_lse_lean_issue_pf32_epi_l2lpt): on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
 537 / 541 / 554 / 543 TFLOPS causal 8k / full 8k / causal 16k / full 16k against the session-10
@@ -103,6 +104,10 @@ KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part of the cache key)
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
+# kernel.cu DQ_CONVERT 2 (session 15, vbwd15; off): the same dQ, staged through shared memory as FA4's postprocess
+# (one CTA per 64 x 64 part, 16-byte row stores). On with STAGED_CONVERT_ENV=1 (contiguous dq; BNHD keeps the tiled).
+STAGED_CONVERT_ENTRY = b"fa3_bwd_dq_convert_staged"
+STAGED_CONVERT_ENV = "CUBRIDGE_BWD_STAGED_CONVERT"
 PREP_ENTRY = b"fa3_bwd_preprocess"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
 
@@ -167,7 +172,7 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
                                                                         m_rotate=2),
            # session 15 (bwd15): the default's body in TILE_ORDER 2's order (causal's longest KV tiles first inside
            # L2-sized sections of (batch, kv head) pairs; full attention's sections are 1 pair = TILE_ORDER 0's
-           # order); dense only (the writer warp), off until an H100 A/B beside the default and the rule tests
+           # order): CAUSAL_OPTION (bwd15) and, with the variant hooks, VARIANT_OPTION (vbwd15) since session 15's mid call
            "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2,
                                                                          epilogue=1, dq_writer=1, rows_early=2),
            "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
@@ -207,14 +212,21 @@ def default_option(causal: bool) -> str:
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
                    "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry",
                    "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt",
-                   *VARIANT_ONLY_OPTIONS)
+                   *VARIANT_ONLY_OPTIONS, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt")
+# (session 15: _dqw_early_l2lpt, the dense default's writer warp and early row loads for the variants. "Dense only"
+# was scope, not a limit: dq_writer already walks a variant's runs / list (q_runs_count, q_runs_tile), ROWS_EARLY
+# leaves a variant's mask decision to variant_partial; every built-in spill-free at D 64 / 128, fp16 / bf16)
 # (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
 # the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
 # fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule) in TILE_ORDER 2's
 # order (session 13 mid call, H100 8k: 1.030-1.058x pf32_epi on share_question, prefixlm,
 # global_sliding_window, relu, sigmoid, composite; the Hopper rule cases passed on it); lean stays in
 # VARIANT_OPTIONS as the A/B baseline
-VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+# Since session 15's mid call: the dense default's body (bwd13's dQ writer warp, bwd14's ROWS_EARLY 2) in that order,
+# _dqw_early_l2lpt (H100, x over pf32_epi_l2lpt, same run, bf16 D 128, 16k tokens: 8k prefixlm 1.125, share_question
+# 1.050, gsw 1.008, sigmoid 1.055, composite 0.996; 4k 0.997-1.083; 1k 0.995-0.997; its 50 rule cases passed, dK / dV
+# bitwise the l2lpt body's on 6 variants x 2 shapes)
+VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 # CUBRIDGE_BWD_VARIANT_OPTION names another of VARIANT_OPTIONS as the variant backwards' default (variant_option:
 # A/B runs, the GPU rule tests of an opt-in option over every variant and shape); unset: VARIANT_OPTION.
 VARIANT_OPTION_ENV = "CUBRIDGE_BWD_VARIANT_OPTION"
@@ -258,6 +270,8 @@ DQ_PART_BYTES = 64 * 64 * 4  # one consumer's 64 x 64 f32 dQ part (DQ_MODE 1)
 DQ_SLOTS = 2
 CONSUMERS = 2
 CONVERT_THREADS = 256
+STAGED_CONVERT_THREADS = 128   # DQ_CONVERT 2: one consumer warpgroup's worth per part
+DQ_PART_FLOATS = DQ_PART_BYTES // 4
 ROW_TERM_BYTES = BLOCK_M * 4   # one stage's LSE or Dvec (LSE_SMEM 1)
 LOG2E = 1.4426950408889634
 
@@ -284,11 +298,12 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION, gqa_split: int = 1,
-            bnhd: bool = False) -> list[str]:
+            bnhd: bool = False, staged_convert: bool = False) -> list[str]:
     """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa) and bnhd
     -DBNHD=1 (fa3_bwd_layout); without them the macros (and the compile cache key) are as before both."""
     macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()]
     split = ([f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []) + (["-DBNHD=1"] if bnhd else [])
+    split += ["-DDQ_CONVERT=2"] if staged_convert else []   # STAGED_CONVERT_ENV: the cache key changes only when on
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
             *macros, *split,
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
@@ -296,7 +311,7 @@ def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTIO
 
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
                 compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
-                source: str | None = None, gqa_split: int = 1, bnhd: bool = False):
+                source: str | None = None, gqa_split: int = 1, bnhd: bool = False, staged_convert: bool = False):
     """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
     `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one;
     gqa_split: fa3_bwd_gqa's split (needs an EPILOGUE 1 option); bnhd: fa3_bwd_layout's BNHD build."""
@@ -315,8 +330,15 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
     return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
-                         options=[*options(head_dim, causal, bf16, option, gqa_split, bnhd), *extra_options],
+                         options=[*options(head_dim, causal, bf16, option, gqa_split, bnhd, staged_convert),
+                                  *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
+
+
+def staged_convert_enabled() -> bool:
+    """STAGED_CONVERT_ENV: "1", DQ_MODE 1's dQ convert staged through shared memory (kernel.cu DQ_CONVERT 2); "0" or
+    unset, the tiled convert."""
+    return env_switch(STAGED_CONVERT_ENV, "0", f"unset {STAGED_CONVERT_ENV} (the tiled dQ convert) or 1 (staged)")
 
 
 def enabled() -> bool:
@@ -329,14 +351,16 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}
 
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
-               compiler: str | None, source: str | None = None, gqa_split: int = 1, bnhd: bool = False):
+               compiler: str | None, source: str | None = None, gqa_split: int = 1, bnhd: bool = False,
+               staged_convert: bool = False):
     """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess][, GQA_SPLIT's dK / dV
     sum, last]) of one specialisation (of `source`, a lowered variant, when given)."""
-    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd)
+    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd, staged_convert)
     if key not in _FUNCTIONS:
         cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source,
-                            gqa_split=gqa_split, bnhd=bnhd).cubin
-        entries = (CONVERT_ENTRY, PREP_ENTRY) if _modes(option).lean else (CONVERT_ENTRY,)
+                            gqa_split=gqa_split, bnhd=bnhd, staged_convert=staged_convert).cubin
+        convert = STAGED_CONVERT_ENTRY if staged_convert else CONVERT_ENTRY
+        entries = (convert, PREP_ENTRY) if _modes(option).lean else (convert,)
         entries += (gqa.SUM_ENTRY,) if gqa_split > 1 else ()
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, *entries)
@@ -413,6 +437,11 @@ def _classic_prep(out, dout, lse, shape, dq_mode: int, lse_smem: int, device, st
     return (lse, dvec), accum
 
 
+def pair_bytes(group: int, len_q: int, head_dim: int) -> int:
+    """tile_sections' L2 footprint of one (batch, kv head) pair: its group's Q, dO, fp32 dQ accumulator, LSE, Dvec."""
+    return group * len_q * (2 * head_dim * ELEM_BYTES + head_dim * 4 + 2 * 4)
+
+
 def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: bool, l2_bytes: int) -> int:
     """TILE_ORDER 2's section width: how many (batch, kv head) pairs run tile-major together. Each
     pair streams its group's Q, dO (16-bit), LSE, Dvec and reduces into its fp32 dQ accumulator:
@@ -426,8 +455,7 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
     """
     if not causal:
         return 1
-    per_pair = group * len_q * (2 * head_dim * ELEM_BYTES + head_dim * 4 + 2 * 4)
-    fit = max(1, l2_bytes // max(1, per_pair))
+    fit = max(1, l2_bytes // max(1, pair_bytes(group, len_q, head_dim)))
     return max(1, min(pairs, 1 << (fit.bit_length() - 1)))
 
 
@@ -480,8 +508,9 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's / default split applies to the options that can take it
+    staged = modes.dq_mode == 1 and not bnhd and staged_convert_enabled()
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
-                       variant.source if variant is not None else None, split, bnhd)
+                       variant.source if variant is not None else None, split, bnhd, staged)
     func, convert = funcs[:2]
     stream = current_stream(device.index)
     num_m = math.ceil(nq / BLOCK_M)
@@ -511,10 +540,22 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if split > 1:
         gqa.launch_sum(funcs[-1], *parts, dk, dv, hkv, scale, stream)
-    _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream, hq if bnhd else None)
+    if staged:
+        _convert_staged(convert, accum, dq, shape, scale, stream)
+    else:
+        _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream, hq if bnhd else None)
     if bnhd:
         lay.finish(zip((dq, dk, dv), wanted))
     return wanted
+
+
+def _convert_staged(staged, accum, dq, shape, scale: float, stream: int) -> None:
+    """dQ = accumulator * scale in 16 bit by fa3_bwd_dq_convert_staged (kernel.cu DQ_CONVERT 2): one CTA of 128
+    threads per 64 x 64 part of the tiled accumulator."""
+    args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(shape.len_q),
+            ctypes.c_int32(math.ceil(shape.len_q / BLOCK_M)), ctypes.c_float(scale)]
+    driver().launch(staged, (accum.numel() // DQ_PART_FLOATS, 1, 1), (STAGED_CONVERT_THREADS, 1, 1), 0, stream,
+                    pack_params(args))
 
 
 def _convert(tiled, accum, dq, shape, scale: float, stream: int, heads: int | None = None) -> None:

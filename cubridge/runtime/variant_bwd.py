@@ -12,6 +12,8 @@ CUBRIDGE_BWD_VARIANT_OPTION names: fa3_bwd_sm90.variant_option).
 CUBRIDGE_BWD_FIT_SECTIONS (1 by default since session 13; 0 off) sizes a TILE_ORDER 2 option's head
 sections by the spec's attended fraction (section_l2_bytes). CUBRIDGE_BWD_ARGS_CACHE (1 by default since session
 14; 0 off) keeps each shape's packed VariantArgs and device tables (launchable; no per-call stream sync).
+CUBRIDGE_BWD_SECTION_CAP (1 by default since session 15; 0 off) caps those sections where a pair has few KV tiles
+(section_cap_pairs: 16 pairs at 1k, 4 at 4k, none from 8k on 132 SMs).
 
 Example (GPU):
     >>> bwd = VariantBackward("prefixlm")                                               # doctest: +SKIP
@@ -48,6 +50,26 @@ FIT_ENV = "CUBRIDGE_BWD_FIT_SECTIONS"
 # per table, so a spec with tables (share_question's SEGMENT and BLOCK_CLASS, relative_pos's SLOPES, document's)
 # synced the stream once per backward call and its host path then ran with the GPU idle.
 ARGS_CACHE_ENV = "CUBRIDGE_BWD_ARGS_CACHE"
+# On by default since session 15's mid call (0 off): caps a TILE_ORDER 2 section at section_cap_pairs (batch, kv head)
+# pairs, so that one wave of CTAs holds a pair's KV tiles side by side. Early call, 1k: the main kernel 1.33-1.41x
+# FA4's with fit sections of 64-128 pairs (a wave held 1-2 of a pair's 8 tiles; its Q / dO / dQ accumulator lines
+# left L2 between them). Mid call (H100, x over the uncapped fit sections, same run, _dqw_early_l2lpt): 1k prefixlm
+# 1.19, gsw 1.43, share_question 1.35; 4k 1.00-1.04; at 8k a cap of 2 lost (gsw 0.80, composite 0.98: the fit's wide
+# sections start every pair's long tiles first), hence no cap below 4 pairs.
+SECTION_CAP_ENV = "CUBRIDGE_BWD_SECTION_CAP"
+MIN_CAPPED_PAIRS = 4
+
+
+def section_cap_pairs(sms: int, kv_tiles: int) -> int | None:
+    """SECTION_CAP_ENV's most pairs per section: the largest power of two <= SMs / KV tiles, or None (no cap) where
+    that is below 4 (long sequences: there the fit sections' balance wins, H100 8k).
+
+    >>> section_cap_pairs(132, 8), section_cap_pairs(132, 32), section_cap_pairs(132, 64), section_cap_pairs(132, 256)
+    (16, 4, None, None)
+    """
+    fit = max(1, sms // max(1, kv_tiles))
+    cap = 1 << (fit.bit_length() - 1)
+    return cap if cap >= MIN_CAPPED_PAIRS else None
 ARGS_CACHED_SHAPES = 16
 
 
@@ -153,21 +175,32 @@ class VariantBackward:
                 lowered = self.hopper_list
         return lowered.args(inputs, device)
 
-    def section_l2_bytes(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, device) -> int | None:
-        """fa3_backward's l2_bytes for this shape: None (the device's L2) with FIT_ENV=0 or a TILE_ORDER 0
-        option, else the L2 over the attended fraction of the pairs (counted once per shape:
-        cubridge.transfer.pairs; a spec with runtime inputs counts the values sampled at this shape)."""
+    def section_l2_bytes(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, device, head_dim: int = 128) -> int | None:
+        """fa3_backward's l2_bytes for this shape: None (the device's L2) with FIT_ENV=0 and SECTION_CAP_ENV off or a
+        TILE_ORDER 0 option, else the L2 over the attended fraction of the pairs (counted once per shape:
+        cubridge.transfer.pairs; a spec with runtime inputs counts the values sampled at this shape), with
+        SECTION_CAP_ENV (on by default) at most section_cap_pairs pairs' bytes."""
         fit = env_switch(FIT_ENV, "1", f"unset {FIT_ENV} (sections sized by the attended fraction) or 0 (by the whole L2)")
-        from cubridge.runtime.fa3_bwd_sm90 import OPTIONS
-        if not fit or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
+        cap = env_switch(SECTION_CAP_ENV, "1", f"unset {SECTION_CAP_ENV} (a wave holds a pair's tiles) or 0 (no cap)")
+        from cubridge.runtime.fa3_bwd_sm90 import OPTIONS, pair_bytes
+        if not (fit or cap) or OPTIONS[self.hopper_option].tile_order != 2:   # only TILE_ORDER 2 reads it
             return None
+        props = torch.cuda.get_device_properties(device)
+        l2 = self._fit_l2_bytes(B, Hq, Hkv, Nq, Nk, device, props.L2_cache_size) if fit else props.L2_cache_size
+        pairs = section_cap_pairs(props.multi_processor_count, -(-Nk // 128)) if cap else None
+        if pairs is not None:
+            l2 = min(l2, pairs * pair_bytes(Hq // Hkv, Nq, head_dim))
+        return int(l2)
+
+    def _fit_l2_bytes(self, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, device, l2: int) -> float:
+        """FIT_ENV's budget: l2 over the attended fraction of the pairs (counted once per shape)."""
+        key = (B, Hq, Hkv, Nq, Nk)
         key = (B, Hq, Hkv, Nq, Nk)
         if key not in self._fractions:
             from cubridge.transfer.pairs import count_attended
             hooks = self.spec.hooks_for(Nq, Nk, Hq, Hkv, device, B=B, **self.spec_params)
             self._fractions[key] = count_attended(hooks, B, Hq, Nq, Nk, device=device) / (B * Hq * Nq * Nk)
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        return int(l2 / max(self._fractions[key], 1e-6))
+        return l2 / max(self._fractions[key], 1e-6)
 
     def _launch_option(self) -> str:
         """hopper_option, except that a spec lowered to the dense reference itself (no q_range runs to
@@ -200,7 +233,7 @@ class VariantBackward:
         if self.uses_hopper(q.device, deterministic):
             from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
             va = self.launchable(b, hq, k.shape[1], nq, k.shape[2], d, q.device, hopper=True)
-            l2 = self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device)
+            l2 = self.section_l2_bytes(b, hq, k.shape[1], nq, k.shape[2], q.device, d)
             fit = {} if l2 is None else {"l2_bytes": l2}   # absent unless set: callers may bind their own
             return fa3_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=sm_scale, dq=dq, dk=dk, dv=dv,
                                 option=self._launch_option(), variant=va, **fit)   # default_compiler(), as the dense path

@@ -173,10 +173,13 @@ def test_variant_options_carry_the_hooks():
     pf32 = "bulk_overlap_lse_lean_issue_pf32_epi"
     assert hb.OPTIONS[pf32] == hb.OPTIONS["bulk_overlap_lse_lean"]._replace(issue=2, epilogue=1)
     # session 13: variants run that body in TILE_ORDER 2's order (H100 8k: 1.030-1.058x on six variants)
-    assert hb.VARIANT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
-    assert hb.OPTIONS[hb.VARIANT_OPTION] == hb.OPTIONS[pf32]._replace(tile_order=2)
+    l2lpt = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+    assert hb.OPTIONS[l2lpt] == hb.OPTIONS[pf32]._replace(tile_order=2) and l2lpt in hb.VARIANT_OPTIONS
+    # session 15: ... the dense default's body (writer warp, early rows) in that order (H100 8k: 0.996-1.125x l2lpt)
+    assert hb.VARIANT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
+    assert hb.OPTIONS[hb.VARIANT_OPTION] == hb.OPTIONS[l2lpt]._replace(dq_writer=1, rows_early=2)
     # session 14: the dense default adds the dQ writer warp (H100: +0.8-5.2% in two runs, its 95 rule tests,
-    # synccheck and racecheck clean); dense only, so variants keep the body without it
+    # synccheck and racecheck clean); (session 15: the variants too, VARIANT_OPTION)
     # and (mid call) ROWS_EARLY 2, the LSE / Dvec loads ahead of the GEMMs (H100 TFLOPS causal / full 8k, causal /
     # full 16k: 586 / 650 / 619 / 634 vs _dqw's 556 / 573 / 597 / 564; dK / dV bitwise pf32_epi's)
     assert hb.DEFAULT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,6 +23,8 @@ from cubridge.runtime.variant_bwd import HOPPER_ENV, VariantBackward
 BUILTINS = ["causal", "prefixlm", "causal_blockwise", "global_sliding_window", "share_question", "relative_pos",
             "sigmoid", "relu", "composite", "document", "full"]
 SPECS = [(d, bf16) for d in (64, 128) for bf16 in (False, True)]
+# session 15: the dense default's body (writer warp, early row loads) in TILE_ORDER 2's order, for the variants
+DQW_EARLY = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +75,38 @@ def test_every_builtin_compiles_spill_free(backwards, tmp_path):
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
     for spec, proc in results:
-        log = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
-        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        # the backward, the tiled dQ convert (and LEAN's preprocess)
-        assert len(reports) in (2, 3) and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
-        assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{spec}: stack frame\n{log}"
-        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
-            assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
+        _assert_clean_build(spec, proc)
+
+
+def _assert_clean_build(spec, proc) -> None:
+    """nvcc succeeded; every entry (the backward, the tiled dQ convert and LEAN's preprocess) spill-free with no
+    stack frame, no ignored setmaxnreg, serialized wgmma or injected wgmma wait."""
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{spec}: nvcc failed\n{log[-3000:]}"
+    reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(reports) in (2, 3) and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
+    assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{spec}: stack frame\n{log}"
+    for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
+        assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_dqw_early_compiles_spill_free_on_the_exact_list(backwards, tmp_path):
+    """Session 15: the dense default's body (DQ_WRITER: the writer warp walks the variant's runs or list under the
+    producer warpgroup's 24 registers; ROWS_EARLY 2), VARIANT_OPTION since the mid call (every built-in at all four
+    corners: test_every_builtin_compiles_spill_free), on the exact query-tile list of two block tables."""
+    from cubridge.lower.fa3_bwd_sm90 import lower_source
+    assert hb.VARIANT_OPTION == DQW_EARLY
+    jobs = []
+    for name, d in (("share_question", 128), ("document", 64)):   # FA3B_Q_TILE_LIST's q_runs_count / q_runs_tile
+        listed = types.SimpleNamespace(hopper=types.SimpleNamespace(
+            source=lower_source(hb.KERNEL_SOURCE.read_text(), backwards[name].ir, q_list=True)))
+        jobs.append((listed, f"{name}_list", d, True, DQW_EARLY))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
+    assert len(results) == 2
+    for spec, proc in results:
+        _assert_clean_build(spec, proc)
 
 
 def test_launcher_refuses_a_variant_on_another_option_or_causal(backwards):
@@ -239,13 +266,16 @@ def test_fit_sections_knob(monkeypatch):
     attended fraction of the pairs, so sparse specs get wider sections (8k, B 2 x 16 heads:
     global_sliding_window 32 pairs, share_question 16, prefixlm 8, against 4); =0 or a TILE_ORDER 0
     option: None (fa3_backward takes the device's L2); a bad value is refused naming the variable."""
-    from cubridge.runtime.variant_bwd import FIT_ENV
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 50 << 20}))
+    from cubridge.runtime.variant_bwd import FIT_ENV, SECTION_CAP_ENV
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("P", (), {"L2_cache_size": 50 << 20, "multi_processor_count": 132}))
     cpu = torch.device("cpu")
     l2lpt = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
     monkeypatch.setenv(FIT_ENV, "0")
+    monkeypatch.setenv(SECTION_CAP_ENV, "0")
     assert VariantBackward("share_question", hopper_option=l2lpt).section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
     monkeypatch.delenv(FIT_ENV)
+    monkeypatch.delenv(SECTION_CAP_ENV)   # on by default, no cap at 8k (64 KV tiles): the fit widths below
     lean = "bulk_overlap_lse_lean"   # TILE_ORDER 0: no sections
     assert VariantBackward("share_question", hopper_option=lean).section_l2_bytes(2, 16, 16, 8192, 8192, cpu) is None
     widths = {name: hb.tile_sections(32, 1, 8192, 128, True, VariantBackward(name, hopper_option=l2lpt)
@@ -256,6 +286,31 @@ def test_fit_sections_knob(monkeypatch):
     monkeypatch.setenv(FIT_ENV, "yes")
     with pytest.raises(LaunchError, match=FIT_ENV):
         VariantBackward("prefixlm", hopper_option=l2lpt).section_l2_bytes(1, 1, 1, 64, 64, cpu)
+
+
+def test_section_cap_knob(monkeypatch):
+    """CUBRIDGE_BWD_SECTION_CAP (on by default since session 15): a TILE_ORDER 2 section holds at most the largest
+    power of two <= SMs / KV tiles pairs (132 SMs: 16 at 1k, 4 at 4k), no cap where that is below 4 (8k: the fit
+    widths stay), over the fit sizing or the plain L2 one; =0, the fit widths; a bad value is refused naming it."""
+    from cubridge.runtime.variant_bwd import FIT_ENV, SECTION_CAP_ENV
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("P", (), {"L2_cache_size": 50 << 20, "multi_processor_count": 132}))
+    cpu, l2lpt = torch.device("cpu"), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+    bwd = VariantBackward("share_question", hopper_option=l2lpt)
+
+    def width(n, d=128):
+        b = 16384 // n
+        return hb.tile_sections(b * 16, 1, n, d, True, bwd.section_l2_bytes(b, 16, 16, n, n, cpu, d))
+    monkeypatch.setenv(SECTION_CAP_ENV, "0")
+    assert [width(n) for n in (1024, 4096, 8192)] == [128, 32, 16]   # fit alone
+    monkeypatch.delenv(SECTION_CAP_ENV)
+    assert [width(n) for n in (1024, 4096, 8192)] == [16, 4, 16]
+    assert width(1024, 64) == 16   # the cap counts pairs, whatever their bytes
+    monkeypatch.setenv(FIT_ENV, "0")
+    assert [width(n) for n in (1024, 4096, 8192)] == [16, 4, 4]   # capped plain sizing (32, 8, 4 uncapped)
+    monkeypatch.setenv(SECTION_CAP_ENV, "2")
+    with pytest.raises(LaunchError, match=SECTION_CAP_ENV):
+        width(1024)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
@@ -380,3 +435,36 @@ def test_softcap_split_compiles_spill_free(monkeypatch, tmp_path):
         assert len(reports) == 3 and all(r == ("0", "0") for r in reports), f"{spec}: spills\n{log}"
         for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
             assert warning not in log, f"{spec}: ptxas warning {warning}\n{log}"
+
+
+def test_staged_convert_switch(monkeypatch):
+    """CUBRIDGE_BWD_STAGED_CONVERT: off by default (the compile options, hence the cache key, as before it), 1 adds
+    kernel.cu's DQ_CONVERT 2; anything else is a clear error."""
+    monkeypatch.delenv(hb.STAGED_CONVERT_ENV, raising=False)
+    assert not hb.staged_convert_enabled()
+    assert not any("DQ_CONVERT" in o for o in hb.options(128, False, True, DQW_EARLY))
+    assert "-DDQ_CONVERT=2" in hb.options(128, False, True, DQW_EARLY, staged_convert=True)
+    monkeypatch.setenv(hb.STAGED_CONVERT_ENV, "1")
+    assert hb.staged_convert_enabled()
+    monkeypatch.setenv(hb.STAGED_CONVERT_ENV, "yes")
+    with pytest.raises(LaunchError, match=hb.STAGED_CONVERT_ENV):
+        hb.staged_convert_enabled()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_staged_convert_compiles_spill_free(backwards, tmp_path):
+    """DQ_CONVERT 2 beside a lowered variant (D 128 bf16, D 64 fp16): every entry spill-free (the backward, both
+    converts, the preprocess) and the staged convert's shared tile 64 rows x 36 words."""
+    src = tmp_path / "prefixlm.cu"
+    src.write_text(backwards["prefixlm"].hopper.source)
+    for d, bf16 in ((128, True), (64, False)):
+        out = tmp_path / f"staged{d}.cubin"
+        proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                               *hb.options(d, False, bf16, DQW_EARLY, staged_convert=True), "-Xptxas", "-v",
+                               "-o", str(out), str(src)], capture_output=True, text=True)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"D {d}: nvcc failed\n{log[-3000:]}"
+        assert "fa3_bwd_dq_convert_staged" in log, f"D {d}: no staged entry\n{log}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) == 4 and all(r == ("0", "0") for r in reports), f"D {d}: spills\n{log}"
+        assert "9216 bytes smem" in log, f"D {d}: staged tile size\n{log}"

@@ -156,3 +156,76 @@ def test_variant_backward_rule_hopper_persist_queue(variant, monkeypatch):
         monkeypatch.setenv(hb.PERSIST_CTAS_ENV, ctas)
         runs.append(_run_rule(bwd, name, params, shape, f"persist{name}")[0])
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2]), "dk / dv depend on the CTA count"
+
+
+# session 15: the dense default's body for the variants (writer warp + early row loads, TILE_ORDER 2), against the
+# body it would replace (bulk_overlap_lse_lean_issue_pf32_epi_l2lpt, VARIANT_OPTION until then)
+DQW_EARLY, L2LPT = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
+
+
+@pytest.mark.parametrize("shape", [_hopper_shapes()[0], _hopper_shapes()[4]],
+                         ids=lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}".format(*s[:6], str(s[6])[6:]))
+@pytest.mark.parametrize("variant", [*HOPPER_OPTION_VARIANTS, ("global_sliding_window", {}), ("sigmoid", {})],
+                         ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
+def test_dqw_early_gradients_equal_l2lpt(variant, shape):
+    """DQ_WRITER only moves who issues each dQ bulk add (the writer warp, in the consumers' step order over the
+    variant's runs / list) and ROWS_EARLY only when the LSE / Dvec rows are read: both options pass the rule, dK /
+    dV are bitwise equal (same operations on the same values in each CTA), dQ within 2^-6 of its max (reduce-add
+    order across CTAs)."""
+    from cubridge.runtime.variant_bwd import VariantBackward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    name, params = variant
+    runs = [_run_rule(VariantBackward(name, use_hopper=True, hopper_option=o, **params), name, params, shape,
+                      f"dqw{name}{shape}")[0] for o in (DQW_EARLY, L2LPT)]
+    new, old = runs
+    assert torch.equal(new[1], old[1]) and torch.equal(new[2], old[2]), "dk / dv differ from the l2lpt body's"
+    scale = old[0].float().abs().max().item()
+    assert (new[0].float() - old[0].float()).abs().max().item() <= scale * 2 ** -6, "dq differs beyond reduce order"
+
+
+
+@pytest.mark.parametrize("d,dtype,nq", [(128, BF16, 1000), (64, F16, 777), (128, F16, 64)])
+def test_staged_convert_equals_tiled(d, dtype, nq):
+    """kernel.cu DQ_CONVERT 2 (CUBRIDGE_BWD_STAGED_CONVERT=1's convert): from the same random tiled accumulator
+    (padding rows included) into NaN-poisoned dq, the staged convert writes every element and the same bits as the
+    tiled one (the same multiply and pack per element); the accumulator is left as it was."""
+    import math
+    import types
+
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    from cubridge.runtime.driver import current_stream
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    b, hq, dev = 2, 3, torch.device("cuda", torch.cuda.current_device())   # an index: current_stream takes it
+    g = torch.Generator(device=dev).manual_seed(nq * d)
+    accum = torch.randn(b * hq * math.ceil(nq / 64) * 64 * d, device=dev, generator=g)
+    before = accum.clone()
+    shape = types.SimpleNamespace(batch=b, heads_q=hq, len_q=nq, head_dim=d)
+    outs = []
+    for staged in (False, True):
+        funcs = hb._functions(d, False, dtype == BF16, hb.DEFAULT_OPTION, dev, None, staged_convert=staged)
+        dq = torch.full((b, hq, nq, d), float("nan"), device=dev, dtype=dtype)
+        launch = hb._convert_staged if staged else hb._convert
+        launch(funcs[1], accum, dq, shape, d ** -0.5, current_stream(dev.index))
+        torch.cuda.synchronize()
+        outs.append(dq)
+    assert not outs[1].isnan().any(), "the staged convert left poisoned elements"
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), "staged dq differs from the tiled"
+    assert torch.equal(accum, before), "the accumulator was written"
+
+
+@pytest.mark.parametrize("variant", [("prefixlm", {}), ("share_question", {}), ("composite", {"softcap": 2.0})],
+                         ids=lambda v: v[0])
+def test_variant_backward_rule_hopper_staged_convert(variant, monkeypatch):
+    """The Hopper variant backward with CUBRIDGE_BWD_STAGED_CONVERT=1 passes the rule (ragged Nq, GQA, D 128 and
+    64), on the l2lpt and the dqw_early bodies."""
+    from cubridge.runtime import fa3_bwd_sm90 as hb
+    from cubridge.runtime.variant_bwd import VariantBackward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward (fa3_bwd_sm90) needs an sm_90 GPU")
+    monkeypatch.setenv(hb.STAGED_CONVERT_ENV, "1")
+    name, params = variant
+    for option, shape in ((L2LPT, _hopper_shapes()[0]), (DQW_EARLY, _hopper_shapes()[4])):
+        bwd = VariantBackward(name, use_hopper=True, hopper_option=option, **params)
+        _run_rule(bwd, name, params, shape, f"staged{name}{shape}")

@@ -156,23 +156,8 @@ def ours_option(name, option, q, k, v, dout, out, lse, attended_fraction=1.0):
     envs = {STAGED_CONVERT_ENV: "1"} if "staged" in extras else {}   # the dQ convert staged (kernel.cu DQ_CONVERT 2)
     envs.update({SECTION_CAP_ENV: "1"} if "cap" in extras else {})   # sections capped at SMs / KV tiles pairs
     if envs:
-        call = functools.partial(_with_env, envs, call)
+        call = functools.partial(expkit.call_with_env, envs, call)
     return {"bwd": lambda: call(dout, q, k, v, out, lse), "grads": call(dout, q, k, v, out, lse)}
-
-
-def _with_env(envs: dict, call, *args):
-    """call(*args) with the environment variables `envs` set (read by VariantBackward / fa3_backward at each call),
-    restored after."""
-    saved = {key: os.environ.get(key) for key in envs}
-    os.environ.update(envs)
-    try:
-        return call(*args)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
 
 
 def section_l2_bytes(section: int, len_q: int, group: int = 1) -> int:

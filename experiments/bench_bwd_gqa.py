@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -86,13 +85,7 @@ def bnhd(t: torch.Tensor) -> torch.Tensor:
 
 def with_env(name: str, value: str, fn):
     """fn with os.environ[name] = value around each call (the split / layout knobs of the variant path)."""
-    def call():
-        os.environ[name] = value
-        try:
-            return fn()
-        finally:
-            os.environ.pop(name, None)
-    return call
+    return lambda: expkit.call_with_env({name: value}, fn)
 
 
 def layout_systems(case: str, q, k, v, dout, variant) -> dict:

@@ -75,8 +75,8 @@ def parse(argv=None):
     ap.add_argument("--no-forward", action="store_true", help="skip the forward comparison")
     ap.add_argument("--fwd-variants", nargs="+", default=["causal", "prefixlm"], choices=["causal", "prefixlm"],
                     help="forward comparisons to run (prefixlm includes layer 0's attention alone)")
-    ap.add_argument("--bnhd-ab", action="store_true",
-                    help="also time cubridge with its backward in place on [B, N, H, D] memory (CUBRIDGE_BWD_BNHD=1)")
+    ap.add_argument("--copy-ab", action="store_true",
+                    help="also time cubridge with its backward copying [B, N, H, D] views (CUBRIDGE_BWD_BNHD=0)")
     ap.add_argument("--train-n", type=int, default=8192, help="sequence length of the training step")
     ap.add_argument("--train-variants", nargs="+", default=["prefixlm", "causal"], choices=["prefixlm", "causal"])
     ap.add_argument("--steps", type=int, default=50, help="loss-curve steps (prefixlm)")
@@ -277,8 +277,8 @@ def train_parts(args, registered, result) -> None:
 
     for variant in args.train_variants:
         fns = {"cubridge": step_of("cubridge", variant), "none": step_of("none", variant)}
-        if args.bnhd_ab:   # the same op with its backward in place on the model's [B, N, H, D] memory
-            fns[BNHD_SYSTEM] = with_bnhd(step_of("cubridge", variant, key=BNHD_SYSTEM))
+        if args.copy_ab:   # the same op with its backward copying the model's [B, N, H, D] views
+            fns[COPY_SYSTEM] = with_copies(step_of("cubridge", variant, key=COPY_SYSTEM))
         if variant == "prefixlm":
             fns["sdpa_bool_mask"] = step_of("sdpa_bool_mask", variant)
             made = {}
@@ -303,25 +303,15 @@ def train_parts(args, registered, result) -> None:
         result["loss_curves"] = curves(args, registered, masks, trained[0] if trained else None)
 
 
-BNHD_SYSTEM = "cubridge[bnhd]"
+COPY_SYSTEM = "cubridge[copy]"
 
 
-def with_bnhd(fn):
-    """fn run with CUBRIDGE_BWD_BNHD=1 (read by each backward call), the variable restored after."""
-    import os
+def with_copies(fn):
+    """fn with CUBRIDGE_BWD_BNHD=0: the op's backward copies the model's [B, N, H, D] views to contiguous
+    [B, H, N, D] and back, as before session 15 made the in-place path the default."""
+    from expkit import call_with_env
     from cubridge.runtime.fa3_bwd_layout import ENV
-
-    def run():
-        before = os.environ.get(ENV)
-        os.environ[ENV] = "1"
-        try:
-            return fn()
-        finally:
-            if before is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = before
-    return run
+    return lambda: call_with_env({ENV: "0"}, fn)
 
 
 def step_profile(model, fn) -> dict:

@@ -374,3 +374,19 @@ def source_at(spec: str) -> Path:
                          "name a commit of this checkout's history (a shallow clone may lack it)") from e
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest / rel
+
+
+def call_with_env(envs: dict, call, *args):
+    """call(*args) with the environment variables `envs` set (the runtime reads its switches, e.g.
+    CUBRIDGE_BWD_BNHD or CUBRIDGE_BWD_GQA_SPLIT, at each call), each restored to what it was after."""
+    import os
+    saved = {key: os.environ.get(key) for key in envs}
+    os.environ.update(envs)
+    try:
+        return call(*args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -333,7 +333,7 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
     got = {(r["direction"], r["variant"], r["system"]) for r in saved["rows"]}
     assert got == {("forward", "causal", "sdpa"), ("forward", "causal", "cubridge"), ("forward", "causal", "cubridge_nomask"),
                    ("forward", "prefixlm", "sdpa_bool_mask"), ("forward", "prefixlm", "cubridge"),
-                   ("forward", "prefixlm", "cubridge_nomask"),
+                   ("forward", "prefixlm", "cubridge_nomask"), ("forward", "prefixlm", "none"),
                    ("layer_attention", "prefixlm", "sdpa_bool_mask"), ("layer_attention", "prefixlm", "cubridge"),
                    ("layer_attention", "prefixlm", "cubridge_bhnd"),
                    ("layer_attention", "prefixlm", "cubridge_q_bhnd"),
@@ -343,6 +343,11 @@ def test_dry_run_of_the_whole_flow_on_cpu(mods, prefix_op, monkeypatch, tmp_path
     for system, r in train.items():      # one profiled step each, both attention ranges seen per layer
         assert r["parts"]["marks"] == {"attention_forward": 2, "attention_backward": 2}, (system, r)
     assert saved["train_bound"]["prefixlm"]["free_attention_ms"] == train["none"]["ms"]
+    fwd = {r["system"]: r["ms"] for r in saved["rows"] if r["direction"] == "forward" and r["variant"] == "prefixlm"}
+    fb = saved["forward_bound"]["prefixlm"]      # the 2x bar's bound: SDPA + mask over free attention, same run
+    assert fb["free_attention_ms"] == fwd["none"] and fb["sdpa_bool_mask_ms"] == fwd["sdpa_bool_mask"]
+    assert fb["max_speedup_vs_sdpa_bool_mask"] == round(fwd["sdpa_bool_mask"] / fwd["none"], 4)
+    assert fb["bar_2x_reachable"] is (fwd["sdpa_bool_mask"] / fwd["none"] >= 2.0)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     assert not {"expkit_free_attention", "expkit_flex_nolse"} & set(ALL_ATTENTION_FUNCTIONS._global_mapping)
     prefix = [c for c in saved["checks"] if c["variant"] == "prefixlm"][0]

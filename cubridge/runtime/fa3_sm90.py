@@ -107,8 +107,8 @@ class Fa3Config:
     # causal default (session 15 mid: +0.6%, bench_d256 rows "u"); off elsewhere.
     uniform_q: bool = False
     # The producer's mbarrier waits (its slot waits) with MBAR_SLEEP's suspend-time hint, the consumers' waits
-    # without (kernel.cu PRODUCER_SLEEP; every head dim). Off until an H100 A/B shows it (session 16). uniform_q
-    # applies to the dense kernel's three consumers (D 64 192 x 128) too since session 16.
+    # without (kernel.cu PRODUCER_SLEEP; every head dim). Session 16 mid: 0.998-1.011 at D 64 / 128, 1k / 8k
+    # (noise); off until the clock probe (experiments/clock_power_fwd.py --options producer_sleep) shows a gain.
     producer_sleep: bool = False
 
     def defines(self) -> list[str]:

@@ -99,11 +99,10 @@ typedef unsigned long long uint64_t;
 #ifndef MBAR_SLEEP
 #define MBAR_SLEEP 0
 #endif
-// UNIFORM_Q (HEAD_DIM 256, and since session 16 the dense kernel's three consumers, D 64's 192 x 128): the
-// consumer index through a lane-0 shuffle taken in the consumers' branch only, so that ptxas keeps the Q
-// descriptors in uniform registers (no R2UR pair before each QK HGMMA) while the 24- / 32-register
-// producer never holds it (kUniformWg's shuffle before the role split spilled there). Off unless
-// Fa3Config.uniform_q (session 15: on in the D 256 causal default; kUniformQ below).
+// UNIFORM_Q (HEAD_DIM 256 only): the consumer index through a lane-0 shuffle taken in the consumers'
+// branch only, so that ptxas keeps the Q descriptors in uniform registers (no R2UR pair before each QK
+// HGMMA) while the 24-register producer never holds it (kUniformWg's shuffle before the role split
+// spilled there). Off unless Fa3Config.uniform_q (session 15: A/B pending; kUniformQ below).
 #ifndef UNIFORM_Q
 #define UNIFORM_Q 0
 #endif
@@ -112,7 +111,7 @@ typedef unsigned long long uint64_t;
 // 8k): the producer thread's two slot waits retried (YIELD, TRYWAIT, BRA) 19 times a KV step at D 128
 // 128 x 176 and 10 at D 64, 449 / 368 warp instructions a step on sub-partition 0, which are ours'
 // whole executed surplus over FA4 at D 128 (497 vs 466 per 128 keys per consumer warp). Off unless
-// Fa3Config.producer_sleep (A/B pending).
+// Fa3Config.producer_sleep (session 16 mid: 0.998-1.011 at D 64 / 128, 1k / 8k, the noise; clock unmeasured).
 #ifndef PRODUCER_SLEEP
 #define PRODUCER_SLEEP 0
 #endif
@@ -498,10 +497,7 @@ constexpr bool kUniformWg = kNewCodegen && kProducerRegs >= 40 && kConsumerRegs 
 // split (entry point: without that, full attention spilled them, 4-8 bytes). Static steady step, 128 x 80 fr
 // (experiments/sass_step_count.py --fwd): causal 537 -> 468 warp instructions (R2UR 32 -> 0, IMAD 35 -> 4,
 // IADD3 16 -> 0), full 515 -> 499 (R2UR 32 -> 10: ptxas parks 5 of the 16 Q descriptors in vector registers).
-// Three consumers (session 16): the dense kernel's 192 x 128 at D 64, whose Q descriptors took 8 R2UR a KV
-// step (session 15, experiments/sass_step_count_fwd.py); kUniformWg (the shuffle before the role split)
-// spilled 4 bytes there in 192 x 128 causal.
-constexpr bool kUniformQ = UNIFORM_Q && !kUniformWg && (kHeadDim == 256 || (kDenseKernel && kConsumers == 3));
+constexpr bool kUniformQ = UNIFORM_Q && kHeadDim == 256 && !kUniformWg;
 
 // ------------------------------------------------------------------ producer
 // L2 policies of the loads (L2_HINTS, full attention only; FlashAttention-3's choice): K and V are
@@ -558,15 +554,7 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
       release_tile_counter(pb.tile_counter);
       break;
     }
-    if constexpr (kUniformQ && kConsumers == 3 && !kRangeViaSmem) {
-      // (kUniformQ, three consumers: the causal bound m0 + kBlockM + Nk - Nq recomputed per tile from
-      // seqlen_k made opaque, not hoisted out of the tile loop: in the 32-register producer that value spilled)
-      Problem pbt = pb;
-      pbt.seqlen_k = opaque(pb.seqlen_k);
-      tl = pbt.tile(t);
-    } else if constexpr (!kRangeViaSmem) {
-      tl = pb.tile(t);
-    }
+    if constexpr (!kRangeViaSmem) tl = pb.tile(t);
     const int tiles = kv_count(tl.r);
     // O_HALF: Q loads when the previous tile's last QK is done, an iteration before its first QK
     // here; into L2 now (two KV tiles ahead), that load is an L2 hit.

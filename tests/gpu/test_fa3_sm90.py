@@ -232,12 +232,9 @@ def test_s15_options(opt, nq, nk, grid, causal):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-# Session 16 options (off by default): producer_sleep (the producer's slot waits sleep in the barrier, the
-# consumers' do not) on the D 128 / 64 defaults; uniform_q at three consumers (D 64 192 x 128: the Q
-# descriptors in uniform registers) with desc_once, and all three. As test_s15_options.
-S16_OPTIONS = [(128, dict(producer_sleep=True)), (64, dict(producer_sleep=True)),
-               (64, dict(desc_once=True, uniform_q=True)),
-               (64, dict(desc_once=True, uniform_q=True, producer_sleep=True))]
+# Session 16 option (off by default): producer_sleep (the producer's slot waits sleep in the barrier, the
+# consumers' do not) on the D 128 / 64 defaults. As test_s15_options.
+S16_OPTIONS = [(128, dict(producer_sleep=True)), (64, dict(producer_sleep=True))]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -8,7 +8,10 @@ system for --seconds of back-to-back calls, twice, alternating, while `nvidia-sm
 and temperature every 100 ms, and reports per window: ms per call, TFLOPS, median SM MHz and W, and
 kcycles per call (ms x MHz: the cycles the call took at the clock it ran at).
 
-    python experiments/clock_power_fwd.py [--d 128] [--causal] [--seconds 4] --out $OUT/clock.json
+    python experiments/clock_power_fwd.py [--d 128] [--causal] [--seconds 4] [--options producer_sleep ...] --out $OUT/clock.json
+
+--options (session 16): ours with these Fa3Config options set (ab_peer_patches' form, `a+b`) also runs, as
+"ours_<spec>", in the same alternation (ours, each option row, fa4; twice).
 """
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--options", nargs="*", default=[], help="also ours with these Fa3Config options (a+b)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import torch
@@ -83,24 +87,31 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     cfg = default_config(d, args.causal, True, n)
     out = torch.empty_like(q)
-    systems = {"ours": lambda: fa3_forward(q, k, v, causal=args.causal, config=cfg, out=out)[0],
-               "fa4": make_fa4("causal" if args.causal else "full", q, k, v)[0]}
+    from dataclasses import replace
+    systems = {"ours": lambda: fa3_forward(q, k, v, causal=args.causal, config=cfg, out=out)[0]}
+    for spec in args.options:
+        opt = replace(cfg, **{name.partition("=")[0]: name.partition("=")[2] != "0" for name in spec.split("+")})
+        systems[f"ours_{spec}"] = lambda opt=opt: fa3_forward(q, k, v, causal=args.causal, config=opt, out=out)[0]
+    systems["fa4"] = make_fa4("causal" if args.causal else "full", q, k, v)[0]
     ref = systems["ours"]().float()
     diff = (systems["fa4"]().float() - ref).abs().max().item()   # same inputs, same attention: bf16 apart
+    option_diffs = {name: (fn().float() - ref).abs().max().item() for name, fn in systems.items()
+                    if name.startswith("ours_")}   # an option is the same arithmetic: 0 expected
     flops = 4 * b * h * n * n * d / (2 if args.causal else 1)
     result = {"date": datetime.now(timezone.utc).isoformat(), "gpu": torch.cuda.get_device_name(),
               "shape": f"bf16 D{d} B{b} {h} heads N {n} {'causal' if args.causal else 'full'}",
-              "ours_config": " ".join(cfg.defines()), "max_abs_diff_ours_fa4": diff, "windows": []}
-    for name in ("ours", "fa4") * 2:
+              "ours_config": " ".join(cfg.defines()), "max_abs_diff_ours_fa4": diff,
+              "max_abs_diff_options": option_diffs, "windows": []}
+    for name in list(systems) * 2:
         got = sampled(systems[name], args.seconds)
         got.update(system=name, tflops=round(flops / got["ms"] / 1e9, 1))
         result["windows"].append(got)
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     print(f"{result['shape']}; ours {result['ours_config']}; max |ours - fa4| {diff:.2e}")
-    print("system      ms  TFLOPS  SM MHz      W  temp  kcycles/call  samples")
+    print(f"{'system':<30}      ms  TFLOPS  SM MHz      W  temp  kcycles/call  samples")
     for w in result["windows"]:
-        print(f"{w['system']:<6} {w['ms']:7.3f} {w['tflops']:7.1f} {w.get('sm_mhz', 0):7.0f} {w.get('watts', 0):6.0f} "
+        print(f"{w['system']:<30} {w['ms']:7.3f} {w['tflops']:7.1f} {w.get('sm_mhz', 0):7.0f} {w.get('watts', 0):6.0f} "
               f"{w.get('temp_c', 0):5.0f} {w.get('kcycles_per_call', 0):13.1f} {w['samples']:8d}")
     return 0
 

@@ -33,7 +33,7 @@ ROWS = {   # name -> (head_dim, causal, Fa3Config overrides over default_config(
     "d128_full": (128, False, {}), "d128_full_128": (128, False, dict(block_n=128, tail_split=False)),
     "d128_causal": (128, True, {}), "d64_full": (64, False, {}), "d64_causal": (64, True, {}),
 }
-OPTION_SUFFIX = {"z": dict(mbar_sleep=True), "d": dict(desc_once=True)}   # d64_full_optd: with desc_once
+OPTION_SUFFIX = {"z": dict(mbar_sleep=True), "d": dict(desc_once=True), "p": dict(producer_sleep=True)}   # d64_full_optd: with desc_once
 
 
 def config_of(row: str):

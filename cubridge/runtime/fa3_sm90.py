@@ -106,6 +106,10 @@ class Fa3Config:
     # lives in uniform registers (kernel.cu UNIFORM_Q; no R2UR pair before each QK HGMMA). On in the D 256
     # causal default (session 15 mid: +0.6%, bench_d256 rows "u"); off elsewhere.
     uniform_q: bool = False
+    # The producer's mbarrier waits (its slot waits) with MBAR_SLEEP's suspend-time hint, the consumers' waits
+    # without (kernel.cu PRODUCER_SLEEP; every head dim). Session 16 mid: 0.998-1.011 at D 64 / 128, 1k / 8k
+    # (noise); off until the clock probe (experiments/clock_power_fwd.py --options producer_sleep) shows a gain.
+    producer_sleep: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -122,7 +126,7 @@ class Fa3Config:
         flags += ["-DK_BEFORE_V=1"] * self.k_before_v
         flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
         flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep + ["-DDESC_ONCE=1"] * self.desc_once
-        flags += ["-DUNIFORM_Q=1"] * self.uniform_q
+        flags += ["-DUNIFORM_Q=1"] * self.uniform_q + ["-DPRODUCER_SLEEP=1"] * self.producer_sleep
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

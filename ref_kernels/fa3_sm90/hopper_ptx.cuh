@@ -41,6 +41,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 #endif
 }
+// mbar_wait with the suspend-time hint whatever MBAR_SLEEP says (kernel.cu PRODUCER_SLEEP: the producer's waits).
+__device__ __forceinline__ void mbar_wait_sleep(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity), "r"(0x989680) : "memory");
+}
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
                                             int c0, int c1, int c2) {
   asm volatile(

@@ -106,6 +106,15 @@ typedef unsigned long long uint64_t;
 #ifndef UNIFORM_Q
 #define UNIFORM_Q 0
 #endif
+// PRODUCER_SLEEP (every head dim; session 16): the producer's mbarrier waits (tile, Q, K and V slots
+// free) take the suspend-time hint of MBAR_SLEEP, the consumers' waits do not. Session 15's ncu (full
+// 8k): the producer thread's two slot waits retried (YIELD, TRYWAIT, BRA) 19 times a KV step at D 128
+// 128 x 176 and 10 at D 64, 449 / 368 warp instructions a step on sub-partition 0, which are ours'
+// whole executed surplus over FA4 at D 128 (497 vs 466 per 128 keys per consumer warp). Off unless
+// Fa3Config.producer_sleep (session 16 mid: 0.998-1.011 at D 64 / 128, 1k / 8k, the noise; clock unmeasured).
+#ifndef PRODUCER_SLEEP
+#define PRODUCER_SLEEP 0
+#endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
 
@@ -521,6 +530,11 @@ __device__ __forceinline__ void release_tile_counter(int* tile_counter) {
 __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q,
                                          const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                          const Problem& pb) {
+#if PRODUCER_SLEEP
+  // (PRODUCER_SLEEP) the producer's waits, the load regions' included, sleep in the barrier: this name
+  // hides hopper_ptx.cuh's mbar_wait in the producer's body only
+  const auto mbar_wait = [](uint32_t bar, int parity) { mbar_wait_sleep(bar, parity); };
+#endif
   tma_prefetch_map(tm_q);
   tma_prefetch_map(tm_k);
   tma_prefetch_map(tm_v);

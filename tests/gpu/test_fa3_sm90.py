@@ -232,6 +232,18 @@ def test_s15_options(opt, nq, nk, grid, causal):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+# Session 16 option (off by default): producer_sleep (the producer's slot waits sleep in the barrier, the
+# consumers' do not) on the D 128 / 64 defaults. As test_s15_options.
+S16_OPTIONS = [(128, dict(producer_sleep=True)), (64, dict(producer_sleep=True))]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (300, 1000, 3)])
+@pytest.mark.parametrize("opt", S16_OPTIONS, ids=lambda o: f"d{o[0]}_" + "+".join(o[1]))
+def test_s16_options(opt, nq, nk, grid, causal):
+    test_s15_options(opt, nq, nk, grid, causal)
+
+
 def _cfg_id(cfg: dict) -> str:
     return "_".join(f"{k}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 

@@ -87,13 +87,30 @@ def bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, budget_m
     return Timing(statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), n)
 
 
+def round_robin_order(n: int, reps: int, rotate: bool = True) -> list[list[int]]:
+    """The callables' order in each of `reps` rounds: round r starts at callable r mod n (rotate),
+    so over n rounds every callable runs once in every position; without rotate, 0..n-1 each time.
+
+    >>> round_robin_order(3, 4)
+    [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    >>> round_robin_order(2, 2, rotate=False)
+    [[0, 1], [0, 1]]
+    """
+    return [[(r + i) % n if rotate else i for i in range(n)] for r in range(reps)]
+
+
 def bench_round_robin(fns: list[Callable[[], object]], *, warmup: int = 5, reps: int = 30,
-                      device: torch.device | str | None = None, hide_host: bool = True) -> list[Timing]:
-    """Median time of each callable, timed round-robin (a, b, c, a, b, c, ...) with L2 flushed
-    before every call and each call waited for, so clock and temperature drift hit every callable
-    alike: timed one after the other, the same kernel moved 5-15% between tuner trials on H100 and
-    whichever system ran first after a pause measured up to 10% faster (fa3 NOTES v3). The
-    experiments' side-by-side benchmarks time through this too.
+                      device: torch.device | str | None = None, hide_host: bool = True,
+                      rotate: bool = True) -> list[Timing]:
+    """Median time of each callable, timed round-robin (a, b, c, b, c, a, c, a, b, ...) with L2
+    flushed before every call and each call waited for, so clock and temperature drift hit every
+    callable alike: timed one after the other, the same kernel moved 5-15% between tuner trials on
+    H100 and whichever system ran first after a pause measured up to 10% faster (fa3 NOTES v3).
+    rotate (default, session 16): each round starts one callable later (round_robin_order), so no
+    callable keeps one position: with a fixed order the same backward kernel read 2-9% faster in the
+    first of seven positions than in the seventh (the GPU's power / clock state after the previous
+    round's kernels; fa3_bwd_sm90 NOTES, session 16), as large as the effects the A/Bs look for.
+    The experiments' side-by-side benchmarks and the tuner's finalists time through this.
 
     hide_host (default): a GPU spin (torch.cuda._sleep) longer than the callable's host enqueue time
     is queued before the start event, so the events bracket GPU work only. Without it, a callable
@@ -107,8 +124,9 @@ def bench_round_robin(fns: list[Callable[[], object]], *, warmup: int = 5, reps:
     flush = _flush_buffer(device)
     cycles = [_spin_cycles(device, 1.5 * h + 0.05) if hide_host else 0 for h in host_ms]
     times: list[list[float]] = [[] for _ in fns]
-    for r in range(reps):
-        for i, fn in enumerate(fns):
+    for r, order in enumerate(round_robin_order(len(fns), reps, rotate)):
+        for i in order:
+            fn = fns[i]
             flush.fill_(r & 0xFF)
             if cycles[i]:
                 torch.cuda._sleep(cycles[i])

@@ -167,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     ap.add_argument("--control", action="store_true", help="time the first option twice (a noise control)")
+    ap.add_argument("--cases", nargs="+", choices=["causal", "full"], default=["causal", "full"],
+                    help="which masks to time (session 16: full only for the full-attention TILE_M80 option)")
     ap.add_argument("--no-preflight", dest="preflight", action="store_false",
                     help="time every option without first running each in a child process")
     args = ap.parse_args(argv)
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
     table, rows, info = systems(options, args.control), [], versions()
     info["options_left_out"] = sorted(set(args.options) - set(options))
     for n in args.n:
-        for causal in (True, False):
+        for causal in [c == "causal" for c in ("causal", "full") if c in args.cases]:
             try:
                 rows += bench_shape(n, causal, args.reps, table)
             except Exception:   # noqa: BLE001 - keep the other shapes' rows

@@ -187,6 +187,9 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            # per step (HGMMA 64x80x16), dQ computed transposed, one dQ slot; ISSUE 1 (the f32 P^T kept through the dS
            # pass spilled 168 bytes at 80 rows). Full attention at D = 128 only: causal / D 64 calls run
            # default_option(causal) (resolve_option)
+           # ... and its 64-row twin (the same body: ISSUE 1, writer warp, early rows), the A/B control of the tile alone
+           "bulk_overlap_lse_lean_issue_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1,
+                                                              dq_writer=1, rows_early=2),
            "bulk_overlap_lse_lean_issue_epi_dqw_early_m80": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1,
                                                                   epilogue=1, dq_writer=1, rows_early=2, tile_m80=1)}
 M80_OPTIONS = tuple(name for name, m in OPTIONS.items() if m.tile_m80)
@@ -206,9 +209,14 @@ DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of
 CAUSAL_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 
 
+# Full attention's option (session 16: a hook for adopting a full-attention-only option such as TILE_M80's; a causal
+# or D 64 call of that runs default_option(causal) through resolve_option). DEFAULT_OPTION until an H100 A/B says so.
+FULL_OPTION = DEFAULT_OPTION
+
+
 def default_option(causal: bool) -> str:
-    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else DEFAULT_OPTION."""
-    return CAUSAL_OPTION if causal else DEFAULT_OPTION
+    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else FULL_OPTION."""
+    return CAUSAL_OPTION if causal else FULL_OPTION
 
 
 def resolve_option(option: str, head_dim: int, causal: bool) -> str:
@@ -219,7 +227,7 @@ def resolve_option(option: str, head_dim: int, causal: bool) -> str:
     True
     """
     if _modes(option).tile_m80 and (causal or head_dim != 128):
-        return default_option(causal)
+        return CAUSAL_OPTION if causal else DEFAULT_OPTION   # (not default_option: FULL_OPTION may be this option)
     return option
 
 

@@ -61,7 +61,9 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # TILE_ORDER 2 on the default body: only blockIdx.x's decode differs (its causal corners: where it matters)
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", s) for s in ((128, True, True), (64, True, False))] + [
     # TILE_M80 (session 16): built for full attention at D = 128 only, both dtypes (bf16 is its register peak)
-    (o, s) for o in hb.M80_OPTIONS for s in ((128, False, False), (128, False, True))]
+    (o, s) for o in hb.M80_OPTIONS for s in ((128, False, False), (128, False, True))] + [
+    # ... and its 64-row twin (ISSUE 1 under the writer warp and early rows): the four corners
+    ("bulk_overlap_lse_lean_issue_epi_dqw_early", s) for s in SPECS]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -335,3 +337,5 @@ def test_tile_m80_option():
         assert hb.resolve_option(name, 128, True) == hb.default_option(True)
         assert hb.resolve_option(name, 64, False) == hb.default_option(False)
         assert hb.resolve_option(hb.DEFAULT_OPTION, 128, False) == hb.DEFAULT_OPTION
+        assert hb.OPTIONS[name] == hb.OPTIONS["bulk_overlap_lse_lean_issue_epi_dqw_early"]._replace(tile_m80=1)
+    assert hb.default_option(False) == hb.FULL_OPTION and hb.default_option(True) == hb.CAUSAL_OPTION

@@ -212,11 +212,23 @@ CAUSAL_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 # Full attention's option (session 16: a hook for adopting a full-attention-only option such as TILE_M80's; a causal
 # or D 64 call of that runs default_option(causal) through resolve_option). DEFAULT_OPTION until an H100 A/B says so.
 FULL_OPTION = DEFAULT_OPTION
+# CUBRIDGE_BWD_FULL_OPTION names another of OPTIONS for full attention (full_option: the A/B and the GPU tests of a
+# proposed flip through every caller, autograd and the op included); unset: FULL_OPTION.
+FULL_OPTION_ENV = "CUBRIDGE_BWD_FULL_OPTION"
+
+
+def full_option() -> str:
+    """Full attention's default option: FULL_OPTION_ENV if set (a dense option of OPTIONS), else FULL_OPTION."""
+    value = os.environ.get(FULL_OPTION_ENV, "")
+    if value and (value not in OPTIONS or value in VARIANT_ONLY_OPTIONS):
+        raise LaunchError(f"{FULL_OPTION_ENV}={value!r} is not a dense option", where="environment",
+                          hint=f"unset {FULL_OPTION_ENV} ({FULL_OPTION}) or set one of {sorted(OPTIONS)}")
+    return value or FULL_OPTION
 
 
 def default_option(causal: bool) -> str:
-    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else FULL_OPTION."""
-    return CAUSAL_OPTION if causal else FULL_OPTION
+    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else full_option()."""
+    return CAUSAL_OPTION if causal else full_option()
 
 
 def resolve_option(option: str, head_dim: int, causal: bool) -> str:

@@ -339,3 +339,17 @@ def test_tile_m80_option():
         assert hb.resolve_option(hb.DEFAULT_OPTION, 128, False) == hb.DEFAULT_OPTION
         assert hb.OPTIONS[name] == hb.OPTIONS["bulk_overlap_lse_lean_issue_epi_dqw_early"]._replace(tile_m80=1)
     assert hb.default_option(False) == hb.FULL_OPTION and hb.default_option(True) == hb.CAUSAL_OPTION
+
+
+def test_full_option_from_the_environment(monkeypatch):
+    """CUBRIDGE_BWD_FULL_OPTION (session 16): full attention's default option for an A/B of a flip; causal keeps
+    CAUSAL_OPTION; a variant-only or unknown name is a clear error."""
+    monkeypatch.delenv(hb.FULL_OPTION_ENV, raising=False)
+    assert hb.default_option(False) == hb.FULL_OPTION
+    monkeypatch.setenv(hb.FULL_OPTION_ENV, hb.M80_OPTIONS[0])
+    assert hb.default_option(False) == hb.M80_OPTIONS[0] and hb.default_option(True) == hb.CAUSAL_OPTION
+    assert hb.resolve_option(hb.default_option(False), 64, False) == hb.DEFAULT_OPTION
+    for bad in ("fast", hb.VARIANT_ONLY_OPTIONS[0]):
+        monkeypatch.setenv(hb.FULL_OPTION_ENV, bad)
+        with pytest.raises(LaunchError, match="not a dense option"):
+            hb.default_option(False)

@@ -24,6 +24,9 @@ using fa3::reg_fence;
 // address field (shared addresses stay below 256 KB: no carry out of it), one uniform add per
 // k-step; ISSUE 0 rebuilds it (make_desc: mask, shift, or).
 __device__ __forceinline__ uint64_t desc_at(uint64_t desc0, uint32_t addr, uint32_t off, int lead, int stride) {
+#if DESC64   // params.cuh DESC64: one 64-bit add, the high word kept (no carry out of the field: the same value)
+  if constexpr (kIssue) return desc0 + off / kDescUnit;
+#endif
   if constexpr (kIssue)
     return (desc0 & 0xffffffff00000000ull) | uint32_t(uint32_t(desc0) + off / kDescUnit);
   return make_desc(addr + off, lead, stride);

@@ -63,7 +63,11 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # TILE_M80 (session 16): built for full attention at D = 128 only, both dtypes (bf16 is its register peak)
     (o, s) for o in hb.M80_OPTIONS for s in ((128, False, False), (128, False, True))] + [
     # ... and its 64-row twin (ISSUE 1 under the writer warp and early rows): the four corners
-    ("bulk_overlap_lse_lean_issue_epi_dqw_early", s) for s in SPECS]
+    ("bulk_overlap_lse_lean_issue_epi_dqw_early", s) for s in SPECS] + [
+    # DESC64 (session 16): ISSUE's descriptors by a 64-bit add (uniform registers move): the default's and the causal
+    # default's four corners
+    (o, s) for o in ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_u64",
+                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64") for s in SPECS]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -115,7 +119,7 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 def test_option_table_matches_the_kernel_macros():
     """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
     with SCHED 1 (static_asserts)."""
-    assert hb.OPTIONS["base"] == (0,) * 15 and hb.DEFAULT_OPTION in hb.OPTIONS
+    assert hb.OPTIONS["base"] == (0,) * 16 and hb.DEFAULT_OPTION in hb.OPTIONS
     for name, m in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
         assert f"-DDQ_MODE={m.dq_mode}" in opts and f"-DSCHED={m.sched}" in opts and f"-DLSE_SMEM={m.lse_smem}" in opts
@@ -326,6 +330,9 @@ def test_tile_m80_option():
     for name in hb.OPTIONS:
         flags = hb.options(128, False, True, name)
         assert ("-DTILE_M80=1" in flags) == (name in hb.M80_OPTIONS) and "-DTILE_M80=0" not in flags, name
+        assert ("-DDESC64=1" in flags) == name.endswith("_u64") and "-DDESC64=0" not in flags, name
+        if name.endswith("_u64"):   # DESC64 on an option that exists without it
+            assert hb.OPTIONS[name] == hb.OPTIONS[name[:-4]]._replace(desc64=1), name
     for name in hb.M80_OPTIONS:
         m = hb.OPTIONS[name]
         assert m.lean and m.lse_smem and m.sched == 1 and m.issue == 1 and not (m.carry or m.dv_late or m.m_rotate)
@@ -337,7 +344,8 @@ def test_tile_m80_option():
         assert hb.resolve_option(name, 128, True) == hb.default_option(True)
         assert hb.resolve_option(name, 64, False) == hb.default_option(False)
         assert hb.resolve_option(hb.DEFAULT_OPTION, 128, False) == hb.DEFAULT_OPTION
-        assert hb.OPTIONS[name] == hb.OPTIONS["bulk_overlap_lse_lean_issue_epi_dqw_early"]._replace(tile_m80=1)
+        assert hb.OPTIONS[name] == hb.OPTIONS["bulk_overlap_lse_lean_issue_epi_dqw_early"]._replace(
+            tile_m80=1, desc64=hb.OPTIONS[name].desc64)
     assert hb.default_option(False) == hb.FULL_OPTION and hb.default_option(True) == hb.CAUSAL_OPTION
 
 

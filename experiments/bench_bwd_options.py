@@ -51,13 +51,14 @@ def cudnn(causal: bool, q, k, v, dout):
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
-def systems(options: list[str], control: bool = False) -> dict:
+def systems(options: list[str], control: bool = False, peers=("fa2", "cudnn", "fa4")) -> dict:
     """control: the first option a second time (its own callable, the same kernel) as "...#2", so the table shows
     how far two copies of one kernel read apart in the same round-robin (session 14: up to 4.6% at causal 16k)."""
     table = {f"{OURS}[{o}]": functools.partial(ours_backward, o) for o in options}
     if control and options:
         table[f"{OURS}[{options[0]}]#2"] = functools.partial(ours_backward, options[0])
-    table.update({"cubridge/fa2_bwd_sm80": fa2, "sdpa_cudnn": cudnn, "fa4": fa4_backward})
+    every = {"fa2": ("cubridge/fa2_bwd_sm80", fa2), "cudnn": ("sdpa_cudnn", cudnn), "fa4": ("fa4", fa4_backward)}
+    table.update(dict(every[p] for p in peers))
     return table
 
 
@@ -97,7 +98,24 @@ def preflight(options: list[str], timeout_s: float = 120.0) -> list[str]:
 
 
 
-def bench_shape(n: int, causal: bool, reps: int, table: dict) -> list[dict]:
+def timed_rotations(fns: list, reps: int) -> list:
+    """--rotate (session 16): one bench_round_robin per rotation of the order (every system once in every position,
+    reps // len(fns) reps each, at least 3), each system's median of its per-rotation medians (p20 / p80 over the
+    rotations). Session 16's mid call read the same kernel 2-9% faster in the first round-robin position than in the
+    seventh (full 16k: 672 vs 619 TFLOPS), systems ranked by position: a fixed order biases an A/B by as much."""
+    import statistics
+    from cubridge.runtime.timing import Timing
+    per = max(3, reps // len(fns))
+    meds = [[] for _ in fns]
+    for r in range(len(fns)):
+        order = list(range(r, len(fns))) + list(range(r))
+        for i, t in zip(order, bench_round_robin([fns[i] for i in order], warmup=2, reps=per)):
+            meds[i].append(t.median_ms)
+    return [Timing(statistics.median(m), sorted(m)[int(0.2 * (len(m) - 1))], sorted(m)[int(round(0.8 * (len(m) - 1)))],
+                   per * len(fns)) for m in meds]
+
+
+def bench_shape(n: int, causal: bool, reps: int, table: dict, rotate: bool = False) -> list[dict]:
     b = max(1, TOKENS // n)
     gen = torch.Generator(device="cuda").manual_seed(n + causal)
     q, k, v, dout = (torch.randn(b, H, n, D, device="cuda", generator=gen).bfloat16() for _ in range(4))
@@ -110,7 +128,8 @@ def bench_shape(n: int, causal: bool, reps: int, table: dict) -> list[dict]:
         except Exception as err:   # noqa: BLE001 - a missing peer or a failing option is reported, not fatal
             print(f"# {name} N={n} {'causal' if causal else 'full'}: skipped: {str(err).splitlines()[0][:160]}")
     torch.cuda.synchronize()
-    timings = bench_round_robin([fn for _, fn in runnable], warmup=3, reps=reps)
+    fns = [fn for _, fn in runnable]
+    timings = timed_rotations(fns, reps) if rotate else bench_round_robin(fns, warmup=3, reps=reps)
     flops = BWD_FLOP_FACTOR * attention_flops(b, H, D, n, n, causal)
     ref, rows = grads.get("sdpa_cudnn"), []
     for (name, _), t in zip(runnable, timings):
@@ -167,6 +186,11 @@ def main(argv=None) -> int:
     ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     ap.add_argument("--table", type=Path, help="print the table of a results JSON and exit")
     ap.add_argument("--control", action="store_true", help="time the first option twice (a noise control)")
+    ap.add_argument("--rotate", action="store_true",
+                    help="time every rotation of the round-robin order (timed_rotations: no position bias)")
+    ap.add_argument("--peers", nargs="*", choices=["fa2", "cudnn", "fa4"], default=["fa2", "cudnn", "fa4"])
+    ap.add_argument("--cases", nargs="+", choices=["causal", "full"], default=["causal", "full"],
+                    help="which masks to time (session 16: full only for the full-attention TILE_M80 option)")
     ap.add_argument("--no-preflight", dest="preflight", action="store_false",
                     help="time every option without first running each in a child process")
     args = ap.parse_args(argv)
@@ -174,12 +198,13 @@ def main(argv=None) -> int:
         print_table(json.loads(args.table.read_text())["rows"])
         return 0
     options = preflight(args.options) if args.preflight else args.options
-    table, rows, info = systems(options, args.control), [], versions()
+    table, rows, info = systems(options, args.control, args.peers), [], versions()
+    info["rotate"] = args.rotate
     info["options_left_out"] = sorted(set(args.options) - set(options))
     for n in args.n:
-        for causal in (True, False):
+        for causal in [c == "causal" for c in ("causal", "full") if c in args.cases]:
             try:
-                rows += bench_shape(n, causal, args.reps, table)
+                rows += bench_shape(n, causal, args.reps, table, args.rotate)
             except Exception:   # noqa: BLE001 - keep the other shapes' rows
                 traceback.print_exc()
             if args.out:   # after every shape: a run cut short keeps what it measured

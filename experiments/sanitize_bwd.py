@@ -34,6 +34,8 @@ DENSE = [
     ("fa3_bwd_sm90", False, 1, 4, 2, 77, 300, 128, BF16, True),
     ("fa3_bwd_sm90", False, 1, 2, 1, 200, 77, 64, F16, True),
     ("fa3_bwd_sm90", False, 1, 2, 2, 150, 150, 128, F16, False),
+    # session 16: full, ragged, GQA, 3 query tiles of 80 per head (TILE_M80's one dQ slot over 6 steps per CTA)
+    ("fa3_bwd_sm90", False, 1, 4, 2, 170, 300, 128, BF16, False),
 ]
 # (spec, deterministic, B, Hq, Hkv, Nq, Nk, D): lowered variant backwards with fewer queries than keys
 VARIANTS = [("prefixlm", False, 1, 4, 2, 100, 260, 128), ("share_question", True, 1, 2, 1, 90, 300, 64)]

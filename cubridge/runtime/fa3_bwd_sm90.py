@@ -108,6 +108,7 @@ CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
 # (one CTA per 64 x 64 part, 16-byte row stores). On with STAGED_CONVERT_ENV=1 (contiguous dq; BNHD keeps the tiled).
 STAGED_CONVERT_ENTRY = b"fa3_bwd_dq_convert_staged"
 STAGED_CONVERT_ENV = "CUBRIDGE_BWD_STAGED_CONVERT"
+M80_CONVERT_ENTRY = b"fa3_bwd_dq_convert_m80"   # TILE_M80's accumulator (dQ^T parts): tile_m80.cuh
 PREP_ENTRY = b"fa3_bwd_preprocess"
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
 
@@ -130,6 +131,13 @@ class Modes(NamedTuple):
     rows_early: int = 0
     m_rotate: int = 0
     persist: int = 0
+    tile_m80: int = 0   # session 16 (params.cuh TILE_M80): 80-row query tiles, full attention at D = 128 only
+    desc64: int = 0     # session 16 (params.cuh DESC64): wgmma descriptors by one 64-bit add (fewer uniform moves)
+
+
+# Fields added since session 16 are left out of the nvcc flags while 0 (the kernel's default): the older options'
+# compile keys stay as they were.
+NEW_FIELDS = ("tile_m80", "desc64")
 
 
 OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
@@ -180,7 +188,24 @@ OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap":
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
            "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2),
            "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1,
-                                                                       persist=1)}
+                                                                       persist=1),
+           # session 16 (bwd16; params.cuh TILE_M80, tile_m80.cuh): FA4's / C++ FA3's full-attention tile, 80 queries
+           # per step (HGMMA 64x80x16), dQ computed transposed, one dQ slot; ISSUE 1 (the f32 P^T kept through the dS
+           # pass spilled 168 bytes at 80 rows). Full attention at D = 128 only: causal / D 64 calls run
+           # default_option(causal) (resolve_option)
+           # ... and its 64-row twin (the same body: ISSUE 1, writer warp, early rows), the A/B control of the tile alone
+           "bulk_overlap_lse_lean_issue_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1,
+                                                              dq_writer=1, rows_early=2),
+           "bulk_overlap_lse_lean_issue_epi_dqw_early_m80": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1,
+                                                                  epilogue=1, dq_writer=1, rows_early=2, tile_m80=1)}
+# session 16 (bwd16; params.cuh DESC64): the default, CAUSAL_OPTION and TILE_M80's option with each k-step's wgmma
+# descriptor made by one 64-bit add (436 -> 397 instructions per step at D 128; dK / dV bitwise the same)
+OPTIONS.update({
+    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_u64": OPTIONS["bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"]._replace(desc64=1),
+    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64":
+        OPTIONS["bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"]._replace(desc64=1),
+    "bulk_overlap_lse_lean_issue_epi_dqw_early_m80_u64": OPTIONS["bulk_overlap_lse_lean_issue_epi_dqw_early_m80"]._replace(desc64=1)})
+M80_OPTIONS = tuple(name for name, m in OPTIONS.items() if m.tile_m80)
 # PERSIST (session 14, ref_kernels/fa3_bwd_sm90/persist.cuh): min(tiles, SMs) CTAs take the tiles of TILE_ORDER 2's
 # order from a queue, the next tile's scan and loads under the current one's last step and epilogue. Its
 # scheduler scans query runs (a lowered variant's q_range), so it builds for variants only. Off: session 14 mid
@@ -197,9 +222,43 @@ DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of
 CAUSAL_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 
 
+# Full attention's option (session 16: a hook for adopting a full-attention-only option such as TILE_M80's; a causal
+# or D 64 call of that runs default_option(causal) through resolve_option). DEFAULT_OPTION until an H100 A/B says so.
+FULL_OPTION = DEFAULT_OPTION
+# CUBRIDGE_BWD_FULL_OPTION names another of OPTIONS for full attention (full_option: the A/B and the GPU tests of a
+# proposed flip through every caller, autograd and the op included); unset: FULL_OPTION.
+FULL_OPTION_ENV = "CUBRIDGE_BWD_FULL_OPTION"
+
+
+def full_option() -> str:
+    """Full attention's default option: FULL_OPTION_ENV if set (a dense option of OPTIONS), else FULL_OPTION."""
+    value = os.environ.get(FULL_OPTION_ENV, "")
+    if value and (value not in OPTIONS or value in VARIANT_ONLY_OPTIONS):
+        raise LaunchError(f"{FULL_OPTION_ENV}={value!r} is not a dense option", where="environment",
+                          hint=f"unset {FULL_OPTION_ENV} ({FULL_OPTION}) or set one of {sorted(OPTIONS)}")
+    return value or FULL_OPTION
+
+
 def default_option(causal: bool) -> str:
-    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else DEFAULT_OPTION."""
-    return CAUSAL_OPTION if causal else DEFAULT_OPTION
+    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else full_option()."""
+    return CAUSAL_OPTION if causal else full_option()
+
+
+def resolve_option(option: str, head_dim: int, causal: bool) -> str:
+    """The option a call builds and runs: a TILE_M80 option (M80_OPTIONS) where its 80-row tile applies (full
+    attention, D = 128), default_option(causal) elsewhere; any other option as it is.
+
+    >>> resolve_option("bulk_overlap_lse_lean_issue_epi_dqw_early_m80", 64, False) == DEFAULT_OPTION
+    True
+    """
+    if _modes(option).tile_m80 and (causal or head_dim != 128):
+        return CAUSAL_OPTION if causal else DEFAULT_OPTION   # (not default_option: FULL_OPTION may be this option)
+    return option
+
+
+def block_m(option: str) -> int:
+    """Query rows per step of `option`'s kernel: 80 with TILE_M80, else BLOCK_M."""
+    return 80 if _modes(option).tile_m80 else BLOCK_M
 # A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
 # static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
 # bulk_overlap_lse_lean_l2lpt (session 12): lean in TILE_ORDER 2's order, the KV tiles of a section of
@@ -285,14 +344,15 @@ def _modes(option: str) -> Modes:
 
 def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
     """K, V, STAGES x (Q, dO), DS_SLOTS x dS^T, DQ_MODE 1's dQ slots, the barriers, alignment
-    slack (params.cuh)."""
+    slack (params.cuh; TILE_M80: 80-row tiles, one dQ slot of 80 x 64 floats per consumer)."""
+    bm = block_m(option)
     kv = BLOCK_N * head_dim * ELEM_BYTES
-    q = BLOCK_M * head_dim * ELEM_BYTES
-    ds = BLOCK_N * BLOCK_M * ELEM_BYTES
+    q = bm * head_dim * ELEM_BYTES
+    ds = BLOCK_N * bm * ELEM_BYTES
     modes = _modes(option)
     dq_mode, lse_smem = modes.dq_mode, modes.lse_smem
-    dq = DQ_SLOTS * CONSUMERS * DQ_PART_BYTES if dq_mode == 1 else 0
-    rows = 2 * STAGES * ROW_TERM_BYTES if lse_smem == 1 else 0
+    dq = (1 * CONSUMERS * bm * 64 * 4 if modes.tile_m80 else DQ_SLOTS * CONSUMERS * DQ_PART_BYTES) if dq_mode == 1 else 0
+    rows = 2 * STAGES * bm * 4 if lse_smem == 1 else 0
     barriers = 1 + 2 * STAGES + (3 if modes.persist else 0)   # PERSIST: kv_empty, sched_full, sched_empty
     return 2 * kv + 2 * STAGES * q + DS_SLOTS * ds + dq + rows + barriers * 8 + SMEM_ALIGN
 
@@ -301,7 +361,8 @@ def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTIO
             bnhd: bool = False, staged_convert: bool = False) -> list[str]:
     """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa) and bnhd
     -DBNHD=1 (fa3_bwd_layout); without them the macros (and the compile cache key) are as before both."""
-    macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()]
+    macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()
+              if value or name not in NEW_FIELDS]
     split = ([f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []) + (["-DBNHD=1"] if bnhd else [])
     split += ["-DDQ_CONVERT=2"] if staged_convert else []   # STAGED_CONVERT_ENV: the cache key changes only when on
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
@@ -318,7 +379,7 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
     if head_dim not in HEAD_DIMS:
         raise LaunchError(f"head dim {head_dim} is not built", where="fa3_bwd_sm90",
                           hint=f"D must be one of {HEAD_DIMS}")
-    _modes(option)
+    option = resolve_option(option, head_dim, causal)
     if source is None and option in VARIANT_ONLY_OPTIONS:
         raise LaunchError(f"option {option!r} builds for a lowered variant only", where="fa3_bwd_sm90",
                           hint=f"pass a variant's source, or one of {sorted(set(OPTIONS) - set(VARIANT_ONLY_OPTIONS))}")
@@ -359,7 +420,7 @@ def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: tor
     if key not in _FUNCTIONS:
         cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source,
                             gqa_split=gqa_split, bnhd=bnhd, staged_convert=staged_convert).cubin
-        convert = STAGED_CONVERT_ENTRY if staged_convert else CONVERT_ENTRY
+        convert = M80_CONVERT_ENTRY if _modes(option).tile_m80 else STAGED_CONVERT_ENTRY if staged_convert else CONVERT_ENTRY
         entries = (convert, PREP_ENTRY) if _modes(option).lean else (convert,)
         entries += (gqa.SUM_ENTRY,) if gqa_split > 1 else ()
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
@@ -399,17 +460,18 @@ def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
     return _padded_lse(lse, bh, nq, num_m), _padded_dvec(dvec, bh, nq, num_m)
 
 
-def _lean_prep(prep, out, dout, lse, bh: int, nq: int, num_m: int, d: int, stream: int, heads: int | None = None):
+def _lean_prep(prep, out, dout, lse, bh: int, nq: int, num_m: int, d: int, stream: int, heads: int | None = None,
+               bm: int = BLOCK_M):
     """LEAN 1: ((padded log2 LSE, padded Dvec), the zeroed tiled dQ accumulator) from one
     fa3_bwd_preprocess launch (kernel.cu), in place of fa2_bwd_preprocess and the torch ops of
     _padded_row_terms (5-7 small kernels, each a few us of host time while the GPU waits). heads: BNHD's
     Hq (out and dout [B, N, Hq, D] memory), None for contiguous [B, H, N, D]."""
-    padded = bh * num_m * BLOCK_M
-    lse2 = torch.empty((bh, num_m * BLOCK_M), device=out.device, dtype=torch.float32)
+    padded = bh * num_m * bm
+    lse2 = torch.empty((bh, num_m * bm), device=out.device, dtype=torch.float32)
     dvec = torch.empty_like(lse2)
     accum = torch.empty(padded * d, device=out.device, dtype=torch.float32)
     args = [ctypes.c_uint64(t.data_ptr()) for t in (out, dout, lse, lse2, dvec, accum)]
-    args += [ctypes.c_int32(nq), ctypes.c_int32(num_m * BLOCK_M), ctypes.c_int64(padded)]
+    args += [ctypes.c_int32(nq), ctypes.c_int32(num_m * bm), ctypes.c_int64(padded)]
     args += [ctypes.c_int32(heads)] if heads is not None else []
     driver().launch(prep, (math.ceil(padded * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
                     stream, pack_params(args))
@@ -483,6 +545,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     "auto" takes it (unless CUBRIDGE_BWD_BNHD=0) where dout and out are [B, N, H, D] memory)."""
     from cubridge.runtime.fa2_bwd_sm80 import check_backward_args, gradient_buffers
     option = default_option(bool(causal)) if option is None else option
+    if variant is None and isinstance(q, torch.Tensor) and q.dim() == 4:   # a TILE_M80 option: full attention, D 128
+        option = resolve_option(option, q.shape[-1], bool(causal))
     modes = _modes(option)
     bnhd = all(isinstance(t, torch.Tensor) for t in (dout, q, k, v, out)) and lay.choose(layout, modes, dout, q, k, v,
                                                                                           out)
@@ -508,18 +572,19 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's / default split applies to the options that can take it
-    staged = modes.dq_mode == 1 and not bnhd and staged_convert_enabled()
+    staged = modes.dq_mode == 1 and not bnhd and not modes.tile_m80 and staged_convert_enabled()
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
                        variant.source if variant is not None else None, split, bnhd, staged)
     func, convert = funcs[:2]
     stream = current_stream(device.index)
-    num_m = math.ceil(nq / BLOCK_M)
+    bm = block_m(option)
+    num_m = math.ceil(nq / bm)
     if modes.lean:
-        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream, hq if bnhd else None)
+        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream, hq if bnhd else None, bm)
     else:
         row_terms, accum = _classic_prep(out, dout, lse, shape, modes.dq_mode, modes.lse_smem, device, stream)
     tm = map_4d if bnhd else driver().tensor_map   # BNHD: (D, N, H, B) maps of the tensors' own strides
-    maps = [tm(q, BLOCK_M), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, BLOCK_M)]
+    maps = [tm(q, bm), tm(k, BLOCK_N), tm(v, BLOCK_N), tm(dout, bm)]
     # GQA_SPLIT: the kernel sees Hkv * s virtual kv heads of G / s query heads and writes fp32 partials
     parts = gqa.partials(b, hkv, split, nk, d, device) if split > 1 else (dk, dv)
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, *parts)]
@@ -540,13 +605,25 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if split > 1:
         gqa.launch_sum(funcs[-1], *parts, dk, dv, hkv, scale, stream)
-    if staged:
+    if modes.tile_m80:
+        _convert_m80(convert, accum, dq, shape, scale, stream, hq if bnhd else None)
+    elif staged:
         _convert_staged(convert, accum, dq, shape, scale, stream)
     else:
         _convert(convert if modes.dq_mode == 1 else None, accum, dq, shape, scale, stream, hq if bnhd else None)
     if bnhd:
         lay.finish(zip((dq, dk, dv), wanted))
     return wanted
+
+
+def _convert_m80(func, accum, dq, shape, scale: float, stream: int, heads: int | None = None) -> None:
+    """dQ = accumulator * scale in 16 bit by fa3_bwd_dq_convert_m80 (tile_m80.cuh): one CTA of 128 threads per
+    80 x 64 part of TILE_M80's accumulator (dQ^T fragments); heads: BNHD's Hq (dq [B, N, Hq, D] memory)."""
+    part = 80 * 64
+    args = [ctypes.c_uint64(accum.data_ptr()), ctypes.c_uint64(dq.data_ptr()), ctypes.c_int32(shape.len_q),
+            ctypes.c_int32(math.ceil(shape.len_q / 80)), ctypes.c_float(scale)]
+    args += [ctypes.c_int32(heads)] if heads is not None else []
+    driver().launch(func, (accum.numel() // part, 1, 1), (STAGED_CONVERT_THREADS, 1, 1), 0, stream, pack_params(args))
 
 
 def _convert_staged(staged, accum, dq, shape, scale: float, stream: int) -> None:

@@ -24,10 +24,17 @@ using fa3::reg_fence;
 // address field (shared addresses stay below 256 KB: no carry out of it), one uniform add per
 // k-step; ISSUE 0 rebuilds it (make_desc: mask, shift, or).
 __device__ __forceinline__ uint64_t desc_at(uint64_t desc0, uint32_t addr, uint32_t off, int lead, int stride) {
+#if DESC64   // params.cuh DESC64: one 64-bit add, the high word kept (no carry out of the field: the same value)
+  if constexpr (kIssue) return desc0 + off / kDescUnit;
+#endif
   if constexpr (kIssue)
     return (desc0 & 0xffffffff00000000ull) | uint32_t(uint32_t(desc0) + off / kDescUnit);
   return make_desc(addr + off, lead, stride);
 }
+
+#if TILE_M80
+#include "tile_m80.cuh"   // the dS store and dQ GEMM of the 80-row query tile (params.cuh TILE_M80)
+#endif
 
 // S^T (64 keys x 64 queries) = X_c T^T: X = K or V rows of this consumer, T = Q or dO of the
 // stage; both K-major (D contiguous) in swizzled panels.
@@ -59,6 +66,9 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[kAccRegs], const uint32_t (
 // D: N-major). Split N (D = 128): all 128 keys, columns [64c, 64c + 64). Split K (D = 64): own
 // 64 keys, all columns.
 __device__ __forceinline__ void gemm_dq(float (&dq)[kDqRegs], uint32_t ds_slot, uint32_t k_tile, int c) {
+#if TILE_M80
+  gemm_dq_m80(dq, ds_slot, k_tile, c);   // dQ^T = K^T dS^T (tile_m80.cuh)
+#else
   const uint32_t a0 = ds_slot + (kDqSplitN ? 0 : c * kWgRows * kSwizzleBytes);
   const uint32_t b0 = k_tile + (kDqSplitN ? c * kKVPanelBytes : c * kWgRows * kSwizzleBytes);
   const uint64_t da = make_desc(a0, kDsBytes, kSwizzleAtomBytes), db = make_desc(b0, kKVPanelBytes, kSwizzleAtomBytes);
@@ -68,6 +78,7 @@ __device__ __forceinline__ void gemm_dq(float (&dq)[kDqRegs], uint32_t ds_slot, 
     const uint64_t b = desc_at(db, b0, kk * kRowStepBytes, kKVPanelBytes, kSwizzleAtomBytes);
     WgmmaSST<kDqCols, MmaTag>::mma(dq, a, b, kk > 0);
   }
+#endif
 }
 
 __device__ __forceinline__ void pack_frag(uint32_t (&p)[kPRegs], const float (&s)[kSRegs]) {
@@ -93,6 +104,9 @@ __device__ __forceinline__ void store_ds_stsm(const Consumer& cs, uint32_t slot,
                  "r"(ds[2 * j + 3]) : "memory");
 }
 __device__ __forceinline__ void store_ds(const Consumer& cs, uint32_t slot, const uint32_t (&ds)[kPRegs]) {
+#if TILE_M80
+  store_ds_m80(cs, slot, ds);   // dS, K-major (tile_m80.cuh)
+#else
   if constexpr (kIssue) {
     store_ds_stsm(cs, slot, ds);
     return;
@@ -105,6 +119,7 @@ __device__ __forceinline__ void store_ds(const Consumer& cs, uint32_t slot, cons
       const uint32_t addr = slot + row * kSwizzleBytes + ((j ^ (row % 8)) * 16) + cs.col0() * kElemBytes;
       asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(ds[2 * j + h]) : "memory");
     }
+#endif
 }
 
 // LSE (log2 units; +inf past Nq or for a row that attended nothing, so P = 0) and Dvec of one
@@ -168,11 +183,17 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
 // ISSUE 1: the 16 LSE (or Dvec) values of this thread's query columns, loaded from the stage while a
 // GEMM runs (8 ld.shared.v2 issued right after the S / dP GEMMs, or after dV), so the pass after
 // the wgmma wait does not start with a shared-memory round trip. FA4 loads its LSE the same way.
-constexpr int kPreRegs = kIssue ? kBlockM / 4 : 1;
+// TILE_M80: the first M80_PRE of the 20 (default 18); the rest read in the pass (all 20 held through the P pass spilled
+// 8 bytes at bf16: 128 dK / dV + 2 x 40 S^T / dP^T + 20 leave no room for the pass's temporaries)
+#ifndef M80_PRE
+#define M80_PRE 18
+#endif
+constexpr int kPreRegs = kIssue ? (kM80 ? M80_PRE : kBlockM / 4) : 1;
+static_assert(kPreRegs % 2 == 0 || kPreRegs == 1, "row terms are preloaded in pairs");
 __device__ __forceinline__ void preload_row_terms(float (&pre)[kPreRegs], const Consumer& cs, uint32_t tile) {
   if constexpr (kIssue) {
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j)
+    for (int j = 0; j < kPreRegs / 2; ++j)
       asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(pre[2 * j]), "=f"(pre[2 * j + 1])
                    : "r"(tile + 4 * (8 * j + cs.col0())));
   }
@@ -198,7 +219,8 @@ __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer
       const int q_row = m0 + 8 * j + cs.col0() + e;
       float lse2 = kPosInf;
       if constexpr (kLseSmem) {
-        lse2 = kIssue ? lse_pre[(2 * j + e) % kPreRegs] : ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
+        lse2 = kIssue && 2 * j + e < kPreRegs ? lse_pre[(2 * j + e) % kPreRegs]
+                                              : ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
       } else if (q_row < pb.seqlen_q) {
         const float l = ld_row_term(lse + row_base + q_row);
         lse2 = l == kNegInf ? kPosInf : l * kLog2e;
@@ -291,7 +313,7 @@ __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer&
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
-      const float dv = kIssue ? dvec_pre[(2 * j + e) % kPreRegs]
+      const float dv = kIssue && 2 * j + e < kPreRegs ? dvec_pre[(2 * j + e) % kPreRegs]
                        : kLseSmem ? ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e))
                        : q_row < pb.seqlen_q ? ld_row_term(dvec + row_base + q_row) : 0.f;
 #pragma unroll

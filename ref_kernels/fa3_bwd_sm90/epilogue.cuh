@@ -80,9 +80,15 @@ __device__ __forceinline__ void store_rows_staged(const Consumer& cs, const Smem
     store_partial_f32(cs, reinterpret_cast<float*>(dk), dk_acc, pb);
     return;
   }
+#if TILE_M80   // one 40 KB dQ slot: stage in the Q / dO stages (80 KB) once BOTH consumers' last GEMMs read them
+  const uint32_t tile_v = sm.q() + cs.c * kWgRows * kStageRowBytes;
+  const uint32_t tile_k = sm.q() + (kConsumers + cs.c) * kWgRows * kStageRowBytes;
+  named_sync(kBarDsReady, kConsumers * kWgThreads);
+#else
   const uint32_t tile_v = sm.dq() + cs.c * kDqPartBytes, tile_k = sm.dq() + (kConsumers + cs.c) * kDqPartBytes;
   if (!kDqWriter && cs.wg_thread == 0) bulk_wait_read<0>();   // DQ_WRITER: dq_drain waited instead
   cs.wg_sync();
+#endif
   stage_rows(cs, tile_v, dv_acc, 1.f);
   stage_rows(cs, tile_k, dk_acc, softmax_scale);
   cs.wg_sync();

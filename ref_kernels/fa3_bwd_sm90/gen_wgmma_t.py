@@ -1,21 +1,24 @@
-"""Writes wgmma_t.cuh: the one wgmma form the backward needs beyond ../fa3_sm90/wgmma.cuh,
+"""Writes wgmma_t.cuh: the wgmma forms the backward needs beyond ../fa3_sm90/wgmma.cuh:
 m64n64k16 with BOTH operands MN-major from shared memory (imm-trans-a = imm-trans-b = 1), for
-dQ = dS K where dS^T sits in smem with q contiguous and K with D contiguous.
+dQ = dS K where dS^T sits in smem with q contiguous and K with D contiguous; and (TILE_M80, session 16)
+m64n80k16 with A MN-major, B K-major (imm-trans-a = 1, imm-trans-b = 0), for dQ^T = K^T dS^T where K
+sits with D contiguous and dS with the keys contiguous.
 Run: python3 gen_wgmma_t.py > wgmma_t.cuh"""
 N = 64
 TYPES = (("TagHalf", "f16"), ("TagBf16", "bf16"))
 
 
-def spec(tag: str, ptx: str) -> str:
+def spec(tag: str, ptx: str, name: str = "WgmmaSST", n: int = N, trans_b: int = 1) -> str:
+    N = n
     regs = N // 2
     outs = ", ".join(f"%{i}" for i in range(regs))
     cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    return f"""template <> struct WgmmaSST<{N}, {tag}> {{
+    return f"""template <> struct {name}<{N}, {tag}> {{
   static __device__ __forceinline__ void mma(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b,
                                              int accumulate) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{ptx}.{ptx} {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 1, 1;\\n}}\\n"
+        "wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{ptx}.{ptx} {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 1, {trans_b};\\n}}\\n"
         : {cons}
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   }}
@@ -29,3 +32,7 @@ print("#pragma once")
 print("template <int N, class T> struct WgmmaSST;")
 for tag, ptx in TYPES:
     print(spec(tag, ptx))
+print("// WgmmaSTA<N, T>::mma: D(64xN, f32) (+)= A(64x16, smem desc, M-major) * B(16xN, smem desc, K-major).")
+print("template <int N, class T> struct WgmmaSTA;")
+for tag, ptx in TYPES:
+    print(spec(tag, ptx, "WgmmaSTA", 80, 0))

@@ -499,6 +499,11 @@ fa3_bwd_dq_convert_tiled(const float* __restrict__ dq_accum, uint16_t* __restric
 #endif
 }
 
+#if TILE_M80   // its own convert (the accumulator holds dQ^T parts: tile_m80.cuh)
+#define FA3B_M80_ENTRY 1
+#include "tile_m80.cuh"
+#endif
+
 // DQ_CONVERT 2 (session 15, vbwd15; off: the runtime's CUBRIDGE_BWD_STAGED_CONVERT=1 builds it): the same dQ =
 // accumulator * scale (the same multiply and pack2 per element: bitwise the tiled convert's dQ) with FA4's
 // postprocess shape. One CTA of 128 threads per 64 x 64 part: each thread loads its 8 float4 of the part at once

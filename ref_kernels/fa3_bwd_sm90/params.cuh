@@ -7,7 +7,24 @@ namespace fa3b {
 
 constexpr int kHeadDim = HEAD_DIM;
 constexpr int kBlockN = 128;                      // KV rows per CTA: two consumers x 64
-constexpr int kBlockM = 64;                       // query rows per step of the Q / dO ring
+// TILE_M80 1 (session 16, bwd16; full attention at D = 128, off): 80 query rows per step (FA4's and C++ FA3's full-
+// attention tile, HGMMA 64x80x16): S^T / dP^T are 64 x 80, dV / dK take 5 k-blocks, and dQ is computed transposed
+// (dQ^T = K^T dS^T, m64n80: wgmma's M is 64 only), its dS operand stored K-major by stmatrix.trans, its parts 64 D
+// columns x 80 queries in a tiled accumulator of its own order (tile_m80.cuh), one dQ slot (shared memory).
+#ifndef TILE_M80
+#define TILE_M80 0
+#endif
+constexpr bool kM80 = TILE_M80 == 1;
+// DESC64 1 (session 16, bwd16; off): ISSUE's per-k-step wgmma descriptor as desc0 + offset / 16, one 64-bit add,
+// instead of (desc0's high word) | (low word + offset / 16): the same 64-bit value (the 14-bit start address field
+// cannot carry: shared addresses stay below 256 KB), but ptxas then keeps the high word in its uniform register
+// instead of rewriting it (UMOV) before every HGMMA. nvdisasm, one unmasked step, D 128 bf16: the default 436 -> 397
+// instructions (UMOV 71 -> 26; FA4's SM90 backward 440), TILE_M80 519 -> 488. Numerics unchanged (dK / dV bitwise).
+#ifndef DESC64
+#define DESC64 0
+#endif
+static_assert(DESC64 == 0 || (DESC64 == 1 && ISSUE >= 1), "DESC64=1 changes ISSUE's descriptors: it needs ISSUE>=1");
+constexpr int kBlockM = kM80 ? 80 : 64;           // query rows per step of the Q / dO ring
 constexpr int kStages = 2;                        // depth of the Q / dO ring
 constexpr bool kCausal = IS_CAUSAL != 0;
 // Performance options (NOTES.md "Options"; value 0 is the session-7 path, kept for A/B):
@@ -158,8 +175,8 @@ constexpr int kPRegs = kBlockM / 4;               // P^T, dS^T as 16-bit wgmma A
 // split: both halves of dS are read, hence the ds_ready barrier); with D = 64 each computes all
 // 64 columns over its own 64 keys (K split: no cross-consumer wait, twice the atomics, small D).
 constexpr bool kDqSplitN = kHeadDim == 128;
-constexpr int kDqCols = 64;                       // wgmma N of the dQ GEMM in both splits
-constexpr int kDqRegs = kDqCols / 2;
+constexpr int kDqCols = 64;                       // wgmma N of the dQ GEMM in both splits (TILE_M80: its M, D columns)
+constexpr int kDqRegs = kM80 ? kBlockM / 2 : kDqCols / 2;   // TILE_M80: dQ^T 64 columns x 80 queries
 constexpr int kDqKSteps = (kDqSplitN ? kBlockN : kWgRows) / kMmaK;
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -172,7 +189,8 @@ constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;
 constexpr int kKVPanelBytes = kBlockN * kSwizzleBytes;
 constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;      // one Q (or dO) stage
 constexpr int kQPanelBytes = kBlockM * kSwizzleBytes;
-constexpr int kDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T [128 keys][64 queries]
+constexpr int kDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T [128 keys][64 queries] (TILE_M80: dS, 2 x [80][64 keys])
+constexpr int kDsPanelBytes = kBlockM * kSwizzleBytes;        // TILE_M80: one consumer's 64 keys of dS, K-major
 constexpr int kDsSlots = 2;   // double buffered: one ds_ready barrier per step suffices (NOTES.md)
 constexpr int kSmemAlign = 1024;
 constexpr int kSmemLimit = 227 * 1024;
@@ -182,11 +200,13 @@ constexpr int kOffQ = kOffV + kKVBytes;
 constexpr int kOffDo = kOffQ + kStages * kQBytes;
 constexpr int kOffDs = kOffDo + kStages * kQBytes;
 constexpr int kOffDq = kOffDs + kDsSlots * kDsBytes;
-constexpr int kDqPartFloats = kWgRows * kDqCols;             // one consumer's 64 x 64 dQ part
+constexpr int kDqPartFloats = (kM80 ? kBlockM : kWgRows) * kDqCols;   // one consumer's 64 x 64 dQ part (M80: 80 x 64)
 constexpr int kDqPartBytes = kDqPartFloats * 4;
 constexpr int kDqChunks = kDqPartFloats / 4 / kWgThreads;     // float4 stores per thread (8)
 constexpr int kDqParts = kHeadDim / kDqCols;                  // parts per query tile (tiled accum)
-constexpr int kDqSlots = 2;   // slot it % 2: step it's bulk add reads it while step it + 1 writes the other
+// slot it % 2: step it's bulk add reads it while step it + 1 writes the other. TILE_M80: one slot (2 x 20 KB; two
+// would need 264 KB of shared memory), step it + 1's stores wait for step it's add to have read it
+constexpr int kDqSlots = kM80 ? 1 : 2;
 constexpr int kDqSmemBytes = kDqBulk ? kDqSlots * kConsumers * kDqPartBytes : 0;
 constexpr int kRowTermBytes = kBlockM * 4;                   // one stage's LSE (or Dvec) floats
 constexpr int kOffLse = kOffDq + kDqSmemBytes;
@@ -251,6 +271,11 @@ static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=
 static_assert(PERSIST == 0 || (PERSIST == 1 && TILE_ORDER == 2 && SCHED == 1 && LEAN == 1 && EPILOGUE == 1 &&
                                 DQ_WRITER == 0 && CARRY == 0 && DV_LATE == 0),
               "PERSIST=1 needs TILE_ORDER=2, SCHED=1, LEAN=1, EPILOGUE=1 and no DQ_WRITER / CARRY / DV_LATE");
+static_assert(TILE_M80 == 0 || (TILE_M80 == 1 && HEAD_DIM == 128 && !IS_CAUSAL && DQ_MODE == 1 && SCHED == 1 && LEAN == 1 &&
+                                 LSE_SMEM == 1 && ISSUE >= 1 && DV_LATE == 0 && CARRY == 0 && M_ROTATE == 0 &&
+                                 PERSIST == 0),
+              "TILE_M80=1 is built for full attention at D = 128 on the SCHED 1 / LEAN / ISSUE path (no CARRY, DV_LATE, "
+              "M_ROTATE, PERSIST)");
 static_assert(kSmemBytes <= kSmemLimit, "tiles do not fit in 227 KB of shared memory");
 static_assert(kProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
               "setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");

@@ -59,7 +59,15 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # M_ROTATE 2 (grouped rotation): its full corners, as _rot
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot2", s) for s in ((128, False, False), (64, False, True))] + [
     # TILE_ORDER 2 on the default body: only blockIdx.x's decode differs (its causal corners: where it matters)
-    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", s) for s in ((128, True, True), (64, True, False))]
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", s) for s in ((128, True, True), (64, True, False))] + [
+    # TILE_M80 (session 16): built for full attention at D = 128 only, both dtypes (bf16 is its register peak)
+    (o, s) for o in hb.M80_OPTIONS for s in ((128, False, False), (128, False, True))] + [
+    # ... and its 64-row twin (ISSUE 1 under the writer warp and early rows): the four corners
+    ("bulk_overlap_lse_lean_issue_epi_dqw_early", s) for s in SPECS] + [
+    # DESC64 (session 16): ISSUE's descriptors by a 64-bit add (uniform registers move): the default's and the causal
+    # default's four corners
+    (o, s) for o in ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_u64",
+                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64") for s in SPECS]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -111,7 +119,7 @@ def test_specialisations_compile_spill_free(option, tmp_path):
 def test_option_table_matches_the_kernel_macros():
     """Every option maps to macros the kernel accepts; SCHED 1 only with DQ_MODE 1, LSE_SMEM 1 only
     with SCHED 1 (static_asserts)."""
-    assert hb.OPTIONS["base"] == (0,) * 14 and hb.DEFAULT_OPTION in hb.OPTIONS
+    assert hb.OPTIONS["base"] == (0,) * 16 and hb.DEFAULT_OPTION in hb.OPTIONS
     for name, m in hb.OPTIONS.items():
         opts = hb.options(128, True, True, name)
         assert f"-DDQ_MODE={m.dq_mode}" in opts and f"-DSCHED={m.sched}" in opts and f"-DLSE_SMEM={m.lse_smem}" in opts
@@ -312,3 +320,44 @@ def test_autograd_takes_the_hopper_backward_unless_switched_off(monkeypatch):
     monkeypatch.setenv(hb.ENABLE_ENV, "yes")
     with pytest.raises(LaunchError, match="CUBRIDGE_HOPPER_BWD='yes' is neither 0 nor 1"):
         hb.enabled()
+
+
+def test_tile_m80_option():
+    """TILE_M80 (session 16): its macro only in its own options' flags (the others' compile keys unchanged), 80-row
+    tiles with one dQ slot under 227 KB, and the option resolved to default_option(causal) where the tile does not
+    apply (causal, D = 64), for the build as for the call."""
+    assert hb.M80_OPTIONS and hb.DEFAULT_OPTION not in hb.M80_OPTIONS
+    for name in hb.OPTIONS:
+        flags = hb.options(128, False, True, name)
+        assert ("-DTILE_M80=1" in flags) == (name in hb.M80_OPTIONS) and "-DTILE_M80=0" not in flags, name
+        assert ("-DDESC64=1" in flags) == name.endswith("_u64") and "-DDESC64=0" not in flags, name
+        if name.endswith("_u64"):   # DESC64 on an option that exists without it
+            assert hb.OPTIONS[name] == hb.OPTIONS[name[:-4]]._replace(desc64=1), name
+    for name in hb.M80_OPTIONS:
+        m = hb.OPTIONS[name]
+        assert m.lean and m.lse_smem and m.sched == 1 and m.issue == 1 and not (m.carry or m.dv_late or m.m_rotate)
+        assert hb.block_m(name) == 80 and hb.block_m(hb.DEFAULT_OPTION) == 64
+        # K + V, 2 x (Q, dO) and 2 dS slots of 80 rows, one dQ slot (2 x 80 x 64 floats), 2 x 2 x 80 row terms
+        assert hb.smem_bytes(128, name) == 2 * 32768 + 4 * 20480 + 2 * 20480 + 2 * 20480 + 4 * 320 + 40 + 1024
+        assert hb.smem_bytes(128, name) <= 227 * 1024
+        assert hb.resolve_option(name, 128, False) == name
+        assert hb.resolve_option(name, 128, True) == hb.default_option(True)
+        assert hb.resolve_option(name, 64, False) == hb.default_option(False)
+        assert hb.resolve_option(hb.DEFAULT_OPTION, 128, False) == hb.DEFAULT_OPTION
+        assert hb.OPTIONS[name] == hb.OPTIONS["bulk_overlap_lse_lean_issue_epi_dqw_early"]._replace(
+            tile_m80=1, desc64=hb.OPTIONS[name].desc64)
+    assert hb.default_option(False) == hb.FULL_OPTION and hb.default_option(True) == hb.CAUSAL_OPTION
+
+
+def test_full_option_from_the_environment(monkeypatch):
+    """CUBRIDGE_BWD_FULL_OPTION (session 16): full attention's default option for an A/B of a flip; causal keeps
+    CAUSAL_OPTION; a variant-only or unknown name is a clear error."""
+    monkeypatch.delenv(hb.FULL_OPTION_ENV, raising=False)
+    assert hb.default_option(False) == hb.FULL_OPTION
+    monkeypatch.setenv(hb.FULL_OPTION_ENV, hb.M80_OPTIONS[0])
+    assert hb.default_option(False) == hb.M80_OPTIONS[0] and hb.default_option(True) == hb.CAUSAL_OPTION
+    assert hb.resolve_option(hb.default_option(False), 64, False) == hb.DEFAULT_OPTION
+    for bad in ("fast", hb.VARIANT_ONLY_OPTIONS[0]):
+        monkeypatch.setenv(hb.FULL_OPTION_ENV, bad)
+        with pytest.raises(LaunchError, match="not a dense option"):
+            hb.default_option(False)

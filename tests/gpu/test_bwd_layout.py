@@ -92,6 +92,17 @@ def test_split_bnhd_matches_bhnd(case):
     _bnhd_vs_bhnd(case, zlib.crc32(f"split{case}".encode()), gqa_split="group")
 
 
+@pytest.mark.parametrize("split", [None, "group"], ids=["unsplit", "split"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=_id)
+def test_m80_bnhd_matches_bhnd(case, split):
+    """TILE_M80 (session 16; full attention at D = 128): BNHD's 4-D maps with 80-row boxes and its dQ convert's
+    [B, N, H, D] rows, with and without the GQA split (fp32 partials in EPILOGUE 1's place)."""
+    from cubridge.runtime.fa3_bwd_sm90 import M80_OPTIONS
+    kw = dict(option=M80_OPTIONS[0], **({"gqa_split": split} if split else {}))
+    grads, base = _bnhd_vs_bhnd(case, zlib.crc32(f"m80{case}".encode()), **kw)
+    assert float((grads[0].float() - base[0].float()).abs().max()) <= 2e-2 * float(base[0].float().abs().max())
+
+
 def test_dense_mixed_layouts_and_auto():
     """q contiguous [B, H, N, D], k / v / dout / out [B, N, H, D] memory: dq is written through a
     temporary into the q-like buffer; "auto" under CUBRIDGE_BWD_BNHD=1 takes the same path."""

@@ -259,7 +259,9 @@ def test_issue_gradients_equal_lean(causal, d, dtype, option):
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry",
                                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt",
                                     "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early",
-                                    "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt"])
+                                    "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt",
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_u64",
+                                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64"])
 def test_carry_gradients_equal_pf32(option, causal, shape):
     """CARRY (session 12) only moves where each step waits for its dK GEMM (the next step's first
     wgmma wait) and when the stage is released, DV_LATE where dV is issued, DQ_WRITER (session 13)
@@ -279,6 +281,26 @@ def test_carry_gradients_equal_pf32(option, causal, shape):
     out, lse = fa3_forward(q, k, v, causal=causal)
     dq_p, dk_p, dv_p = fa3_backward(dout, q, k, v, out, lse, causal=causal, option="bulk_overlap_lse_lean_issue_pf32_epi")
     dq_c, dk_c, dv_c = fa3_backward(dout, q, k, v, out, lse, causal=causal, option=option)
+    assert torch.equal(dk_c, dk_p) and torch.equal(dv_c, dv_p)
+    scale = dq_p.float().abs().max().item()
+    assert scale > 0 and (dq_c.float() - dq_p.float()).abs().max().item() <= scale * 2 ** -6
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 2, 333, 517, 128, BF16), (1, 2, 2, 2048, 2048, 128, F16)],
+                         ids=["gqa-q333-k517", "q2048-f16"])
+def test_desc64_gradients_equal_m80(shape):
+    """DESC64 (session 16) builds the same wgmma descriptors by another add: TILE_M80 with it gives TILE_M80's dK / dV
+    bitwise, dQ up to the reduce-add order (full attention, D 128)."""
+    from cubridge.runtime.fa3_bwd_sm90 import fa3_backward
+    from cubridge.runtime.fa3_sm90 import fa3_forward
+    b, hq, hkv, nq, nk, d, dtype = shape
+    gen = torch.Generator(device="cuda").manual_seed(23 + nq)
+    q, dout = (torch.randn(b, hq, nq, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, hkv, nk, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    out, lse = fa3_forward(q, k, v, causal=False)
+    base = "bulk_overlap_lse_lean_issue_epi_dqw_early_m80"
+    dq_p, dk_p, dv_p = fa3_backward(dout, q, k, v, out, lse, causal=False, option=base)
+    dq_c, dk_c, dv_c = fa3_backward(dout, q, k, v, out, lse, causal=False, option=base + "_u64")
     assert torch.equal(dk_c, dk_p) and torch.equal(dv_c, dv_p)
     scale = dq_p.float().abs().max().item()
     assert scale > 0 and (dq_c.float() - dq_p.float()).abs().max().item() <= scale * 2 ** -6

@@ -89,14 +89,176 @@ __device__ __forceinline__ void dq_drain(const Consumer& cs, int total) {
     for (int it = max(total - kDqSlots, 0); it < total; ++it) named_sync(dq_empty_bar(cs.c, it), kDqBarThreads);
 }
 
+// ---- DQ_FUSE (session 16, vbwd16; off: the runtime's CUBRIDGE_BWD_FUSED_CONVERT=1 builds it): the dQ convert fused
+// into the main kernel. fa3_bwd_dq_count (dq_fuse.cuh) counts, per (query head, query tile), the steps of every CTA that
+// will add into the tile (the same runs / range the writer walks); the writer warp, once a step's adds have completed
+// (wait_group, not .read), takes one off the tile's counter; the CTA that takes the last converts the tile (dQ =
+// accumulator * scale, 16 bit) and writes zeros back over its accumulator lines (dirty in L2 already), so the next call
+// needs no zeroing pass and no convert launch: the counters are back at 0 and the accumulator all zeros (the runtime
+// keeps both per shape and stream). Tiles no step visits: the preprocess writes their dQ rows as zeros.
+#ifndef DQ_FUSE
+#define DQ_FUSE 0
+#endif
+constexpr bool kDqFuse = DQ_FUSE == 1;
+#if DQ_FUSE
+static_assert(kDqWriter && kDqBulk, "DQ_FUSE=1 needs DQ_WRITER=1 (the writer warp counts the completed adds)");
+constexpr int kBarFuse = kBarDqEmpty0 + kDqSlots * kConsumers;   // the writer's last tile is queued: writer + consumers
+static_assert(kBarFuse < 16, "DQ_FUSE's named barrier exceeds the 16 ids");
+// The tiles this CTA completes go through a ring in shared memory: the writer warp's lane 0 queues them (head), the
+// producer warpgroup's two idle warps (kFuseWarp0, kFuseWarp0 + 1: kFuseProducerRegs registers) take them one at a time while
+// the main loop runs (tail, claimed by compare-and-swap), and after their epilogue the consumers' 8 warps take what is
+// left, so that a CTA's last tiles are converted by 10 warps, not 2. `read` counts the entries read out of the ring
+// (a slot is free again once read); the writer waits while the ring holds kFuseRing unread entries.
+constexpr int kFuseRing = 16;
+constexpr int kFuseWarp0 = 2;
+static_assert(kFuseWarp0 != kDqWriterWarp && kFuseWarp0 + 1 != kDqWriterWarp && kFuseWarp0 + 1 < kWarpsPerWg,
+              "DQ_FUSE's converter warps are the producer warpgroup's warps other than TMA's and the writer's");
+// The producer warpgroup's budget with DQ_FUSE: 32 registers (the converter warps spilled 4-28 bytes under 24), the
+// consumers' 240 unchanged: 32 x 128 + 240 x 256 = 65536, the whole file (kernel.cu's reg_dealloc takes it).
+constexpr int kFuseProducerRegs = 32;
+static_assert(kFuseProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
+              "DQ_FUSE's setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");
+__shared__ int g_fuse_ring[kFuseRing];
+__shared__ int g_fuse_head, g_fuse_tail, g_fuse_read, g_fuse_closed;
+
+struct FuseArgs {
+  int* ctr;        // [B * Hq * num_m] steps still to complete per tile (0 at rest)
+  uint16_t* dq;    // the 16-bit dQ, [B, Hq, Nq, D] (BNHD: [B, Nq, Hq, D] memory)
+};
+
+// Thread 0 before the CTA's first __syncthreads.
+__device__ __forceinline__ void fuse_init() {
+  g_fuse_head = g_fuse_tail = g_fuse_read = g_fuse_closed = 0;
+}
+
+__device__ __forceinline__ float4 ld_cg_f4(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+template <int kPending> __device__ __forceinline__ void bulk_wait_done() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// One warp: part `part` (64 columns) of tile `tile` = bh * num_m + m of the tiled accumulator (fragment order) into
+// dq = accumulator * scale (the tiled convert's multiply and pack per element: the same bits), then zeros over the
+// part. Float4 number k * 32 + lane of the part is thread t = 32 (k % 4) + lane's chunk j = k / 4 (dq_tile_offset):
+// rows 16 (k % 4) + lane / 4 (+ 8), columns 8 j + 2 (lane % 4). Per row block k % 4 the two row addresses once, then
+// its 8 chunks, kBatch loads in flight (the converter warps' 32 registers take 1: 2 spilled; the consumers' 240 take 8).
+template <int kBatch>
+__device__ __forceinline__ void fuse_convert_part(float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int tile,
+                                                  int part, int seqlen_q, int heads_q, float scale, int lane) {
+  constexpr int kChunksPerRow = kDqChunks;                 // 8 float4 per (thread, part)
+  static_assert(kChunksPerRow % kBatch == 0 && kWgThreads == 4 * kWarpSize, "a part is 4 row blocks x 8 chunks");
+  const int num_m = (seqlen_q + kBlockM - 1) / kBlockM, m = tile % num_m, bh = tile / num_m;
+  const float4* src = reinterpret_cast<const float4*>(dq_accum + (size_t(tile) * kDqParts + part) * kDqPartFloats) + lane;
+#pragma unroll 1
+  for (int rb = 0; rb < 4; ++rb) {
+    const int row = m * kBlockM + 16 * rb + lane / 4;
+    const bool lo_ok = row < seqlen_q, hi_ok = row + 8 < seqlen_q;
+    uint16_t* lo = dq + io_row(bh, lo_ok ? row : 0, seqlen_q, heads_q) + part * kDqCols + 2 * (lane % 4);
+    uint16_t* hi = dq + io_row(bh, hi_ok ? row + 8 : 0, seqlen_q, heads_q) + part * kDqCols + 2 * (lane % 4);
+#pragma unroll 1
+    for (int j0 = 0; j0 < kChunksPerRow; j0 += kBatch) {
+      float4 a[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) a[k] = ld_cg_f4(src + ((j0 + k) * 4 + rb) * kWarpSize);
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (lo_ok) *reinterpret_cast<uint32_t*>(lo + 8 * (j0 + k)) = fa3::pack2(a[k].x * scale, a[k].y * scale);
+        if (hi_ok) *reinterpret_cast<uint32_t*>(hi + 8 * (j0 + k)) = fa3::pack2(a[k].z * scale, a[k].w * scale);
+        *const_cast<float4*>(src + ((j0 + k) * 4 + rb) * kWarpSize) = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  }
+}
+
+// The writer warp, after the adds of the step on `tile` completed (lane 0: all but the kPending newest bulk groups):
+// one step off the tile's counter; the step that takes the last queues the tile in the ring (waiting for a free slot).
+template <int kPending>
+__device__ __forceinline__ void fuse_step_done(const FuseArgs& fa, int tile, int lane) {
+  if (lane != 0) return;
+  bulk_wait_done<kPending>();
+  asm volatile("fence.proxy.async.global;" ::: "memory");   // the async-proxy adds before the generic atomic
+  __threadfence();
+  if (atomicAdd(fa.ctr + tile, -1) != 1) return;
+  __threadfence();                                           // the other CTAs' adds before the converters' reads
+  const int head = g_fuse_head;                              // lane 0 of the writer alone writes it
+  while (head - *static_cast<volatile int*>(&g_fuse_read) >= kFuseRing) __nanosleep(256);
+  static_cast<volatile int*>(g_fuse_ring)[head % kFuseRing] = tile;
+  __threadfence_block();
+  *static_cast<volatile int*>(&g_fuse_head) = head + 1;
+}
+
+// Any warp: the next queued tile (claimed by compare-and-swap on the tail, its ring slot then released), or -1 if the
+// ring is empty now.
+__device__ __forceinline__ int fuse_claim(int lane) {
+  int tile = -1;
+  if (lane == 0) {
+    volatile int* vol_tail = &g_fuse_tail;
+    for (int t = *vol_tail; t < *static_cast<volatile int*>(&g_fuse_head); t = *vol_tail) {
+      if (atomicCAS(&g_fuse_tail, t, t + 1) == t) {
+        tile = static_cast<volatile int*>(g_fuse_ring)[t % kFuseRing];
+        atomicAdd(&g_fuse_read, 1);
+        break;
+      }
+    }
+  }
+  return __shfl_sync(0xffffffffu, tile, 0);
+}
+
+template <int kBatch>
+__device__ __forceinline__ void fuse_convert_tile(float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int tile,
+                                                  int seqlen_q, int heads_q, float scale, int lane) {
+  __threadfence();   // acquire: the writer's fence after its atomic saw the other CTAs' adds
+#pragma unroll 1
+  for (int part = 0; part < kDqParts; ++part)
+    fuse_convert_part<kBatch>(dq_accum, dq, tile, part, seqlen_q, heads_q, scale, lane);
+}
+
+// The producer warpgroup's converter warps: take tiles while the main loop runs, until the writer closed the ring
+// and it is empty.
+__device__ __forceinline__ void fuse_converter(float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int seqlen_q,
+                                               int heads_q, float scale, int lane) {
+  for (;;) {
+    const int closed = *static_cast<volatile int*>(&g_fuse_closed);   // read before the claim: nothing queued after
+    const int tile = fuse_claim(lane);
+    if (tile >= 0) {
+      fuse_convert_tile<1>(dq_accum, dq, tile, seqlen_q, heads_q, scale, lane);
+    } else {
+      if (__shfl_sync(0xffffffffu, closed, 0)) return;
+      __nanosleep(512);
+    }
+  }
+}
+
+// The consumers after their epilogue: once the writer queued its last tile (kBarFuse), their 8 warps take what the
+// converter warps have not.
+__device__ __forceinline__ void fuse_tail(float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int seqlen_q,
+                                          int heads_q, float scale) {
+  named_sync(kBarFuse, kDqBarThreads + kWgThreads);
+  const int lane = int(threadIdx.x % kWarpSize);
+  for (int tile = fuse_claim(lane); tile >= 0; tile = fuse_claim(lane))
+    fuse_convert_tile<8>(dq_accum, dq, tile, seqlen_q, heads_q, scale, lane);
+}
+#endif  // DQ_FUSE
+
 // DQ_WRITER: warp kDqWriterWarp of the producer warpgroup (24 registers), the steps in the consumers'
 // order (g, then the query tiles). Per step and consumer: wait for its part (dq_full), lane 0 adds it;
 // then lane 0 waits until both adds have read shared memory and the warp frees the slots (dq_empty).
+#if DQ_FUSE
+__device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRange qr, bool has_work,
+                                          float* __restrict__ dq_accum, int lane, const FuseArgs& fa) {
+#else
 __device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRange qr, bool has_work,
                                           float* __restrict__ dq_accum, int lane) {
+#endif
   const int num_m = (pb.seqlen_q + kBlockM - 1) / kBlockM;
   const int steps = kRangeRuns ? q_runs_count() : qr.m_end - qr.m_begin, total = has_work ? steps * pb.group : 0;
   int g = 0, i = 0;
+#if DQ_FUSE
+  int prev = -1;   // the previous step's tile
+#endif
   for (int it = 0; it < total; ++it) {
     const int m = kRangeRuns ? q_runs_tile(i) : sweep_tile(qr, i, steps);   // qr.m_begin + i unless M_ROTATE
     float* tile = dq_accum + dq_tile_offset(pb.bh_q(g), m, 0, num_m);
@@ -112,9 +274,22 @@ __device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRa
     __syncwarp();
 #pragma unroll
     for (int c = 0; c < kConsumers; ++c) named_arrive(dq_empty_bar(c, it), kDqBarThreads);
+#if DQ_FUSE   // the previous step's adds (all but this step's kConsumers groups) completed: its tile's count
+    if (prev >= 0)
+      fuse_step_done<kConsumers>(fa, prev, lane);
+    prev = pb.bh_q(g) * num_m + m;
+#endif
     i = i + 1 == steps ? 0 : i + 1;
     g += i == 0;
   }
+#if DQ_FUSE
+  if (prev >= 0) fuse_step_done<0>(fa, prev, lane);
+  if (lane == 0) {
+    __threadfence_block();   // the last head before closed
+    *static_cast<volatile int*>(&g_fuse_closed) = 1;
+  }
+  named_arrive(kBarFuse, kDqBarThreads + kWgThreads);   // the ring gets no more tiles: the consumers help (fuse_tail)
+#endif
 }
 
 static_assert(kDqChunks * 4 * kWgThreads == kDqPartFloats && kDqRegs == 4 * kDqChunks,

@@ -51,7 +51,9 @@ def main() -> int:
     def build(job):
         source, d, bf16, option = job
         try:
-            hb.build_cubin(d, False, bf16, option=option, source=source)
+            # CUBRIDGE_BWD_FUSED_CONVERT=1 (session 16): the DQ_FUSE build the fused cases run
+            fuse = hb.fused_convert_enabled() and hb.fuse_capable(hb.OPTIONS[option])
+            hb.build_cubin(d, False, bf16, option=option, source=source, fuse=fuse)
         except Exception as e:  # noqa: BLE001 - the test that needs it reports the failure
             failed.append(f"{option} D{d} bf16={bf16}: {type(e).__name__}: {str(e)[:160]}")
     with ThreadPoolExecutor(16) as pool:

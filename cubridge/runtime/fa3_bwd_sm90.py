@@ -113,7 +113,7 @@ PREP_ENTRY = b"fa3_bwd_preprocess"
 # (dq_fuse.cuh) before the preprocess; the CTA whose step completes a query tile converts it and zeroes its
 # accumulator lines, so the accumulator and the counters are kept per shape and stream (_fuse_buffers) and stay zero
 # between calls; no zeroing in the preprocess, no convert launch. On with FUSED_CONVERT_ENV=1 for the DQ_WRITER + LEAN
-# options (unsplit GQA; not PERSIST).
+# options (not PERSIST).
 COUNT_ENTRY = b"fa3_bwd_dq_count"
 FUSED_CONVERT_ENV = "CUBRIDGE_BWD_FUSED_CONVERT"
 COUNT_THREADS = 32
@@ -336,9 +336,9 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
         raise LaunchError(f"gqa_split={gqa_split} with option {option!r}", where="fa3_bwd_sm90",
                           hint="the split writes its partials in EPILOGUE 1's place: use an option ending in _epi "
                                "(the default) or gqa_split=1")
-    if fuse and not fuse_capable(_modes(option), gqa_split):
-        raise LaunchError(f"fuse=True with option {option!r}, gqa_split={gqa_split}", where="fa3_bwd_sm90",
-                          hint="the fused dQ convert needs a DQ_WRITER + LEAN option (_dqw...), no PERSIST, gqa_split=1")
+    if fuse and not fuse_capable(_modes(option)):
+        raise LaunchError(f"fuse=True with option {option!r}", where="fa3_bwd_sm90",
+                          hint="the fused dQ convert needs a DQ_WRITER + LEAN option (..._dqw...), not PERSIST")
     if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
@@ -354,10 +354,10 @@ def fused_convert_enabled() -> bool:
     return env_switch(FUSED_CONVERT_ENV, "0", f"unset {FUSED_CONVERT_ENV} (a convert launch) or 1 (fused into the kernel)")
 
 
-def fuse_capable(modes: "Modes", gqa_split: int = 1) -> bool:
+def fuse_capable(modes: "Modes") -> bool:
     """Whether DQ_FUSE builds with these modes: the writer warp counts the completed adds (DQ_WRITER), LEAN's
-    preprocess skips the zeroing, one CTA per KV tile (no PERSIST) and unsplit GQA groups."""
-    return bool(modes.dq_writer and modes.lean and not modes.persist and gqa_split == 1)
+    preprocess skips the zeroing, one CTA per KV tile (no PERSIST)."""
+    return bool(modes.dq_writer and modes.lean and not modes.persist)
 
 
 # (device index, stream, accumulator floats, counters) -> (accumulator, counters), both all zero between calls
@@ -560,7 +560,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's / default split applies to the options that can take it
-    fuse = fuse_capable(modes, split) and fused_convert_enabled()
+    fuse = fuse_capable(modes) and fused_convert_enabled()
     staged = modes.dq_mode == 1 and not bnhd and not fuse and staged_convert_enabled()
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
                        variant.source if variant is not None else None, split, bnhd, staged, fuse)
@@ -572,8 +572,10 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     fused = None
     if fuse:   # the count launch first (dq_fuse.cuh): the preprocess reads the counts
         fused = (*_fuse_buffers(device, stream, b * hq * num_m * BLOCK_M * d, b * hq * num_m), dq)
-        args = [va, ctypes.c_uint64(fused[1].data_ptr())] + [ctypes.c_int32(x) for x in (nq, nk, hq, hkv, hq // hkv)]
-        driver().launch(funcs[3], (tiles * hkv * b, 1, 1), (COUNT_THREADS, 1, 1), 0, stream, pack_params(args))
+        # GQA_SPLIT's virtual kv heads (Hkv * s of G / s query heads each), as the main kernel sees them
+        args = [va, ctypes.c_uint64(fused[1].data_ptr())] + [ctypes.c_int32(x) for x in
+                                                              (nq, nk, hq, hkv * split, hq // hkv // split)]
+        driver().launch(funcs[3], (tiles * hkv * split * b, 1, 1), (COUNT_THREADS, 1, 1), 0, stream, pack_params(args))
     if modes.lean:
         row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream, hq if bnhd else None,
                                       fused)

@@ -5,12 +5,12 @@
 
 static_assert(LEAN == 1, "DQ_FUSE=1 needs LEAN=1 (its preprocess zeroes the unvisited tiles' dQ and no accumulator)");
 static_assert(PERSIST == 0, "DQ_FUSE=1 counts the steps of one CTA per KV tile (no PERSIST queue)");
-static_assert(GQA_SPLIT <= 1, "DQ_FUSE=1 counts the steps of unsplit GQA groups (GQA_SPLIT=1)");
 
 // One warp per KV tile (n, kv head, batch) = blockIdx.x in that order: the query tiles its CTA will add into (the
 // variant's runs / exact list from the same q_scan the main kernel runs, or the dense q_range), one count per step
 // into ctr [B * Hq, num_m] for each query head of the group. ctr must be 0 before (the main kernel's last steps
-// leave it so). Grid (ceil(Nk / 128) * Hkv * B), block 32.
+// leave it so). GQA_SPLIT: heads_kv and group are the main kernel's virtual ones (Hkv * s, G / s), as it counts its
+// steps. Grid (ceil(Nk / 128) * heads_kv * B), block 32.
 extern "C" __global__ void __launch_bounds__(32)
 fa3_bwd_dq_count(const __grid_constant__ fa3b::VariantArgs va, int* __restrict__ ctr, int seqlen_q, int seqlen_k,
                  int heads_q, int heads_kv, int group) {

@@ -277,6 +277,7 @@ __device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRa
 #if DQ_FUSE   // the previous step's adds (all but this step's kConsumers groups) completed: its tile's count
     if (prev >= 0)
       fuse_step_done<kConsumers>(fa, prev, lane);
+    __syncwarp();   // lane 0's wait and queueing done before the warp's next barrier
     prev = pb.bh_q(g) * num_m + m;
 #endif
     i = i + 1 == steps ? 0 : i + 1;
@@ -288,6 +289,7 @@ __device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRa
     __threadfence_block();   // the last head before closed
     *static_cast<volatile int*>(&g_fuse_closed) = 1;
   }
+  __syncwarp();
   named_arrive(kBarFuse, kDqBarThreads + kWgThreads);   // the ring gets no more tiles: the consumers help (fuse_tail)
 #endif
 }

@@ -113,7 +113,7 @@ PREP_ENTRY = b"fa3_bwd_preprocess"
 # (dq_fuse.cuh) before the preprocess; the CTA whose step completes a query tile converts it and zeroes its
 # accumulator lines, so the accumulator and the counters are kept per shape and stream (_fuse_buffers) and stay zero
 # between calls; no zeroing in the preprocess, no convert launch. On with FUSED_CONVERT_ENV=1 for the DQ_WRITER + LEAN
-# options (not PERSIST).
+# options (not PERSIST) on contiguous dq (BNHD keeps the convert launch).
 COUNT_ENTRY = b"fa3_bwd_dq_count"
 FUSED_CONVERT_ENV = "CUBRIDGE_BWD_FUSED_CONVERT"
 COUNT_THREADS = 32
@@ -336,9 +336,10 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
         raise LaunchError(f"gqa_split={gqa_split} with option {option!r}", where="fa3_bwd_sm90",
                           hint="the split writes its partials in EPILOGUE 1's place: use an option ending in _epi "
                                "(the default) or gqa_split=1")
-    if fuse and not fuse_capable(_modes(option)):
-        raise LaunchError(f"fuse=True with option {option!r}", where="fa3_bwd_sm90",
-                          hint="the fused dQ convert needs a DQ_WRITER + LEAN option (..._dqw...), not PERSIST")
+    if fuse and (not fuse_capable(_modes(option)) or bnhd):
+        raise LaunchError(f"fuse=True with option {option!r}, bnhd={bnhd}", where="fa3_bwd_sm90",
+                          hint="the fused dQ convert needs a DQ_WRITER + LEAN option (..._dqw...), not PERSIST, and "
+                               "contiguous [B, H, N, D] dq (bnhd=False)")
     if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
@@ -560,7 +561,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's / default split applies to the options that can take it
-    fuse = fuse_capable(modes) and fused_convert_enabled()
+    # contiguous dq of < 2^31 elements (the converters' 32-bit offsets); BNHD keeps the convert launch
+    fuse = fuse_capable(modes) and not bnhd and dq.numel() < 2 ** 31 and fused_convert_enabled()
     staged = modes.dq_mode == 1 and not bnhd and not fuse and staged_convert_enabled()
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
                        variant.source if variant is not None else None, split, bnhd, staged, fuse)

@@ -5,6 +5,9 @@
 
 static_assert(LEAN == 1, "DQ_FUSE=1 needs LEAN=1 (its preprocess zeroes the unvisited tiles' dQ and no accumulator)");
 static_assert(PERSIST == 0, "DQ_FUSE=1 counts the steps of one CTA per KV tile (no PERSIST queue)");
+// BNHD's row addressing divides by the head count in the converter warps, which spilled 4-28 bytes under their 24
+// registers: the fused convert writes contiguous [B, Hq, Nq, D] dq only (BNHD keeps the convert launch).
+static_assert(BNHD == 0, "DQ_FUSE=1 writes contiguous [B, Hq, Nq, D] dq (BNHD keeps the tiled convert)");
 
 // One warp per KV tile (n, kv head, batch) = blockIdx.x in that order: the query tiles its CTA will add into (the
 // variant's runs / exact list from the same q_scan the main kernel runs, or the dense q_range), one count per step

@@ -104,31 +104,34 @@ constexpr bool kDqFuse = DQ_FUSE == 1;
 static_assert(kDqWriter && kDqBulk, "DQ_FUSE=1 needs DQ_WRITER=1 (the writer warp counts the completed adds)");
 constexpr int kBarFuse = kBarDqEmpty0 + kDqSlots * kConsumers;   // the writer's last tile is queued: writer + consumers
 static_assert(kBarFuse < 16, "DQ_FUSE's named barrier exceeds the 16 ids");
-// The tiles this CTA completes go through a ring in shared memory: the writer warp's lane 0 queues them (head), the
-// producer warpgroup's two idle warps (kFuseWarp0, kFuseWarp0 + 1: kFuseProducerRegs registers) take them one at a time while
-// the main loop runs (tail, claimed by compare-and-swap), and after their epilogue the consumers' 8 warps take what is
-// left, so that a CTA's last tiles are converted by 10 warps, not 2. `read` counts the entries read out of the ring
-// (a slot is free again once read); the writer waits while the ring holds kFuseRing unread entries.
-constexpr int kFuseRing = 16;
+// The tiles this CTA completes go through a ring in shared memory, as units of one part's 16 rows (a row block: 8
+// float4 per lane of a warp): the writer warp's lane 0 queues a completed tile's kFuseUnits units (head), the producer
+// warpgroup's two idle warps (kFuseWarp0, kFuseWarp0 + 1) take them one at a time while the main loop runs (tail,
+// claimed by compare-and-swap), and after their epilogue the consumers' 8 warps take what is left, so that a CTA's
+// last tiles are converted by 10 warps, not 2, and a converter warp holds the CTA's end by one unit at most. `read`
+// counts the entries read out of the ring (a slot is free again once read); the writer waits while the ring holds
+// kFuseRing unread entries.
+constexpr int kFuseUnits = kDqParts * 4;   // units per tile: (part, row block of 16 rows)
+constexpr int kFuseRing = 8 * kFuseUnits;
 constexpr int kFuseWarp0 = 2;
 static_assert(kFuseWarp0 != kDqWriterWarp && kFuseWarp0 + 1 != kDqWriterWarp && kFuseWarp0 + 1 < kWarpsPerWg,
               "DQ_FUSE's converter warps are the producer warpgroup's warps other than TMA's and the writer's");
-// The producer warpgroup's budget with DQ_FUSE: 32 registers (the converter warps spilled 4-28 bytes under 24), the
-// consumers' 240 unchanged: 32 x 128 + 240 x 256 = 65536, the whole file (kernel.cu's reg_dealloc takes it).
-constexpr int kFuseProducerRegs = 32;
-static_assert(kFuseProducerRegs * kWgThreads + kConsumerRegs * kConsumers * kWgThreads <= kRegFile,
-              "DQ_FUSE's setmaxnreg budgets exceed the register file (setmaxnreg.inc would hang)");
 __shared__ int g_fuse_ring[kFuseRing];
 __shared__ int g_fuse_head, g_fuse_tail, g_fuse_read, g_fuse_closed;
+// The conversion's kernel arguments, stored once by thread 0 and loaded where used (volatile: no register holds them
+// through the converter warps' claim loop, which spilled 4-44 bytes under the producer warpgroup's 24 registers).
+struct FuseParams { float* accum; uint16_t* dq; int seqlen_q, heads_q; float scale; };
+__shared__ FuseParams g_fuse_params;
 
 struct FuseArgs {
   int* ctr;        // [B * Hq * num_m] steps still to complete per tile (0 at rest)
-  uint16_t* dq;    // the 16-bit dQ, [B, Hq, Nq, D] (BNHD: [B, Nq, Hq, D] memory)
+  uint16_t* dq;    // the 16-bit dQ, [B, Hq, Nq, D]
 };
 
 // Thread 0 before the CTA's first __syncthreads.
-__device__ __forceinline__ void fuse_init() {
+__device__ __forceinline__ void fuse_init(float* dq_accum, uint16_t* dq, int seqlen_q, int heads_q, float scale) {
   g_fuse_head = g_fuse_tail = g_fuse_read = g_fuse_closed = 0;
+  g_fuse_params = FuseParams{dq_accum, dq, seqlen_q, heads_q, scale};
 }
 
 __device__ __forceinline__ float4 ld_cg_f4(const float4* p) {
@@ -140,41 +143,46 @@ template <int kPending> __device__ __forceinline__ void bulk_wait_done() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// One warp: part `part` (64 columns) of tile `tile` = bh * num_m + m of the tiled accumulator (fragment order) into
-// dq = accumulator * scale (the tiled convert's multiply and pack per element: the same bits), then zeros over the
-// part. Float4 number k * 32 + lane of the part is thread t = 32 (k % 4) + lane's chunk j = k / 4 (dq_tile_offset):
-// rows 16 (k % 4) + lane / 4 (+ 8), columns 8 j + 2 (lane % 4). Per row block k % 4 the two row addresses once, then
-// its 8 chunks, kBatch loads in flight (the converter warps' 32 registers take 1: 2 spilled; the consumers' 240 take 8).
+// One warp: unit `unit` = (tile * kDqParts + part) * 4 + rb, tile = bh * num_m + m, of the tiled accumulator (fragment
+// order, dq_tile_offset) into dq = accumulator * scale (the tiled convert's multiply and pack per element: the same
+// bits), then zeros over the unit's floats. Float4 number (4 j + rb) * 32 + lane of the part is thread t = 32 rb +
+// lane's chunk j: rows 16 rb + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) of the part. kBatch of the 8 loads in flight
+// (the converter warps' 24 registers take 1, the consumers' 240 take all 8).
 template <int kBatch>
-__device__ __forceinline__ void fuse_convert_part(float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int tile,
-                                                  int part, int seqlen_q, int heads_q, float scale, int lane) {
-  constexpr int kChunksPerRow = kDqChunks;                 // 8 float4 per (thread, part)
-  static_assert(kChunksPerRow % kBatch == 0 && kWgThreads == 4 * kWarpSize, "a part is 4 row blocks x 8 chunks");
-  const int num_m = (seqlen_q + kBlockM - 1) / kBlockM, m = tile % num_m, bh = tile / num_m;
-  const float4* src = reinterpret_cast<const float4*>(dq_accum + (size_t(tile) * kDqParts + part) * kDqPartFloats) + lane;
+__device__ __forceinline__ void fuse_convert_unit(int unit, int lane) {
+  static_assert(kDqChunks % kBatch == 0 && kWgThreads == 4 * kWarpSize, "a unit is 8 float4 per lane");
+  const volatile FuseParams& fp = g_fuse_params;
+  const int seqlen_q = fp.seqlen_q, num_m = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int tile = unit / kFuseUnits, part = (unit / 4) % kDqParts, rb = unit % 4;
+  const int row = (tile % num_m) * kBlockM + 16 * rb + lane / 4, bh = tile / num_m;
+  float4* src = reinterpret_cast<float4*>(fp.accum) + (size_t(tile) * kDqParts + part) * (kDqPartFloats / 4) +
+                rb * kWarpSize + lane;
 #pragma unroll 1
-  for (int rb = 0; rb < 4; ++rb) {
-    const int row = m * kBlockM + 16 * rb + lane / 4;
-    const bool lo_ok = row < seqlen_q, hi_ok = row + 8 < seqlen_q;
-    uint16_t* lo = dq + io_row(bh, lo_ok ? row : 0, seqlen_q, heads_q) + part * kDqCols + 2 * (lane % 4);
-    uint16_t* hi = dq + io_row(bh, hi_ok ? row + 8 : 0, seqlen_q, heads_q) + part * kDqCols + 2 * (lane % 4);
-#pragma unroll 1
-    for (int j0 = 0; j0 < kChunksPerRow; j0 += kBatch) {
-      float4 a[kBatch];
+  for (int j0 = 0; j0 < kDqChunks; j0 += kBatch) {
+    float4 a[kBatch];
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) a[k] = ld_cg_f4(src + ((j0 + k) * 4 + rb) * kWarpSize);
+    for (int k = 0; k < kBatch; ++k) a[k] = ld_cg_f4(src + (j0 + k) * kWgThreads);
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        if (lo_ok) *reinterpret_cast<uint32_t*>(lo + 8 * (j0 + k)) = fa3::pack2(a[k].x * scale, a[k].y * scale);
-        if (hi_ok) *reinterpret_cast<uint32_t*>(hi + 8 * (j0 + k)) = fa3::pack2(a[k].z * scale, a[k].w * scale);
-        *const_cast<float4*>(src + ((j0 + k) * 4 + rb) * kWarpSize) = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+    for (int k = 0; k < kBatch; ++k) src[(j0 + k) * kWgThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
+    // row's element offset in 32 bits (the runtime fuses only dq of < 2^31 elements; rows past Nq: row 0's, not
+    // stored), then row + 8 is hi_step further; the base pointer loaded where used
+    const unsigned lo = unsigned(bh * seqlen_q + (row < seqlen_q ? row : 0)) * kHeadDim + part * kDqCols +
+                        2 * (lane % 4) + 8 * j0;   // [B, Hq, Nq, D] dq (no BNHD: dq_fuse.cuh)
+    const unsigned hi_step = 8 * kHeadDim;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (row < seqlen_q)
+        *reinterpret_cast<uint32_t*>(fp.dq + (lo + 8 * k)) = fa3::pack2(a[k].x * fp.scale, a[k].y * fp.scale);
+      if (row + 8 < seqlen_q)
+        *reinterpret_cast<uint32_t*>(fp.dq + (lo + hi_step + 8 * k)) =
+            fa3::pack2(a[k].z * fp.scale, a[k].w * fp.scale);
     }
   }
 }
 
 // The writer warp, after the adds of the step on `tile` completed (lane 0: all but the kPending newest bulk groups):
-// one step off the tile's counter; the step that takes the last queues the tile in the ring (waiting for a free slot).
+// one step off the tile's counter; the step that takes the last queues the tile's units in the ring (waiting for free
+// slots).
 template <int kPending>
 __device__ __forceinline__ void fuse_step_done(const FuseArgs& fa, int tile, int lane) {
   if (lane != 0) return;
@@ -184,47 +192,41 @@ __device__ __forceinline__ void fuse_step_done(const FuseArgs& fa, int tile, int
   if (atomicAdd(fa.ctr + tile, -1) != 1) return;
   __threadfence();                                           // the other CTAs' adds before the converters' reads
   const int head = g_fuse_head;                              // lane 0 of the writer alone writes it
-  while (head - *static_cast<volatile int*>(&g_fuse_read) >= kFuseRing) __nanosleep(256);
-  static_cast<volatile int*>(g_fuse_ring)[head % kFuseRing] = tile;
+  while (head + kFuseUnits - *static_cast<volatile int*>(&g_fuse_read) > kFuseRing) __nanosleep(256);
+#pragma unroll 1
+  for (int u = 0; u < kFuseUnits; ++u) static_cast<volatile int*>(g_fuse_ring)[(head + u) % kFuseRing] = tile * kFuseUnits + u;
   __threadfence_block();
-  *static_cast<volatile int*>(&g_fuse_head) = head + 1;
+  *static_cast<volatile int*>(&g_fuse_head) = head + kFuseUnits;
 }
 
-// Any warp: the next queued tile (claimed by compare-and-swap on the tail, its ring slot then released), or -1 if the
+// Any warp: the next queued unit (claimed by compare-and-swap on the tail, its ring slot then released), or -1 if the
 // ring is empty now.
 __device__ __forceinline__ int fuse_claim(int lane) {
-  int tile = -1;
+  int unit = -1;
   if (lane == 0) {
     volatile int* vol_tail = &g_fuse_tail;
     for (int t = *vol_tail; t < *static_cast<volatile int*>(&g_fuse_head); t = *vol_tail) {
       if (atomicCAS(&g_fuse_tail, t, t + 1) == t) {
-        tile = static_cast<volatile int*>(g_fuse_ring)[t % kFuseRing];
+        __threadfence_block();
+        unit = static_cast<volatile int*>(g_fuse_ring)[t % kFuseRing];
         atomicAdd(&g_fuse_read, 1);
         break;
       }
     }
   }
-  return __shfl_sync(0xffffffffu, tile, 0);
+  unit = __shfl_sync(0xffffffffu, unit, 0);
+  if (unit >= 0) __threadfence();   // acquire: the writer's fence after its atomic saw the other CTAs' adds
+  return unit;
 }
 
-template <int kBatch>
-__device__ __forceinline__ void fuse_convert_tile(float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int tile,
-                                                  int seqlen_q, int heads_q, float scale, int lane) {
-  __threadfence();   // acquire: the writer's fence after its atomic saw the other CTAs' adds
-#pragma unroll 1
-  for (int part = 0; part < kDqParts; ++part)
-    fuse_convert_part<kBatch>(dq_accum, dq, tile, part, seqlen_q, heads_q, scale, lane);
-}
-
-// The producer warpgroup's converter warps: take tiles while the main loop runs, until the writer closed the ring
+// The producer warpgroup's converter warps: take units while the main loop runs, until the writer closed the ring
 // and it is empty.
-__device__ __forceinline__ void fuse_converter(float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int seqlen_q,
-                                               int heads_q, float scale, int lane) {
+__device__ __forceinline__ void fuse_converter(int lane) {
   for (;;) {
     const int closed = *static_cast<volatile int*>(&g_fuse_closed);   // read before the claim: nothing queued after
-    const int tile = fuse_claim(lane);
-    if (tile >= 0) {
-      fuse_convert_tile<1>(dq_accum, dq, tile, seqlen_q, heads_q, scale, lane);
+    const int unit = fuse_claim(lane);
+    if (unit >= 0) {
+      fuse_convert_unit<1>(unit, lane);
     } else {
       if (__shfl_sync(0xffffffffu, closed, 0)) return;
       __nanosleep(512);
@@ -234,12 +236,10 @@ __device__ __forceinline__ void fuse_converter(float* __restrict__ dq_accum, uin
 
 // The consumers after their epilogue: once the writer queued its last tile (kBarFuse), their 8 warps take what the
 // converter warps have not.
-__device__ __forceinline__ void fuse_tail(float* __restrict__ dq_accum, uint16_t* __restrict__ dq, int seqlen_q,
-                                          int heads_q, float scale) {
+__device__ __noinline__ void fuse_tail() {
   named_sync(kBarFuse, kDqBarThreads + kWgThreads);
   const int lane = int(threadIdx.x % kWarpSize);
-  for (int tile = fuse_claim(lane); tile >= 0; tile = fuse_claim(lane))
-    fuse_convert_tile<8>(dq_accum, dq, tile, seqlen_q, heads_q, scale, lane);
+  for (int unit = fuse_claim(lane); unit >= 0; unit = fuse_claim(lane)) fuse_convert_unit<kDqChunks>(unit, lane);
 }
 #endif  // DQ_FUSE
 

@@ -429,7 +429,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     g_q_shift = pb.q_shift();
     if constexpr (kMRotate) g_m_rot = m_rotation(tc.n, qr.m_end - qr.m_begin);
 #if DQ_FUSE
-    fuse_init();
+    fuse_init(dq_accum, dq_out, seqlen_q, heads_q, softmax_scale);
 #endif
     mbar_init(sm.kv_full(), 1);
     for (int s = 0; s < kStages; ++s) {
@@ -445,11 +445,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
 
   const int wg = threadIdx.x / kWgThreads;
   if (wg == 0) {
-#if DQ_FUSE
-    fa3::reg_dealloc<kFuseProducerRegs>();   // dq_store.cuh: the converter warps' budget
-#else
     fa3::reg_dealloc<kProducerRegs>();
-#endif
     // DQ_WRITER (params.cuh): the warp index broadcast from lane 0 (ptxas then sees a warp-uniform
     // branch; with threadIdx.x / 32 the producer's loop spilled 104 bytes under its 24 registers,
     // D = 128 causal, even with an empty writer)
@@ -457,7 +453,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
 #if DQ_FUSE
       dq_writer(sm, pb, qr, has_work, dq_accum, int(threadIdx.x % kWarpSize), FuseArgs{dq_ctr, dq_out});
     } else if (__shfl_sync(0xffffffffu, threadIdx.x / kWarpSize, 0) >= kFuseWarp0) {   // DQ_FUSE's converter warps
-      fuse_converter(dq_accum, dq_out, seqlen_q, heads_q, softmax_scale, int(threadIdx.x % kWarpSize));
+      fuse_converter(int(threadIdx.x % kWarpSize));
 #else
       dq_writer(sm, pb, qr, has_work, dq_accum, int(threadIdx.x % kWarpSize));
 #endif
@@ -473,7 +469,7 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     const Consumer cs{c, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
     consumer(va, cs, sm, pb, qr, has_work, lse, dvec, dq_accum, dk, dv, softmax_scale);
 #if DQ_FUSE
-    fuse_tail(dq_accum, dq_out, seqlen_q, heads_q, softmax_scale);   // the tiles whose last step was this CTA's
+    fuse_tail();   // dq_store.cuh: the tiles whose last step was this CTA's
 #endif
   }
 }
@@ -608,14 +604,9 @@ fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ 
       acc = fmaf(unpack_hi(aw[i]), unpack_hi(dw[i]), acc);
     }
   }
-#if DQ_FUSE
-  if (real && dq_ctr[bh * (padded_q / kBlockM) + row / kBlockM] == 0) {
-#if BNHD
-    *reinterpret_cast<uint4*>(dq_out + io_row(bh, row, seqlen_q, heads_q) + chunk * kChunk) = make_uint4(0, 0, 0, 0);
-#else
+#if DQ_FUSE   // (contiguous dq: dq_fuse.cuh)
+  if (real && dq_ctr[bh * (padded_q / kBlockM) + row / kBlockM] == 0)
     *reinterpret_cast<uint4*>(dq_out + (bh * seqlen_q + row) * kHeadDim + chunk * kChunk) = make_uint4(0, 0, 0, 0);
-#endif
-  }
 #else
   if (in_rows) {
     float4* z = reinterpret_cast<float4*>(dq_accum + p * kHeadDim + chunk * kChunk);

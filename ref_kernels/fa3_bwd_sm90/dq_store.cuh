@@ -139,6 +139,16 @@ __device__ __forceinline__ float4 ld_cg_f4(const float4* p) {
   asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
 }
+// The converter warps' one load in flight per lane: the unit's 8 lines prefetched into L1 first (no register), then
+// read from L1 (after the claim's acquire fence invalidated L1: no stale line of an earlier call can be hit).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+__device__ __forceinline__ float4 ld_ca_f4(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.ca.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
 template <int kPending> __device__ __forceinline__ void bulk_wait_done() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
 }
@@ -157,11 +167,15 @@ __device__ __forceinline__ void fuse_convert_unit(int unit, int lane) {
   const int row = (tile % num_m) * kBlockM + 16 * rb + lane / 4, bh = tile / num_m;
   float4* src = reinterpret_cast<float4*>(fp.accum) + (size_t(tile) * kDqParts + part) * (kDqPartFloats / 4) +
                 rb * kWarpSize + lane;
+  if constexpr (kBatch == 1) {
+#pragma unroll
+    for (int j = 0; j < kDqChunks; ++j) prefetch_l1(src + j * kWgThreads);
+  }
 #pragma unroll 1
   for (int j0 = 0; j0 < kDqChunks; j0 += kBatch) {
     float4 a[kBatch];
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) a[k] = ld_cg_f4(src + (j0 + k) * kWgThreads);
+    for (int k = 0; k < kBatch; ++k) a[k] = kBatch == 1 ? ld_ca_f4(src + (j0 + k) * kWgThreads) : ld_cg_f4(src + (j0 + k) * kWgThreads);
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) src[(j0 + k) * kWgThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
     // row's element offset in 32 bits (the runtime fuses only dq of < 2^31 elements; rows past Nq: row 0's, not
@@ -188,9 +202,10 @@ __device__ __forceinline__ void fuse_step_done(const FuseArgs& fa, int tile, int
   if (lane != 0) return;
   bulk_wait_done<kPending>();
   asm volatile("fence.proxy.async.global;" ::: "memory");   // the async-proxy adds before the generic atomic
-  __threadfence();
-  if (atomicAdd(fa.ctr + tile, -1) != 1) return;
-  __threadfence();                                           // the other CTAs' adds before the converters' reads
+  int old;   // release: this CTA's adds before the count (no L1 invalidation per step, as a full fence has)
+  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], -1;" : "=r"(old) : "l"(fa.ctr + tile) : "memory");
+  if (old != 1) return;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");          // the other CTAs' adds before the converters' reads
   const int head = g_fuse_head;                              // lane 0 of the writer alone writes it
   while (head + kFuseUnits - *static_cast<volatile int*>(&g_fuse_read) > kFuseRing) __nanosleep(256);
 #pragma unroll 1

@@ -51,9 +51,11 @@ def main() -> int:
     def build(job):
         source, d, bf16, option = job
         try:
-            # CUBRIDGE_BWD_FUSED_CONVERT=1 (session 16): the DQ_FUSE build the fused cases run
+            # CUBRIDGE_BWD_FUSED_CONVERT=1 (session 16): the DQ_FUSE build the fused cases run; else the staged
+            # convert's build where it is the variants' default (STAGED_VARIANT_DEFAULT, CUBRIDGE_BWD_STAGED_CONVERT)
             fuse = hb.fused_convert_enabled() and hb.fuse_capable(hb.OPTIONS[option])
-            hb.build_cubin(d, False, bf16, option=option, source=source, fuse=fuse)
+            staged = not fuse and hb.staged_convert_enabled(hb.STAGED_VARIANT_DEFAULT)
+            hb.build_cubin(d, False, bf16, option=option, source=source, fuse=fuse, staged_convert=staged)
         except Exception as e:  # noqa: BLE001 - the test that needs it reports the failure
             failed.append(f"{option} D{d} bf16={bf16}: {type(e).__name__}: {str(e)[:160]}")
     with ThreadPoolExecutor(16) as pool:

@@ -104,10 +104,15 @@ KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part of the cache key)
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
-# kernel.cu DQ_CONVERT 2 (session 15, vbwd15; off): the same dQ, staged through shared memory as FA4's postprocess
-# (one CTA per 64 x 64 part, 16-byte row stores). On with STAGED_CONVERT_ENV=1 (contiguous dq; BNHD keeps the tiled).
+# kernel.cu DQ_CONVERT 2 (session 15, vbwd15): the same dQ, staged through shared memory as FA4's postprocess
+# (one CTA per 64 x 64 part, 16-byte row stores; contiguous dq, BNHD keeps the tiled). STAGED_CONVERT_ENV=1 / 0 for
+# every backward; unset, STAGED_VARIANT_DEFAULT for variant backwards and the tiled convert for the dense ones. On for
+# variants since session 16 (H100, x over the tiled convert, same run, bf16 D 128, 16k tokens: session 15 mid
+# 1.003-1.028x on 11 rows, session 16 mid prefixlm 1k 1.020, 4k 1.006, share_question 4k 1.010; its rule cases and
+# the bitwise test against the tiled convert passed in session 15's final call).
 STAGED_CONVERT_ENTRY = b"fa3_bwd_dq_convert_staged"
 STAGED_CONVERT_ENV = "CUBRIDGE_BWD_STAGED_CONVERT"
+STAGED_VARIANT_DEFAULT = "1"
 PREP_ENTRY = b"fa3_bwd_preprocess"
 # kernel.cu DQ_FUSE (session 16, vbwd16; off): the dQ convert fused into the main kernel (dq_store.cuh). A count launch
 # (dq_fuse.cuh) before the preprocess; the CTA whose step completes a query tile converts it and zeroes its
@@ -384,10 +389,11 @@ def _fuse_buffers(device, stream: int, accum_floats: int, tiles: int) -> tuple[t
     return bufs
 
 
-def staged_convert_enabled() -> bool:
-    """STAGED_CONVERT_ENV: "1", DQ_MODE 1's dQ convert staged through shared memory (kernel.cu DQ_CONVERT 2); "0" or
-    unset, the tiled convert."""
-    return env_switch(STAGED_CONVERT_ENV, "0", f"unset {STAGED_CONVERT_ENV} (the tiled dQ convert) or 1 (staged)")
+def staged_convert_enabled(default: str = "0") -> bool:
+    """STAGED_CONVERT_ENV: "1", DQ_MODE 1's dQ convert staged through shared memory (kernel.cu DQ_CONVERT 2); "0", the
+    tiled convert; unset, `default` (fa3_backward: STAGED_VARIANT_DEFAULT for a variant, "0" for the dense kernel)."""
+    return env_switch(STAGED_CONVERT_ENV, default, f"unset {STAGED_CONVERT_ENV} (the default), 0 (tiled dQ convert) "
+                                                   "or 1 (staged)")
 
 
 def enabled() -> bool:
@@ -563,7 +569,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
         split = 1   # the environment's / default split applies to the options that can take it
     # contiguous dq of < 2^31 elements (the converters' 32-bit offsets); BNHD keeps the convert launch
     fuse = fuse_capable(modes) and not bnhd and dq.numel() < 2 ** 31 and fused_convert_enabled()
-    staged = modes.dq_mode == 1 and not bnhd and not fuse and staged_convert_enabled()
+    staged = modes.dq_mode == 1 and not bnhd and not fuse and staged_convert_enabled(
+        STAGED_VARIANT_DEFAULT if variant is not None else "0")
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
                        variant.source if variant is not None else None, split, bnhd, staged, fuse)
     func, convert = funcs[:2]

@@ -214,16 +214,20 @@ __device__ __forceinline__ void fuse_step_done(const FuseArgs& fa, int tile, int
   *static_cast<volatile int*>(&g_fuse_head) = head + kFuseUnits;
 }
 
-// Any warp: the next queued unit (claimed by compare-and-swap on the tail, its ring slot then released), or -1 if the
-// ring is empty now.
+// Any warp: the next queued unit, or -1 if the ring is empty now. The entry is read BEFORE the compare-and-swap that
+// claims it: `read` counts claims, and claims are ordered by the tail, so read >= t + 1 (the writer's condition for
+// reusing entry t's slot) implies entry t was read. (Session 16 mid call: reading it after the claim let a claim of a
+// later entry count first, the writer then overwrote slot t under a slow claimer: a lost unit, its dQ rows poisoned
+// and its accumulator lines never zeroed: 10 rule failures on the specs whose CTAs complete many tiles.)
 __device__ __forceinline__ int fuse_claim(int lane) {
   int unit = -1;
   if (lane == 0) {
     volatile int* vol_tail = &g_fuse_tail;
     for (int t = *vol_tail; t < *static_cast<volatile int*>(&g_fuse_head); t = *vol_tail) {
+      __threadfence_block();   // entry t was written before head passed it
+      const int entry = static_cast<volatile int*>(g_fuse_ring)[t % kFuseRing];
       if (atomicCAS(&g_fuse_tail, t, t + 1) == t) {
-        __threadfence_block();
-        unit = static_cast<volatile int*>(g_fuse_ring)[t % kFuseRing];
+        unit = entry;
         atomicAdd(&g_fuse_read, 1);
         break;
       }

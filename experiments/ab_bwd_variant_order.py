@@ -13,6 +13,7 @@ adds exact zeros; "+nofold", "+scsplit": within 2^-6 like dQ), dQ within 2^-6 of
 "OPTION+tiled" the tiled dQ convert (CUBRIDGE_BWD_STAGED_CONVERT=0: the staged one is the variants' default since
 session 16);
 "OPTION+fused" the dQ convert fused into the main kernel (CUBRIDGE_BWD_FUSED_CONVERT=1, kernel.cu DQ_FUSE; session 16);
+"OPTION+fused2" the same with the completions counted once per CTA (CUBRIDGE_BWD_FUSED_CONVERT=2, DQ_FUSE 2);
 "OPTION+cap" sections capped at SMs / KV tiles pairs (CUBRIDGE_BWD_SECTION_CAP=1: 16 at 1k, 4 at 4k, 2 at 8k);
 "OPTION+split" lowers with CUBRIDGE_BWD_RELU_SPLIT=1 (relu on the split passes on ISSUE 2 options);
 "OPTION+nofold" with CUBRIDGE_BWD_NORM_FOLD=0 (sigmoid's constants not folded into the score region; folded, the
@@ -70,7 +71,7 @@ def lowered_option(name, option):
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, SOFTCAP_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "tiled", "fused", "cap", "argcache", "noargcache", "scsplit"}
+    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "tiled", "fused", "fused2", "cap", "argcache", "noargcache", "scsplit"}
     unknown = {e for e in extras if e not in known and not SECTION.fullmatch(e)}
     assert not unknown, f"{option}: unknown suffix {sorted(unknown)} ({sorted(known)}, secK)"
     extra = "qlist" if "qlist" in extras else ""
@@ -123,7 +124,8 @@ def prebuild(variants, options, ns, fwd_ours) -> None:
     def converts(o):   # (fused, staged) as the call will build: "+fused", "+staged" / "+tiled", else the default
         extras = o.split("+")[1:]
         staged = "staged" in extras or ("tiled" not in extras and hb.staged_convert_enabled(hb.STAGED_VARIANT_DEFAULT))
-        return ("fused" in extras, staged and "fused" not in extras)
+        fused = 2 if "fused2" in extras else 1 if "fused" in extras else 0
+        return (fused, staged and not fused)
     sources = {(o.split("+")[0], *converts(o), guarded(f"{v} {o}", lambda: lowered_option(v, o)[0].hopper.source))
                for v in variants for o in options}
     jobs = [(hb.build_cubin, D, False, True, option, fused, staged, src) for option, fused, staged, src in sources if src]
@@ -165,6 +167,7 @@ def ours_option(name, option, q, k, v, dout, out, lse, attended_fraction=1.0):
     envs.update({STAGED_CONVERT_ENV: "0"} if "tiled" in extras else {})   # the tiled convert (the default until 16)
     envs.update({SECTION_CAP_ENV: "1"} if "cap" in extras else {})   # sections capped at SMs / KV tiles pairs
     envs.update({FUSED_CONVERT_ENV: "1"} if "fused" in extras else {})   # the dQ convert in the main kernel
+    envs.update({FUSED_CONVERT_ENV: "2"} if "fused2" in extras else {})   # ... counted once per CTA
     if envs:
         call = functools.partial(expkit.call_with_env, envs, call)
     return {"bwd": lambda: call(dout, q, k, v, out, lse), "grads": call(dout, q, k, v, out, lse)}

@@ -311,13 +311,13 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION, gqa_split: int = 1,
-            bnhd: bool = False, staged_convert: bool = False, fuse: bool = False) -> list[str]:
+            bnhd: bool = False, staged_convert: bool = False, fuse: int = 0) -> list[str]:
     """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa) and bnhd
     -DBNHD=1 (fa3_bwd_layout); without them the macros (and the compile cache key) are as before both."""
     macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()]
     split = ([f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []) + (["-DBNHD=1"] if bnhd else [])
     split += ["-DDQ_CONVERT=2"] if staged_convert else []   # STAGED_CONVERT_ENV: the cache key changes only when on
-    split += ["-DDQ_FUSE=1"] if fuse else []                 # FUSED_CONVERT_ENV, the same
+    split += [f"-DDQ_FUSE={int(fuse)}"] if fuse else []      # FUSED_CONVERT_ENV (1 or 2), the same
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
             *macros, *split,
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
@@ -326,7 +326,7 @@ def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTIO
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
                 compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
                 source: str | None = None, gqa_split: int = 1, bnhd: bool = False, staged_convert: bool = False,
-                fuse: bool = False):
+                fuse: int = 0):
     """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
     `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one;
     gqa_split: fa3_bwd_gqa's split (needs an EPILOGUE 1 option); bnhd: fa3_bwd_layout's BNHD build."""
@@ -354,10 +354,16 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
 
 
-def fused_convert_enabled() -> bool:
-    """FUSED_CONVERT_ENV: "1", the dQ convert fused into the main kernel (kernel.cu DQ_FUSE) where the option can take
-    it (fuse_capable); "0" or unset, the separate convert launch."""
-    return env_switch(FUSED_CONVERT_ENV, "0", f"unset {FUSED_CONVERT_ENV} (a convert launch) or 1 (fused into the kernel)")
+def fused_convert_enabled() -> int:
+    """FUSED_CONVERT_ENV: "1", the dQ convert fused into the main kernel (kernel.cu DQ_FUSE 1: completions counted per
+    step) where the option can take it (fuse_capable); "2", DQ_FUSE 2 (counted once per CTA, after its loop; session
+    16, not yet run on a GPU); "0" or unset, the separate convert launch. Returns the DQ_FUSE value."""
+    value = os.environ.get(FUSED_CONVERT_ENV, "0")
+    if value not in ("0", "1", "2"):
+        raise LaunchError(f"{FUSED_CONVERT_ENV}={value!r} is not 0, 1 or 2", where="environment",
+                          hint=f"unset {FUSED_CONVERT_ENV} (a convert launch), 1 (fused, per-step counts) or 2 "
+                               "(fused, per-CTA counts)")
+    return int(value)
 
 
 def fuse_capable(modes: "Modes") -> bool:
@@ -407,7 +413,7 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
                compiler: str | None, source: str | None = None, gqa_split: int = 1, bnhd: bool = False,
-               staged_convert: bool = False, fuse: bool = False):
+               staged_convert: bool = False, fuse: int = 0):
     """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess][, DQ_FUSE's count][, GQA_SPLIT's
     dK / dV sum, last]) of one specialisation (of `source`, a lowered variant, when given)."""
     key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd, staged_convert, fuse)
@@ -568,7 +574,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's / default split applies to the options that can take it
     # contiguous dq of < 2^31 elements (the converters' 32-bit offsets); BNHD keeps the convert launch
-    fuse = fuse_capable(modes) and not bnhd and dq.numel() < 2 ** 31 and fused_convert_enabled()
+    fuse = fused_convert_enabled() if fuse_capable(modes) and not bnhd and dq.numel() < 2 ** 31 else 0
     staged = modes.dq_mode == 1 and not bnhd and not fuse and staged_convert_enabled(
         STAGED_VARIANT_DEFAULT if variant is not None else "0")
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,

@@ -99,7 +99,8 @@ __device__ __forceinline__ void dq_drain(const Consumer& cs, int total) {
 #ifndef DQ_FUSE
 #define DQ_FUSE 0
 #endif
-constexpr bool kDqFuse = DQ_FUSE == 1;
+constexpr bool kDqFuse = DQ_FUSE >= 1;
+static_assert(DQ_FUSE >= 0 && DQ_FUSE <= 2, "DQ_FUSE must be 0 (convert launch), 1 (per-step counts) or 2 (per-CTA counts)");
 #if DQ_FUSE
 static_assert(kDqWriter && kDqBulk, "DQ_FUSE=1 needs DQ_WRITER=1 (the writer warp counts the completed adds)");
 constexpr int kBarFuse = kBarDqEmpty0 + kDqSlots * kConsumers;   // the writer's last tile is queued: writer + consumers
@@ -197,21 +198,65 @@ __device__ __forceinline__ void fuse_convert_unit(int unit, int lane) {
 // The writer warp, after the adds of the step on `tile` completed (lane 0: all but the kPending newest bulk groups):
 // one step off the tile's counter; the step that takes the last queues the tile's units in the ring (waiting for free
 // slots).
-template <int kPending>
-__device__ __forceinline__ void fuse_step_done(const FuseArgs& fa, int tile, int lane) {
-  if (lane != 0) return;
-  bulk_wait_done<kPending>();
-  asm volatile("fence.proxy.async.global;" ::: "memory");   // the async-proxy adds before the generic atomic
-  int old;   // release: this CTA's adds before the count (no L1 invalidation per step, as a full fence has)
-  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], -1;" : "=r"(old) : "l"(fa.ctr + tile) : "memory");
-  if (old != 1) return;
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");          // the other CTAs' adds before the converters' reads
+// Lane 0 of the writer warp: queue a completed tile's units (waiting for free slots).
+__device__ __forceinline__ void fuse_push(int tile) {
   const int head = g_fuse_head;                              // lane 0 of the writer alone writes it
   while (head + kFuseUnits - *static_cast<volatile int*>(&g_fuse_read) > kFuseRing) __nanosleep(256);
 #pragma unroll 1
   for (int u = 0; u < kFuseUnits; ++u) static_cast<volatile int*>(g_fuse_ring)[(head + u) % kFuseRing] = tile * kFuseUnits + u;
   __threadfence_block();
   *static_cast<volatile int*>(&g_fuse_head) = head + kFuseUnits;
+}
+
+__device__ __forceinline__ int fuse_count_down(const FuseArgs& fa, int tile) {
+  int old;   // release: this CTA's adds before the count (no L1 invalidation per step, as a full fence has)
+  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], -1;" : "=r"(old) : "l"(fa.ctr + tile) : "memory");
+  return old;
+}
+
+template <int kPending>
+__device__ __forceinline__ void fuse_step_done(const FuseArgs& fa, int tile, int lane) {
+  if (lane != 0) return;
+  bulk_wait_done<kPending>();
+  asm volatile("fence.proxy.async.global;" ::: "memory");   // the async-proxy adds before the generic atomic
+  if (fuse_count_down(fa, tile) != 1) return;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");          // the other CTAs' adds before the converters' reads
+  fuse_push(tile);
+}
+
+// DQ_FUSE 2 (session 16, after the mid call; not yet run on a GPU): the completions counted once per CTA, after the
+// writer's loop, instead of per step (DQ_FUSE 1 ran at half speed: its writer waited on every step's completion and
+// fences). One wait for all adds and one proxy fence by lane 0, then the CTA's steps counted down 32 at a time (lane
+// l: step base + l, the writer's own (g, tile) order), the tiles whose count reached 0 queued in lane order. Tiles
+// complete only when their last visiting CTA ends, so the conversions run in the CTAs' tails (converter warps and
+// consumers together).
+__device__ __forceinline__ void fuse_cta_done(const FuseArgs& fa, const Problem& pb, QRange qr, int steps, int total,
+                                              int num_m, int lane) {
+  if (lane == 0 && total > 0) {
+    bulk_wait_done<0>();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");        // lane 0's adds at gpu scope before any lane's count
+  }
+  __syncwarp();
+#pragma unroll 1
+  for (int base = 0; base < total; base += kWarpSize) {
+    const int it = base + lane;
+    int tile = -1, last = 0;
+    if (it < total) {
+      const int g = it / steps, i = it - g * steps;
+      tile = pb.bh_q(g) * num_m + (kRangeRuns ? q_runs_tile(i) : sweep_tile(qr, i, steps));
+      last = fuse_count_down(fa, tile) == 1;
+    }
+    unsigned bits = __ballot_sync(0xffffffffu, last);
+    if (bits) asm volatile("fence.acq_rel.gpu;" ::: "memory");   // the other CTAs' adds before the converters' reads
+    while (bits) {
+      const int src = __ffs(bits) - 1;
+      bits &= bits - 1;
+      const int t = __shfl_sync(0xffffffffu, tile, src);
+      if (lane == 0) fuse_push(t);
+      __syncwarp();
+    }
+  }
 }
 
 // Any warp: the next queued unit, or -1 if the ring is empty now. The entry is read BEFORE the compare-and-swap that
@@ -256,9 +301,18 @@ __device__ __forceinline__ void fuse_converter(int lane) {
 // The consumers after their epilogue: once the writer queued its last tile (kBarFuse), their 8 warps take what the
 // converter warps have not.
 __device__ __noinline__ void fuse_tail() {
-  named_sync(kBarFuse, kDqBarThreads + kWgThreads);
+  named_sync(kBarFuse, kDqBarThreads + kWgThreads);   // DQ_FUSE 1: the ring is closed by then; 2: it is being filled
   const int lane = int(threadIdx.x % kWarpSize);
-  for (int unit = fuse_claim(lane); unit >= 0; unit = fuse_claim(lane)) fuse_convert_unit<kDqChunks>(unit, lane);
+  for (;;) {
+    const int closed = *static_cast<volatile int*>(&g_fuse_closed);   // read before the claim, as fuse_converter
+    const int unit = fuse_claim(lane);
+    if (unit >= 0) {
+      fuse_convert_unit<kDqChunks>(unit, lane);
+    } else {
+      if (__shfl_sync(0xffffffffu, closed, 0)) return;
+      __nanosleep(128);
+    }
+  }
 }
 #endif  // DQ_FUSE
 
@@ -275,7 +329,7 @@ __device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRa
   const int num_m = (pb.seqlen_q + kBlockM - 1) / kBlockM;
   const int steps = kRangeRuns ? q_runs_count() : qr.m_end - qr.m_begin, total = has_work ? steps * pb.group : 0;
   int g = 0, i = 0;
-#if DQ_FUSE
+#if DQ_FUSE == 1
   int prev = -1;   // the previous step's tile
 #endif
   for (int it = 0; it < total; ++it) {
@@ -293,7 +347,7 @@ __device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRa
     __syncwarp();
 #pragma unroll
     for (int c = 0; c < kConsumers; ++c) named_arrive(dq_empty_bar(c, it), kDqBarThreads);
-#if DQ_FUSE   // the previous step's adds (all but this step's kConsumers groups) completed: its tile's count
+#if DQ_FUSE == 1   // the previous step's adds (all but this step's kConsumers groups) completed: its tile's count
     if (prev >= 0)
       fuse_step_done<kConsumers>(fa, prev, lane);
     __syncwarp();   // lane 0's wait and queueing done before the warp's next barrier
@@ -303,13 +357,20 @@ __device__ __forceinline__ void dq_writer(const Smem& sm, const Problem& pb, QRa
     g += i == 0;
   }
 #if DQ_FUSE
+#if DQ_FUSE == 2   // the consumers join at once (fuse_tail takes units until the ring is closed and empty)
+  named_arrive(kBarFuse, kDqBarThreads + kWgThreads);
+  fuse_cta_done(fa, pb, qr, steps, total, num_m, lane);
+#else
   if (prev >= 0) fuse_step_done<0>(fa, prev, lane);
+#endif
   if (lane == 0) {
     __threadfence_block();   // the last head before closed
     *static_cast<volatile int*>(&g_fuse_closed) = 1;
   }
   __syncwarp();
+#if DQ_FUSE == 1
   named_arrive(kBarFuse, kDqBarThreads + kWgThreads);   // the ring gets no more tiles: the consumers help (fuse_tail)
+#endif
 #endif
 }
 

@@ -23,7 +23,9 @@ def test_fused_convert_switch(monkeypatch):
     assert not any("DQ_FUSE" in o for o in hb.options(128, False, True, hb.VARIANT_OPTION))
     assert "-DDQ_FUSE=1" in hb.options(128, False, True, hb.VARIANT_OPTION, fuse=True)
     monkeypatch.setenv(hb.FUSED_CONVERT_ENV, "1")
-    assert hb.fused_convert_enabled()
+    assert hb.fused_convert_enabled() == 1
+    monkeypatch.setenv(hb.FUSED_CONVERT_ENV, "2")
+    assert hb.fused_convert_enabled() == 2 and "-DDQ_FUSE=2" in hb.options(128, False, True, hb.VARIANT_OPTION, fuse=2)
     monkeypatch.setenv(hb.FUSED_CONVERT_ENV, "on")
     with pytest.raises(LaunchError, match=hb.FUSED_CONVERT_ENV):
         hb.fused_convert_enabled()
@@ -46,8 +48,9 @@ def _build(job, tmp_path):
     cu = tmp_path / f"{name}.cu"
     cu.write_text(src)
     out = tmp_path / f"{name}_d{d}.cubin"
+    extra = {"fuse": 1, **extra}
     proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
-                           *hb.options(d, causal, bf16, option, fuse=True, **extra), "-Xptxas", "-v", "-o", str(out),
+                           *hb.options(d, causal, bf16, option, **extra), "-Xptxas", "-v", "-o", str(out),
                            str(cu)], capture_output=True, text=True)
     return name, proc
 
@@ -62,7 +65,12 @@ def test_fused_builds_spill_free(tmp_path):
             ("share_question_list", lower_source(dense, share.ir, q_list=True), 128, False, True, hb.VARIANT_OPTION, {}),
             ("document_list", lower_source(dense, doc.ir, q_list=True), 64, False, False, hb.VARIANT_OPTION, {}),
             ("dense_causal_split2", dense, 128, True, True, hb.CAUSAL_OPTION, {"gqa_split": 2}),
-            ("dense_full_d64", dense, 64, False, False, DQW_EARLY, {})]
+            ("dense_full_d64", dense, 64, False, False, DQW_EARLY, {}),
+            # DQ_FUSE 2 (per-CTA counts): the runs, the exact list, the dense kernel with GQA_SPLIT
+            ("prefixlm_fuse2", VariantBackward("prefixlm").hopper.source, 128, False, True, hb.VARIANT_OPTION, {"fuse": 2}),
+            ("share_question_list_fuse2", lower_source(dense, share.ir, q_list=True), 64, False, False,
+             hb.VARIANT_OPTION, {"fuse": 2}),
+            ("dense_causal_split2_fuse2", dense, 128, True, True, hb.CAUSAL_OPTION, {"gqa_split": 2, "fuse": 2})]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _build(j, tmp_path), jobs))
     for name, proc in results:

@@ -10,6 +10,10 @@ adds exact zeros; "+nofold", "+scsplit": within 2^-6 like dQ), dQ within 2^-6 of
 "OPTION+secK" sections of K pairs (K a power of two; +sec1 runs each pair's KV tiles in a row: TILE_ORDER 0's order);
 "OPTION+nofit" sections sized by the whole L2 (CUBRIDGE_BWD_FIT_SECTIONS=0; the default sizes them by L2 / f);
 "OPTION+staged" the dQ convert staged through shared memory (CUBRIDGE_BWD_STAGED_CONVERT=1, kernel.cu DQ_CONVERT 2);
+"OPTION+tiled" the tiled dQ convert (CUBRIDGE_BWD_STAGED_CONVERT=0: the staged one is the variants' default since
+session 16);
+"OPTION+fused" the dQ convert fused into the main kernel (CUBRIDGE_BWD_FUSED_CONVERT=1, kernel.cu DQ_FUSE; session 16);
+"OPTION+fused2" the same with the completions counted once per CTA (CUBRIDGE_BWD_FUSED_CONVERT=2, DQ_FUSE 2);
 "OPTION+cap" sections capped at SMs / KV tiles pairs (CUBRIDGE_BWD_SECTION_CAP=1: 16 at 1k, 4 at 4k, 2 at 8k);
 "OPTION+split" lowers with CUBRIDGE_BWD_RELU_SPLIT=1 (relu on the split passes on ISSUE 2 options);
 "OPTION+nofold" with CUBRIDGE_BWD_NORM_FOLD=0 (sigmoid's constants not folded into the score region; folded, the
@@ -67,7 +71,7 @@ def lowered_option(name, option):
     from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, SOFTCAP_SPLIT_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "cap", "argcache", "noargcache", "scsplit"}
+    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "tiled", "fused", "fused2", "cap", "argcache", "noargcache", "scsplit"}
     unknown = {e for e in extras if e not in known and not SECTION.fullmatch(e)}
     assert not unknown, f"{option}: unknown suffix {sorted(unknown)} ({sorted(known)}, secK)"
     extra = "qlist" if "qlist" in extras else ""
@@ -117,9 +121,14 @@ def prebuild(variants, options, ns, fwd_ours) -> None:
         except Exception as e:  # noqa: BLE001 - reported again where the variant runs
             print(f"  prebuild {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     # lowered one by one here (the lowering is not made for threads), only nvcc runs in the pool
-    sources = {(o.split("+")[0], guarded(f"{v} {o}", lambda: lowered_option(v, o)[0].hopper.source))
+    def converts(o):   # (fused, staged) as the call will build: "+fused", "+staged" / "+tiled", else the default
+        extras = o.split("+")[1:]
+        staged = "staged" in extras or ("tiled" not in extras and hb.staged_convert_enabled(hb.STAGED_VARIANT_DEFAULT))
+        fused = 2 if "fused2" in extras else 1 if "fused" in extras else 0
+        return (fused, staged and not fused)
+    sources = {(o.split("+")[0], *converts(o), guarded(f"{v} {o}", lambda: lowered_option(v, o)[0].hopper.source))
                for v in variants for o in options}
-    jobs = [(hb.build_cubin, D, False, True, option, src) for option, src in sources if src]
+    jobs = [(hb.build_cubin, D, False, True, option, fused, staged, src) for option, fused, staged, src in sources if src]
     for v in variants:
         lowered = guarded(f"{v} forward", fwd_ours.lowered, v)
         if lowered:
@@ -130,8 +139,9 @@ def prebuild(variants, options, ns, fwd_ours) -> None:
     def build(job):
         fn, *args, source = job
         if fn is hb.build_cubin:
-            d, causal, bf16, option = args
-            return guarded(f"backward {option}", lambda: fn(d, causal, bf16, option=option, source=source))
+            d, causal, bf16, option, fused, staged = args
+            return guarded(f"backward {option}", lambda: fn(d, causal, bf16, option=option, source=source, fuse=fused,
+                                                            staged_convert=staged))
         return guarded("forward", lambda: fn(args[0], source=source))
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(build, jobs))
@@ -151,10 +161,13 @@ def ours_option(name, option, q, k, v, dout, out, lse, attended_fraction=1.0):
     elif "fit" in extras:     # a pair's footprint counted at the attended fraction
         l2 = int(torch.cuda.get_device_properties(q.device).L2_cache_size / max(attended_fraction, 1e-6))
     call = functools.partial(_with_l2, bwd, l2) if l2 is not None else bwd
-    from cubridge.runtime.fa3_bwd_sm90 import STAGED_CONVERT_ENV
+    from cubridge.runtime.fa3_bwd_sm90 import FUSED_CONVERT_ENV, STAGED_CONVERT_ENV
     from cubridge.runtime.variant_bwd import SECTION_CAP_ENV
     envs = {STAGED_CONVERT_ENV: "1"} if "staged" in extras else {}   # the dQ convert staged (kernel.cu DQ_CONVERT 2)
+    envs.update({STAGED_CONVERT_ENV: "0"} if "tiled" in extras else {})   # the tiled convert (the default until 16)
     envs.update({SECTION_CAP_ENV: "1"} if "cap" in extras else {})   # sections capped at SMs / KV tiles pairs
+    envs.update({FUSED_CONVERT_ENV: "1"} if "fused" in extras else {})   # the dQ convert in the main kernel
+    envs.update({FUSED_CONVERT_ENV: "2"} if "fused2" in extras else {})   # ... counted once per CTA
     if envs:
         call = functools.partial(expkit.call_with_env, envs, call)
     return {"bwd": lambda: call(dout, q, k, v, out, lse), "grads": call(dout, q, k, v, out, lse)}

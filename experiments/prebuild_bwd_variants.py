@@ -51,7 +51,11 @@ def main() -> int:
     def build(job):
         source, d, bf16, option = job
         try:
-            hb.build_cubin(d, False, bf16, option=option, source=source)
+            # CUBRIDGE_BWD_FUSED_CONVERT=1 (session 16): the DQ_FUSE build the fused cases run; else the staged
+            # convert's build where it is the variants' default (STAGED_VARIANT_DEFAULT, CUBRIDGE_BWD_STAGED_CONVERT)
+            fuse = hb.fused_convert_enabled() if hb.fuse_capable(hb.OPTIONS[option]) else 0
+            staged = not fuse and hb.staged_convert_enabled(hb.STAGED_VARIANT_DEFAULT)
+            hb.build_cubin(d, False, bf16, option=option, source=source, fuse=fuse, staged_convert=staged)
         except Exception as e:  # noqa: BLE001 - the test that needs it reports the failure
             failed.append(f"{option} D{d} bf16={bf16}: {type(e).__name__}: {str(e)[:160]}")
     with ThreadPoolExecutor(16) as pool:

@@ -104,12 +104,25 @@ KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
 FWD_DIR = REF_KERNELS_DIR / "fa3_sm90"   # the PTX helpers it includes (-I: part of the cache key)
 ENTRY = b"fa3_bwd_sm90"
 CONVERT_ENTRY = b"fa3_bwd_dq_convert_tiled"
-# kernel.cu DQ_CONVERT 2 (session 15, vbwd15; off): the same dQ, staged through shared memory as FA4's postprocess
-# (one CTA per 64 x 64 part, 16-byte row stores). On with STAGED_CONVERT_ENV=1 (contiguous dq; BNHD keeps the tiled).
+# kernel.cu DQ_CONVERT 2 (session 15, vbwd15): the same dQ, staged through shared memory as FA4's postprocess
+# (one CTA per 64 x 64 part, 16-byte row stores; contiguous dq, BNHD keeps the tiled). STAGED_CONVERT_ENV=1 / 0 for
+# every backward; unset, STAGED_VARIANT_DEFAULT for variant backwards and the tiled convert for the dense ones. On for
+# variants since session 16 (H100, x over the tiled convert, same run, bf16 D 128, 16k tokens: session 15 mid
+# 1.003-1.028x on 11 rows, session 16 mid prefixlm 1k 1.020, 4k 1.006, share_question 4k 1.010; its rule cases and
+# the bitwise test against the tiled convert passed in session 15's final call).
 STAGED_CONVERT_ENTRY = b"fa3_bwd_dq_convert_staged"
 STAGED_CONVERT_ENV = "CUBRIDGE_BWD_STAGED_CONVERT"
 M80_CONVERT_ENTRY = b"fa3_bwd_dq_convert_m80"   # TILE_M80's accumulator (dQ^T parts): tile_m80.cuh
+STAGED_VARIANT_DEFAULT = "1"
 PREP_ENTRY = b"fa3_bwd_preprocess"
+# kernel.cu DQ_FUSE (session 16, vbwd16; off): the dQ convert fused into the main kernel (dq_store.cuh). A count launch
+# (dq_fuse.cuh) before the preprocess; the CTA whose step completes a query tile converts it and zeroes its
+# accumulator lines, so the accumulator and the counters are kept per shape and stream (_fuse_buffers) and stay zero
+# between calls; no zeroing in the preprocess, no convert launch. On with FUSED_CONVERT_ENV=1 for the DQ_WRITER + LEAN
+# options (not PERSIST) on contiguous dq (BNHD keeps the convert launch).
+COUNT_ENTRY = b"fa3_bwd_dq_count"
+FUSED_CONVERT_ENV = "CUBRIDGE_BWD_FUSED_CONVERT"
+COUNT_THREADS = 32
 ENABLE_ENV = "CUBRIDGE_HOPPER_BWD"
 
 
@@ -358,13 +371,14 @@ def smem_bytes(head_dim: int, option: str = DEFAULT_OPTION) -> int:
 
 
 def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTION, gqa_split: int = 1,
-            bnhd: bool = False, staged_convert: bool = False) -> list[str]:
+            bnhd: bool = False, staged_convert: bool = False, fuse: int = 0) -> list[str]:
     """nvcc / NVRTC options of one specialisation; gqa_split > 1 adds -DGQA_SPLIT (fa3_bwd_gqa) and bnhd
     -DBNHD=1 (fa3_bwd_layout); without them the macros (and the compile cache key) are as before both."""
     macros = [f"-D{name.upper()}={value}" for name, value in _modes(option)._asdict().items()
               if value or name not in NEW_FIELDS]
     split = ([f"-DGQA_SPLIT={gqa_split}"] if gqa_split > 1 else []) + (["-DBNHD=1"] if bnhd else [])
     split += ["-DDQ_CONVERT=2"] if staged_convert else []   # STAGED_CONVERT_ENV: the cache key changes only when on
+    split += [f"-DDQ_FUSE={int(fuse)}"] if fuse else []      # FUSED_CONVERT_ENV (1 or 2), the same
     return ["-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}", f"-DDTYPE_BF16={int(bf16)}",
             *macros, *split,
             f"-DHOST_SMEM_BYTES={smem_bytes(head_dim, option)}", f"-I{KERNEL_DIR}", f"-I{FWD_DIR}"]
@@ -372,7 +386,8 @@ def options(head_dim: int, causal: bool, bf16: bool, option: str = DEFAULT_OPTIO
 
 def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAULT_OPTION,
                 compiler: str | None = None, extra_options: tuple[str, ...] = (), cache_dir=None,
-                source: str | None = None, gqa_split: int = 1, bnhd: bool = False, staged_convert: bool = False):
+                source: str | None = None, gqa_split: int = 1, bnhd: bool = False, staged_convert: bool = False,
+                fuse: int = 0):
     """The sm_90a cubin of one specialisation (a CompileResult: .cubin, .log) via the compile cache;
     `source`: a lowered variant's kernel.cu text (cubridge.lower.fa3_bwd_sm90) instead of the dense one;
     gqa_split: fa3_bwd_gqa's split (needs an EPILOGUE 1 option); bnhd: fa3_bwd_layout's BNHD build."""
@@ -387,19 +402,65 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
         raise LaunchError(f"gqa_split={gqa_split} with option {option!r}", where="fa3_bwd_sm90",
                           hint="the split writes its partials in EPILOGUE 1's place: use an option ending in _epi "
                                "(the default) or gqa_split=1")
+    if fuse and (not fuse_capable(_modes(option)) or bnhd):
+        raise LaunchError(f"fuse=True with option {option!r}, bnhd={bnhd}", where="fa3_bwd_sm90",
+                          hint="the fused dQ convert needs a DQ_WRITER + LEAN option (..._dqw...), not PERSIST, and "
+                               "contiguous [B, H, N, D] dq (bnhd=False)")
     if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
                           hint=f"a lowered variant builds with option one of {list(VARIANT_OPTIONS)}")
     return compile_cubin(source if source is not None else KERNEL_SOURCE.read_text(), arch="sm_90a",
-                         options=[*options(head_dim, causal, bf16, option, gqa_split, bnhd, staged_convert),
+                         options=[*options(head_dim, causal, bf16, option, gqa_split, bnhd, staged_convert, fuse),
                                   *extra_options],
                          compiler=compiler or default_compiler(), cache_dir=cache_dir, name="kernel.cu")
 
 
-def staged_convert_enabled() -> bool:
-    """STAGED_CONVERT_ENV: "1", DQ_MODE 1's dQ convert staged through shared memory (kernel.cu DQ_CONVERT 2); "0" or
-    unset, the tiled convert."""
-    return env_switch(STAGED_CONVERT_ENV, "0", f"unset {STAGED_CONVERT_ENV} (the tiled dQ convert) or 1 (staged)")
+def fused_convert_enabled() -> int:
+    """FUSED_CONVERT_ENV: "1", the dQ convert fused into the main kernel (kernel.cu DQ_FUSE 1: completions counted per
+    step) where the option can take it (fuse_capable); "2", DQ_FUSE 2 (counted once per CTA, after its loop; session
+    16, not yet run on a GPU); "0" or unset, the separate convert launch. Returns the DQ_FUSE value."""
+    value = os.environ.get(FUSED_CONVERT_ENV, "0")
+    if value not in ("0", "1", "2"):
+        raise LaunchError(f"{FUSED_CONVERT_ENV}={value!r} is not 0, 1 or 2", where="environment",
+                          hint=f"unset {FUSED_CONVERT_ENV} (a convert launch), 1 (fused, per-step counts) or 2 "
+                               "(fused, per-CTA counts)")
+    return int(value)
+
+
+def fuse_capable(modes: "Modes") -> bool:
+    """Whether DQ_FUSE builds with these modes: the writer warp counts the completed adds (DQ_WRITER), LEAN's
+    preprocess skips the zeroing, one CTA per KV tile (no PERSIST)."""
+    return bool(modes.dq_writer and modes.lean and not modes.persist)
+
+
+# (device index, stream, accumulator floats, counters) -> (accumulator, counters), both all zero between calls
+_FUSE_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+FUSE_CACHED_SHAPES = 4
+
+
+def _fuse_buffers(device, stream: int, accum_floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DQ_FUSE's tiled accumulator and per-tile counters: zeroed once, then left zero by every call (the CTA that
+    converts a tile zeroes its lines; the last step of a tile takes its counter back to 0). Kept per shape and stream
+    (a call on another stream must not share them); inside CUDA graph capture a fresh zeroed pair belongs to the
+    graph (its memset replays with it) and is not kept."""
+    capturing = torch.cuda.is_current_stream_capturing()
+    key = (device.index, stream, accum_floats, tiles)
+    if not capturing and key in _FUSE_BUFFERS:
+        return _FUSE_BUFFERS[key]
+    bufs = (torch.zeros(accum_floats, device=device, dtype=torch.float32),
+            torch.zeros(tiles, device=device, dtype=torch.int32))
+    if not capturing:
+        if len(_FUSE_BUFFERS) >= FUSE_CACHED_SHAPES:
+            _FUSE_BUFFERS.pop(next(iter(_FUSE_BUFFERS)))   # the oldest
+        _FUSE_BUFFERS[key] = bufs
+    return bufs
+
+
+def staged_convert_enabled(default: str = "0") -> bool:
+    """STAGED_CONVERT_ENV: "1", DQ_MODE 1's dQ convert staged through shared memory (kernel.cu DQ_CONVERT 2); "0", the
+    tiled convert; unset, `default` (fa3_backward: STAGED_VARIANT_DEFAULT for a variant, "0" for the dense kernel)."""
+    return env_switch(STAGED_CONVERT_ENV, default, f"unset {STAGED_CONVERT_ENV} (the default), 0 (tiled dQ convert) "
+                                                   "or 1 (staged)")
 
 
 def enabled() -> bool:
@@ -413,15 +474,16 @@ _FUNCTIONS: dict[tuple, tuple[ctypes.c_void_p, ...]] = {}
 
 def _functions(head_dim: int, causal: bool, bf16: bool, option: str, device: torch.device,
                compiler: str | None, source: str | None = None, gqa_split: int = 1, bnhd: bool = False,
-               staged_convert: bool = False):
-    """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess][, GQA_SPLIT's dK / dV
-    sum, last]) of one specialisation (of `source`, a lowered variant, when given)."""
-    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd, staged_convert)
+               staged_convert: bool = False, fuse: int = 0):
+    """(the backward kernel, the tiled dQ convert kernel[, LEAN's preprocess][, DQ_FUSE's count][, GQA_SPLIT's
+    dK / dV sum, last]) of one specialisation (of `source`, a lowered variant, when given)."""
+    key = (head_dim, causal, bf16, option, device.index, compiler, source, gqa_split, bnhd, staged_convert, fuse)
     if key not in _FUNCTIONS:
         cubin = build_cubin(head_dim, causal, bf16, option=option, compiler=compiler, source=source,
-                            gqa_split=gqa_split, bnhd=bnhd, staged_convert=staged_convert).cubin
+                            gqa_split=gqa_split, bnhd=bnhd, staged_convert=staged_convert, fuse=fuse).cubin
         convert = M80_CONVERT_ENTRY if _modes(option).tile_m80 else STAGED_CONVERT_ENTRY if staged_convert else CONVERT_ENTRY
         entries = (convert, PREP_ENTRY) if _modes(option).lean else (convert,)
+        entries += (COUNT_ENTRY,) if fuse else ()
         entries += (gqa.SUM_ENTRY,) if gqa_split > 1 else ()
         with driver().primary_context(device.index):   # torch's context; no stream touched (graph capture)
             _FUNCTIONS[key] = driver().load_function(cubin, smem_bytes(head_dim, option), ENTRY, *entries)
@@ -461,18 +523,21 @@ def _padded_row_terms(lse, dvec, bh: int, nq: int, num_m: int):
 
 
 def _lean_prep(prep, out, dout, lse, bh: int, nq: int, num_m: int, d: int, stream: int, heads: int | None = None,
-               bm: int = BLOCK_M):
+               bm: int = BLOCK_M, fuse=None):
     """LEAN 1: ((padded log2 LSE, padded Dvec), the zeroed tiled dQ accumulator) from one
     fa3_bwd_preprocess launch (kernel.cu), in place of fa2_bwd_preprocess and the torch ops of
     _padded_row_terms (5-7 small kernels, each a few us of host time while the GPU waits). heads: BNHD's
-    Hq (out and dout [B, N, Hq, D] memory), None for contiguous [B, H, N, D]."""
+    Hq (out and dout [B, N, Hq, D] memory), None for contiguous [B, H, N, D]. bm: the rows per query tile
+    (TILE_M80: 80). fuse: DQ_FUSE's (accumulator, counters, dq): the accumulator is already zero, the
+    preprocess writes dq's unvisited tiles as zeros instead."""
     padded = bh * num_m * bm
     lse2 = torch.empty((bh, num_m * bm), device=out.device, dtype=torch.float32)
     dvec = torch.empty_like(lse2)
-    accum = torch.empty(padded * d, device=out.device, dtype=torch.float32)
+    accum = torch.empty(padded * d, device=out.device, dtype=torch.float32) if fuse is None else fuse[0]
     args = [ctypes.c_uint64(t.data_ptr()) for t in (out, dout, lse, lse2, dvec, accum)]
     args += [ctypes.c_int32(nq), ctypes.c_int32(num_m * bm), ctypes.c_int64(padded)]
     args += [ctypes.c_int32(heads)] if heads is not None else []
+    args += [ctypes.c_uint64(t.data_ptr()) for t in fuse[1:]] if fuse is not None else []
     driver().launch(prep, (math.ceil(padded * (d // CHUNK_ELEMS) / PRE_THREADS), 1, 1), (PRE_THREADS, 1, 1), 0,
                     stream, pack_params(args))
     return (lse2, dvec), accum
@@ -572,15 +637,29 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's / default split applies to the options that can take it
-    staged = modes.dq_mode == 1 and not bnhd and not modes.tile_m80 and staged_convert_enabled()
+    # contiguous dq of < 2^31 elements (the converters' 32-bit offsets); BNHD keeps the convert launch, TILE_M80 its own
+    fuse = (fused_convert_enabled() if fuse_capable(modes) and not modes.tile_m80 and not bnhd and dq.numel() < 2 ** 31
+            else 0)
+    staged = modes.dq_mode == 1 and not bnhd and not modes.tile_m80 and not fuse and staged_convert_enabled(
+        STAGED_VARIANT_DEFAULT if variant is not None else "0")
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,
-                       variant.source if variant is not None else None, split, bnhd, staged)
+                       variant.source if variant is not None else None, split, bnhd, staged, fuse)
     func, convert = funcs[:2]
     stream = current_stream(device.index)
     bm = block_m(option)
     num_m = math.ceil(nq / bm)
+    tiles = math.ceil(nk / BLOCK_N)
+    va = variant.args if variant is not None else ctypes.c_int32(0)   # VariantArgs
+    fused = None
+    if fuse:   # the count launch first (dq_fuse.cuh): the preprocess reads the counts
+        fused = (*_fuse_buffers(device, stream, b * hq * num_m * BLOCK_M * d, b * hq * num_m), dq)
+        # GQA_SPLIT's virtual kv heads (Hkv * s of G / s query heads each), as the main kernel sees them
+        args = [va, ctypes.c_uint64(fused[1].data_ptr())] + [ctypes.c_int32(x) for x in
+                                                              (nq, nk, hq, hkv * split, hq // hkv // split)]
+        driver().launch(funcs[3], (tiles * hkv * split * b, 1, 1), (COUNT_THREADS, 1, 1), 0, stream, pack_params(args))
     if modes.lean:
-        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream, hq if bnhd else None, bm)
+        row_terms, accum = _lean_prep(funcs[2], out, dout, lse, b * hq, nq, num_m, d, stream, hq if bnhd else None,
+                                      bm, fused)
     else:
         row_terms, accum = _classic_prep(out, dout, lse, shape, modes.dq_mode, modes.lse_smem, device, stream)
     tm = map_4d if bnhd else driver().tensor_map   # BNHD: (D, N, H, B) maps of the tensors' own strides
@@ -588,7 +667,6 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     # GQA_SPLIT: the kernel sees Hkv * s virtual kv heads of G / s query heads and writes fp32 partials
     parts = gqa.partials(b, hkv, split, nk, d, device) if split > 1 else (dk, dv)
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, *parts)]
-    tiles = math.ceil(nk / BLOCK_N)
     section = 1
     if modes.tile_order == 2:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
@@ -596,16 +674,20 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
         section = tile_sections(b * hkv * split, hq // hkv // split, nq, d, bool(causal) or variant is not None, l2)
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv * split, hq // hkv // split)] + [ctypes.c_float(scale)]
     scalars += [ctypes.c_int32(section)]   # l2_section
-    scalars.append(variant.args if variant is not None else ctypes.c_int32(0))   # VariantArgs
+    scalars.append(va)
     grid = _grid(option, tiles, hkv * split, b)
     if modes.persist:   # persist.cuh: one CTA per SM at most, the rest of the tiles from a zeroed queue counter
         queue = torch.zeros(1, dtype=torch.int32, device=device)
         scalars += [ctypes.c_uint64(queue.data_ptr()), ctypes.c_int32(grid[0])]
         grid = (min(grid[0], persist_ctas(device.index)), 1, 1)
+    if fused is not None:   # DQ_FUSE: the counters and the 16-bit dQ the CTAs convert into
+        scalars += [ctypes.c_uint64(t.data_ptr()) for t in fused[1:]]
     driver().launch(func, grid, (THREADS, 1, 1), smem_bytes(d, option), stream, pack_params(maps + scalars))
     if split > 1:
         gqa.launch_sum(funcs[-1], *parts, dk, dv, hkv, scale, stream)
-    if modes.tile_m80:
+    if fused is not None:
+        pass   # dQ is written by the main kernel
+    elif modes.tile_m80:
         _convert_m80(convert, accum, dq, shape, scale, stream, hq if bnhd else None)
     elif staged:
         _convert_staged(convert, accum, dq, shape, scale, stream)

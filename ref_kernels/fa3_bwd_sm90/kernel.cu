@@ -404,6 +404,9 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
 #if PERSIST
              , int* __restrict__ tile_ctr, int tiles_total
 #endif
+#if DQ_FUSE   // dq_store.cuh DQ_FUSE: the per-tile step counters and the 16-bit dQ the CTAs convert into
+             , int* __restrict__ dq_ctr, uint16_t* __restrict__ dq_out
+#endif
              ) {
   using namespace fa3b;
   extern __shared__ uint8_t smem_raw[];
@@ -425,6 +428,9 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
   if (threadIdx.x == 0) {
     g_q_shift = pb.q_shift();
     if constexpr (kMRotate) g_m_rot = m_rotation(tc.n, qr.m_end - qr.m_begin);
+#if DQ_FUSE
+    fuse_init(dq_accum, dq_out, seqlen_q, heads_q, softmax_scale);
+#endif
     mbar_init(sm.kv_full(), 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.q_full() + 8 * s, 1);
@@ -444,7 +450,13 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     // branch; with threadIdx.x / 32 the producer's loop spilled 104 bytes under its 24 registers,
     // D = 128 causal, even with an empty writer)
     if (kDqWriter && __shfl_sync(0xffffffffu, threadIdx.x / kWarpSize, 0) == kDqWriterWarp) {
+#if DQ_FUSE
+      dq_writer(sm, pb, qr, has_work, dq_accum, int(threadIdx.x % kWarpSize), FuseArgs{dq_ctr, dq_out});
+    } else if (__shfl_sync(0xffffffffu, threadIdx.x / kWarpSize, 0) >= kFuseWarp0) {   // DQ_FUSE's converter warps
+      fuse_converter(int(threadIdx.x % kWarpSize));
+#else
       dq_writer(sm, pb, qr, has_work, dq_accum, int(threadIdx.x % kWarpSize));
+#endif
     } else if (threadIdx.x == 0 && has_work) {
       fa3::tma_prefetch_map(&tm_q);
       fa3::tma_prefetch_map(&tm_do);
@@ -456,6 +468,9 @@ fa3_bwd_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ C
     const int c = kIssue ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
     const Consumer cs{c, int(threadIdx.x % kWgThreads), int(threadIdx.x % kWarpSize)};
     consumer(va, cs, sm, pb, qr, has_work, lse, dvec, dq_accum, dk, dv, softmax_scale);
+#if DQ_FUSE
+    fuse_tail();   // dq_store.cuh: the tiles whose last step was this CTA's
+#endif
   }
 }
 
@@ -567,6 +582,9 @@ fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ 
 #if BNHD
                    , int heads_q   // BNHD: o and dout are [B, N, Hq, D] memory
 #endif
+#if DQ_FUSE   // the accumulator is kept zero between calls; dQ rows of tiles no step visits (count 0) written here
+                   , const int* __restrict__ dq_ctr, uint16_t* __restrict__ dq_out
+#endif
                    ) {
   using namespace fa3b;
   constexpr int kChunk = 8, kRowChunks = kHeadDim / kChunk, kRowsPerBlock = 256 / kRowChunks;
@@ -591,11 +609,16 @@ fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ 
       acc = fmaf(unpack_hi(aw[i]), unpack_hi(dw[i]), acc);
     }
   }
+#if DQ_FUSE   // (contiguous dq: dq_fuse.cuh)
+  if (real && dq_ctr[bh * (padded_q / kBlockM) + row / kBlockM] == 0)
+    *reinterpret_cast<uint4*>(dq_out + (bh * seqlen_q + row) * kHeadDim + chunk * kChunk) = make_uint4(0, 0, 0, 0);
+#else
   if (in_rows) {
     float4* z = reinterpret_cast<float4*>(dq_accum + p * kHeadDim + chunk * kChunk);
     z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+#endif
 #pragma unroll
   for (int w = 1; w < kRowChunks; w *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, w);   // the row's lanes
   if (in_rows && chunk == 0) {
@@ -609,6 +632,10 @@ fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ 
   }
 }
 #endif  // LEAN
+
+#if DQ_FUSE
+#include "dq_fuse.cuh"
+#endif
 
 // GQA_SPLIT s > 1's one launch after the backward: dV = sum of its s fp32 partials and dK = scale x
 // the sum of its partials (partials [B * Hkv, s, Nk, D] row-major, added in slice order 0..s-1:

@@ -438,10 +438,16 @@ def test_softcap_split_compiles_spill_free(monkeypatch, tmp_path):
 
 
 def test_staged_convert_switch(monkeypatch):
-    """CUBRIDGE_BWD_STAGED_CONVERT: off by default (the compile options, hence the cache key, as before it), 1 adds
-    kernel.cu's DQ_CONVERT 2; anything else is a clear error."""
+    """CUBRIDGE_BWD_STAGED_CONVERT: unset, the caller's default (on for variant backwards since session 16, off for the
+    dense kernel; the dense compile options, hence the cache key, as before it), 1 adds kernel.cu's DQ_CONVERT 2, 0
+    keeps the tiled convert; anything else is a clear error."""
     monkeypatch.delenv(hb.STAGED_CONVERT_ENV, raising=False)
     assert not hb.staged_convert_enabled()
+    # session 16: unset, the variant backwards' default is the staged convert (fa3_backward passes it), dense tiled
+    assert hb.STAGED_VARIANT_DEFAULT == "1" and hb.staged_convert_enabled(hb.STAGED_VARIANT_DEFAULT)
+    monkeypatch.setenv(hb.STAGED_CONVERT_ENV, "0")
+    assert not hb.staged_convert_enabled(hb.STAGED_VARIANT_DEFAULT)
+    monkeypatch.delenv(hb.STAGED_CONVERT_ENV)
     assert not any("DQ_CONVERT" in o for o in hb.options(128, False, True, DQW_EARLY))
     assert "-DDQ_CONVERT=2" in hb.options(128, False, True, DQW_EARLY, staged_convert=True)
     monkeypatch.setenv(hb.STAGED_CONVERT_ENV, "1")

@@ -89,7 +89,9 @@ def hopper_backwards():
     out = {(n, tuple(sorted(p.items()))): VariantBackward(n, **p) for n, p in VARIANTS}
     jobs = {(bwd.hopper.source, d, dt == BF16) for bwd in out.values() for (*_, d, dt, _) in _hopper_shapes()}
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda j: hb.build_cubin(j[1], False, j[2], option=hb.variant_option(), source=j[0]), jobs))
+        staged = hb.staged_convert_enabled(hb.STAGED_VARIANT_DEFAULT)   # the convert a variant call builds with
+        list(pool.map(lambda j: hb.build_cubin(j[1], False, j[2], option=hb.variant_option(), source=j[0],
+                                               staged_convert=staged), jobs))
     return out
 
 

@@ -1,0 +1,84 @@
+"""CPU checks of the fused dQ convert (kernel.cu DQ_FUSE, CUBRIDGE_BWD_FUSED_CONVERT=1; session 16): the switch (off
+by default: compile options and cache keys as before it), which options can take it, and spill-free sm_90a builds of
+every entry (count, preprocess, convert, backward) on the runs, the exact list, the dense kernel with GQA_SPLIT,
+both head dims (the converter warps run under the producer warpgroup's 24 registers)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cubridge.errors import LaunchError
+from cubridge.runtime import fa3_bwd_sm90 as hb
+
+DQW_EARLY = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"
+
+
+def test_fused_convert_switch(monkeypatch):
+    monkeypatch.delenv(hb.FUSED_CONVERT_ENV, raising=False)
+    assert not hb.fused_convert_enabled()
+    assert not any("DQ_FUSE" in o for o in hb.options(128, False, True, hb.VARIANT_OPTION))
+    assert "-DDQ_FUSE=1" in hb.options(128, False, True, hb.VARIANT_OPTION, fuse=True)
+    monkeypatch.setenv(hb.FUSED_CONVERT_ENV, "1")
+    assert hb.fused_convert_enabled() == 1
+    monkeypatch.setenv(hb.FUSED_CONVERT_ENV, "2")
+    assert hb.fused_convert_enabled() == 2 and "-DDQ_FUSE=2" in hb.options(128, False, True, hb.VARIANT_OPTION, fuse=2)
+    monkeypatch.setenv(hb.FUSED_CONVERT_ENV, "on")
+    with pytest.raises(LaunchError, match=hb.FUSED_CONVERT_ENV):
+        hb.fused_convert_enabled()
+
+
+def test_fuse_capable_options():
+    assert hb.fuse_capable(hb.OPTIONS[DQW_EARLY]) and hb.fuse_capable(hb.OPTIONS[hb.VARIANT_OPTION])
+    assert hb.fuse_capable(hb.OPTIONS[hb.CAUSAL_OPTION])
+    for option in ("bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean",
+                   "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist"):
+        assert not hb.fuse_capable(hb.OPTIONS[option]), option
+    with pytest.raises(LaunchError, match="DQ_WRITER"):
+        hb.build_cubin(128, False, True, option="bulk_overlap_lse_lean_issue_pf32_epi", fuse=True)
+    with pytest.raises(LaunchError, match="bnhd"):
+        hb.build_cubin(128, False, True, option=DQW_EARLY, fuse=True, bnhd=True)
+
+
+def _build(job, tmp_path):
+    name, src, d, causal, bf16, option, extra = job
+    cu = tmp_path / f"{name}.cu"
+    cu.write_text(src)
+    out = tmp_path / f"{name}_d{d}.cubin"
+    extra = {"fuse": 1, **extra}
+    proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                           *hb.options(d, causal, bf16, option, **extra), "-Xptxas", "-v", "-o", str(out),
+                           str(cu)], capture_output=True, text=True)
+    return name, proc
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_fused_builds_spill_free(tmp_path):
+    from cubridge.lower.fa3_bwd_sm90 import lower_source
+    from cubridge.runtime.variant_bwd import VariantBackward
+    dense = hb.KERNEL_SOURCE.read_text()
+    share, doc = VariantBackward("share_question"), VariantBackward("document")
+    jobs = [("prefixlm", VariantBackward("prefixlm").hopper.source, 128, False, True, hb.VARIANT_OPTION, {}),
+            ("share_question_list", lower_source(dense, share.ir, q_list=True), 128, False, True, hb.VARIANT_OPTION, {}),
+            ("document_list", lower_source(dense, doc.ir, q_list=True), 64, False, False, hb.VARIANT_OPTION, {}),
+            ("dense_causal_split2", dense, 128, True, True, hb.CAUSAL_OPTION, {"gqa_split": 2}),
+            ("dense_full_d64", dense, 64, False, False, DQW_EARLY, {}),
+            # DQ_FUSE 2 (per-CTA counts): the runs, the exact list, the dense kernel with GQA_SPLIT
+            ("prefixlm_fuse2", VariantBackward("prefixlm").hopper.source, 128, False, True, hb.VARIANT_OPTION, {"fuse": 2}),
+            ("share_question_list_fuse2", lower_source(dense, share.ir, q_list=True), 64, False, False,
+             hb.VARIANT_OPTION, {"fuse": 2}),
+            ("dense_causal_split2_fuse2", dense, 128, True, True, hb.CAUSAL_OPTION, {"gqa_split": 2, "fuse": 2})]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _build(j, tmp_path), jobs))
+    for name, proc in results:
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{name}: nvcc failed\n{log[-3000:]}"
+        assert "fa3_bwd_dq_count" in log, f"{name}: no count entry\n{log}"
+        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(reports) >= 4 and all(r == ("0", "0") for r in reports), f"{name}: spills\n{log}"
+        assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{name}: stack frame\n{log}"
+        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
+            assert warning not in log, f"{name}: ptxas warning {warning}\n{log}"

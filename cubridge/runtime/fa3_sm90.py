@@ -106,6 +106,11 @@ class Fa3Config:
     # lives in uniform registers (kernel.cu UNIFORM_Q; no R2UR pair before each QK HGMMA). On in the D 256
     # causal default (session 15 mid: +0.6%, bench_d256 rows "u"); off elsewhere.
     uniform_q: bool = False
+    # Without a tile order (the dense kernel), tiles in sections of as many heads as have K and V fit in L2
+    # (a power of two), longest query blocks of the section first, instead of head by head (kernel tiles.cuh
+    # TILE_SECTIONS): head by head, causal 8k's last head starts its longest tiles when only its own are left
+    # (a greedy schedule ends 5.6% late at D 256 128 x 80, 32 heads). Off until an H100 A/B shows it (session 16).
+    tile_sections: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -122,7 +127,7 @@ class Fa3Config:
         flags += ["-DK_BEFORE_V=1"] * self.k_before_v
         flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
         flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep + ["-DDESC_ONCE=1"] * self.desc_once
-        flags += ["-DUNIFORM_Q=1"] * self.uniform_q
+        flags += ["-DUNIFORM_Q=1"] * self.uniform_q + ["-DTILE_SECTIONS=1"] * self.tile_sections
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

@@ -110,7 +110,8 @@ class Fa3Config:
     # (a power of two), longest query blocks of the section first, instead of head by head (kernel tiles.cuh
     # TILE_SECTIONS): head by head, causal 8k's last head starts its longest tiles when only its own are left
     # (a greedy schedule ends 5.6% late at D 256 128 x 80, 32 heads). Off until an H100 A/B shows it (session 16).
-    tile_sections: bool = False
+    # 0: off, 1: sections sized to L2; n > 1 (an experiment): n heads a section at every length.
+    tile_sections: int = 0
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -127,7 +128,8 @@ class Fa3Config:
         flags += ["-DK_BEFORE_V=1"] * self.k_before_v
         flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
         flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep + ["-DDESC_ONCE=1"] * self.desc_once
-        flags += ["-DUNIFORM_Q=1"] * self.uniform_q + ["-DTILE_SECTIONS=1"] * self.tile_sections
+        flags += ["-DUNIFORM_Q=1"] * self.uniform_q
+        flags += [f"-DTILE_SECTIONS={int(self.tile_sections)}"] * bool(self.tile_sections)
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

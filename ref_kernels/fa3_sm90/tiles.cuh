@@ -30,6 +30,8 @@ __device__ __forceinline__ int ring_phase(int it) { return (it / kStages) & 1; }
 // tiles are left: at causal 8k, 32 heads, 128 x 80 on 132 CTAs a greedy schedule of that order ends
 // 48 KV steps (5.6%) after the ideal (expkit tile_model order="heads"; session 15's ncu: our SMs active
 // 94.3% of the elapsed cycles, FA4 98.6%), in sections of 4 heads 3 steps (0.4%). bh_all = #heads x batch.
+// TILE_SECTIONS=1: sections sized to L2 as above; TILE_SECTIONS=n > 1: n heads a section whatever the length
+// (an experiment: n >= #heads x batch is one section, every tile longest first).
 #ifndef TILE_SECTIONS
 #define TILE_SECTIONS 0
 #endif
@@ -37,6 +39,7 @@ constexpr bool kTileSections = TILE_SECTIONS != 0 && !TAIL_SPLIT;
 // (Computed per tile from opaque inputs: hoisted out of the producer's tile loop, the values live there
 // spilled in its 24 registers at D 256 128 x 80.)
 __device__ __forceinline__ int section_heads(int seqlen_k) {
+  if constexpr (TILE_SECTIONS > 1) return TILE_SECTIONS;
   const float fit = __fdividef(52428800.f, float(opaque(seqlen_k)) * float(2 * kHeadDim * kElemBytes));
   return fit < 2.f ? 1 : 1 << (31 - __clz(int(fminf(fit, 1073741824.f))));   // (heads in 50 MB)
 }
@@ -50,7 +53,8 @@ __device__ __forceinline__ Tile decode_tile(const VariantArgs& va, const int* ti
     m_block = code % num_m;
     bh = code / num_m;
   } else if (kTileSections) {
-    const unsigned sec_heads = section_heads(seqlen_k), per_sec = sec_heads * unsigned(num_m);
+    const unsigned sec_heads = min(unsigned(section_heads(seqlen_k)), unsigned(bh_all));
+    const unsigned per_sec = sec_heads * unsigned(num_m);
     const unsigned sec = unsigned(t) / per_sec, r = unsigned(t) - sec * per_sec;
     const unsigned heads_here = min(sec_heads, unsigned(bh_all) - sec * sec_heads);   // the last one may be short
     const unsigned m_idx = r / heads_here;

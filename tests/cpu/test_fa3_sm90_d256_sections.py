@@ -33,7 +33,8 @@ def decode_sections(t: int, num_m: int, bh_all: int, sec_heads: int, causal: boo
 
 
 def test_tile_sections_is_an_option():
-    assert "-DTILE_SECTIONS=1" in Fa3Config(256, 128, 80, 2, causal=True, tile_sections=True).defines()
+    assert "-DTILE_SECTIONS=1" in Fa3Config(256, 128, 80, 2, causal=True, tile_sections=1).defines()
+    assert "-DTILE_SECTIONS=3" in Fa3Config(256, 128, 80, 2, causal=True, tile_sections=3).defines()
     assert not any("TILE_SECTIONS" in f for f in Fa3Config(256, 128, 80, 2, causal=True).defines())
 
 
@@ -56,10 +57,12 @@ def test_tile_sections_spill_free_and_the_step_unchanged(tmp_path):
         from sass_step_count import fwd_step_counts
     finally:
         sys.path.remove(str(EXPERIMENTS))
-    cfgs = {"fru": Fa3Config(256, 128, 80, 2, **FRU), "frul": Fa3Config(256, 128, 80, 2, **FRU, tile_sections=True),
-            "frkul": Fa3Config(256, 128, 80, 2, **FRU, k_before_v=True, tile_sections=True),
-            "full_frul": Fa3Config(256, 128, 80, 2, **{**FRU, "causal": False}, tile_sections=True),
-            "l64": Fa3Config(256, 128, 64, 2, causal=True, tile_sections=True)}
+    cfgs = {"fru": Fa3Config(256, 128, 80, 2, **FRU), "frul": Fa3Config(256, 128, 80, 2, **FRU, tile_sections=1),
+            "frkul": Fa3Config(256, 128, 80, 2, **FRU, k_before_v=True, tile_sections=1),
+            "full_frul": Fa3Config(256, 128, 80, 2, **{**FRU, "causal": False}, tile_sections=1),
+            "l64": Fa3Config(256, 128, 64, 2, causal=True, tile_sections=1),
+            "fru_L": Fa3Config(256, 128, 80, 2, **FRU, tile_sections=1 << 16),
+            "frkul3": Fa3Config(256, 128, 80, 2, **FRU, k_before_v=True, tile_sections=3)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         logs = dict(zip(cfgs, pool.map(lambda kc: _build(kc[1].defines(), KERNEL_SOURCE, tmp_path / f"{kc[0]}.cubin"),
                                        cfgs.items())))

@@ -230,7 +230,7 @@ def test_d256_s15_bitwise_equal(causal):
 # (Fa3Config.tile_sections, off by default: the dense kernel's tile order in L2-sized sections of heads, longest
 # first inside a section), alone and with k_before_v
 FRU = dict(FR, uniform_q=True)
-S16 = [dict(FRU, k_before_v=True), dict(FRU, tile_sections=True), dict(FRU, k_before_v=True, tile_sections=True)]
+S16 = [dict(FRU, k_before_v=True), dict(FRU, tile_sections=1), dict(FRU, k_before_v=True, tile_sections=1)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -257,14 +257,16 @@ def test_d256_s16_ragged(tiles, nq, nk, causal):
 SECTION_SHAPES = [(1, 6, 6, 8192, 8192), (3, 5, 1, 3000, 3000), (2, 16, 8, 1000, 9000), (2, 16, 8, 3000, 1000)]
 
 
+@pytest.mark.parametrize("sections", [1, 3], ids=["l2", "three"])
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SECTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_d256_s16_tile_sections(shape, causal, persistent):
-    """Every tile once in the sectioned order: full and short sections, one tile per CTA and persistent (7 CTAs)."""
+def test_d256_s16_tile_sections(shape, causal, persistent, sections):
+    """Every tile once in the sectioned order: full and short sections (sized to L2, or 3 heads each: 6 = 3 + 3,
+    15 = 5 x 3, 32 = 10 x 3 + 2), one tile per CTA and persistent (7 CTAs)."""
     b, hq, hkv, nq, nk = shape
     run_case(b, hq, hkv, nq, nk, D, torch.bfloat16, causal, persistent=persistent,
-             max_ctas=7 if persistent else None, **S16[2])
+             max_ctas=7 if persistent else None, **dict(S16[2], tile_sections=sections))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

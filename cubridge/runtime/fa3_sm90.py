@@ -112,6 +112,10 @@ class Fa3Config:
     # (a greedy schedule ends 5.6% late at D 256 128 x 80, 32 heads). Off until an H100 A/B shows it (session 16).
     # 0: off, 1: sections sized to L2; n > 1 (an experiment): n heads a section at every length.
     tile_sections: int = 0
+    # Head dim 256 only: the steady step waits for V_{i-1} before the QK issue, so that O's rescale and both GEMMs'
+    # issue share one block (consumer.cuh V_WAIT_FIRST; ptxas otherwise sinks the rescale to the P V issue).
+    # Off until an H100 A/B shows it (session 16, bench_d256 rows "v").
+    v_wait_first: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -130,6 +134,7 @@ class Fa3Config:
         flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep + ["-DDESC_ONCE=1"] * self.desc_once
         flags += ["-DUNIFORM_Q=1"] * self.uniform_q
         flags += [f"-DTILE_SECTIONS={int(self.tile_sections)}"] * bool(self.tile_sections)
+        flags += ["-DV_WAIT_FIRST=1"] * self.v_wait_first
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

@@ -39,7 +39,8 @@ def _tile_id(t: dict) -> str:
             + ("_rescale_before_pv" if t.get("rescale_before_pv") else "")
             + ("_softmax_first" if t.get("softmax_first") else "") + ("_k_before_v" if t.get("k_before_v") else "")
             + ("_pv_wait_early" if t.get("pv_wait_early") else "") + ("_mbar_sleep" if t.get("mbar_sleep") else "")
-            + ("_uniform_q" if t.get("uniform_q") else "") + ("_tile_sections" if t.get("tile_sections") else ""))
+            + ("_uniform_q" if t.get("uniform_q") else "") + ("_tile_sections" if t.get("tile_sections") else "")
+            + ("_v_wait_first" if t.get("v_wait_first") else ""))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
@@ -226,11 +227,12 @@ def test_d256_s15_bitwise_equal(causal):
         assert torch.equal(a, b), f"uniform_q changed the output of {_tile_id(base)}"
 
 
-# Session 16: frku (k_before_v over the causal default, fr + uniform_q: the candidate default) and tile_sections
+# Session 16: frku (k_before_v over the causal default, fr + uniform_q: the candidate default), tile_sections
 # (Fa3Config.tile_sections, off by default: the dense kernel's tile order in L2-sized sections of heads, longest
-# first inside a section), alone and with k_before_v
+# first inside a section), alone and with k_before_v, and v_wait_first (V_{i-1} waited for before the QK issue)
 FRU = dict(FR, uniform_q=True)
-S16 = [dict(FRU, k_before_v=True), dict(FRU, tile_sections=1), dict(FRU, k_before_v=True, tile_sections=1)]
+S16 = [dict(FRU, k_before_v=True), dict(FRU, tile_sections=1), dict(FRU, k_before_v=True, tile_sections=1),
+       dict(FRU, v_wait_first=True)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -257,8 +259,7 @@ def test_d256_s16_ragged(tiles, nq, nk, causal):
 SECTION_SHAPES = [(1, 6, 6, 8192, 8192), (3, 5, 1, 3000, 3000), (2, 16, 8, 1000, 9000), (2, 16, 8, 3000, 1000)]
 
 
-@pytest.mark.parametrize("sections", [1, 3], ids=["l2", "three"])
-@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize("sections, persistent", [(1, False), (1, True), (3, True)], ids=["l2_grid", "l2", "three"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SECTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_d256_s16_tile_sections(shape, causal, persistent, sections):
@@ -271,12 +272,13 @@ def test_d256_s16_tile_sections(shape, causal, persistent, sections):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_d256_s16_bitwise_equal(causal):
-    """The tile order and the load order change no arithmetic: bitwise the output of fr + uniform_q without them."""
+    """The tile order, the load order and the V wait's place change no arithmetic: bitwise the output of fr +
+    uniform_q without them."""
     from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward
     g = torch.Generator(device="cuda").manual_seed(2564)
     q, k, v = (torch.randn(1, 6, 8192, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
     outs = [fa3_forward(q, k, v, causal=causal, config=Fa3Config(head_dim=D, causal=causal, persistent=True, **t))[0]
-            for t in (FRU, *S16)]
+            for t in (FRU, *S16, dict(FRU, v_wait_first=True, tile_sections=1))]
     assert not torch.isnan(outs[0]).any()
-    for t, out in zip(S16, outs[1:]):
+    for t, out in zip((*S16, dict(FRU, v_wait_first=True, tile_sections=1)), outs[1:]):
         assert torch.equal(outs[0], out), f"{_tile_id(t)} changed the output of fr + uniform_q"

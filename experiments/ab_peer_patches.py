@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     patches = patch_names() if args.patches is None else args.patches
     from cubridge.runtime.fa3_sm90 import Fa3Config
     flags = {f for f, v in Fa3Config.__dataclass_fields__.items() if v.type in ("bool", bool)} - {
-        "causal", "bf16", "persistent"}   # those three are the shape's or the grid's
+        "causal", "bf16", "persistent"} | {"tile_sections"}   # those three are the shape's or the grid's; an int
     unknown = [o for spec in args.options for o in parse_options(spec) if o not in flags]
     if unknown:
         ap.error(f"--options: {unknown[0]} is not a bool field of Fa3Config ({', '.join(sorted(flags))})")

@@ -28,7 +28,7 @@ from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward  # noqa: E402
 from cubridge.runtime.timing import attention_flops, bench_round_robin  # noqa: E402
 
 D = 256
-ROWS = ("128x80", "128x64")   # our rows: expkit/d256.py parse_row (tile, then option flags g f r s k e z u)
+ROWS = ("128x80", "128x64")   # our rows: expkit/d256.py parse_row (tile, then option flags g f r s k e z u l L v)
 
 
 GEMMA2 = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "gemma2_local.py"
@@ -151,10 +151,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="dense_causal,gemma2_local")
     ap.add_argument("--rows", nargs="*", default=list(ROWS),
-                    help="our configs, BLOCK_MxBLOCK_N[g][f][r][s][k][e][z][u] (g: one tile per CTA, FA4's grid; f: no GEMM "
+                    help="our configs, BLOCK_MxBLOCK_N[g][f][r][s][k][e][z][u][l|L][v] (g: one tile per CTA, FA4's grid; f: no GEMM "
                          "turns between the consumers, FA4's D 256 schedule; r: O rescaled before the P V "
                          "issue; s: the whole softmax before the P V wait; k: K_i loaded before V_{i-1}; e: the P V waited for before the softmax; z: mbarrier waits sleep; u: the Q "
-                         "descriptors in uniform registers); default: %(default)s")
+                         "descriptors in uniform registers; l: tiles in L2-sized sections of heads, longest first "
+                         "inside one; L: every tile longest first; v: V waited for before the QK issue); default: %(default)s")
     a = ap.parse_args()
     for row in a.rows:
         try:

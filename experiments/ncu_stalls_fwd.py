@@ -44,7 +44,7 @@ SMS = 132
 # the sections above; no --metrics list, whose one unknown name would fail the whole profile).
 MORE_RAW = ("pipe_tensor", "lts__t_sector_hit_rate", "lts__t_sectors_srcunit_tex_lookup_hit", "dram__throughput",
             "lts__throughput", "dram__bytes_read.sum", "sm__throughput", "smsp__inst_executed.sum",
-            "sm__cycles_elapsed.avg", "l1tex__throughput", "gpc__cycles_elapsed.max")
+            "sm__cycles_elapsed.avg", "l1tex__throughput", "gpc__cycles_elapsed.max", "sm__cycles_active")
 
 
 def shape_args(args) -> list[str]:
@@ -118,6 +118,12 @@ def per_step(out: dict, steps: int, warps: int, bn: int) -> None:
     out["per_step_per_warp"]["all"] = round(sum(by_class.values()) / (steps * warps), 1)
     out["per_128_keys_per_warp"] = round(sum(by_class.values()) / (steps * warps * bn / 128), 1)
     cycles = out.get("raw", {}).get("gpc__cycles_elapsed.max")
+    # the SMs' share of the elapsed cycles with a CTA on them (session 16: ours 0.943, FA4 0.986 at causal 8k,
+    # the tail of the head-by-head tile order): the tensor pipe's busy share of elapsed over that of active cycles
+    raw = out.get("raw", {})
+    el, ac = (raw.get(f"sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_{w}") for w in ("elapsed", "active"))
+    if isinstance(el, float) and isinstance(ac, float) and ac > 0:
+        out["sm_active_share"] = round(el / ac, 4)
     if isinstance(cycles, float):
         out["cycles_per_step_per_sm"] = round(cycles * SMS / steps, 1)
         out["cycles_per_128_keys_per_sm"] = round(cycles * SMS / (steps * bn / 128), 1)
@@ -198,7 +204,7 @@ def print_run(run: dict) -> None:
     print(sass_stalls.table(head, run, top=12), flush=True)
     print(f"   tile {run.get('tile')}, {run.get('steps')} KV steps; per 128 keys per consumer warp "
           f"{run.get('per_128_keys_per_warp')} instructions, {run.get('cycles_per_128_keys_per_sm')} cycles per SM; "
-          f"{run.get('cycles_per_step_per_sm')} cycles per step per SM")
+          f"{run.get('cycles_per_step_per_sm')} cycles per step per SM; SMs active {run.get('sm_active_share')} of the time")
     print("   per KV step per consumer warp: " + ", ".join(f"{k} {v}" for k, v in run["per_step_per_warp"].items()))
     print("   " + ", ".join(f"{k.replace('.avg.pct_of_peak_sustained', '%')[:48]} {v:.1f}"
                            for k, v in run.get("raw", {}).items() if isinstance(v, float) and "pct" in k)[:900])
@@ -208,7 +214,7 @@ def print_tables(result: dict, each: bool = True) -> None:
     print(f"tile model ({result['shape']}): {result['tile_model']}")
     for run in result["runs"] if each else []:
         print_run(run)
-    print("\nsystem row      tile     us  inst/step/warp  inst/128k/warp  cyc/128k/SM  top phases (share of samples)")
+    print("\nsystem row      tile     us  inst/step/warp  inst/128k/warp  cyc/128k/SM  active  top phases (share of samples)")
     for run in result["runs"]:
         if "error" in run:
             continue
@@ -216,7 +222,7 @@ def print_tables(result: dict, each: bool = True) -> None:
         phases = ", ".join(f"{k.split(' (')[0]} {v / run['samples']:.0%}" for k, v in list(run["phases"].items())[:5])
         print(f"{run['system']:<6} {run['row']:<8} {run.get('tile', '?'):>7} {us / 1e3 if isinstance(us, float) else 0:6.0f} "
               f"{run['per_step_per_warp']['all']:14.1f}  {run.get('per_128_keys_per_warp', 0):14.1f}  "
-              f"{run.get('cycles_per_128_keys_per_sm', 0):11.1f}  {phases}")
+              f"{run.get('cycles_per_128_keys_per_sm', 0):11.1f}  {run.get('sm_active_share', 0):6.3f}  {phases}")
     print("\n" + phase_us(result))
 
 
@@ -259,7 +265,8 @@ def main(argv=None) -> int:
         worker(args.worker, args.rows[0], args.d, not args.full, args.n, args.heads)
         return 0
     mask = "full" if args.full else "causal"
-    model = fwd.tile_model(args.n, BM, BN, B * args.heads) if args.d == 256 and not args.full else {}
+    model = ({order: fwd.tile_model(args.n, BM, BN, B * args.heads, order=order)
+              for order in ("lpt", "heads", "sections")} if args.d == 256 and not args.full else {})
     result = {"date": datetime.now(timezone.utc).isoformat(), "sections": SECTIONS, "tile_model": model,
               "shape": f"bf16 D{args.d} B{B} {args.heads} heads N {args.n} {mask}", "runs": []}
     todo = [("fa4", "fa4")] * ("fa4" in args.systems) + [("ours", r) for r in args.rows] * ("ours" in args.systems)

@@ -90,7 +90,8 @@ class Fa3Config:
     # session 14); no effect where O has its own stage. Off until an H100 A/B shows the gain.
     o_half: bool = False
     # Head dim 256 only: the producer issues K_i before V_{i-1} (kernel.cu K_BEFORE_V; FA4's SM90
-    # producer order). Off until an H100 A/B at D 256 shows the gain (session 14, bench_d256 rows "k").
+    # producer order). On in the D 256 causal default since session 16 (with tile_sections: frkul 750.4 vs frul
+    # 745.0 TFLOPS, the fifth small positive reading; bench_d256 rows "k"); off elsewhere.
     k_before_v: bool = False
     # Head dim 256 only: the P V waited for right after the QK, before the softmax, freeing the V slot
     # earlier (consumer.cuh PV_WAIT_EARLY). Off until an H100 A/B shows the gain (bench_d256 rows "e").
@@ -110,6 +111,17 @@ class Fa3Config:
     # without (kernel.cu PRODUCER_SLEEP; every head dim). Session 16 mid: 0.998-1.011 at D 64 / 128, 1k / 8k
     # (noise); off until the clock probe (experiments/clock_power_fwd.py --options producer_sleep) shows a gain.
     producer_sleep: bool = False
+    # Without a tile order (the dense kernel), tiles in sections of as many heads as have K and V fit in L2
+    # (a power of two), longest query blocks of the section first, instead of head by head (kernel tiles.cuh
+    # TILE_SECTIONS): head by head, causal 8k's last head starts its longest tiles when only its own are left
+    # (a greedy schedule ends 5.6% late at D 256 128 x 80, 32 heads). On in the D 256 causal default (session 16
+    # mid: frul 745.0 vs fru 721.1 TFLOPS at 8k, bench_d256 rows "l"); off elsewhere (D 128 / 64: A/B pending).
+    # 0: off, 1: sections sized to L2; n > 1 (an experiment): n heads a section at every length.
+    tile_sections: int = 0
+    # Head dim 256 only: the steady step waits for V_{i-1} before the QK issue, so that O's rescale and both GEMMs'
+    # issue share one block (consumer.cuh V_WAIT_FIRST; ptxas otherwise sinks the rescale to the P V issue).
+    # Off until an H100 A/B shows it (session 16 mid: fruv 734.4 vs fru 721.1, frulv 748.2 vs frul 745.0; rows "v").
+    v_wait_first: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -127,6 +139,8 @@ class Fa3Config:
         flags += ["-DPV_WAIT_EARLY=1"] * self.pv_wait_early
         flags += ["-DMBAR_SLEEP=1"] * self.mbar_sleep + ["-DDESC_ONCE=1"] * self.desc_once
         flags += ["-DUNIFORM_Q=1"] * self.uniform_q + ["-DPRODUCER_SLEEP=1"] * self.producer_sleep
+        flags += [f"-DTILE_SECTIONS={int(self.tile_sections)}"] * bool(self.tile_sections)
+        flags += ["-DV_WAIT_FIRST=1"] * self.v_wait_first
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property
@@ -216,10 +230,16 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
         # instructions per KV step per consumer warp under ncu): 706.2 vs fr 702.2 TFLOPS, frkzu 709.1 vs
         # frkz 705.0 (session 15 mid, one round-robin; same cycles per step under ncu's clocks), 62 GPU
         # rule tests passed (s15); full attention passed them too but is not timed with it.
+        # Session 16: causal adds k_before_v and tile_sections (the tiles in L2-sized sections of heads, longest
+        # first inside one, instead of head by head, whose last head's long tiles ran alone: SMs held a CTA 94.3% of
+        # the time under ncu, FA4's 98.6%): mid call one round-robin frkul 750.4 TFLOPS vs fru 721.1 (+4.1%; frul
+        # 745.0, frku 725.8; FA4 769.8: 0.975x), GPU rule tests s16 passed (102; 4 hit out-of-memory in the float64
+        # golden, rerun in the final call).
         if variant:
             return Fa3Config(head_dim, 128, 64, 2, causal, bf16, persistent=True)
         return Fa3Config(head_dim, 128, 80, 2, causal, bf16, persistent=True, wg_turns=False,
-                         rescale_before_pv=True, uniform_q=causal)
+                         rescale_before_pv=True, uniform_q=causal, tile_sections=int(causal),
+                         k_before_v=causal)
     if head_dim == 64:
         if causal and seqlen <= 2048:
             # d64 causal 1k: v3 128x128 P 277 TFLOPS vs 192x128 P 248, G 177 / 226. Stages: 3 vs 2

@@ -14,8 +14,10 @@ D = 256
 # rescale_O_before_gemm), s = the whole softmax before the P V wait (softmax_first), k = the producer
 # issues K_i before V_{i-1} (k_before_v, FA4's load order), e = the P V waited for before the softmax
 # (pv_wait_early: the V slot freed earlier), z = mbarrier waits sleep in the barrier (mbar_sleep), u = the
-# consumer index warp-uniform in the consumers (uniform_q: the Q descriptor in uniform registers); --rows
-# picks them.
+# consumer index warp-uniform in the consumers (uniform_q: the Q descriptor in uniform registers), l = tiles in
+# L2-sized sections of heads, longest first inside a section (tile_sections), L = one section of every head (all
+# tiles longest first, tile_sections=1 << 16), v = V_{i-1} waited for before the QK issue (v_wait_first: O's rescale
+# and both GEMMs' issue in one block); --rows picks them.
 
 
 def parse_row(text: str) -> tuple[int, int, dict]:
@@ -26,11 +28,11 @@ def parse_row(text: str) -> tuple[int, int, dict]:
     >>> parse_row("128x80frs")[2]["softmax_first"], parse_row("128x80fru")[2]["uniform_q"]
     (True, True)
     """
-    body = text.rstrip("gfrskezu")
+    body = text.rstrip("gfrskezulLv")
     flags = text[len(body):]
     m, _, n = body.partition("x")
     if not (m.isdigit() and n.isdigit()) or len(set(flags)) != len(flags):
-        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r][s][k][e][z][u], e.g. 128x80, 128x80g, 128x80frk")
+        raise argparse.ArgumentTypeError(f"{text!r}: a row is BLOCK_MxBLOCK_N[g][f][r][s][k][e][z][u][l|L][v], e.g. 128x80, 128x80g, 128x80frk")
     return int(m), int(n), {**({"persistent": False} if "g" in flags else {}),
                             **({"wg_turns": False} if "f" in flags else {}),
                             **({"rescale_before_pv": True} if "r" in flags else {}),
@@ -38,7 +40,10 @@ def parse_row(text: str) -> tuple[int, int, dict]:
                             **({"k_before_v": True} if "k" in flags else {}),
                             **({"pv_wait_early": True} if "e" in flags else {}),
                             **({"mbar_sleep": True} if "z" in flags else {}),
-                            **({"uniform_q": True} if "u" in flags else {})}
+                            **({"uniform_q": True} if "u" in flags else {}),
+                            **({"tile_sections": 1} if "l" in flags else {}),
+                            **({"tile_sections": 1 << 16} if "L" in flags else {}),
+                            **({"v_wait_first": True} if "v" in flags else {})}
 
 
 def ours_dense(q, k, v, bm, bn, options):

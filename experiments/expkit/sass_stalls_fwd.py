@@ -120,14 +120,37 @@ def causal_steps(n: int, bm: int, bn: int) -> list[int]:
     return [math.ceil(min(n, (m + 1) * bm) / bn) for m in range(math.ceil(n / bm))]
 
 
-def tile_model(n: int, bm: int, bn: int, heads: int, sms: int = 132, tile_cost: float = 0.0) -> dict:
-    """Tiles, KV steps and the makespan (in KV steps) of a greedy longest-first schedule on `sms`
-    CTAs (ours persistent with its longest-first order and FA4's one-tile-per-CTA LPT launch are both
-    greedy list schedules of the same tiles); tile_cost: fixed steps a tile costs beyond its KV steps
-    (drain, epilogue, Q load). efficiency = ideal / makespan, ideal = all steps / sms."""
+def section_heads(n: int, d: int = 256, elem: int = 2, l2_bytes: int = 50 << 20) -> int:
+    """Heads a section of kernel.cu's TILE_SECTIONS order holds: the largest power of two whose K and V
+    (n keys, d columns each) fit in l2_bytes, at least 1."""
+    fit = l2_bytes // (n * 2 * d * elem)
+    return 1 if fit < 2 else 1 << (fit.bit_length() - 1)
+
+
+def tile_order(per_head: list[int], heads: int, order: str, section: int = 1) -> list[int]:
+    """The KV steps of every tile in the order a dynamic scheduler hands them out: "lpt" all tiles longest
+    first; "heads" head by head, longest first inside a head (the dense kernel's default order, decode_tile);
+    "sections" `section` heads at a time, longest first inside a section with heads minor (TILE_SECTIONS)."""
+    by_len = sorted(range(len(per_head)), key=lambda m: -per_head[m])
+    if order == "lpt":
+        return sorted(per_head * heads, reverse=True)
+    if order == "heads":
+        section = 1
+    elif order != "sections":
+        raise ValueError(f"order {order!r}: lpt, heads or sections")
+    return [per_head[m] for s0 in range(0, heads, section) for m in by_len for _ in range(s0, min(heads, s0 + section))]
+
+
+def tile_model(n: int, bm: int, bn: int, heads: int, sms: int = 132, tile_cost: float = 0.0,
+               order: str = "lpt", section: int | None = None) -> dict:
+    """Tiles, KV steps and the makespan (in KV steps) of a greedy schedule on `sms` CTAs of the tiles in
+    `order` (tile_order; FA4's one-tile-per-CTA LPT launch is a greedy list schedule of sections too, and
+    ours persistent is one of its order: "heads" by default, "sections" with TILE_SECTIONS, whose section
+    defaults to section_heads(n)); tile_cost: fixed steps a tile costs beyond its KV steps (drain,
+    epilogue, Q load). efficiency = ideal / makespan, ideal = all steps / sms."""
     import heapq
     per_head = causal_steps(n, bm, bn)
-    tiles = sorted(per_head * heads, reverse=True)
+    tiles = tile_order(per_head, heads, order, section or section_heads(n))
     free = [0.0] * sms
     heapq.heapify(free)
     for s in tiles:

@@ -60,6 +60,17 @@ constexpr bool kSoftmaxFirst = SOFTMAX_FIRST != 0;
 #endif
 constexpr bool kPvWaitEarly = PV_WAIT_EARLY != 0 && kHeadDim == 256;
 
+// V_WAIT_FIRST=1 (HEAD_DIM 256 only): the steady step waits for V_{i-1} before it issues QK_i, so that the O
+// rescale (RESCALE_BEFORE_PV) and both GEMMs' issue share one block after the waits: ptxas sinks the 128 FMUL of
+// the rescale past a V wait that follows the QK issue, to just before the P V issue (session 15), where the
+// P V's first HGMMA then waits on them; FA4's SASS has them between its QK HGMMAs. V_{i-1} was loaded before
+// K_i (the default producer order), so the extra wait is short where K_i is there. Same arithmetic, bitwise
+// equal output. An option until measured (session 16).
+#ifndef V_WAIT_FIRST
+#define V_WAIT_FIRST 0
+#endif
+constexpr bool kVWaitFirst = V_WAIT_FIRST != 0 && kHeadDim == 256;
+
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
@@ -241,9 +252,10 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       const int sk = ring_stage(it + i), sv = ring_stage(it + i - 1);
       turn_begin();
       mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
+      if constexpr (kVWaitFirst) mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
       gemm_qk(s, q_rows, sm.k_tile(sk));
       rescale_owed();                                      // (kRescaleBeforePv) while QK_i runs
-      mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
+      if constexpr (!kVWaitFirst) mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
       gemm_pv(o, p, sm.v_tile(sv));
       turn_end(false);
       partial = partial_next;

@@ -40,10 +40,14 @@ def test_default_tiles_and_shared_memory():
     assert (dense.block_m, dense.block_n, dense.stages) == (128, 80, 2) and dense.persistent
     assert (variant.block_m, variant.block_n, variant.stages) == (128, 64, 2)
     # dense: FA4's D 256 schedule (session 14: fr over the turns in three H100 runs); a variant keeps the turns
-    assert not dense.wg_turns and dense.rescale_before_pv and not dense.k_before_v and not dense.pv_wait_early
+    assert not dense.wg_turns and dense.rescale_before_pv and not dense.pv_wait_early
     assert variant.wg_turns and not variant.rescale_before_pv
     # causal: the Q descriptors in uniform registers (session 15 mid: 706.2 vs 702.2 TFLOPS, 62 GPU tests)
     assert dense.uniform_q and "-DUNIFORM_Q=1" in dense.defines()
+    # causal: tiles in L2-sized sections of heads (session 16 mid: see default_config)
+    assert dense.tile_sections == 1 and "-DTILE_SECTIONS=1" in dense.defines()
+    assert not default_config(256, causal=False).tile_sections and not variant.tile_sections
+    assert dense.k_before_v and not default_config(256, causal=False).k_before_v
     assert not default_config(256, causal=False).uniform_q and not variant.uniform_q
     assert "-DWG_TURNS=0" in dense.defines() and "-DRESCALE_BEFORE_PV=1" in dense.defines()
     bars = 8 * (2 * 1 + 2 * 2 + 4 * 2) + 2 * 128

@@ -85,6 +85,23 @@ def test_tile_model_of_d256_causal_8k(mods):
     assert fwd.tile_model(256, 128, 80, heads=1, sms=4)["efficiency"] < 0.7      # 2 tiles on 4 SMs
 
 
+def test_tile_model_orders_of_d256_causal_8k(mods):
+    """Session 16: our dense kernel hands tiles out head by head (decode_tile), not longest first overall: the last
+    head's longest tiles start when only its own are left, and a greedy schedule ends 48 steps (5.6%) late, as
+    session 15's ncu showed (SMs active 94.3% of the elapsed cycles, FA4 98.6%). In sections of 4 heads (8 MB of
+    K and V each in 50 MB of L2: TILE_SECTIONS) 0.4%."""
+    _, fwd, _ = mods
+    assert [fwd.section_heads(n) for n in (1000, 3000, 8192, 9000, 16384, 1 << 20)] == [32, 16, 4, 4, 2, 1]
+    assert fwd.tile_order([1, 3, 2], 3, "heads") == [3, 2, 1] * 3
+    assert fwd.tile_order([1, 3, 2], 3, "sections", 2) == [3, 3, 2, 2, 1, 1, 3, 2, 1]
+    assert fwd.tile_order([1, 3, 2], 2, "lpt") == [3, 3, 2, 2, 1, 1]
+    heads = fwd.tile_model(8192, 128, 80, heads=32, order="heads")
+    sections = fwd.tile_model(8192, 128, 80, heads=32, order="sections")
+    assert heads["steps"] == sections["steps"] == 32 * 3354
+    assert 0.94 < heads["efficiency"] < 0.95 and heads["makespan_steps"] - heads["steps_per_cta"] > 45
+    assert sections["efficiency"] > 0.995
+
+
 def test_tiles_steps_and_per_step_of_other_shapes(mods):
     """Session 15 (D 128 / 64, full attention): FA4's tile read from its profile (the QK HGMMA's width, the
     block size's consumer warpgroups), KV steps of a full launch, and the per-step numbers of each own tile

@@ -39,7 +39,8 @@ def _tile_id(t: dict) -> str:
             + ("_rescale_before_pv" if t.get("rescale_before_pv") else "")
             + ("_softmax_first" if t.get("softmax_first") else "") + ("_k_before_v" if t.get("k_before_v") else "")
             + ("_pv_wait_early" if t.get("pv_wait_early") else "") + ("_mbar_sleep" if t.get("mbar_sleep") else "")
-            + ("_uniform_q" if t.get("uniform_q") else ""))
+            + ("_uniform_q" if t.get("uniform_q") else "") + ("_tile_sections" if t.get("tile_sections") else "")
+            + ("_v_wait_first" if t.get("v_wait_first") else ""))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
@@ -224,3 +225,61 @@ def test_d256_s15_bitwise_equal(causal):
                 for t in (base, opt))
         assert not torch.isnan(a).any()
         assert torch.equal(a, b), f"uniform_q changed the output of {_tile_id(base)}"
+
+
+# Session 16: frku (k_before_v over the causal default, fr + uniform_q: the candidate default), tile_sections
+# (Fa3Config.tile_sections, off by default: the dense kernel's tile order in L2-sized sections of heads, longest
+# first inside a section), alone and with k_before_v, and v_wait_first (V_{i-1} waited for before the QK issue)
+FRU = dict(FR, uniform_q=True)
+S16 = [dict(FRU, k_before_v=True), dict(FRU, tile_sections=1), dict(FRU, k_before_v=True, tile_sections=1),
+       dict(FRU, v_wait_first=True)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 8), (8, 1)], ids=["mha", "gqa16_8", "mqa"])
+@pytest.mark.parametrize("n", [17, 2500], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("tiles", S16, ids=_tile_id)
+def test_d256_s16_square(tiles, n, heads, causal):
+    """The persistent grid at n 2500, one tile per CTA at n 17."""
+    hq, hkv = heads
+    run_case(2 if n < 1000 else 1, hq, hkv, n, n, D, torch.bfloat16, causal, persistent=n > 1000, **tiles)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(17, 1000), (1000, 17), (300, 129), (1, 4096)])
+@pytest.mark.parametrize("tiles", S16, ids=_tile_id)
+def test_d256_s16_ragged(tiles, nq, nk, causal):
+    """Few CTAs over many tiles, rows before key 0 (tiles with no KV tile), one KV tile, one row."""
+    run_case(2, 16, 8, nq, nk, D, torch.bfloat16, causal, persistent=True, max_ctas=7, **tiles)
+
+
+# (B, Hq, Hkv, Nq, Nk): sections of 4 heads at Nk 6600 (6.8 MB of K and V a head in 50 MB) with a short last one
+# (5 = 4 + 1), one short section of 15 at 3000 (3 MB: 16 a section), 4 sections of 4 at Nk 9000 (GQA), queries
+# past the keys (rows before key 0) in one section of 32. (The mid call's 1 x 6 x 8192 and 2 x 16 x 1000 x 9000 ran
+# the float64 golden out of memory beside 7 other workers.)
+SECTION_SHAPES = [(1, 5, 5, 6600, 6600), (3, 5, 1, 3000, 3000), (1, 16, 8, 1000, 9000), (2, 16, 8, 3000, 1000)]
+
+
+@pytest.mark.parametrize("sections, persistent", [(1, False), (1, True), (3, True)], ids=["l2_grid", "l2", "three"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SECTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_d256_s16_tile_sections(shape, causal, persistent, sections):
+    """Every tile once in the sectioned order: full and short sections (sized to L2, or 3 heads each: 6 = 3 + 3,
+    15 = 5 x 3, 32 = 10 x 3 + 2), one tile per CTA and persistent (7 CTAs)."""
+    b, hq, hkv, nq, nk = shape
+    run_case(b, hq, hkv, nq, nk, D, torch.bfloat16, causal, persistent=persistent,
+             max_ctas=7 if persistent else None, **dict(S16[2], tile_sections=sections))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d256_s16_bitwise_equal(causal):
+    """The tile order, the load order and the V wait's place change no arithmetic: bitwise the output of fr +
+    uniform_q without them."""
+    from cubridge.runtime.fa3_sm90 import Fa3Config, fa3_forward
+    g = torch.Generator(device="cuda").manual_seed(2564)
+    q, k, v = (torch.randn(1, 6, 8192, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    outs = [fa3_forward(q, k, v, causal=causal, config=Fa3Config(head_dim=D, causal=causal, persistent=True, **t))[0]
+            for t in (FRU, *S16, dict(FRU, v_wait_first=True, tile_sections=1))]
+    assert not torch.isnan(outs[0]).any()
+    for t, out in zip((*S16, dict(FRU, v_wait_first=True, tile_sections=1)), outs[1:]):
+        assert torch.equal(outs[0], out), f"{_tile_id(t)} changed the output of fr + uniform_q"

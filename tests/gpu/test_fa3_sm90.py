@@ -232,9 +232,11 @@ def test_s15_options(opt, nq, nk, grid, causal):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-# Session 16 option (off by default): producer_sleep (the producer's slot waits sleep in the barrier, the
-# consumers' do not) on the D 128 / 64 defaults. As test_s15_options.
-S16_OPTIONS = [(128, dict(producer_sleep=True)), (64, dict(producer_sleep=True))]
+# Session 16 options (off by default at D 128 / 64) on the D 128 / 64 defaults, as test_s15_options: producer_sleep
+# (the producer's slot waits sleep in the barrier, the consumers' do not) and tile_sections (the dense kernel's
+# tiles in L2-sized sections of heads, longest query blocks first: D 256 causal's default since session 16).
+S16_OPTIONS = [(128, dict(producer_sleep=True)), (64, dict(producer_sleep=True)),
+               (128, dict(tile_sections=1)), (64, dict(tile_sections=1))]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -140,18 +140,22 @@ def mask_kind(t: Target, kind: str) -> str:
   w.{t.q_tile} = r.{t.q_tile} + 1;
   return tile_class(va, w, n_top) == 2 ? n_top : -1;"""
     return f"""\
+#ifdef CUIR_TABLE_KIND
 __device__ __forceinline__ int r_only_tile(const VariantArgs& va, const KvRange& r, int n_top) {{
 {only}
 }}
+#endif
 """
 
 
 def mask_kind_fn() -> str:
     return """\
+#ifdef CUIR_TABLE_KIND
 __device__ __forceinline__ int tile_mask_kind(const VariantArgs& va, const KvRange& r, int n) {
   if (n >= r.full_begin && n < r.full_end) return tile_class(va, r, n) != 2 ? 2 : 0;
   return n == r.r_only ? 1 : 2;
 }
+#endif
 """
 
 
@@ -169,7 +173,9 @@ def trimmed(ir: VariantIR, t: Target, rows: Rows, kind: str = "other") -> str:
 struct KvRange {{
   int b, h, {t.q_tile}, q_lo, q_hi, {lq}, {lk};
   int n_begin, n_end, full_begin, full_end;
+#ifdef CUIR_TABLE_KIND
   int r_only;       // the tile R cuts and X keeps whole (knob table_kind), else -1
+#endif
 }};
 constexpr bool kRangeViaSmem = true;
 // The trim's two chunks of classes fit the 40-register producer (so the consumers keep 232 and the
@@ -221,7 +227,9 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   const int full_lo = max(row_key_lo(va, b, h, r.q_hi), 0), full_hi = min(row_key_hi(va, b, h, r.q_lo), {lk});
   r.full_begin = (full_lo + {bn} - 1) / {bn};
   r.full_end = max(full_hi, 0) / {bn};            // whole tiles below both hi(q_lo) and the key bound
+#ifdef CUIR_TABLE_KIND
   r.r_only = -1;
+#endif
   if (CUIR_TABLE_NOTRIM) return r;
   // Trim the empty tiles at both ends, kScanChunk classes per end and round trip; the first round
   // trip reads the top and the bottom chunk together (a row with no empty end tile needs no more).

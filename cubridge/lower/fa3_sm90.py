@@ -155,14 +155,15 @@ def kv_range(ir: VariantIR) -> str:
     classes = maskclass.tile_class_fn(ir, itspace.region_names(ir, t), c_tables(ir), t.block_n, t.len_k)
     codegen = ("// session10_codegen (cubridge/lower/fa3_sm90.py): kernel.cu's kNewCodegen for this variant too.\n"
                "#define CUIR_VARIANT_CODEGEN 1\n") if session10_codegen(ir) else ""
+    head0 = itspace.head_zero_define(ir, t)
     scan = itspace.kv_range_region(ir, t)
     rows = rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)) if ir.mask is not None else None
     if rows is not None:
-        return rowrange.region(ir, t, rows, scan) + classes + codegen
+        return head0 + rowrange.region(ir, t, rows, scan) + classes + codegen
     table = tablerange.table_rows(ir, _mask_names(ir), c_tables(ir))
     if table is not None:
-        return tablerange.region(ir, t, *table, scan) + classes + codegen
-    return scan + classes + codegen
+        return head0 + tablerange.region(ir, t, *table, scan) + classes + codegen
+    return head0 + scan + classes + codegen
 
 
 def _mask_names(ir: VariantIR) -> dict:

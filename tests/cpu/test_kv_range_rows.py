@@ -115,7 +115,7 @@ def _harness(kernel, block_m: int, block_n: int, exact: bool = True, table_kind:
         else:
             read.append(f"  if (scanf(\"{'%d' if kind == 'int' else '%f'}\", &va.{name}) != 1) return 2;")
     return HARNESS % {"regions": text, "read": "\n".join(read), "block_m": block_m, "block_n": block_n,
-                      "exact": int(exact), "kind": "#define CUIR_TABLE_KIND 1" if table_kind else ""}
+                      "exact": int(exact), "kind": "#define CUIR_TABLE_KIND 1\n#define CUIR_CLASS_HEAD0 1" if table_kind else ""}
 
 
 def _inputs(kernel, inputs: dict, shape) -> str:
@@ -169,8 +169,9 @@ def test_table_range_visits_every_attended_tile(case, tmp_path):
     _check_range(case[:5], tmp_path, "#if CUIR_TABLE_RANGE", exact=case[5])
 
 
-# Knob table_kind (session 16): R's top tile is masked by R alone where the block table's class one query tile
-# below says X keeps it whole; a key table only (padding), the other kinds never (r_only -1).
+# Knobs table_kind and class_head0 (session 16): R's top tile is masked by R alone where the block table's class one
+# query tile below says X keeps it whole; a key table only (padding), the other kinds never (r_only -1); the classes
+# of a mask that reads no h come from head 0 (the (3, 2, ...) and (8, 2, 2, ...) cases have two heads).
 @pytest.mark.parametrize("case", TABLE_CASES[:3] + [("padded_causal", {}, 16, 16, (8, 1, 1, 333, 333), True)],
                          ids=lambda c: f"{c[0]}-{c[2]}x{c[3]}-{c[4][3]}")
 def test_table_kind_r_alone_only_where_x_keeps_the_tile(case, tmp_path):
@@ -296,3 +297,16 @@ def test_table_range_kind_of_the_table_factor(name, kind):
     spec = load_spec(str(path) if path.exists() else name)
     ir = extract(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program)
     assert table_rows(ir, _mask_names(ir), c_tables(ir))[1] == kind
+
+
+@pytest.mark.parametrize("name, head0", [("tests/corpus/padded_causal.py", True), ("tests/corpus/packed_sequences.py", True),
+                                         ("tests/corpus/ag_head_mask.py", False), ("share_question", False)])
+def test_class_head0_only_for_per_head_tables_blind_to_h(name, head0):
+    """CUIR_CLASS_HEAD0 (off by default: the index is today's) is emitted where the block table is per (b, h) and
+    the mask reads no h; ag_head_mask reads h, share_question's table is not per (b, h)."""
+    from cubridge.lower.itspace import HEAD0_DEFAULT
+    cand = transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec(name), spec_params={})
+    src = lower(cand.program, "fa3_sm90").source
+    assert ("#ifndef CUIR_CLASS_HEAD0" in src) == head0
+    assert ("(CUIR_CLASS_HEAD0 ? 0 : r.h)" in src) == head0
+    assert HEAD0_DEFAULT == 0

@@ -4,20 +4,17 @@ table's cost (session 16, var16): beside ag_causal (the same R without a table) 
 table_diag_notrim / _noclass / _nox (experiments/patches/knobs/), which are exact on this table only.
 
 PARAMS: none."""
-import sys
+import importlib.util
 from pathlib import Path
 
 import torch
 
-CORPUS = Path(__file__).resolve().parents[2] / "tests" / "corpus"
-if str(CORPUS) not in sys.path:
-    sys.path.insert(0, str(CORPUS))
-from _corpus import attend, grids  # noqa: E402
+from cubridge.spec import Hooks
 
-from cubridge.spec import Hooks  # noqa: E402
-
-from torch.nn.attention.flex_attention import and_masks  # noqa: E402
-from _overlays import causal_mask_function, padding_mask_function  # noqa: E402
+_SPEC = importlib.util.spec_from_file_location(
+    "_corpus_padded_causal", Path(__file__).resolve().parents[2] / "tests" / "corpus" / "padded_causal.py")
+_PADDED = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_PADDED)           # (puts tests/corpus on the path for its own imports)
 
 PARAMS = {}
 
@@ -28,10 +25,10 @@ def padding_table(N, device=None):
 
 def hooks(Nq, Nk, Hq, Hkv, device):
     pad = padding_table(Nk, device)
-    return Hooks(mask_mod=and_masks(causal_mask_function, padding_mask_function(pad)))
+    return Hooks(mask_mod=_PADDED.and_masks(_PADDED.causal_mask_function, _PADDED.padding_mask_function(pad)))
 
 
 def reference(q, k, v):
-    b, h, qi, ki = grids(q, k)
+    b, h, qi, ki = _PADDED.grids(q, k)
     pad = padding_table(k.shape[2], q.device)
-    return attend(q, k, v, (ki <= qi) & pad[b.clamp(max=7), ki])
+    return _PADDED.attend(q, k, v, (ki <= qi) & pad[b.clamp(max=7), ki])

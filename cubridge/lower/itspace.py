@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cubridge.cuir import nodes as N
-from cubridge.lower.cexpr import to_c
+from cubridge.errors import env_switch
+from cubridge.lower.cexpr import LowerError, to_c
 from cubridge.lower.variant import VariantIR
 
 MAX_RUNS = 3
@@ -61,9 +62,10 @@ def _tables(ir: VariantIR) -> dict:
 # (runtime.block_table copies them; transfer's host table evaluates a mask blind to h), but each (b, h, query tile)
 # row of classes is read by one work tile only, so after the timing's L2 flush every trim / scan round trip and the
 # first tile_partial load of a row miss L2. Head 0's rows are shared by all heads of a batch (L2 hits after the
-# first). CUIR_CLASS_HEAD0 (HEAD0_DEFAULT, off until measured; knob experiments/patches/knobs/class_head0.patch)
-# reads them; off, the index is today's (the same SASS).
-HEAD0_DEFAULT = 0
+# first). CUIR_CLASS_HEAD0 (CUBRIDGE_CLASS_HEAD0, default HEAD0_DEFAULT: off until measured; knob
+# experiments/patches/knobs/class_head0.patch) reads them; off, the index is today's (the same SASS).
+HEAD0_ENV = "CUBRIDGE_CLASS_HEAD0"
+HEAD0_DEFAULT = "0"
 
 
 def head_zero(ir: VariantIR) -> bool:
@@ -76,8 +78,10 @@ def head_zero_define(ir: VariantIR, t: Target) -> str:
     """CUIR_CLASS_HEAD0's default in a generated kv_range region (where the target reads head 0 at all)."""
     if not (t.class_head0 and head_zero(ir)):
         return ""
+    on = env_switch(HEAD0_ENV, HEAD0_DEFAULT, f"unset {HEAD0_ENV} (default {HEAD0_DEFAULT}) or set it to 0 / 1",
+                    LowerError)
     return (f"#ifndef CUIR_CLASS_HEAD0   // 1: the mask reads no h, head 0's block classes serve every head "
-            f"(lower/itspace.py)\n#define CUIR_CLASS_HEAD0 {HEAD0_DEFAULT}\n#endif\n")
+            f"(lower/itspace.py)\n#define CUIR_CLASS_HEAD0 {int(on)}\n#endif\n")
 
 
 def predicates(ir: VariantIR, t: Target) -> tuple[str, str, str, str]:

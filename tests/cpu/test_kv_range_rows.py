@@ -301,12 +301,20 @@ def test_table_range_kind_of_the_table_factor(name, kind):
 
 @pytest.mark.parametrize("name, head0", [("tests/corpus/padded_causal.py", True), ("tests/corpus/packed_sequences.py", True),
                                          ("tests/corpus/ag_head_mask.py", False), ("share_question", False)])
-def test_class_head0_only_for_per_head_tables_blind_to_h(name, head0):
+def test_class_head0_only_for_per_head_tables_blind_to_h(name, head0, monkeypatch):
     """CUIR_CLASS_HEAD0 (off by default: the index is today's) is emitted where the block table is per (b, h) and
-    the mask reads no h; ag_head_mask reads h, share_question's table is not per (b, h)."""
-    from cubridge.lower.itspace import HEAD0_DEFAULT
+    the mask reads no h; ag_head_mask reads h, share_question's table is not per (b, h). CUBRIDGE_CLASS_HEAD0=1
+    turns it on."""
+    from cubridge.lower.cexpr import LowerError
+    from cubridge.lower.itspace import HEAD0_ENV
+    monkeypatch.delenv(HEAD0_ENV, raising=False)
     cand = transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec(name), spec_params={})
     src = lower(cand.program, "fa3_sm90").source
-    assert ("#ifndef CUIR_CLASS_HEAD0" in src) == head0
+    assert ("#define CUIR_CLASS_HEAD0 0" in src) == head0
     assert ("(CUIR_CLASS_HEAD0 ? 0 : r.h)" in src) == head0
-    assert HEAD0_DEFAULT == 0
+    monkeypatch.setenv(HEAD0_ENV, "1")
+    assert ("#define CUIR_CLASS_HEAD0 1" in lower(cand.program, "fa3_sm90").source) == head0
+    if head0:
+        monkeypatch.setenv(HEAD0_ENV, "yes")
+        with pytest.raises(LowerError, match=HEAD0_ENV):
+            lower(cand.program, "fa3_sm90")

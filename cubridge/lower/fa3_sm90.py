@@ -94,6 +94,9 @@ def wide_share_enabled() -> bool:
 # Sampled 176 / 128 ratios at 16k: ag_causal / ag_prefix_lm / causal_blockwise 0.990, llama4_chunked 0.972
 # (prefixlm reads its prefix as a scalar: not evaluated, kept). 0.985 is where the s15 numbers cross zero
 # (ratio 0.990: +1.2 / +1.6%; 0.972: -3.8%; linear between them).
+# Session 16 mid call (H100, 16k MHA, 176 over 128, same run): ag_causal +0.8%, prefixlm +1.4%, ag_prefix_lm +1.5%,
+# llama4_chunked -3.6% (refused by the rule). Proposed on by default (final call: tests/gpu/test_row_range.py's 176
+# cases, one GQA A/B row at 16k beside the peers).
 RANGE_WIDE_ENV = "CUBRIDGE_RANGE_WIDE"
 RANGE_WIDE_DEFAULT = "0"
 RANGE_WIDE_AT = 16384

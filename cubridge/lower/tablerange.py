@@ -289,4 +289,6 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 // Knob table_kind (experiments/patches/knobs/table_kind.patch, CUIR_TABLE_KIND): the consumer asks
 // tile_mask_kind instead of tile_partial and masks kind-1 tiles with table_r_pred. Exact for every table
 // (the kind-1 test reads X's class), not only for padded_full.
+// Session 16 mid call (H100, padded_causal 8k MHA): -1.8% (its third score pass costs more than the table
+// reads it saves; table_diag_nox, R alone on every partial tile of padded_full, +1.3%): a knob only.
 """  + mask_kind_fn()

@@ -69,9 +69,11 @@ def test_wide_rule_and_edge_heavy_row_intervals(monkeypatch):
     from cubridge.lower.rowrange import ROW_RANGE_ENV
     specs = ("tests/corpus/ag_sliding_window.py", "tests/corpus/mistral_sliding_window.py",
              "tests/corpus/ag_causal.py", "prefixlm")
+    from cubridge.lower.fa3_sm90 import RANGE_WIDE_ENV
     monkeypatch.delenv(WIDE_SHARE_ENV, raising=False)
     monkeypatch.delenv(MASK_ROWS_ENV, raising=False)
     monkeypatch.delenv(ROW_RANGE_ENV, raising=False)
+    monkeypatch.setenv(RANGE_WIDE_ENV, "0")                  # (the 16k rule: test_range_wide_rule_sees_chunk_edges)
     irs = [_ir(s) for s in specs]
     assert [wide_tile(ir) for ir in irs] == [False] * 4      # the arithmetic range: the dense 8k tile
     monkeypatch.setenv(ROW_RANGE_ENV, "0")                   # the scan: session 13's rule
@@ -103,7 +105,7 @@ def test_range_wide_rule_sees_chunk_edges(monkeypatch):
     specs = ("tests/corpus/ag_causal.py", "tests/corpus/llama4_chunked.py", "prefixlm",
              "tests/corpus/mistral_sliding_window.py")
     irs = [_ir(s) for s in specs]
-    monkeypatch.delenv(RANGE_WIDE_ENV, raising=False)
+    monkeypatch.setenv(RANGE_WIDE_ENV, "0")
     assert [wide_tile(ir) for ir in irs] == [False] * 4
     monkeypatch.setenv(RANGE_WIDE_ENV, "1")
     got = [wide_tile(ir) for ir in irs]

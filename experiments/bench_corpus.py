@@ -8,6 +8,12 @@ torch.compile) and, where it runs, FlexAttention's FLASH backend, round-robin.
     python experiments/bench_corpus.py --prep                       # GPU: compile everything, in parallel
     python experiments/bench_corpus.py --out $OUT/corpus.json [--n 8192] [--specs ag_causal ...]
     python experiments/bench_corpus.py --cpu-check --out /tmp/corpus_cpu.json   # no GPU: what can fail early
+    python experiments/bench_corpus.py --out $OUT/ab.json --specs padded_causal --ab-knobs class_head0   # an A/B
+
+An A/B (`--ab-knobs KNOB ...`: experiments/patches/knobs/ applied to each lowered source; `--ab-env NAME=VALUE
+...`: environment switches set while the second kernel is lowered and configured, e.g. CUBRIDGE_RANGE_WIDE=1)
+adds "cubridge_ab", verified under the rule like the default, to the same round-robin: rows gain cubridge_ab_ms,
+ab_vs_default (default ms / A/B ms: > 1 the A/B is faster) and speedup_ab_vs_<peer>.
 
 Why three modes. Session 9 timed 14 of the 33 specs: its job named those 14 (`--specs`) to fit
 300 s, at ~10 s a spec, most of it FlexAttention's torch.compile (Triton, and the FLASH backend's
@@ -35,7 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from expkit import Ours, versions  # noqa: E402
+from expkit import Ours, call_with_env, lowered_patched, versions  # noqa: E402
 from expkit.flexcall import flash_available, flex_fn  # noqa: E402
 
 from cubridge import rule  # noqa: E402
@@ -103,7 +109,23 @@ def peer_fns(row: dict, hooks, q, k, v, no_flash: str | None) -> list[tuple[str,
     return fns
 
 
-def bench_spec(ours: Ours, name: str, n: int, reps: int, no_flash: str | None) -> dict:
+class AB:
+    """The second kernel of an A/B: Ours with the knobs applied to each lowered source, lowered and configured
+    with the environment switches `env` set."""
+
+    def __init__(self, knobs=(), env=None):
+        self.knobs, self.env = tuple(f"knobs/{k}" for k in knobs), dict(env or {})
+        self.ours = Ours(transform=(lambda s: lowered_patched(s, *self.knobs)) if self.knobs else None)
+
+    def fn(self, name, q, k, v, out=None):
+        return call_with_env(self.env, lambda: self.ours.fn(name, q, k, v, out=out))
+
+    def config(self, name, n):
+        return call_with_env(self.env, lambda: default_config(D, False, True, n, variant=True,
+                                                              wide=wide_tile(self.ours.lowered(name)[1].ir)))
+
+
+def bench_spec(ours: Ours, name: str, n: int, reps: int, no_flash: str | None, ab: AB | None = None) -> dict:
     spec = load_spec(spec_path(name))
     b, hq, hkv = timed_shape(n)
     hooks = spec.hooks_for(n, n, hq, hkv, "cuda", B=b)
@@ -115,15 +137,25 @@ def bench_spec(ours: Ours, name: str, n: int, reps: int, no_flash: str | None) -
     k, v = (torch.randn(b, hkv, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cfg = default_config(D, False, True, n, variant=True, wide=wide_tile(ours.lowered(spec_path(name))[1].ir))
     row["config"] = {"block_m": cfg.block_m, "block_n": cfg.block_n}
-    systems = [("cubridge", ours.fn(spec_path(name), q, k, v))] + peer_fns(row, hooks, q, k, v, no_flash)
+    systems = [("cubridge", ours.fn(spec_path(name), q, k, v))]
+    if ab is not None:
+        cab = ab.config(spec_path(name), n)
+        row["ab_config"] = {"block_m": cab.block_m, "block_n": cab.block_n}
+        systems.append(("cubridge_ab", ab.fn(spec_path(name), q, k, v)))
+    systems += peer_fns(row, hooks, q, k, v, no_flash)
     t0 = time.time()
     times = bench_round_robin([fn for _, fn in systems], reps=reps)
     row["time_s"] = round(time.time() - t0, 1)
     for (label, _), t in zip(systems, times):
         row[f"{label}_ms"] = round(t.median_ms, 4)
         row[f"{label}_tflops"] = round(tflops(4.0 * D * pairs, t.median_ms), 1)
-    for label, _ in systems[1:]:
+    peers = [label for label, _ in systems if not label.startswith("cubridge")]
+    for label in peers:
         row[f"speedup_vs_{label}"] = round(row[f"{label}_ms"] / row["cubridge_ms"], 3)
+    if ab is not None:
+        row["ab_vs_default"] = round(row["cubridge_ms"] / row["cubridge_ab_ms"], 4)
+        for label in peers:
+            row[f"speedup_ab_vs_{label}"] = round(row[f"{label}_ms"] / row["cubridge_ab_ms"], 3)
     return row
 
 
@@ -204,8 +236,10 @@ def run(args) -> int:
     """0, or 3 when a spec lost the CUDA context: rerun with --resume to go on after it."""
     torch.manual_seed(0)
     ours = Ours()
+    ab = AB(args.ab_knobs, dict(e.split("=", 1) for e in args.ab_env)) if args.ab_knobs or args.ab_env else None
     no_flash = flash_available()
     result = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "heads": HEADS, "D": D,
+              "ab": {"knobs": list(args.ab_knobs), "env": list(args.ab_env)} if ab else None,
               "protocol": "round-robin CUDA events, L2 flushed, median (cubridge.runtime.timing)",
               "flash": no_flash or "available", "rows": [], "failed": [], "not_reached": []}
     if args.resume and Path(args.out).is_file():
@@ -216,6 +250,8 @@ def run(args) -> int:
         args.specs = [name for name in args.specs if name not in done]
     t0 = time.time()
     refused = prebuild(ours, args.specs)
+    if ab is not None:
+        refused += call_with_env(ab.env, prebuild, ab.ours, args.specs)
     print(f"prebuilt {len(args.specs) - len(refused)} specs' kernels in {time.time() - t0:.0f} s; refused: "
           f"{[r['spec'] for r in refused]}; FLASH: {no_flash or 'available'}", flush=True)
     print(f"{'spec':<28} {'verify':>6} {'ours ms':>9} {'triton ms':>10} {'x triton':>9} {'flash ms':>9} "
@@ -227,14 +263,22 @@ def run(args) -> int:
         ts = time.time()
         try:
             check = verify_on_gpu(ours, name)
-            row = bench_spec(ours, name, args.n, args.reps, no_flash) if check["passed"] else {"spec": name}
+            check_ab = call_with_env(ab.env, verify_on_gpu, ab.ours, name) if ab is not None else {"passed": True}
+            both = check["passed"] and check_ab["passed"]
+            row = bench_spec(ours, name, args.n, args.reps, no_flash, ab) if both else {"spec": name}
             row["verify"] = check
+            if ab is not None:
+                row["verify_ab"] = check_ab
             row["spec_s"] = round(time.time() - ts, 1)
             result["rows"].append(row)
-            print(f"{name:<28} {'pass' if check['passed'] else 'FAIL':>6} {row.get('cubridge_ms', '-'):>9} "
+            print(f"{name:<28} {'pass' if both else 'FAIL':>6} {row.get('cubridge_ms', '-'):>9} "
                   f"{row.get('flex_triton_ms', '-'):>10} {row.get('speedup_vs_flex_triton', '-'):>9} "
                   f"{row.get('flex_flash_ms', '-'):>9} {row.get('speedup_vs_flex_flash', '-'):>8} "
                   f"{row['spec_s']:>5}", flush=True)
+            if ab is not None and "cubridge_ab_ms" in row:
+                print(f"{'  A/B ' + str(row['ab_config']):<35} {row['cubridge_ab_ms']:>9} x default "
+                      f"{row['ab_vs_default']}  x triton {row.get('speedup_ab_vs_flex_triton', '-')}  x flash "
+                      f"{row.get('speedup_ab_vs_flex_flash', '-')}", flush=True)
         except Exception as e:
             result["failed"].append({"spec": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             print(f"{name:<28} error: {type(e).__name__}: {str(e)[:150]}", flush=True)
@@ -261,6 +305,10 @@ def summary(result: dict) -> None:
         if ok:
             below = [f"{r['spec']} {r[f'speedup_vs_{peer}']}" for r in ok if r[f"speedup_vs_{peer}"] < bar]
             print(f"vs {peer}: {len(ok)} timed, >= {bar}x: {len(ok) - len(below)}; below: {below}")
+        ab = [r for r in rows if f"speedup_ab_vs_{peer}" in r]
+        if ab:
+            below = [f"{r['spec']} {r[f'speedup_ab_vs_{peer}']}" for r in ab if r[f"speedup_ab_vs_{peer}"] < bar]
+            print(f"A/B vs {peer}: {len(ab)} timed, >= {bar}x: {len(ab) - len(below)}; below: {below}")
 
 
 def main():
@@ -275,6 +323,10 @@ def main():
     ap.add_argument("--workers", type=int, default=6, help="--prep's FlexAttention compile processes")
     ap.add_argument("--prep-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-check", action="store_true", help="no GPU: transfer, verify, lower, nvcc, pairs")
+    ap.add_argument("--ab-knobs", nargs="+", default=[], metavar="KNOB",
+                    help="a second kernel with experiments/patches/knobs/KNOB.patch applied, in the same round-robin")
+    ap.add_argument("--ab-env", nargs="+", default=[], metavar="NAME=VALUE",
+                    help="environment switches for the second kernel's lowering and config (with or without --ab-knobs)")
     args = ap.parse_args()
     if args.cpu_check:
         from expkit.corpus import cpu_check

@@ -88,7 +88,39 @@ def wide_share_enabled() -> bool:
 # Session 15 mid call (H100, 16k, MHA, x our dense causal 176 in the same run; its 128: 0.993): 128 / 176
 # ag_causal 0.993 / 1.005, prefixlm 1.001 / 1.017, llama4_chunked 0.957 / 0.921 (its 8192-key chunks cut
 # 176-wide tiles; the share rule samples 8k, where chunk = N): +1.2 / +1.6 / -3.8%, not taken.
+# Session 16 (var16): the chunk-edge-aware rule, CUBRIDGE_RANGE_WIDE=1 (default RANGE_WIDE_DEFAULT, off until
+# measured): the share is sampled at the lengths the choice applies to (RANGE_SHARE_LENGTHS: 16k and 32k, where
+# chunk edges inside N show) and 176 is taken only where it keeps RANGE_WIDE_MIN_RATIO of 128's share at each.
+# Sampled 176 / 128 ratios at 16k: ag_causal / ag_prefix_lm / causal_blockwise 0.990, llama4_chunked 0.972
+# (prefixlm reads its prefix as a scalar: not evaluated, kept). 0.985 is where the s15 numbers cross zero
+# (ratio 0.990: +1.2 / +1.6%; 0.972: -3.8%; linear between them).
+# Session 16 mid call (H100, 16k MHA, 176 over 128, same run): ag_causal +0.8%, prefixlm +1.4%, ag_prefix_lm +1.5%,
+# llama4_chunked -3.6% (refused by the rule). Proposed on by default (final call: tests/gpu/test_row_range.py's 176
+# cases, one GQA A/B row at 16k beside the peers).
+RANGE_WIDE_ENV = "CUBRIDGE_RANGE_WIDE"
+RANGE_WIDE_DEFAULT = "0"
+RANGE_WIDE_AT = 16384
 RANGE_WIDE_FROM = None
+RANGE_WIDE_MIN_RATIO = 0.985
+RANGE_SHARE_LENGTHS = (16384, 32768)
+
+
+def range_wide_from() -> int | None:
+    """The length from which a range variant (one interval per row, arithmetic range) may take 128 x
+    176: RANGE_WIDE_FROM, or RANGE_WIDE_AT where CUBRIDGE_RANGE_WIDE=1 (RANGE_WIDE_DEFAULT)."""
+    on = env_switch(RANGE_WIDE_ENV, RANGE_WIDE_DEFAULT,
+                    f"unset {RANGE_WIDE_ENV} (default {RANGE_WIDE_DEFAULT}) or set it to 0 / 1", LowerError)
+    return RANGE_WIDE_AT if on else RANGE_WIDE_FROM
+
+
+def range_shares_keep_wide(mask) -> bool:
+    """Does 176 keep RANGE_WIDE_MIN_RATIO of 128's useful share at every length of RANGE_SHARE_LENGTHS
+    (a mask that cannot be evaluated, e.g. one reading a scalar: yes)?"""
+    for n in RANGE_SHARE_LENGTHS:
+        shares = tileshare.useful_shares(mask, n=n)
+        if shares is not None and shares[176] < RANGE_WIDE_MIN_RATIO * shares[128]:
+            return False
+    return True
 
 
 def wide_tile(ir: VariantIR) -> bool | int:
@@ -100,18 +132,22 @@ def wide_tile(ir: VariantIR) -> bool | int:
     default at D 128) runs the dense kernel's code and takes its 8k tile, 128 x 128: session 14 mid
     call (H100, 8k, x our dense causal 128 x 176 in the same run; dense 128 x 128 1.020): 128x128 /
     128x176 with the range ag_causal 1.019 / 1.006, ag_prefix_lm 1.027 / 1.015, llama4_chunked
-    1.017 / 1.003, prefixlm 1.050 / 1.039); an int, RANGE_WIDE_FROM, for those where set and the
-    share rule allows: the length from which they take 176 (default_config's `wide`)."""
+    1.017 / 1.003, prefixlm 1.050 / 1.039); an int, range_wide_from(), for those where set and the
+    share rule at the lengths it applies to (range_shares_keep_wide) allows: the length from which
+    they take 176 (default_config's `wide`)."""
     pieces = _pieces(ir)
     if not (_dense_family(ir) and pieces is not None and len(pieces) == 1):
         return False
     ranged = rowrange.row_range_define() != "0" and rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir))
-    if ranged and not RANGE_WIDE_FROM:
-        return False
+    if ranged:
+        wide_from = range_wide_from()
+        if not wide_from or (wide_share_enabled() and not range_shares_keep_wide(ir.mask)):
+            return False
+        return wide_from
     shares = tileshare.useful_shares(ir.mask) if wide_share_enabled() else None
     if not (shares is None or shares[176] >= WIDE_MIN_RATIO * shares[128]):
         return False                    # a window: 176 cuts more partial tiles
-    return RANGE_WIDE_FROM if ranged else True
+    return True
 
 
 def kv_range(ir: VariantIR) -> str:
@@ -122,14 +158,15 @@ def kv_range(ir: VariantIR) -> str:
     classes = maskclass.tile_class_fn(ir, itspace.region_names(ir, t), c_tables(ir), t.block_n, t.len_k)
     codegen = ("// session10_codegen (cubridge/lower/fa3_sm90.py): kernel.cu's kNewCodegen for this variant too.\n"
                "#define CUIR_VARIANT_CODEGEN 1\n") if session10_codegen(ir) else ""
+    head0 = itspace.head_zero_define(ir, t)
     scan = itspace.kv_range_region(ir, t)
     rows = rowint.row_range(ir.mask, _mask_names(ir), c_tables(ir)) if ir.mask is not None else None
     if rows is not None:
-        return rowrange.region(ir, t, rows, scan) + classes + codegen
+        return head0 + rowrange.region(ir, t, rows, scan) + classes + codegen
     table = tablerange.table_rows(ir, _mask_names(ir), c_tables(ir))
     if table is not None:
-        return tablerange.region(ir, t, *table, scan) + classes + codegen
-    return scan + classes + codegen
+        return head0 + tablerange.region(ir, t, *table, scan) + classes + codegen
+    return head0 + scan + classes + codegen
 
 
 def _mask_names(ir: VariantIR) -> dict:

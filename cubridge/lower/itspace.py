@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cubridge.lower.cexpr import to_c
+from cubridge.cuir import nodes as N
+from cubridge.errors import env_switch
+from cubridge.lower.cexpr import LowerError, to_c
 from cubridge.lower.variant import VariantIR
 
 MAX_RUNS = 3
@@ -33,11 +35,13 @@ class Target:
     descending: bool    # visit order: highest KV tile first (fa3: masked tiles lead) or lowest
     handover: str = ""  # C++ appended after KvRange (fa3: the producer hands the range over);
     #                     {table} becomes true / false: does the range read a block table
+    class_head0: bool = False   # a per-(b, h) block table of a mask that does not read h: read head 0's
+    #                             classes where CUIR_CLASS_HEAD0 (the kernel's region defines it: head_zero_define)
 
 
 FA3 = Target("kBlockM", "kBlockN", "m_block", "m0", "seqlen_q", "seqlen_k", descending=True,
              handover="constexpr bool kRangeViaSmem = true;   // a scan: computed once, by the producer\n"
-                      "constexpr bool kProducerReadsTable = {table};\n")
+                      "constexpr bool kProducerReadsTable = {table};\n", class_head0=True)
 FA2 = Target("BLOCK_M", "BLOCK_N", "q_tile", "q_begin", "len_q", "len_k", descending=False)
 
 
@@ -54,11 +58,39 @@ def _tables(ir: VariantIR) -> dict:
     return {n: (f"va.{n}", [f"va.{n}_n{d}" for d in range(nd)], typ) for n, typ, nd in ir.tables}
 
 
+# Session 16 (var16): a per-(b, h) block table of a mask that does not read h holds the same classes for every head
+# (runtime.block_table copies them; transfer's host table evaluates a mask blind to h), but each (b, h, query tile)
+# row of classes is read by one work tile only, so after the timing's L2 flush every trim / scan round trip and the
+# first tile_partial load of a row miss L2. Head 0's rows are shared by all heads of a batch (L2 hits after the
+# first). CUIR_CLASS_HEAD0 (CUBRIDGE_CLASS_HEAD0, default HEAD0_DEFAULT: off until measured; knob
+# experiments/patches/knobs/class_head0.patch) reads them; off, the index is today's (the same SASS).
+# Session 16 mid call (H100, variant_tiles, padded_causal 8k MHA): +0.4% (1.645 -> 1.639 ms), within noise: off.
+HEAD0_ENV = "CUBRIDGE_CLASS_HEAD0"
+HEAD0_DEFAULT = "0"
+
+
+def head_zero(ir: VariantIR) -> bool:
+    """Is the block table per (b, h) while the mask reads no h (its classes are the same for every head)?"""
+    return bool(ir.table and ir.table_bh and ir.mask is not None
+                and not any(isinstance(e, N.Name) and e.id == "h" for e in N.walk_expr(ir.mask)))
+
+
+def head_zero_define(ir: VariantIR, t: Target) -> str:
+    """CUIR_CLASS_HEAD0's default in a generated kv_range region (where the target reads head 0 at all)."""
+    if not (t.class_head0 and head_zero(ir)):
+        return ""
+    on = env_switch(HEAD0_ENV, HEAD0_DEFAULT, f"unset {HEAD0_ENV} (default {HEAD0_DEFAULT}) or set it to 0 / 1",
+                    LowerError)
+    return (f"#ifndef CUIR_CLASS_HEAD0   // 1: the mask reads no h, head 0's block classes serve every head "
+            f"(lower/itspace.py)\n#define CUIR_CLASS_HEAD0 {int(on)}\n#endif\n")
+
+
 def predicates(ir: VariantIR, t: Target) -> tuple[str, str, str, str]:
     """C++ of (tile class, tile may given its class `cls`, tile must, chunk may)."""
     names, tables = region_names(ir, t), _tables(ir)
     if ir.table:
-        idx = (f"((r.b * va.BLOCK_CLASS_n1 + r.h) * va.BLOCK_CLASS_n2 + r.{t.q_tile}) * va.BLOCK_CLASS_n3 + n"
+        h = "(CUIR_CLASS_HEAD0 ? 0 : r.h)" if t.class_head0 and head_zero(ir) else "r.h"
+        idx = (f"((r.b * va.BLOCK_CLASS_n1 + {h}) * va.BLOCK_CLASS_n2 + r.{t.q_tile}) * va.BLOCK_CLASS_n3 + n"
                if ir.table_bh else f"r.{t.q_tile} * va.BLOCK_CLASS_n1 + n")
         cls = f"va.BLOCK_CLASS[{idx}]"
         # the interval bound of the mask's index-only part as well: chunks it rules out are not read

@@ -120,10 +120,46 @@ def region(ir: VariantIR, t: Target, rows: Rows, kind: str, scan: str) -> str:
     `scan` (the bitmap region) otherwise."""
     return (f"#ifndef CUIR_TABLE_RANGE   // 1: R's range trimmed by the block table (cubridge/lower/tablerange.py)\n"
             f"#define CUIR_TABLE_RANGE {define(kind)}\n#endif\n#if CUIR_TABLE_RANGE\n"
-            + trimmed(ir, t, rows) + "#else\n" + scan + "#endif\n")
+            + trimmed(ir, t, rows, kind) + "#else\n" + scan + "#endif\n")
 
 
-def trimmed(ir: VariantIR, t: Target, rows: Rows) -> str:
+def mask_kind(t: Target, kind: str) -> str:
+    """r_only_tile (computed in kv_range's first round trip) and tile_mask_kind (both used by the knob
+    table_kind only; dead code otherwise). tile_mask_kind: 0 a tile without a mask, 1 a tile R cuts but X
+    keeps whole (masked by R alone: table_r_pred, no table read per element), 2 the whole mask. The one
+    such tile is R's top tile (causal: the diagonal) where the block table's class one query tile below
+    is full: R & X keep every pair there, so X keeps every key of the tile, and where X reads no query
+    index (kind "key") it keeps them for this query tile's rows too; other kinds have none (-1)."""
+    bm, lq = t.block_m, t.len_q
+    if kind != "key":
+        only = "  return -1;"
+    else:       # class 2 there: R & X keep every pair of the tile's valid rows, so X keeps all its keys
+        only = f"""\
+  if (n_top < r.full_end || n_top < r.n_begin || r.q_lo + {bm} >= r.{lq}) return -1;   // R keeps it / none below
+  KvRange w = r;                                   // the next query tile down
+  w.{t.q_tile} = r.{t.q_tile} + 1;
+  return tile_class(va, w, n_top) == 2 ? n_top : -1;"""
+    return f"""\
+#ifdef CUIR_TABLE_KIND
+__device__ __forceinline__ int r_only_tile(const VariantArgs& va, const KvRange& r, int n_top) {{
+{only}
+}}
+#endif
+"""
+
+
+def mask_kind_fn() -> str:
+    return """\
+#ifdef CUIR_TABLE_KIND
+__device__ __forceinline__ int tile_mask_kind(const VariantArgs& va, const KvRange& r, int n) {
+  if (n >= r.full_begin && n < r.full_end) return tile_class(va, r, n) != 2 ? 2 : 0;
+  return n == r.r_only ? 1 : 2;
+}
+#endif
+"""
+
+
+def trimmed(ir: VariantIR, t: Target, rows: Rows, kind: str = "other") -> str:
     cls, may, must, _ = predicates(ir, t)
     bm, bn, lk, lq = t.block_m, t.block_n, t.len_k, t.len_q
     lo = rows.lo or "-(1 << 30)"
@@ -137,6 +173,9 @@ def trimmed(ir: VariantIR, t: Target, rows: Rows) -> str:
 struct KvRange {{
   int b, h, {t.q_tile}, q_lo, q_hi, {lq}, {lk};
   int n_begin, n_end, full_begin, full_end;
+#ifdef CUIR_TABLE_KIND
+  int r_only;       // the tile R cuts and X keeps whole (knob table_kind), else -1
+#endif
 }};
 constexpr bool kRangeViaSmem = true;
 // The trim's two chunks of classes fit the 40-register producer (so the consumers keep 232 and the
@@ -161,6 +200,21 @@ __device__ __forceinline__ bool tile_must(const VariantArgs& va, const KvRange& 
   return {must};
 }}
 constexpr int kScanChunk = {SCAN_CHUNK};
+""" + mask_kind(t, kind) + f"""\
+// Experiment hooks (off: no code), set by experiments/patches/knobs/table_diag_*.patch: CUIR_TABLE_NOTRIM
+// (R's range untrimmed), CUIR_TABLE_NOCLASS (tile_partial from R's range only, no class read), and the
+// knob table_diag_nox's kernel.cu hunk (partial tiles masked by R alone, table_r_pred). Each is exact only
+// where X keeps every key of R's range (a table without padding: experiments/specs/padded_full.py): they
+// measure what the table costs, they are not a product path.
+#ifndef CUIR_TABLE_NOTRIM
+#define CUIR_TABLE_NOTRIM 0
+#endif
+#ifndef CUIR_TABLE_NOCLASS
+#define CUIR_TABLE_NOCLASS 0
+#endif
+__device__ __forceinline__ bool table_r_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {{
+  return (kv_idx >= row_key_lo(va, b, h, q_idx)) & (kv_idx < row_key_hi(va, b, h, q_idx));
+}}
 __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h, int {t.q_tile}, int {t.q_begin},
                                             int {lq}, int {lk}) {{
   KvRange r;
@@ -173,6 +227,10 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   const int full_lo = max(row_key_lo(va, b, h, r.q_hi), 0), full_hi = min(row_key_hi(va, b, h, r.q_lo), {lk});
   r.full_begin = (full_lo + {bn} - 1) / {bn};
   r.full_end = max(full_hi, 0) / {bn};            // whole tiles below both hi(q_lo) and the key bound
+#ifdef CUIR_TABLE_KIND
+  r.r_only = -1;
+#endif
+  if (CUIR_TABLE_NOTRIM) return r;
   // Trim the empty tiles at both ends, kScanChunk classes per end and round trip; the first round
   // trip reads the top and the bottom chunk together (a row with no empty end tile needs no more).
   const int t0 = max(r.n_end - kScanChunk, r.n_begin), b1 = min(r.n_begin + kScanChunk, r.n_end);
@@ -189,6 +247,9 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   for (int j = kScanChunk - 1; j >= 0; --j) bottom = bottom_cls[j] != 0 ? r.n_begin + j : bottom;
   const bool top_found = top > t0, bottom_found = bottom < b1;
   // A nonempty tile found at one end lies outside the other end's empty chunk: the order holds.
+#ifdef CUIR_TABLE_KIND
+  r.r_only = r_only_tile(va, r, r.n_end - 1);   // (read with the first round trip: independent of it)
+#endif
   r.n_end = top;
   r.n_begin = bottom;
   while (!top_found && r.n_end > r.n_begin) {{
@@ -222,6 +283,12 @@ __device__ __forceinline__ int tile_at(const KvRange& r, int i) {{ return r.n_en
 // R's range decides without the table where R masks the tile; inside it the class does (one
 // global load per tile, asked a tile ahead by the consumer).
 __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {{
+  if (CUIR_TABLE_NOCLASS) return n < r.full_begin || n >= r.full_end;
   return n < r.full_begin || n >= r.full_end || tile_class(va, r, n) != 2;
 }}
-"""
+// Knob table_kind (experiments/patches/knobs/table_kind.patch, CUIR_TABLE_KIND): the consumer asks
+// tile_mask_kind instead of tile_partial and masks kind-1 tiles with table_r_pred. Exact for every table
+// (the kind-1 test reads X's class), not only for padded_full.
+// Session 16 mid call (H100, padded_causal 8k MHA): -1.8% (its third score pass costs more than the table
+// reads it saves; table_diag_nox, R alone on every partial tile of padded_full, +1.3%): a knob only.
+"""  + mask_kind_fn()

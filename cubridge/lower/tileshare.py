@@ -51,10 +51,13 @@ def _shares(mask, widths, block_m, n):
     it = Interpreter(N.Program([], source="<tileshare>"), {}, None, "in_order", False)
     tiles = n // block_m
     step = max(1, tiles // SAMPLE_TILES)
-    rows = torch.cat([torch.arange(m * block_m, (m + 1) * block_m) for m in range(step - 1, tiles, step)])
-    keys = torch.arange(n)
-    kept = torch.as_tensor(it.eval(mask, {"iq": rows.view(-1, 1), "ik": keys.view(1, -1)}, None)).bool()
-    kept = kept.expand(len(rows), n).reshape(-1, block_m, n).sum(1)      # [query tile, key]
+    keys = torch.arange(n).view(1, -1)
+    per_tile = []                  # one query tile at a time: [block_m, n] booleans (32k: 4M)
+    for m in range(step - 1, tiles, step):
+        rows = torch.arange(m * block_m, (m + 1) * block_m).view(-1, 1)
+        kept = torch.as_tensor(it.eval(mask, {"iq": rows, "ik": keys}, None)).bool()
+        per_tile.append(kept.expand(block_m, n).sum(0))
+    kept = torch.stack(per_tile)                                          # [query tile, key]
     attended = int(kept.sum())
     if attended == 0:
         return None

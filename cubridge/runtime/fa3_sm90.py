@@ -201,7 +201,7 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     prefixlm, causal_blockwise, the corpus's causal / prefix / chunk masks; not a window, whose edges
     cut more of a 176-wide tile: lower/tileshare.py), which takes 128 x 176 from 8k at D 128 (session
     12's variant_tiles; the dense kernel takes 176 from 8k full / 16k causal since session 14); an
-    int `wide` is the length from which it does (lower/fa3_sm90.py RANGE_WIDE_FROM); the tuner
+    int `wide` is the length from which it does (lower/fa3_sm90.py range_wide_from); the tuner
     searches the rest.
 
     >>> [default_config(128, causal=True, seqlen=n).block_n for n in (1024, 8192, 16384)]

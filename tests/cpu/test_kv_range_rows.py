@@ -35,6 +35,7 @@ HARNESS = r"""
 #define CUIR_ROW_RANGE 1
 #define CUIR_TABLE_RANGE 1
 #define EXACT %(exact)d
+%(kind)s
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __fmaf_rn(float a, float b, float c) { return a * b + c; }
@@ -47,7 +48,7 @@ int main() {
   VariantArgs va{};
 %(read)s
   const int shift = Nk - Nq, num_m = (Nq + kBlockM - 1) / kBlockM, num_n = (Nk + kBlockN - 1) / kBlockN;
-  long errors = 0, visited = 0;
+  long errors = 0, visited = 0, r_only = 0;
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)
       for (int m = 0; m < num_m; ++m) {
@@ -75,16 +76,32 @@ int main() {
           if (seen[n] && !all && !tile_partial(va, r, n)) {
             printf("unmasked tile with a masked pair m%%d n%%d b%%d h%%d\n", m, n, b, h); ++errors;
           }
+#ifdef CUIR_TABLE_KIND
+          // knob table_kind: kind 0 = tile_partial false; kind 1 = the mask is R alone on the tile
+          const int kind = seen[n] ? tile_mask_kind(va, r, n) : 0;
+          if (seen[n] && (kind == 0) != !tile_partial(va, r, n)) {
+            printf("kind %%d against tile_partial m%%d n%%d b%%d h%%d\n", kind, m, n, b, h); ++errors;
+          }
+          if (kind == 1) {
+            ++r_only;
+            for (int q = m * kBlockM; q < (m + 1) * kBlockM && q < Nq; ++q)
+              for (int k = n * kBlockN; k < (n + 1) * kBlockN && k < Nk; ++k)
+                if (mask_pred(va, b, h, q + shift, k) != table_r_pred(va, b, h, q + shift, k)) {
+                  printf("kind 1 tile where X masks (m%%d n%%d b%%d h%%d q%%d k%%d)\n", m, n, b, h, q, k); ++errors;
+                  q = Nq; break;
+                }
+          }
+#endif
         }
         if (errors > 20) return 1;
       }
-  printf("ok visited %%ld\n", visited);
+  printf("ok visited %%ld r_only %%ld\n", visited, r_only);
   return errors ? 1 : 0;
 }
 """
 
 
-def _harness(kernel, block_m: int, block_n: int, exact: bool = True) -> str:
+def _harness(kernel, block_m: int, block_n: int, exact: bool = True, table_kind: bool = False) -> str:
     text = "\n".join(regions.body(kernel.source, name) for name in ("extra_io", "kv_range", "mask"))
     text = text.replace('asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;', "return 0.f;")
     kinds = {n: t for n, t, _ in kernel.ir.tables}
@@ -98,7 +115,7 @@ def _harness(kernel, block_m: int, block_n: int, exact: bool = True) -> str:
         else:
             read.append(f"  if (scanf(\"{'%d' if kind == 'int' else '%f'}\", &va.{name}) != 1) return 2;")
     return HARNESS % {"regions": text, "read": "\n".join(read), "block_m": block_m, "block_n": block_n,
-                      "exact": int(exact)}
+                      "exact": int(exact), "kind": "#define CUIR_TABLE_KIND 1\n#define CUIR_CLASS_HEAD0 1" if table_kind else ""}
 
 
 def _inputs(kernel, inputs: dict, shape) -> str:
@@ -152,6 +169,18 @@ def test_table_range_visits_every_attended_tile(case, tmp_path):
     _check_range(case[:5], tmp_path, "#if CUIR_TABLE_RANGE", exact=case[5])
 
 
+# Knobs table_kind and class_head0 (session 16): R's top tile is masked by R alone where the block table's class one
+# query tile below says X keeps it whole; a key table only (padding), the other kinds never (r_only -1); the classes
+# of a mask that reads no h come from head 0 (the (3, 2, ...) and (8, 2, 2, ...) cases have two heads).
+@pytest.mark.parametrize("case", TABLE_CASES[:3] + [("padded_causal", {}, 16, 16, (8, 1, 1, 333, 333), True)],
+                         ids=lambda c: f"{c[0]}-{c[2]}x{c[3]}-{c[4][3]}")
+def test_table_kind_r_alone_only_where_x_keeps_the_tile(case, tmp_path):
+    out = _check_range(case[:5], tmp_path, "#if CUIR_TABLE_RANGE", exact=case[5], kind=True)
+    r_only = int(out.split("r_only")[1])
+    # (queries end-aligned with 150 keys more, 32 x 16: the next query tile still cuts the diagonal tile)
+    assert (r_only > 0) == (case[0] == "padded_causal" and case[4][3] == case[4][4]), out
+
+
 # Rows that attend nothing: batch 1's keys are all padding, batch 2 keeps a third (the trim empties a
 # range whose first top and bottom chunks overlap, and one that needs more round trips).
 EMPTY_ROWS = '''"""Causal over a padded batch whose second sequence is all padding (a test mask)."""
@@ -185,7 +214,7 @@ def test_table_range_empties_rows_without_keys(tiles, tmp_path):
     _check_range((str(spec), {}, block_m, block_n, (B, 1, 1, N, N)), tmp_path, "#if CUIR_TABLE_RANGE")
 
 
-def _check_range(case, tmp_path, branch: str, exact: bool = True):
+def _check_range(case, tmp_path, branch: str, exact: bool = True, kind: bool = False) -> str:
     name, params, block_m, block_n, (B, Hq, Hkv, Nq, Nk) = case
     path = CORPUS / f"{name}.py"
     spec = load_spec(str(path) if path.exists() else name)     # a built-in, a corpus stem or a path
@@ -194,12 +223,13 @@ def _check_range(case, tmp_path, branch: str, exact: bool = True):
     assert branch in kernel.source and "row_key_hi" in kernel.source
     inputs = cand.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params={"BLOCK_M": block_m, "BLOCK_N": block_n})
     cpp, exe = tmp_path / "h.cpp", tmp_path / "h"
-    cpp.write_text(_harness(kernel, block_m, block_n, exact))
+    cpp.write_text(_harness(kernel, block_m, block_n, exact, kind))
     proc = subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(exe), str(cpp)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = subprocess.run([str(exe)], input=_inputs(kernel, inputs, (B, Hq, Nq, Nk)), capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().startswith("ok"), f"{name}:\n{run.stdout[-2000:]}"
+    return run.stdout
 
 
 @pytest.mark.parametrize("name", ["global_sliding_window", "share_question", "tests/corpus/padded_causal.py",
@@ -267,3 +297,24 @@ def test_table_range_kind_of_the_table_factor(name, kind):
     spec = load_spec(str(path) if path.exists() else name)
     ir = extract(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program)
     assert table_rows(ir, _mask_names(ir), c_tables(ir))[1] == kind
+
+
+@pytest.mark.parametrize("name, head0", [("tests/corpus/padded_causal.py", True), ("tests/corpus/packed_sequences.py", True),
+                                         ("tests/corpus/ag_head_mask.py", False), ("share_question", False)])
+def test_class_head0_only_for_per_head_tables_blind_to_h(name, head0, monkeypatch):
+    """CUIR_CLASS_HEAD0 (off by default: the index is today's) is emitted where the block table is per (b, h) and
+    the mask reads no h; ag_head_mask reads h, share_question's table is not per (b, h). CUBRIDGE_CLASS_HEAD0=1
+    turns it on."""
+    from cubridge.lower.cexpr import LowerError
+    from cubridge.lower.itspace import HEAD0_ENV
+    monkeypatch.delenv(HEAD0_ENV, raising=False)
+    cand = transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), load_spec(name), spec_params={})
+    src = lower(cand.program, "fa3_sm90").source
+    assert ("#define CUIR_CLASS_HEAD0 0" in src) == head0
+    assert ("(CUIR_CLASS_HEAD0 ? 0 : r.h)" in src) == head0
+    monkeypatch.setenv(HEAD0_ENV, "1")
+    assert ("#define CUIR_CLASS_HEAD0 1" in lower(cand.program, "fa3_sm90").source) == head0
+    if head0:
+        monkeypatch.setenv(HEAD0_ENV, "yes")
+        with pytest.raises(LowerError, match=HEAD0_ENV):
+            lower(cand.program, "fa3_sm90")

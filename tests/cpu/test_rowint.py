@@ -96,7 +96,9 @@ def test_wide_tile_and_codegen_choice(monkeypatch):
     from cubridge.lower.fa3_sm90 import session10_codegen, wide_tile
     from cubridge.lower.rowrange import ROW_RANGE_ENV
     from cubridge.runtime.fa3_sm90 import default_config
+    from cubridge.lower.fa3_sm90 import RANGE_WIDE_ENV
     monkeypatch.delenv(ROW_RANGE_ENV, raising=False)
+    monkeypatch.setenv(RANGE_WIDE_ENV, "0")      # (from 16k under CUBRIDGE_RANGE_WIDE=1: tests/cpu/test_tileshare.py)
     assert not wide_tile(_lowered("prefixlm")[1].ir)
     monkeypatch.setenv(ROW_RANGE_ENV, "0")
     for name, wide, codegen in (("prefixlm", True, True), ("causal_blockwise", True, True),

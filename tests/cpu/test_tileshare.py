@@ -69,9 +69,11 @@ def test_wide_rule_and_edge_heavy_row_intervals(monkeypatch):
     from cubridge.lower.rowrange import ROW_RANGE_ENV
     specs = ("tests/corpus/ag_sliding_window.py", "tests/corpus/mistral_sliding_window.py",
              "tests/corpus/ag_causal.py", "prefixlm")
+    from cubridge.lower.fa3_sm90 import RANGE_WIDE_ENV
     monkeypatch.delenv(WIDE_SHARE_ENV, raising=False)
     monkeypatch.delenv(MASK_ROWS_ENV, raising=False)
     monkeypatch.delenv(ROW_RANGE_ENV, raising=False)
+    monkeypatch.setenv(RANGE_WIDE_ENV, "0")                  # (the 16k rule: test_range_wide_rule_sees_chunk_edges)
     irs = [_ir(s) for s in specs]
     assert [wide_tile(ir) for ir in irs] == [False] * 4      # the arithmetic range: the dense 8k tile
     monkeypatch.setenv(ROW_RANGE_ENV, "0")                   # the scan: session 13's rule
@@ -89,3 +91,31 @@ def test_wide_rule_and_edge_heavy_row_intervals(monkeypatch):
 def _lowered_source(spec):
     prog = parse_file(reference_kernel("fa3_sm90").cuir_path())
     return lower(transfer(prog, load_spec(spec), spec_params={}).program, "fa3_sm90").source
+
+
+def test_range_wide_rule_sees_chunk_edges(monkeypatch):
+    """CUBRIDGE_RANGE_WIDE=1 (session 16): range variants take 128 x 176 from 16k where 176 keeps 0.985 of
+    128's share at 16k and 32k: causal / prefix masks do (0.990), llama4_chunked's 8192-key chunks do not
+    (0.972 at 16k), windows do not; a scalar prefix (prefixlm) is not evaluated and kept. Off: never."""
+    from cubridge.lower.fa3_sm90 import RANGE_WIDE_ENV, range_shares_keep_wide
+    from cubridge.lower.rowrange import ROW_RANGE_ENV
+    from cubridge.runtime.fa3_sm90 import default_config
+    monkeypatch.delenv(WIDE_SHARE_ENV, raising=False)
+    monkeypatch.delenv(ROW_RANGE_ENV, raising=False)
+    specs = ("tests/corpus/ag_causal.py", "tests/corpus/llama4_chunked.py", "prefixlm",
+             "tests/corpus/mistral_sliding_window.py")
+    irs = [_ir(s) for s in specs]
+    monkeypatch.setenv(RANGE_WIDE_ENV, "0")
+    assert [wide_tile(ir) for ir in irs] == [False] * 4
+    monkeypatch.setenv(RANGE_WIDE_ENV, "1")
+    got = [wide_tile(ir) for ir in irs]
+    assert got == [16384, False, 16384, False]
+    assert [default_config(128, False, True, n, variant=True, wide=got[0]).block_n for n in (8192, 16384, 32768)] == [128, 176, 176]
+    # what counts is where the edges fall: 8192 = 46 * 176 + 96 (96 masked keys per first tile of a chunk),
+    # 16384 = 93 * 176 + 16 (sampled at 32k: 0.990, as causal)
+    assert not range_shares_keep_wide(_expr(lambda b, h, q, k: (k <= q) & (k // 8192 == q // 8192)))
+    assert range_shares_keep_wide(_expr(lambda b, h, q, k: (k <= q) & (k // 16384 == q // 16384)))
+    assert range_shares_keep_wide(_expr(lambda b, h, q, k: k <= q))
+    monkeypatch.setenv(RANGE_WIDE_ENV, "2")
+    with pytest.raises(LowerError, match=RANGE_WIDE_ENV):
+        wide_tile(irs[0])

@@ -68,3 +68,43 @@ def test_table_range_passes_the_rule(name, shape, monkeypatch):
     assert verdict.passed, f"{name} {shape}: {verdict}"
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs changed"
     assert torch.equal(out, run()), "second run differs"
+
+
+# CUBRIDGE_CLASS_HEAD0=1 (session 16, cubridge/lower/itspace.py): a per-(b, h) block table of a mask that reads no h
+# read at head 0 for every head, under both ranges (the trimmed one and the bitmap scan); the masks with such a table.
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("table_range", ["1", "0"])
+@pytest.mark.parametrize("name", ["padded_causal", "packed_sequences"])
+def test_class_head0_passes_the_rule(name, table_range, shape, monkeypatch):
+    from cubridge.lower.itspace import HEAD0_ENV
+    from cubridge.runtime.fa3_sm90 import default_config, fa3_forward
+    monkeypatch.setenv(TABLE_RANGE_ENV, table_range)
+    monkeypatch.setenv(HEAD0_ENV, "1")
+    B, Hq, Hkv, N, D = shape
+    spec = _spec(name)
+    cand = transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec, spec_params={})
+    kern = lower(cand.program, "fa3_sm90")
+    assert "#define CUIR_CLASS_HEAD0 1" in kern.source, f"{name}: no head-0 classes"
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"h0{name}{shape}".encode()))
+    dtype = torch.float16 if N == 300 else torch.bfloat16
+    q = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, Hkv, N, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, Hkv, N, D, device="cuda", generator=g).to(dtype)
+    before = [t.clone() for t in (q, k, v)]
+    cfg = replace(default_config(D, False, dtype == torch.bfloat16, N, variant=True), block_m=128, block_n=128)
+    inputs = cand.bind(Nq=N, Nk=N, Hq=Hq, Hkv=Hkv, B=B, params={"BLOCK_M": 128, "BLOCK_N": 128},
+                       device=q.device)
+    launch = kern.args(inputs, q.device)
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        fa3_forward(q, k, v, causal=False, config=cfg, out=out, variant=launch)
+        torch.cuda.synchronize()
+        return out
+    out = run()
+    assert not torch.isnan(out).any(), "some output element was never written"
+    golden = spec.run_reference(q.double(), k.double(), v.double())
+    verdict = rule.compare(out, golden, spec.run_reference(q, k, v))
+    assert verdict.passed, f"{name} {shape}: {verdict}"
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs changed"
+    assert torch.equal(out, run()), "second run differs"

@@ -95,10 +95,11 @@ def wide_share_enabled() -> bool:
 # (prefixlm reads its prefix as a scalar: not evaluated, kept). 0.985 is where the s15 numbers cross zero
 # (ratio 0.990: +1.2 / +1.6%; 0.972: -3.8%; linear between them).
 # Session 16 mid call (H100, 16k MHA, 176 over 128, same run): ag_causal +0.8%, prefixlm +1.4%, ag_prefix_lm +1.5%,
-# llama4_chunked -3.6% (refused by the rule). Proposed on by default (final call: tests/gpu/test_row_range.py's 176
-# cases, one GQA A/B row at 16k beside the peers).
+# llama4_chunked -3.6% (refused by the rule). On by default since the session 16 final call: tests/gpu/
+# test_row_range.py's 176 cases passed (20), and ag_prefix_lm at 16k (GQA 32/8, rotated round-robin beside Flex
+# Triton) read 176 over 128 1.007x (3.101 vs 3.123 ms). CUBRIDGE_RANGE_WIDE=0 keeps 128.
 RANGE_WIDE_ENV = "CUBRIDGE_RANGE_WIDE"
-RANGE_WIDE_DEFAULT = "0"
+RANGE_WIDE_DEFAULT = "1"
 RANGE_WIDE_AT = 16384
 RANGE_WIDE_FROM = None
 RANGE_WIDE_MIN_RATIO = 0.985

@@ -65,9 +65,10 @@ def test_ours_runs_at_the_products_config():
     assert point_label(product_point("prefixlm", 128, 4096, runs)[0]) == "128x128s2p"
     point, origin = product_point("global_sliding_window", 128, 16384, runs)     # no run: the default
     assert point_label(point) == "128x128s2p" and origin.startswith("untuned default")
-    # a mask with the arithmetic KV range (lower/rowrange.py, session 14) is not `wide`: 128 x 128 at every
-    # length, as measured at 8k (16k not yet timed for range variants)
-    assert point_label(product_point("causal_blockwise", 128, 16384, runs)[0]) == "128x128s2p"
+    # a mask with the arithmetic KV range (lower/rowrange.py, session 14) takes 128 x 128 at 8k and, by the
+    # chunk-edge-aware rule (lower/fa3_sm90.py RANGE_WIDE, on since session 16), 128 x 176 from 16k
+    assert point_label(product_point("causal_blockwise", 128, 8192, runs)[0]) == "128x128s2p"
+    assert point_label(product_point("causal_blockwise", 128, 16384, runs)[0]) == "128x176s2p"
     assert product_point("prefixlm", 64, 4096, runs)[1].startswith("untuned")     # the run is D 128
     assert parse_point("192x80s3") == {"block_m": 192, "block_n": 80, "stages": 3, "persistent": False}
     with pytest.raises(ValueError, match="BMxBNsS"):

@@ -66,6 +66,7 @@ class Launchable:
     # packed for one call only (a spec's runtime inputs): fa3 orders its tiles on the GPU in a few
     # launches (runtime.lpt) instead of lpt_order's ~30 torch calls, which a per-shape launch pays once
     per_call: bool = False
+    lpt_sections: bool = field(default_factory=lambda: importlib.import_module("cubridge.runtime.lpt").sections_on())
 
 
 _CTYPES = {"ptr": ctypes.c_void_p, "int": ctypes.c_int32, "float": ctypes.c_float}

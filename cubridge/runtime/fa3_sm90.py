@@ -32,6 +32,7 @@ from cubridge.errors import LaunchError
 from cubridge.paths import REF_KERNELS_DIR
 from cubridge.runtime.build import compile_cubin, default_compiler
 from cubridge.runtime.driver import capability, current_stream, driver, pack_params, scratch_tensor, sm_count
+from cubridge.runtime.lpt import section_shift
 
 KERNEL_DIR = REF_KERNELS_DIR / "fa3_sm90"
 KERNEL_SOURCE = KERNEL_DIR / "kernel.cu"
@@ -580,7 +581,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     return out, lse
 
 
-def lpt_order(counts: torch.Tensor, ctas: int) -> torch.Tensor:
+def lpt_order(counts: torch.Tensor, ctas: int, shift: int = 0) -> torch.Tensor:
     """Work-tile order for the dynamic scheduler from counts [BH, num_m] (KV tiles per tile) and
     the number of CTAs. An outlier tile (over twice the mean, and over an eighth of a CTA's fair
     share of the work) stretches the tail if it starts late (global_sliding_window's first query
@@ -589,31 +590,47 @@ def lpt_order(counts: torch.Tensor, ctas: int) -> torch.Tensor:
     ordering them all longest-first cost prefixlm 11% at 8k (L2 traffic). Entry t of the result is
     bh * num_m + m_block.
 
+    shift > 0 (CUBRIDGE_LPT_SECTIONS, runtime.lpt.section_shift): the rest go in sections of 2^shift
+    consecutive heads instead (the dense kernel's TILE_SECTIONS), longest first inside a section, the
+    section's heads minor (ties: the later query block first, then the lower head); shift 0 is the
+    head-by-head order above, bit for bit.
+
     >>> lpt_order(torch.tensor([[1, 2, 3], [9, 1, 1]]), ctas=4).tolist()   # 9 > 2 * 17 / 6
     [3, 2, 1, 0, 5, 4]
     >>> lpt_order(torch.tensor([[1, 2, 3], [3, 2, 1]]), ctas=2).tolist()   # none is an outlier
     [2, 1, 0, 3, 4, 5]
+    >>> lpt_order(torch.tensor([[1, 2, 3], [3, 2, 1]]), ctas=2, shift=1).tolist()   # one section of 2 heads
+    [2, 3, 1, 4, 5, 0]
+    >>> lpt_order(torch.tensor([[1, 2], [1, 2], [1, 2]]), ctas=2, shift=1).tolist()   # the last section short
+    [1, 3, 0, 2, 5, 4]
     """
     bh, num_m = counts.shape
+    if not 0 <= shift <= 24:
+        raise LaunchError(f"lpt_order: shift {shift} is outside 0..24 (sections of 2^shift heads)",
+                          hint="runtime.lpt.section_shift gives it, capped at the heads there are")
     c = counts.to(torch.int64).clamp(min=0, max=(1 << 16) - 1)
     total = c.sum()
     long = (c * c.numel() > 2 * total) & (8 * c * max(1, ctas) > total)
     heads = torch.arange(bh, device=c.device).view(-1, 1).expand(bh, num_m)
     ms = torch.arange(num_m, device=c.device).view(1, -1).expand(bh, num_m)
     rank = (1 << 16) - 1 - c                      # longer first
-    key = torch.where(long, (rank << 40) | (heads << 20) | ms,
-                      (1 << 60) | (heads << 36) | (rank << 20) | (num_m - 1 - ms))
+    # the rest: [section | rank 16 bits | later block first 20 bits | head in section `shift` bits]
+    rest = ((heads >> shift) << (36 + shift)) | (rank << (20 + shift)) | ((num_m - 1 - ms) << shift)
+    rest = rest | (heads & ((1 << shift) - 1)) if shift else rest
+    key = torch.where(long, (rank << 40) | (heads << 20) | ms, (1 << 60) | rest)
     return torch.argsort(key.reshape(-1), stable=True).to(torch.int32)
 
 
 def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, nk, ctas,
                scratch: dict | None = None) -> torch.Tensor:
     """The longest-first tile order of a lowered variant at one shape: its kv_range counted on the
-    GPU by the kernel's own fa3_sm90_tile_counts, ordered by lpt_order; cached on the variant. A
+    GPU by the kernel's own fa3_sm90_tile_counts, ordered by lpt_order (in L2 sections of heads where
+    the variant's launch was packed with CUBRIDGE_LPT_SECTIONS=1: Launchable.lpt_sections); cached on the variant. A
     per-call variant (runtime inputs) orders on the GPU (runtime.lpt: the same order, ~10x fewer
     host calls), since it pays this on every call; its buffers come from `scratch` when given
     (driver.scratch_tensor)."""
-    key = (config.block_m, config.block_n, b, hq, hkv, nq, nk, device.index, ctas)
+    shift = section_shift(nk, config.head_dim, b * hq) if getattr(variant, "lpt_sections", False) else 0
+    key = (config.block_m, config.block_n, b, hq, hkv, nq, nk, device.index, ctas, shift)
     cache = variant.tile_orders
     if key not in cache:
         num_m = math.ceil(nq / config.block_m)
@@ -626,7 +643,7 @@ def tile_order(counts_func, config: Fa3Config, variant, device, b, hq, hkv, nq, 
                         stream, pack_params(params))
         if variant.per_call:
             from cubridge.runtime.lpt import gpu_lpt_order
-            cache[key] = gpu_lpt_order(counts, num_m, ctas, stream, scratch)
+            cache[key] = gpu_lpt_order(counts, num_m, ctas, stream, scratch, shift)
         else:
-            cache[key] = lpt_order(counts.view(b * hq, num_m), ctas)
+            cache[key] = lpt_order(counts.view(b * hq, num_m), ctas, shift)
     return cache[key]

@@ -28,35 +28,15 @@ import tempfile
 from pathlib import Path
 
 from expkit import SASS_INSN as INSN, disassembler
+from expkit.sass_stalls_fwd import parse_listing as parse
 from cubridge.runtime import fa3_bwd_sm90 as hb
 
-LABEL = re.compile(r"^(\.L_x_\d+):")
 UNIFORM = ("R2UR", "S2UR", "ELECT")
 CLASSES = {"fp32": ("FFMA", "FMUL", "FADD", "FSEL", "FMNMX"), "mufu": ("MUFU",), "convert": ("F2FP",),
            "int": ("IMAD", "VIADD", "LOP3", "SHF", "IADD3", "LEA", "ISETP", "SEL", "PRMT", "PLOP3", "IABS", "I2F",
                    "F2I", "CS2R", "MOV"),
            "shared": ("LDS", "STS", "STSM", "LDSM"), "hgmma": ("HGMMA",),
            "sync": ("BAR", "SYNCS", "WARPGROUP", "MEMBAR", "FENCE", "DEPBAR")}
-
-
-def parse(text: str) -> list[tuple[int, str, int | None]]:
-    """(address, opcode, branch target address or None) per instruction of the listing."""
-    rows, labels, pending = [], {}, []
-    for line in text.splitlines():
-        m = LABEL.match(line.strip())
-        if m:
-            pending.append(m.group(1))
-            continue
-        m = INSN.match(line)
-        if not m:
-            continue
-        addr, op, rest = int(m.group(1), 16), m.group(2), m.group(3)
-        for name in pending:
-            labels[name] = addr
-        pending = []
-        target = re.search(r"(\.L_x_\d+)|\b0x([0-9a-f]+)\b", rest) if op.startswith("BRA") else None
-        rows.append((addr, op, target.group(1) or int(target.group(2), 16) if target else None))
-    return [(a, op, labels.get(t) if isinstance(t, str) else t) for a, op, t in rows]
 
 
 def op_class(op: str) -> str:

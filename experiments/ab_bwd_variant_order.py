@@ -43,9 +43,10 @@ import traceback
 from pathlib import Path
 
 import expkit
+from expkit.peers import flex_autograd
 import torch
 
-from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops
+from cubridge.runtime.timing import bench_round_robin, tflops
 from cubridge.spec import load_spec
 from cubridge.transfer.pairs import count_attended
 
@@ -200,8 +201,7 @@ def _with_l2(bwd, l2_bytes, *args):
 
 
 def _inputs(n: int, b: int):
-    g = torch.Generator(device="cuda").manual_seed(n * 131 + b)
-    return [torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(4)]   # q, dout, k, v
+    return expkit.bwd_inputs(b, H, H, n, D, seed=n * 131 + b)      # q, k, v, dout
 
 
 def flex_backward(hooks, q, k, v, dout, backend: str) -> dict:
@@ -209,14 +209,8 @@ def flex_backward(hooks, q, k, v, dout, backend: str) -> dict:
     backend "flash": kernel_options={"BACKEND": "FLASH"}. Raises what the backend raises."""
     if not hooks.flex_expressible:
         raise RuntimeError(f"{hooks.normalization.kind} normalisation: FlexAttention is softmax only")
-    fx, cbm = compiled_flex_attention()
-    n = q.shape[2]
-    kw = {"score_mod": hooks.score_mod,
-          "block_mask": cbm(hooks.mask_mod, None, None, n, n, device=q.device) if hooks.mask_mod else None}
-    if backend == "flash":
-        kw["kernel_options"] = {"BACKEND": "FLASH"}
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = fx(*leaves, **kw)
+    leaves, forward = flex_autograd(hooks, q, k, v, backend)
+    out = forward()
     grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     return {"bwd": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), "grads": grads}
 
@@ -226,7 +220,7 @@ def run_shape(name, n, options, peers, reps, fwd_ours):
     hooks = load_spec(name).hooks_for(n, n, H, H, "cuda")
     pairs = count_attended(hooks, b, H, n, n, device="cuda")
     flops = BWD_FLOP_FACTOR * 4.0 * D * pairs
-    q, dout, k, v = _inputs(n, b)
+    q, k, v, dout = _inputs(n, b)
     out, lse = fwd_ours.fn(name, q, k, v)()
     systems = {f"ours:{o}": ours_option(name, o, q, k, v, dout, out, lse, pairs / (b * H * n * n)) for o in options}
     for peer in peers:

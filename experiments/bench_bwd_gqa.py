@@ -50,10 +50,7 @@ AGREE_REL = 0.05
 
 
 def _inputs(hq: int, hkv: int):
-    g = torch.Generator(device="cuda").manual_seed(hq * 131 + hkv)
-    q, dout = (torch.randn(B, hq, N, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    k, v = (torch.randn(B, hkv, N, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    return q, k, v, dout
+    return expkit.bwd_inputs(B, hq, hkv, N, D, seed=hq * 131 + hkv)
 
 
 def splits_for(hq: int, hkv: int) -> list[int]:

@@ -33,10 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import expkit
+from expkit.peers import flex_autograd
 from expkit import grad_rel_errors
 import torch
 
-from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention, tflops  # noqa: E402
+from cubridge.runtime.timing import bench_round_robin, tflops  # noqa: E402
 from cubridge.spec import load_spec  # noqa: E402
 from cubridge.transfer.pairs import count_attended  # noqa: E402
 
@@ -57,10 +58,7 @@ class Refused(Exception):
 
 
 def _inputs(n: int, b: int):
-    g = torch.Generator(device="cuda").manual_seed(n * 131 + b)
-    q, dout = (torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    k, v = (torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    return q, k, v, dout
+    return expkit.bwd_inputs(b, H, H, n, D, seed=n * 131 + b)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,15 +98,9 @@ def _autograd_system(forward, leaves, dout):
 def flex(name, hooks, q, k, v, dout, backend):
     if not hooks.flex_expressible:
         raise Refused(f"{hooks.normalization.kind} normalisation: FlexAttention is softmax only")
-    fx, cbm = compiled_flex_attention()
-    n = q.shape[2]
-    bm = cbm(hooks.mask_mod, None, None, n, n, device=q.device) if hooks.mask_mod else None
-    kw = {"score_mod": hooks.score_mod, "block_mask": bm}
-    if backend == "flash":
-        kw["kernel_options"] = {"BACKEND": "FLASH"}
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    leaves, forward = flex_autograd(hooks, q, k, v, backend)
     try:
-        return _autograd_system(lambda: fx(*leaves, **kw), leaves, dout)
+        return _autograd_system(forward, leaves, dout)
     except Exception as e:  # noqa: BLE001 - the backend's refusal (or failure) is the recorded reason
         raise Refused(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
 

@@ -16,12 +16,13 @@ import json
 import sys
 from pathlib import Path
 
-import expkit  # noqa: F401 - cubridge importable from a bare checkout
+import expkit
+from expkit.peers import flex_autograd
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from cubridge.runtime.timing import bench_round_robin, compiled_flex_attention
+from cubridge.runtime.timing import bench_round_robin
 from cubridge.spec import load_spec
 
 FLUSH_BYTES = 128 << 20
@@ -33,11 +34,8 @@ class Refused(Exception):
 
 
 def _inputs(n: int, b: int):
-    """q, k, v, dout as bench_bwd_variants.py draws them (same seed, same order)."""
-    g = torch.Generator(device="cuda").manual_seed(n * 131 + b)
-    q, dout = (torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    k, v = (torch.randn(b, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    return q, k, v, dout
+    """q, k, v, dout as bench_bwd_variants.py draws them (expkit.bwd_inputs, same seed)."""
+    return expkit.bwd_inputs(b, H, H, n, D, seed=n * 131 + b)
 
 
 def ours(name: str, q, k, v, dout):
@@ -53,15 +51,9 @@ def flex(hooks, q, k, v, dout, backend: str):
     """FlexAttention's backward alone: autograd.grad on a retained graph (backend "flash": FA4's CuTe DSL)."""
     if not hooks.flex_expressible:
         raise Refused(f"{hooks.normalization.kind} normalisation: FlexAttention is softmax only")
-    fx, cbm = compiled_flex_attention()
-    n = q.shape[2]
-    kw = {"score_mod": hooks.score_mod,
-          "block_mask": cbm(hooks.mask_mod, None, None, n, n, device=q.device) if hooks.mask_mod else None}
-    if backend == "flash":
-        kw["kernel_options"] = {"BACKEND": "FLASH"}
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    leaves, forward = flex_autograd(hooks, q, k, v, backend)
     try:
-        out = fx(*leaves, **kw)
+        out = forward()
         torch.autograd.grad(out, leaves, dout, retain_graph=True)
     except Exception as e:  # noqa: BLE001 - the backend's refusal is the recorded reason
         raise Refused(f"{type(e).__name__}: {str(e).strip()[:200]}")

@@ -75,6 +75,15 @@ def bwd_reference():
 GRAD_SANITY_REL = 0.05   # max |ours - peer| / max |peer| per gradient: a go / no-go for a timing row
 
 
+def bwd_inputs(b: int, hq: int, hkv: int, n: int, d: int, seed: int):
+    """(q, k, v, dout) in bf16 for a backward benchmark, drawn q, dout, k, v in that order from one CUDA
+    generator seeded `seed` (the backward benchmarks' shared draw, so their rows time the same tensors)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, dout = (torch.randn(b, hq, n, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(b, hkv, n, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    return q, k, v, dout
+
+
 def grad_rel_errors(grads, ref) -> dict[str, float]:
     """{dq, dk, dv: max |g - r| / max |r|} of two systems' gradients (NaN stays NaN)."""
     return {name: float((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6))

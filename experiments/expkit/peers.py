@@ -189,6 +189,20 @@ def _flex(name, hooks, q, k, v, backend):
     return fn, f"BlockMask {block[0]}x{block[1]}" if bm is not None else "no BlockMask"
 
 
+def flex_autograd(hooks, q, k, v, backend: str):
+    """(leaves, forward) for timing FlexAttention's backward: detached copies of q, k, v that require grad and
+    the compiled flex_attention call on them with the spec's score / mask mods (backend "flash": FA4's kernels,
+    kernel_options BACKEND FLASH). The caller checks hooks.flex_expressible and maps the backend's refusal."""
+    fx, cbm = compiled_flex_attention()
+    n = q.shape[2]
+    kw = {"score_mod": hooks.score_mod,
+          "block_mask": cbm(hooks.mask_mod, None, None, n, n, device=q.device) if hooks.mask_mod else None}
+    if backend == "flash":
+        kw["kernel_options"] = {"BACKEND": "FLASH"}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    return leaves, lambda: fx(*leaves, **kw)
+
+
 def make_flex_flash(name, hooks, q, k, v):
     return _flex(name, hooks, q, k, v, "flash")
 

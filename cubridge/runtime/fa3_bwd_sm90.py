@@ -404,7 +404,7 @@ def build_cubin(head_dim: int, causal: bool, bf16: bool, *, option: str = DEFAUL
                                "(the default) or gqa_split=1")
     if fuse and (not fuse_capable(_modes(option)) or bnhd):
         raise LaunchError(f"fuse=True with option {option!r}, bnhd={bnhd}", where="fa3_bwd_sm90",
-                          hint="the fused dQ convert needs a DQ_WRITER + LEAN option (..._dqw...), not PERSIST, and "
+                          hint="the fused dQ convert needs a DQ_WRITER + LEAN option (..._dqw...), not PERSIST or _m80, and "
                                "contiguous [B, H, N, D] dq (bnhd=False)")
     if source is not None and option not in VARIANT_OPTIONS:
         raise LaunchError(f"option {option!r} has no variant hooks", where="fa3_bwd_sm90",
@@ -429,8 +429,9 @@ def fused_convert_enabled() -> int:
 
 def fuse_capable(modes: "Modes") -> bool:
     """Whether DQ_FUSE builds with these modes: the writer warp counts the completed adds (DQ_WRITER), LEAN's
-    preprocess skips the zeroing, one CTA per KV tile (no PERSIST)."""
-    return bool(modes.dq_writer and modes.lean and not modes.persist)
+    preprocess skips the zeroing, one CTA per KV tile (no PERSIST), the 64-row dQ tiles (not TILE_M80's
+    transposed accumulator, which has its own convert)."""
+    return bool(modes.dq_writer and modes.lean and not modes.persist and not modes.tile_m80)
 
 
 # (device index, stream, accumulator floats, counters) -> (accumulator, counters), both all zero between calls
@@ -637,9 +638,8 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     split = gqa.effective(gqa.requested(gqa_split, gqa.default_split(bool(causal), variant is not None)), hq // hkv)
     if split > 1 and not modes.epilogue and gqa_split is None:
         split = 1   # the environment's / default split applies to the options that can take it
-    # contiguous dq of < 2^31 elements (the converters' 32-bit offsets); BNHD keeps the convert launch, TILE_M80 its own
-    fuse = (fused_convert_enabled() if fuse_capable(modes) and not modes.tile_m80 and not bnhd and dq.numel() < 2 ** 31
-            else 0)
+    # contiguous dq of < 2^31 elements (the converters' 32-bit offsets); BNHD keeps the convert launch
+    fuse = fused_convert_enabled() if fuse_capable(modes) and not bnhd and dq.numel() < 2 ** 31 else 0
     staged = modes.dq_mode == 1 and not bnhd and not modes.tile_m80 and not fuse and staged_convert_enabled(
         STAGED_VARIANT_DEFAULT if variant is not None else "0")
     funcs = _functions(d, bool(causal), bf16, option, device, compiler,

@@ -35,7 +35,7 @@ def test_fuse_capable_options():
     assert hb.fuse_capable(hb.OPTIONS[DQW_EARLY]) and hb.fuse_capable(hb.OPTIONS[hb.VARIANT_OPTION])
     assert hb.fuse_capable(hb.OPTIONS[hb.CAUSAL_OPTION])
     for option in ("bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean",
-                   "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist"):
+                   "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist", "bulk_overlap_lse_lean_issue_epi_dqw_early_m80"):
         assert not hb.fuse_capable(hb.OPTIONS[option]), option
     with pytest.raises(LaunchError, match="DQ_WRITER"):
         hb.build_cubin(128, False, True, option="bulk_overlap_lse_lean_issue_pf32_epi", fuse=True)

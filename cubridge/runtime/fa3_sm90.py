@@ -249,7 +249,8 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
             return Fa3Config(64, 128, 128, 2, causal, bf16, persistent=True)
         # d64 8k: 192x128 (3 consumers) causal P 445 / full P 503 vs 128x128 408 / 441;
         # full 1k: 192x128 P 391 vs 128x128 P 387 (v11: 361 vs 335; 3 stages 361)
-        return Fa3Config(64, 192, 128, 2, causal, bf16, persistent=True, tile_sections=_sections(causal, seqlen))
+        return Fa3Config(64, 192, 128, 2, causal, bf16, persistent=True,
+                         tile_sections=0 if variant else _sections(causal, seqlen))
     # d128: 128x128, 2 stages (160 KB + 32 KB O stage), persistent. Causal P vs G: 1k 444 vs 383,
     # 8k 570 vs 535, 16k 596 vs 582; full 1k 584 vs 528, 8k 623 vs 597 (v3).
     # v11 (softmax scale in the exp2 FFMA): 128x176 wins full at 8k (646 vs 614; GQA 64/8 656 vs
@@ -268,7 +269,8 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     # 1.023 / 1.011 (GQA), 16k 1.017-1.028; it lost at 2k-4k (0.973-0.997, 176) and at D 64.
     # Lowered variants are not the dense kernel: `wide` ones keep 176 from 8k, no tail_split.
     if not variant and seqlen >= (16384 if causal else 8192):
-        return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True, tail_split=not causal)
+        return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True, tail_split=not causal,
+                         tile_sections=_sections(causal, seqlen))
     if variant and wide and seqlen >= (8192 if wide is True else wide):
         return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True)
     return Fa3Config(head_dim, 128, 128, 2, causal, bf16, persistent=True,
@@ -278,12 +280,15 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
 # Dense causal at D 128 / 64 takes tile_sections (D 256's causal default since session 16) where it was measured:
 # session 16 final call (H100, 8k, one rotated round-robin beside FA4, ab_peer_patches): D 128 MHA 704.2 vs 690.5
 # TFLOPS (+2.0%; FA4 697.5), GQA 64/8 671.5 vs 664.2 (+1.1%; the same-kernel control read +1.0%); D 64 MHA 522.8
-# vs 505.8 (+3.4%), GQA 505.9 vs 500.6 (+1.1%). 1k / 4k / 16k are not measured with it yet.
-SECTIONS_FROM, SECTIONS_BELOW = 8192, 16384
+# vs 505.8 (+3.4%), GQA 505.9 vs 500.6 (+1.1%). Session 17 early call (same protocol, experiments/results/
+# session17_h100/early/sections_ab.json), over the default at 4k / 16k: D 128 MHA +2.0 / +2.0% (16k: the 128 x 176
+# tile), GQA +1.0 / +0.2%; D 64 MHA +2.3 / +2.4%, GQA +0.8 / +0.8%. At 1k it loses (D 128 0.952 / 0.990, D 64 0.961 /
+# 0.982: 1k's few tiles per head leave no tail to fix and the sections cost L2 locality across heads), so from 4k on.
+SECTIONS_FROM = 4096
 
 
 def _sections(causal: bool, seqlen: int) -> int:
-    return int(causal and SECTIONS_FROM <= seqlen < SECTIONS_BELOW)
+    return int(causal and seqlen >= SECTIONS_FROM)
 
 
 # ------------------------------------------------------------------ build

@@ -66,3 +66,20 @@ def test_producer_sleep_spill_free_and_producer_only(tmp_path):
     finally:
         sys.path[:] = before
     assert len(steady_loop(sass["d64c_p"])) == len(steady_loop(sass["d64c"])), "producer_sleep changed the step"
+
+
+def test_tile_sections_rule_of_the_dense_defaults():
+    """Session 17: dense causal D 128 / 64 take tile_sections from 4k on (16k's 128 x 176 too), never at 1k, never
+    full attention, never a lowered variant (their host order has its own switch, CUBRIDGE_LPT_SECTIONS)."""
+    for d in (64, 128):
+        assert [default_config(d, True, True, n).tile_sections for n in (1024, 2048, 4096, 8192, 16384, 32768)] \
+            == [0, 0, 1, 1, 1, 1]
+        assert not any(default_config(d, False, True, n).tile_sections for n in (1024, 4096, 8192, 16384))
+        assert not default_config(d, True, True, 8192, variant=True).tile_sections
+    assert default_config(128, True, True, 16384).block_n == 176
+
+
+@NEEDS_TOOLS
+def test_tile_sections_at_the_wide_causal_tile_spill_free(tmp_path):
+    cfg = default_config(128, True, True, 16384)
+    assert _fwd_spill(_build(cfg.defines(), KERNEL_SOURCE, tmp_path / "c176s.cubin")) == 0

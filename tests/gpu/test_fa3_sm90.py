@@ -260,11 +260,12 @@ def test_tile_configs(cfg, n, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("n", [8192, 16384], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("n", [4096, 8192, 16384], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("d", HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_default_config_at_long_lengths(d, n, causal):
     """default_config's long-sequence choices (session 14: causal D 128 128 x 128 below 16k and
-    128 x 176 from 16k; full 128 x 176 with the options it sets) on the full persistent grid (256
+    128 x 176 from 16k; full 128 x 176 with the options it sets; causal's tile_sections from 4k, session 17) on the
+    full persistent grid (256
     tiles on the SMs: a last wave), by the rule. Two heads: the float64 golden of 16k rows is 4 GB."""
     run_case(1, 2, 1, n, n, d, torch.bfloat16, causal, persistent=True)
 

@@ -48,8 +48,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from expkit.llama import (first_flex, B, D, HKV, HQ, LAYERS, VOCAB, attention_call, backward_kernels, call_kwargs,
-                          capture_attention, env_opt_ins, grad_verdict, implementation, loss_curve, make_model,
+from expkit.llama import (first_flex, B, D, HKV, HQ, LAYERS, MAX_POSITIONS, VOCAB, attention_call, backward_kernels,
+                          call_kwargs, capture_attention, env_opt_ins, grad_verdict, implementation, loss_curve, make_model,
                           optimizer, parse_config, profiled_kernels, seeds_verdict, speedups, train_step,
                           versions)
 
@@ -102,8 +102,8 @@ def parse(argv=None):
         ap.error(f"--steps {args.steps}: a loss curve needs at least 2 steps")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         ap.error(f"--lr {args.lr}: a positive finite learning rate")
-    if not 128 <= args.train_n <= 16384 or args.train_n % 128:
-        ap.error(f"--train-n {args.train_n}: a multiple of 128 in [128, 16384] (the model's max positions)")
+    if not 128 <= args.train_n <= MAX_POSITIONS or args.train_n % 128:
+        ap.error(f"--train-n {args.train_n}: a multiple of 128 in [128, {MAX_POSITIONS}] (the model's max positions)")
     for label in args.alt_configs:
         try:
             parse_config(label)

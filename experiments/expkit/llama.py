@@ -18,6 +18,7 @@ import re
 import torch
 
 B, HQ, HKV, D, LAYERS, VOCAB, FFN = 2, 16, 4, 128, 4, 32000, 5632
+MAX_POSITIONS = 32768      # the longest sequence the client's model takes (issue 17's step against the length)
 NOISE_ATOL = 1e-5          # the verification rule's additive term, on the loss
 ENVS = ("CUBRIDGE_HOPPER_VARIANT_BWD", "CUBRIDGE_HOPPER_BWD")   # the backward kernels' opt-ins
 # issue 15 / 17 bars: (direction, variant, baseline) -> speedup; "flex" is whichever backend ran
@@ -30,7 +31,7 @@ def make_model(device="cuda", *, hq=HQ, hkv=HKV, d=D, layers=LAYERS, vocab=VOCAB
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hq * d, intermediate_size=ffn, num_hidden_layers=layers,
-                      num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, max_position_embeddings=16384,
+                      num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, max_position_embeddings=MAX_POSITIONS,
                       attention_dropout=0.0)
     with torch.device(device):      # random init on the GPU: seconds per model on the host otherwise
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)

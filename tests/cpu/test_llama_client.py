@@ -39,7 +39,7 @@ def mods():
 @pytest.mark.parametrize("argv,message", [
     (["--reps", "0"], "--reps 0"), (["--train", "--steps", "1"], "--steps 1"),
     (["--train", "--lr", "nan"], "--lr nan"), (["--train", "--train-n", "100"], "--train-n 100"),
-    (["--train", "--train-n", "32768"], "--train-n 32768"), (["--no-forward"], "nothing to run"),
+    (["--train", "--train-n", "40960"], "--train-n 40960"), (["--no-forward"], "nothing to run"),
     (["--alt-configs", "128x176"], "write BMxBNsS"), (["--alt-configs", "128x256s2p"], "registers")])
 def test_bad_arguments_are_refused(mods, capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -31,15 +31,19 @@ _KERNELS: dict = {}          # (entry, device index) -> LoadedKernel
 # Sections (session 16, issues 18 / 19): with CUBRIDGE_LPT_SECTIONS=1 when a lowered variant's launch is
 # packed (LoweredKernel.args: Launchable.lpt_sections), its tiles go in sections of 2^section_shift heads,
 # longest first inside a section (fa3_sm90.lpt_order's shift), as the dense kernel's TILE_SECTIONS does:
-# head by head, the last head's longest tiles start when only that head's tiles are left. Off by default
-# until an H100 A/B (experiments/jobs/s17_lptsec.txt); ref_kernels/fa3_sm90/NOTES.md "Session 16 (lptsec)".
+# head by head, the last head's longest tiles start when only that head's tiles are left. On by default since
+# session 17's mid call (H100, 8k GQA 32/8 B 2, bench_corpus --ab-env, experiments/results/session17_h100/mid/
+# lpt_corpus_ab.json): over head by head +0.6% to +2.6% on all ten corpus rows timed (padded_causal 0.993 -> 1.009x
+# Flex-FLASH, ag_causal +2.5%, gemma2_local +1.8%), Gemma-2 local D 256 +2.0% (lpt_gemma2_d256.json); GPU tests 48
+# passed (early call). CUBRIDGE_LPT_SECTIONS=0 restores head by head. ref_kernels/fa3_sm90/NOTES.md
+# "Session 16 (lptsec)".
 SECTIONS_ENV = "CUBRIDGE_LPT_SECTIONS"
 L2_SECTION_BYTES = 52428800  # tiles.cuh section_heads: the heads whose K and V fit in 50 MB of L2
 
 
 def sections_on() -> bool:
-    """CUBRIDGE_LPT_SECTIONS: "1" sectioned tile orders, "0" or unset head by head (the default)."""
-    return env_switch(SECTIONS_ENV, "0", f"unset {SECTIONS_ENV} (head by head, the default) or set it to 0 / 1 "
+    """CUBRIDGE_LPT_SECTIONS: "1" or unset sectioned tile orders (the default), "0" head by head."""
+    return env_switch(SECTIONS_ENV, "1", f"unset {SECTIONS_ENV} (sections, the default) or set it to 0 / 1 "
                       "(1: sections of heads whose K and V fit in L2, as the dense kernel's TILE_SECTIONS)")
 
 

@@ -1,4 +1,4 @@
-"""The lowered variants' host tile order in L2 sections of heads (CUBRIDGE_LPT_SECTIONS, off by default;
+"""The lowered variants' host tile order in L2 sections of heads (CUBRIDGE_LPT_SECTIONS, on by default since session 17;
 issues 18 / 19): fa3_sm90.lpt_order's `shift` and runtime.lpt's key kernel, checked without a GPU.
 Off (shift 0) is today's head-by-head order bit for bit; on, every order is a permutation with the
 outliers first and each section's tiles consecutive, longest first; the key kernel's C key (compiled
@@ -109,7 +109,7 @@ def test_bad_shifts_are_refused():
 def test_the_switch_is_read_when_a_launch_is_packed(monkeypatch):
     from cubridge.lower import Launchable
     monkeypatch.delenv(lpt.SECTIONS_ENV, raising=False)
-    assert not Launchable("", None, []).lpt_sections                 # off by default
+    assert Launchable("", None, []).lpt_sections                     # on by default since session 17
     monkeypatch.setenv(lpt.SECTIONS_ENV, "1")
     assert Launchable("", None, []).lpt_sections
     monkeypatch.setenv(lpt.SECTIONS_ENV, "0")

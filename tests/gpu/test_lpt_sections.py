@@ -1,5 +1,6 @@
-"""Lowered variants with their host tile order in L2 sections of heads (CUBRIDGE_LPT_SECTIONS=1, off by
-default; runtime.lpt.section_shift, fa3_sm90.lpt_order's shift) on fa3_sm90, under the verification rule:
+"""Lowered variants with their host tile order in L2 sections of heads (CUBRIDGE_LPT_SECTIONS=1, the
+default since session 17; runtime.lpt.section_shift, fa3_sm90.lpt_order's shift) on fa3_sm90, under the
+verification rule:
 float64 golden, poisoned output fully written, inputs unchanged, a bitwise second run, and bitwise equal
 to the head-by-head order (a variant has no tail split: a tile's result does not depend on when it runs).
 Shapes with one section, with two and a short last one, and a per-call variant (runtime inputs: the

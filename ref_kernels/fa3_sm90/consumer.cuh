@@ -176,6 +176,10 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     if (t >= pb.num_tiles) break;
     if constexpr (!kRangeViaSmem) tl = pb.tile(t);         // a cheap range: recomputed here
     const int tiles = kv_count(tl.r);
+#ifdef CUIR_FULL_BITS_HOOKS   // (a lowered block-table variant: its full tiles' classes, one round trip per warp)
+    int full_cls[kFullWords];
+    full_bits_issue(pb.va, tl.r, cs.lane, full_cls);
+#endif
     if (tiles == 0) {                                      // nothing attended: O = 0, lse = -inf
       if (kOverlapTiles && pending) drain_alone();       // (without overlap none is pending here)
 #pragma unroll
@@ -240,6 +244,9 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       wgmma_wait<0>();
     }
     softmax_init(st);
+#ifdef CUIR_FULL_BITS_HOOKS
+    full_bits_take(tl.r, full_cls);                        // (a ballot per word: tile_partial is a bit test)
+#endif
     bool partial = partial_at(0), partial_next = partial_at(1);
     reg_fence(s);
     cs.release(sm.k_empty + 8 * ring_stage(it));

@@ -545,6 +545,9 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     Tile tl{};
     if constexpr (kRangeViaSmem) {
       if (t < pb.num_tiles) tl = pb.tile(t);
+#ifdef CUIR_FULL_BITS_HOOKS   // (a lowered block-table variant: the row's classes into L2 for the consumers' bitmap)
+      if (t < pb.num_tiles) full_bits_prefetch(pb.va, tl.r);
+#endif
       st_shared_words(sm.tile_slot + kTileSlotBytes * slot, TileMsg{t, tl});
     } else {
       st_shared_words(sm.tile_slot + kTileSlotBytes * slot, t);

@@ -86,3 +86,19 @@ def test_class_head0_passes_the_rule(name, table_range, shape, monkeypatch):
     monkeypatch.setenv(TABLE_RANGE_ENV, table_range)
     monkeypatch.setenv(HEAD0_ENV, "1")
     _lowered_passes_the_rule(name, shape, "#define CUIR_CLASS_HEAD0 1", "no head-0 classes", "h0")
+
+
+# CUBRIDGE_FULL_BITS=1 (session 17, tablerange.py CUIR_FULL_BITS): the consumers' bitmap of full tiles (one round
+# trip per warp at a work tile's start, a ballot; tile_partial a bit test) under the trimmed range; the document masks
+# and ag_head_mask (its arithmetic range has no table class: the switch must leave it as it is) under the rule too.
+FULL_BITS_SPECS = ["padded_causal", "packed_sequences", "document", "ag_document_causal", "ag_head_mask"]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", FULL_BITS_SPECS)
+def test_full_bits_passes_the_rule(name, shape, monkeypatch):
+    from cubridge.lower.tablerange import FULL_BITS_ENV
+    monkeypatch.setenv(FULL_BITS_ENV, "1")
+    monkeypatch.setenv(TABLE_RANGE_ENV, "1")
+    marker = "#define CUIR_FULL_BITS 1" if name in ("padded_causal", "packed_sequences", "document") else ""
+    _lowered_passes_the_rule(name, shape, marker, "no full-tile bitmap", "fb")

@@ -32,7 +32,8 @@ import os
 from cubridge.cuir import nodes as N
 from cubridge.errors import env_switch
 from cubridge.lower import rowint
-from cubridge.lower.cexpr import LowerError
+from cubridge.lower.cexpr import LowerError, to_c
+from cubridge.lower.hooks import c_names, c_tables
 from cubridge.lower.itspace import Target, predicates
 from cubridge.lower.rowint import Rows
 from cubridge.lower.variant import VariantIR
@@ -51,6 +52,12 @@ SCAN_CHUNK = 8
 # masked as partial (exact).
 FULL_BITS_ENV = "CUBRIDGE_FULL_BITS"
 FULL_BITS_DEFAULT = "0"
+# Session 17 (pad17): partial tiles in one pass, R's row interval (kMaskRows' compare pair) and X's column bits
+# (CUIR_TABLE_ROWS; CUBRIDGE_TABLE_ROWS=1): each thread evaluates X for its 32 columns and two rows into two words
+# once per partial tile, skipped on the tile R cuts and X keeps whole (r_only: R's top tile where the class one
+# query tile below is 2, key tables only, read in the trim's first round trip): there R alone, no table read.
+TABLE_ROWS_ENV = "CUBRIDGE_TABLE_ROWS"
+TABLE_ROWS_DEFAULT = "0"
 FULL_WORDS = 4          # 128 KV tiles: a whole 16k row at BLOCK_N 128 (past it: partial; spill-free at 128 x 128)
 
 
@@ -132,6 +139,29 @@ def full_bits_define() -> str:
     return f"#ifndef CUIR_FULL_BITS   // 1: the consumers' full-tile bitmap (lower/tablerange.py)\n#define CUIR_FULL_BITS {int(on)}\n#endif\n"
 
 
+def table_rows_define() -> str:
+    """CUIR_TABLE_ROWS's default in the generated source (CUBRIDGE_TABLE_ROWS, default TABLE_ROWS_DEFAULT)."""
+    on = env_switch(TABLE_ROWS_ENV, TABLE_ROWS_DEFAULT,
+                    f"unset {TABLE_ROWS_ENV} (default {TABLE_ROWS_DEFAULT}) or set it to 0 / 1", LowerError)
+    return (f"#ifndef CUIR_TABLE_ROWS   // 1: partial tiles by R's rows and X's column bits (lower/tablerange.py)\n"
+            f"#define CUIR_TABLE_ROWS {int(on)}\n#endif\n")
+
+
+def table_rows_fns(ir: VariantIR, rows: Rows) -> str:
+    """x_pred (the table factor X alone) and kTableRowLo (R has a lower bound) for kernel.cu's score_and_mask_x."""
+    x = split(ir.mask)[1]
+    names = c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
+    return f"""\
+#if CUIR_TABLE_ROWS
+#define CUIR_TABLE_ROWS_HOOKS 1   // kernel.cu's score_and_mask_x (consumer.cuh: every partial tile)
+constexpr bool kTableRowLo = {"true" if rows.lo else "false"};   // R bounds its keys from below
+__device__ __forceinline__ bool x_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {{
+  return {to_c(x, names, c_tables(ir))};
+}}
+#endif
+"""
+
+
 def region(ir: VariantIR, t: Target, rows: Rows, kind: str, scan: str) -> str:
     """The kv_range region with both ranges: the trimmed arithmetic one where CUIR_TABLE_RANGE is 1,
     `scan` (the bitmap region) otherwise."""
@@ -157,7 +187,7 @@ def mask_kind(t: Target, kind: str) -> str:
   w.{t.q_tile} = r.{t.q_tile} + 1;
   return tile_class(va, w, n_top) == 2 ? n_top : -1;"""
     return f"""\
-#ifdef CUIR_TABLE_KIND
+#ifdef CUIR_R_ONLY
 __device__ __forceinline__ int r_only_tile(const VariantArgs& va, const KvRange& r, int n_top) {{
 {only}
 }}
@@ -189,7 +219,10 @@ def trimmed(ir: VariantIR, t: Target, rows: Rows, kind: str = "other") -> str:
                         for w in range(FULL_WORDS))
     lo = rows.lo or "-(1 << 30)"
     hi = rows.hi or "(1 << 30)"
-    return full_bits_define() + f"""\
+    return full_bits_define() + table_rows_define() + f"""\
+#if CUIR_TABLE_ROWS || defined(CUIR_TABLE_KIND)
+#define CUIR_R_ONLY 1   // r_only: the tile R cuts and X keeps whole
+#endif
 #if CUIR_FULL_BITS
 #define CUIR_FULL_BITS_HOOKS 1   // kernel.cu's producer and consumer.cuh call the full_bits_* functions below
 constexpr int kFullWords = {FULL_WORDS};
@@ -202,8 +235,8 @@ constexpr int kFullWords = {FULL_WORDS};
 struct KvRange {{
   int b, h, {t.q_tile}, q_lo, q_hi, {lq}, {lk};
   int n_begin, n_end, full_begin, full_end;
-#ifdef CUIR_TABLE_KIND
-  int r_only;       // the tile R cuts and X keeps whole (knob table_kind), else -1
+#ifdef CUIR_R_ONLY
+  int r_only;       // the tile R cuts and X keeps whole (knob table_kind, CUIR_TABLE_ROWS), else -1
 #endif
 #if CUIR_FULL_BITS
   unsigned {words};   // bit j of word w: tile full_begin + 32 w + j has class 2 (set by the consumers)
@@ -232,7 +265,7 @@ __device__ __forceinline__ bool tile_must(const VariantArgs& va, const KvRange& 
   return {must};
 }}
 constexpr int kScanChunk = {SCAN_CHUNK};
-""" + mask_kind(t, kind) + f"""\
+""" + mask_kind(t, kind) + table_rows_fns(ir, rows) + f"""\
 // Experiment hooks (off: no code), set by experiments/patches/knobs/table_diag_*.patch: CUIR_TABLE_NOTRIM
 // (R's range untrimmed), CUIR_TABLE_NOCLASS (tile_partial from R's range only, no class read), and the
 // knob table_diag_nox's kernel.cu hunk (partial tiles masked by R alone, table_r_pred). Each is exact only
@@ -259,7 +292,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   const int full_lo = max(row_key_lo(va, b, h, r.q_hi), 0), full_hi = min(row_key_hi(va, b, h, r.q_lo), {lk});
   r.full_begin = (full_lo + {bn} - 1) / {bn};
   r.full_end = max(full_hi, 0) / {bn};            // whole tiles below both hi(q_lo) and the key bound
-#ifdef CUIR_TABLE_KIND
+#ifdef CUIR_R_ONLY
   r.r_only = -1;
 #endif
 #if CUIR_FULL_BITS
@@ -282,7 +315,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   for (int j = kScanChunk - 1; j >= 0; --j) bottom = bottom_cls[j] != 0 ? r.n_begin + j : bottom;
   const bool top_found = top > t0, bottom_found = bottom < b1;
   // A nonempty tile found at one end lies outside the other end's empty chunk: the order holds.
-#ifdef CUIR_TABLE_KIND
+#ifdef CUIR_R_ONLY
   r.r_only = r_only_tile(va, r, r.n_end - 1);   // (read with the first round trip: independent of it)
 #endif
   r.n_end = top;

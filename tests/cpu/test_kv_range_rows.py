@@ -51,7 +51,7 @@ int main() {
   VariantArgs va{};
 %(read)s
   const int shift = Nk - Nq, num_m = (Nq + kBlockM - 1) / kBlockM, num_n = (Nk + kBlockN - 1) / kBlockN;
-  long errors = 0, visited = 0, r_only = 0, full_bits_full = 0;
+  long errors = 0, visited = 0, r_only = 0, full_bits_full = 0, table_rows_tiles = 0;
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)
       for (int m = 0; m < num_m; ++m) {
@@ -92,6 +92,24 @@ int main() {
           if (seen[n] && !all && !tile_partial(va, r, n)) {
             printf("unmasked tile with a masked pair m%%d n%%d b%%d h%%d\n", m, n, b, h); ++errors;
           }
+#ifdef CUIR_TABLE_ROWS_HOOKS
+          // kernel.cu's score_and_mask_x on every partial tile: R's row interval (the key bound applied) and X,
+          // X taken as all-true on the tile r_only
+          if (seen[n] && tile_partial(va, r, n)) {
+            const bool x_all = n == r.r_only;
+            table_rows_tiles += x_all;
+            for (int q = m * kBlockM; q < (m + 1) * kBlockM && q < Nq; ++q)
+              for (int k = n * kBlockN; k < (n + 1) * kBlockN; ++k) {
+                const int qq = q + shift;
+                const bool keep = ((!kTableRowLo) | (k >= row_key_lo(va, b, h, qq)))
+                                  & (k < min(row_key_hi(va, b, h, qq), Nk)) & (x_all || x_pred(va, b, h, qq, k));
+                if (keep != (k < Nk && mask_pred(va, b, h, qq, k))) {
+                  printf("table rows m%%d n%%d b%%d h%%d q%%d k%%d x_all %%d\n", m, n, b, h, q, k, x_all); ++errors;
+                  q = Nq; break;
+                }
+              }
+          }
+#endif
 #if CUIR_FULL_BITS
           // the bit test is the class load's answer inside the bitmap, partial past it
           const bool want = n < r.full_begin || n >= r.full_end || n - r.full_begin >= 32 * kFullWords
@@ -120,7 +138,7 @@ int main() {
         }
         if (errors > 20) return 1;
       }
-  printf("ok visited %%ld r_only %%ld full %%ld\n", visited, r_only, full_bits_full);
+  printf("ok visited %%ld r_only %%ld full %%ld rows_only %%ld\n", visited, r_only, full_bits_full, table_rows_tiles);
   return errors ? 1 : 0;
 }
 """
@@ -205,7 +223,7 @@ def test_table_range_visits_every_attended_tile(case, tmp_path):
                          ids=lambda c: f"{c[0]}-{c[2]}x{c[3]}-{c[4][3]}")
 def test_table_kind_r_alone_only_where_x_keeps_the_tile(case, tmp_path):
     out = _check_range(case[:5], tmp_path, "#if CUIR_TABLE_RANGE", exact=case[5], kind=True)
-    r_only = int(out.split("r_only")[1])
+    r_only = int(out.split("r_only")[1].split()[0])
     # (queries end-aligned with 150 keys more, 32 x 16: the next query tile still cuts the diagonal tile)
     assert (r_only > 0) == (case[0] == "padded_causal" and case[4][3] == case[4][4]), out
 
@@ -369,7 +387,7 @@ def test_full_bits_equal_the_class_load(case, tmp_path, monkeypatch):
     from cubridge.lower.tablerange import FULL_BITS_ENV
     monkeypatch.setenv(FULL_BITS_ENV, "1")
     out = _check_range(case[:5], tmp_path, "#define CUIR_FULL_BITS 1", exact=case[5])
-    assert int(out.split("full")[1]) > 0, out         # some tiles run unmasked through the bitmap
+    assert int(out.split(" full ")[1].split()[0]) > 0, out         # some tiles run unmasked through the bitmap
 
 
 # Mutants that must fail: a partial class taken as full, a bit of the wrong word, a lane's tile off by one.
@@ -397,3 +415,34 @@ def test_full_bits_off_by_default_and_bad_value(monkeypatch):
     monkeypatch.setenv(FULL_BITS_ENV, "yes")
     with pytest.raises(CubridgeError, match=FULL_BITS_ENV):
         lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90")
+
+
+# CUBRIDGE_TABLE_ROWS=1 (session 17, tablerange.py CUIR_TABLE_ROWS; kernel.cu score_and_mask_x): every partial tile by
+# R's row interval and X, X skipped on the tile r_only (R's top tile where the class one query tile below is 2: key
+# tables only), checked pair by pair against mask_pred on every partial tile; with the bitmap too.
+@pytest.mark.parametrize("full_bits", ["0", "1"])
+@pytest.mark.parametrize("case", FULL_BITS_CASES + [("padded_causal", {}, 16, 16, (8, 1, 1, 333, 333), True)],
+                         ids=lambda c: f"{c[0]}-{c[2]}x{c[3]}-{c[4][3]}")
+def test_table_rows_equal_the_mask(case, full_bits, tmp_path, monkeypatch):
+    from cubridge.lower.tablerange import FULL_BITS_ENV, TABLE_ROWS_ENV
+    monkeypatch.setenv(FULL_BITS_ENV, full_bits)
+    monkeypatch.setenv(TABLE_ROWS_ENV, "1")
+    out = _check_range(case[:5], tmp_path, "#define CUIR_TABLE_ROWS 1", exact=case[5])
+    rows_only = int(out.split("rows_only")[1].split()[0])
+    # R alone only on key tables (padding), and there on the diagonal tiles of full query tiles (Nq = Nk)
+    assert (rows_only > 0) == (case[0] == "padded_causal" and case[4][3] == case[4][4]), out
+
+
+# Mutants that must fail: a partial class below taken as keeping the tile; R's bound without the key bound.
+TABLE_ROWS_MUTANTS = [
+    ("tile_class(va, w, n_top) == 2", "tile_class(va, w, n_top) != 0"),
+    ("w.m_block = r.m_block + 1;", "w.m_block = r.m_block + 1; if (r.b == 4) return n_top;"),
+]
+
+
+@pytest.mark.parametrize("mutant", TABLE_ROWS_MUTANTS, ids=["class-below", "b4-always"])
+def test_table_rows_mutants_fail(mutant, tmp_path, monkeypatch):
+    from cubridge.lower.tablerange import TABLE_ROWS_ENV
+    monkeypatch.setenv(TABLE_ROWS_ENV, "1")
+    _check_range(("padded_causal", {}, 16, 16, (8, 1, 1, 333, 333)), tmp_path, "#define CUIR_TABLE_ROWS 1",
+                 mutate=(mutant,), expect_ok=False)

@@ -88,17 +88,24 @@ def test_class_head0_passes_the_rule(name, table_range, shape, monkeypatch):
     _lowered_passes_the_rule(name, shape, "#define CUIR_CLASS_HEAD0 1", "no head-0 classes", "h0")
 
 
-# CUBRIDGE_FULL_BITS=1 (session 17, tablerange.py CUIR_FULL_BITS): the consumers' bitmap of full tiles (one round
-# trip per warp at a work tile's start, a ballot; tile_partial a bit test) under the trimmed range; the document masks
-# and ag_head_mask (its arithmetic range has no table class: the switch must leave it as it is) under the rule too.
-FULL_BITS_SPECS = ["padded_causal", "packed_sequences", "document", "ag_document_causal", "ag_head_mask"]
+# Session 17 (pad17, tablerange.py), off by default: CUBRIDGE_FULL_BITS=1, the consumers' bitmap of full tiles (one
+# round trip per warp at a work tile's start, a ballot; tile_partial a bit test), and CUBRIDGE_TABLE_ROWS=1, every
+# partial tile in one pass by R's row interval and X's column bits, X skipped on the tile R cuts and X keeps whole
+# (kernel.cu score_and_mask_x); each alone and both, under the trimmed range. The document masks and ag_head_mask
+# (no trimmed range: the switches must leave them as they are) under the rule too.
+SWITCH_SPECS = ["padded_causal", "packed_sequences", "document", "ag_document_causal", "ag_head_mask"]
+SWITCHES = {"full_bits": ("1", "0"), "table_rows": ("0", "1"), "both": ("1", "1")}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", FULL_BITS_SPECS)
-def test_full_bits_passes_the_rule(name, shape, monkeypatch):
-    from cubridge.lower.tablerange import FULL_BITS_ENV
-    monkeypatch.setenv(FULL_BITS_ENV, "1")
+@pytest.mark.parametrize("name", SWITCH_SPECS)
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_s17_switches_pass_the_rule(switch, name, shape, monkeypatch):
+    from cubridge.lower.tablerange import FULL_BITS_ENV, TABLE_ROWS_ENV
+    full_bits, table_rows = SWITCHES[switch]
+    monkeypatch.setenv(FULL_BITS_ENV, full_bits)
+    monkeypatch.setenv(TABLE_ROWS_ENV, table_rows)
     monkeypatch.setenv(TABLE_RANGE_ENV, "1")
-    marker = "#define CUIR_FULL_BITS 1" if name in ("padded_causal", "packed_sequences", "document") else ""
-    _lowered_passes_the_rule(name, shape, marker, "no full-tile bitmap", "fb")
+    ranged = name in ("padded_causal", "packed_sequences", "document")
+    marker = ("#define CUIR_FULL_BITS 1" if full_bits == "1" else "#define CUIR_TABLE_ROWS 1") if ranged else ""
+    _lowered_passes_the_rule(name, shape, marker, f"{switch}: not in the source", f"s17{switch}")

@@ -364,7 +364,7 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 }}
 #if CUIR_FULL_BITS
 // The full-tile bitmap (CUIR_FULL_BITS): full_bits_issue at a work tile's start in every consumer lane (its
-// loads stay in flight through the first QK), full_bits_take (a ballot per word) before the first tile_partial.
+// loads in flight through the waits for the first K and Q), full_bits_take (a ballot per word) under the first QK.
 __device__ __forceinline__ bool full_bits_pred(int cls) {{ return cls == 2; }}
 __device__ __forceinline__ void full_bits_issue(const VariantArgs& va, const KvRange& r, int lane, int (&cls)[kFullWords]) {{
 #pragma unroll
@@ -377,8 +377,7 @@ __device__ __forceinline__ void full_bits_take(KvRange& r, const int (&cls)[kFul
   {take}
 }}
 // The producer, with the range: the middle line of the row's classes into L2 (the trim's first round trip read
-// both ends; a row of up to 64 classes, 256 bytes, spans at most three 128-byte lines). One prefetch: four spilled
-// a word of the 40-register producer (nvcc 13.0).
+// both ends; a row of up to 64 classes, 256 bytes, spans at most three 128-byte lines: an 8k row at 128 x 128).
 __device__ __forceinline__ void full_bits_prefetch(const VariantArgs& va, const KvRange& r) {{
   const int n = (r.full_begin + min(r.full_end, r.n_end)) >> 1;
 #ifdef __CUDA_ARCH__

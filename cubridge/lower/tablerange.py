@@ -48,8 +48,8 @@ SCAN_CHUNK = 8
 # consumer warp reads the work tile's block classes over [full_begin, full_begin + 32 * FULL_WORDS) in one round trip
 # (lane l: tiles full_begin + l + 32 w) at the tile's start and ballots them into FULL_WORDS words of "class 2" bits;
 # tile_partial is then a bit test, no global load per KV tile (session 16 mid call: that load cost padded_full 1.7%).
-# The producer prefetches the row's middle line into L2 when it computes the range. Tiles past the bitmap are
-# masked as partial (exact).
+# The producer prefetches the row's middle line into L2 when it computes the range. Tiles past the bitmap: the
+# class load with CUIR_TABLE_ROWS, else masked as partial (exact).
 FULL_BITS_ENV = "CUBRIDGE_FULL_BITS"
 FULL_BITS_DEFAULT = "0"
 # Session 17 (pad17): partial tiles in one pass, R's row interval (kMaskRows' compare pair) and X's column bits
@@ -58,7 +58,7 @@ FULL_BITS_DEFAULT = "0"
 # query tile below is 2, key tables only, read in the trim's first round trip): there R alone, no table read.
 TABLE_ROWS_ENV = "CUBRIDGE_TABLE_ROWS"
 TABLE_ROWS_DEFAULT = "0"
-FULL_WORDS = 4          # 128 KV tiles: a whole 16k row at BLOCK_N 128 (past it: partial; spill-free at 128 x 128)
+FULL_WORDS = 4          # 128 KV tiles: a whole 16k row at BLOCK_N 128 (past it: see tile_partial)
 
 
 def _conjuncts(e) -> list:
@@ -353,11 +353,17 @@ __device__ __forceinline__ int tile_at(const KvRange& r, int i) {{ return r.n_en
 __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {{
   if (CUIR_TABLE_NOCLASS) return n < r.full_begin || n >= r.full_end;
 #if CUIR_FULL_BITS
-  // a bit test, no load; a tile past the bitmap (more than 32 kFullWords full-range tiles: 16k at 128) is
-  // masked as partial (exact, slower; a class load there spilled the consumers, nvcc 13.0)
+  // a bit test, no load. A tile past the bitmap (more than 32 kFullWords full-range tiles: past 16k at 128): with
+  // CUIR_TABLE_ROWS the class load (spill-free then), without it masked as partial (exact, slower; the class load
+  // spilled the consumers 12-20 bytes: nvcc 13.0, 128 x 128)
   const int j = n - r.full_begin;
   const unsigned word = {select};
-  return n < r.full_begin || n >= r.full_end || j >= 32 * kFullWords || !((word >> (j & 31)) & 1u);
+#if CUIR_TABLE_ROWS
+  if (j >= 32 * kFullWords) return n >= r.full_end || tile_class(va, r, n) != 2;
+#else
+  if (j >= 32 * kFullWords) return true;
+#endif
+  return n < r.full_begin || n >= r.full_end || !((word >> (j & 31)) & 1u);
 #else
   return n < r.full_begin || n >= r.full_end || tile_class(va, r, n) != 2;
 #endif

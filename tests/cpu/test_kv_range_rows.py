@@ -112,8 +112,8 @@ int main() {
 #endif
 #if CUIR_FULL_BITS
           // the bit test is the class load's answer inside the bitmap, partial past it
-          const bool want = n < r.full_begin || n >= r.full_end || n - r.full_begin >= 32 * kFullWords
-                            || tile_class(va, r, n) != 2;
+          const bool past = n - r.full_begin >= 32 * kFullWords;   // past the bitmap: the class (table rows) or partial
+          const bool want = n < r.full_begin || n >= r.full_end || (past && !CUIR_TABLE_ROWS) || tile_class(va, r, n) != 2;
           if (seen[n] && tile_partial(va, r, n) != want) {
             printf("bitmap against the class m%%d n%%d b%%d h%%d\n", m, n, b, h); ++errors;
           }
@@ -371,7 +371,8 @@ def test_class_head0_only_for_per_head_tables_blind_to_h(name, head0, monkeypatc
 
 # CUBRIDGE_FULL_BITS=1 (session 17, tablerange.py CUIR_FULL_BITS): the consumers' bitmap of class-2 tiles, read by a
 # warp's 32 lanes (full_bits_issue) and balloted (full_bits_take): tile_partial is the class load's answer inside
-# the bitmap's 32 * kFullWords tiles and partial past them; every visited tile checked against the mask pair by pair.
+# the bitmap's 32 * kFullWords tiles, past them the class (with CUIR_TABLE_ROWS) or partial; every visited tile
+# checked against the mask pair by pair.
 # Block 8 columns at 700 / 1200 keys: 88 / 150 tiles (every word, and tiles past the bitmap).
 FULL_BITS_CASES = [
     ("padded_causal", {}, 16, 24, (3, 2, 1, 300, 300), True),

@@ -172,11 +172,17 @@ __device__ __forceinline__ int tile_at(const KvRange& r, int i) { return r.n_end
 __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {
   if (CUIR_TABLE_NOCLASS) return n < r.full_begin || n >= r.full_end;
 #if CUIR_FULL_BITS
-  // a bit test, no load; a tile past the bitmap (more than 32 kFullWords full-range tiles: 16k at 128) is
-  // masked as partial (exact, slower; a class load there spilled the consumers, nvcc 13.0)
+  // a bit test, no load. A tile past the bitmap (more than 32 kFullWords full-range tiles: past 16k at 128): with
+  // CUIR_TABLE_ROWS the class load (spill-free then), without it masked as partial (exact, slower; the class load
+  // spilled the consumers 12-20 bytes: nvcc 13.0, 128 x 128)
   const int j = n - r.full_begin;
   const unsigned word = ((j >> 5) == 3 ? r.full_bits3 : ((j >> 5) == 2 ? r.full_bits2 : ((j >> 5) == 1 ? r.full_bits1 : r.full_bits0)));
-  return n < r.full_begin || n >= r.full_end || j >= 32 * kFullWords || !((word >> (j & 31)) & 1u);
+#if CUIR_TABLE_ROWS
+  if (j >= 32 * kFullWords) return n >= r.full_end || tile_class(va, r, n) != 2;
+#else
+  if (j >= 32 * kFullWords) return true;
+#endif
+  return n < r.full_begin || n >= r.full_end || !((word >> (j & 31)) & 1u);
 #else
   return n < r.full_begin || n >= r.full_end || tile_class(va, r, n) != 2;
 #endif

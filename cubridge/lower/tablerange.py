@@ -136,7 +136,8 @@ def full_bits_define() -> str:
     """CUIR_FULL_BITS's default in the generated source (CUBRIDGE_FULL_BITS, default FULL_BITS_DEFAULT)."""
     on = env_switch(FULL_BITS_ENV, FULL_BITS_DEFAULT,
                     f"unset {FULL_BITS_ENV} (default {FULL_BITS_DEFAULT}) or set it to 0 / 1", LowerError)
-    return f"#ifndef CUIR_FULL_BITS   // 1: the consumers' full-tile bitmap (lower/tablerange.py)\n#define CUIR_FULL_BITS {int(on)}\n#endif\n"
+    return (f"#ifndef CUIR_FULL_BITS   // 1: the consumers' full-tile bitmap (lower/tablerange.py)\n"
+            f"#define CUIR_FULL_BITS {int(on)}\n#endif\n")
 
 
 def table_rows_define() -> str:
@@ -372,7 +373,8 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 // The full-tile bitmap (CUIR_FULL_BITS): full_bits_issue at a work tile's start in every consumer lane (its
 // loads in flight through the waits for the first K and Q), full_bits_take (a ballot per word) under the first QK.
 __device__ __forceinline__ bool full_bits_pred(int cls) {{ return cls == 2; }}
-__device__ __forceinline__ void full_bits_issue(const VariantArgs& va, const KvRange& r, int lane, int (&cls)[kFullWords]) {{
+__device__ __forceinline__ void full_bits_issue(const VariantArgs& va, const KvRange& r, int lane,
+                                                int (&cls)[kFullWords]) {{
 #pragma unroll
   for (int w = 0; w < kFullWords; ++w) {{
     const int n = r.full_begin + 32 * w + lane;

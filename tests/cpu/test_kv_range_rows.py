@@ -113,7 +113,8 @@ int main() {
 #if CUIR_FULL_BITS
           // the bit test is the class load's answer inside the bitmap, partial past it
           const bool past = n - r.full_begin >= 32 * kFullWords;   // past the bitmap: the class (table rows) or partial
-          const bool want = n < r.full_begin || n >= r.full_end || (past && !CUIR_TABLE_ROWS) || tile_class(va, r, n) != 2;
+          const bool want = n < r.full_begin || n >= r.full_end || (past && !CUIR_TABLE_ROWS)
+                            || tile_class(va, r, n) != 2;
           if (seen[n] && tile_partial(va, r, n) != want) {
             printf("bitmap against the class m%%d n%%d b%%d h%%d\n", m, n, b, h); ++errors;
           }

@@ -191,7 +191,8 @@ __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRang
 // The full-tile bitmap (CUIR_FULL_BITS): full_bits_issue at a work tile's start in every consumer lane (its
 // loads in flight through the waits for the first K and Q), full_bits_take (a ballot per word) under the first QK.
 __device__ __forceinline__ bool full_bits_pred(int cls) { return cls == 2; }
-__device__ __forceinline__ void full_bits_issue(const VariantArgs& va, const KvRange& r, int lane, int (&cls)[kFullWords]) {
+__device__ __forceinline__ void full_bits_issue(const VariantArgs& va, const KvRange& r, int lane,
+                                                int (&cls)[kFullWords]) {
 #pragma unroll
   for (int w = 0; w < kFullWords; ++w) {
     const int n = r.full_begin + 32 * w + lane;

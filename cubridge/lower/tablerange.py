@@ -153,7 +153,7 @@ def table_rows_fns(ir: VariantIR, rows: Rows) -> str:
     x = split(ir.mask)[1]
     names = c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
     return f"""\
-#if CUIR_TABLE_ROWS
+#if CUIR_TABLE_ROWS && BLOCK_N <= 128   // (a thread's columns of a tile in 32 bits; wider tiles keep mask_pred)
 #define CUIR_TABLE_ROWS_HOOKS 1   // kernel.cu's score_and_mask_x (consumer.cuh: every partial tile)
 constexpr bool kTableRowLo = {"true" if rows.lo else "false"};   // R bounds its keys from below
 __device__ __forceinline__ bool x_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {{

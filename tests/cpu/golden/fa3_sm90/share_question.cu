@@ -78,7 +78,7 @@ __device__ __forceinline__ int r_only_tile(const VariantArgs& va, const KvRange&
   return -1;
 }
 #endif
-#if CUIR_TABLE_ROWS
+#if CUIR_TABLE_ROWS && BLOCK_N <= 128   // (a thread's columns of a tile in 32 bits; wider tiles keep mask_pred)
 #define CUIR_TABLE_ROWS_HOOKS 1   // kernel.cu's score_and_mask_x (consumer.cuh: every partial tile)
 constexpr bool kTableRowLo = false;   // R bounds its keys from below
 __device__ __forceinline__ bool x_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {

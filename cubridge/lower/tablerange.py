@@ -30,8 +30,10 @@ from __future__ import annotations
 import os
 
 from cubridge.cuir import nodes as N
+from cubridge.errors import env_switch
 from cubridge.lower import rowint
-from cubridge.lower.cexpr import LowerError
+from cubridge.lower.cexpr import LowerError, to_c
+from cubridge.lower.hooks import c_names, c_tables
 from cubridge.lower.itspace import Target, predicates
 from cubridge.lower.rowint import Rows
 from cubridge.lower.variant import VariantIR
@@ -42,6 +44,21 @@ TABLE_RANGE_ENV = "CUBRIDGE_TABLE_RANGE"
 # tests/gpu/test_table_range.py 16 passed. auto: key and document tables (AUTO_KINDS) at head dim 128.
 TABLE_RANGE_DEFAULT = "auto"
 SCAN_CHUNK = 8
+# Session 17 (pad17): the consumers' full-tile bitmap (CUIR_FULL_BITS; knob full_bits, CUBRIDGE_FULL_BITS=1). Each
+# consumer warp reads the work tile's block classes over [full_begin, full_begin + 32 * FULL_WORDS) in one round trip
+# (lane l: tiles full_begin + l + 32 w) at the tile's start and ballots them into FULL_WORDS words of "class 2" bits;
+# tile_partial is then a bit test, no global load per KV tile (session 16 mid call: that load cost padded_full 1.7%).
+# The producer prefetches the row's middle line into L2 when it computes the range. Tiles past the bitmap: the
+# class load with CUIR_TABLE_ROWS, else masked as partial (exact).
+FULL_BITS_ENV = "CUBRIDGE_FULL_BITS"
+FULL_BITS_DEFAULT = "0"
+# Session 17 (pad17): partial tiles in one pass, R's row interval (kMaskRows' compare pair) and X's column bits
+# (CUIR_TABLE_ROWS; CUBRIDGE_TABLE_ROWS=1): each thread evaluates X for its 32 columns and two rows into two words
+# once per partial tile, skipped on the tile R cuts and X keeps whole (r_only: R's top tile where the class one
+# query tile below is 2, key tables only, read in the trim's first round trip): there R alone, no table read.
+TABLE_ROWS_ENV = "CUBRIDGE_TABLE_ROWS"
+TABLE_ROWS_DEFAULT = "0"
+FULL_WORDS = 4          # 128 KV tiles: a whole 16k row at BLOCK_N 128 (past it: see tile_partial)
 
 
 def _conjuncts(e) -> list:
@@ -115,6 +132,37 @@ def define(kind: str) -> str:
     return value
 
 
+def full_bits_define() -> str:
+    """CUIR_FULL_BITS's default in the generated source (CUBRIDGE_FULL_BITS, default FULL_BITS_DEFAULT)."""
+    on = env_switch(FULL_BITS_ENV, FULL_BITS_DEFAULT,
+                    f"unset {FULL_BITS_ENV} (default {FULL_BITS_DEFAULT}) or set it to 0 / 1", LowerError)
+    return (f"#ifndef CUIR_FULL_BITS   // 1: the consumers' full-tile bitmap (lower/tablerange.py)\n"
+            f"#define CUIR_FULL_BITS {int(on)}\n#endif\n")
+
+
+def table_rows_define() -> str:
+    """CUIR_TABLE_ROWS's default in the generated source (CUBRIDGE_TABLE_ROWS, default TABLE_ROWS_DEFAULT)."""
+    on = env_switch(TABLE_ROWS_ENV, TABLE_ROWS_DEFAULT,
+                    f"unset {TABLE_ROWS_ENV} (default {TABLE_ROWS_DEFAULT}) or set it to 0 / 1", LowerError)
+    return (f"#ifndef CUIR_TABLE_ROWS   // 1: partial tiles by R's rows and X's column bits (lower/tablerange.py)\n"
+            f"#define CUIR_TABLE_ROWS {int(on)}\n#endif\n")
+
+
+def table_rows_fns(ir: VariantIR, rows: Rows) -> str:
+    """x_pred (the table factor X alone) and kTableRowLo (R has a lower bound) for kernel.cu's score_and_mask_x."""
+    x = split(ir.mask)[1]
+    names = c_names(ir, {"iq": ("q_idx", "int"), "ik": ("kv_idx", "int"), "b": ("b", "int"), "h": ("h", "int")})
+    return f"""\
+#if CUIR_TABLE_ROWS && BLOCK_N <= 128   // (a thread's columns of a tile in 32 bits; wider tiles keep mask_pred)
+#define CUIR_TABLE_ROWS_HOOKS 1   // kernel.cu's score_and_mask_x (consumer.cuh: every partial tile)
+constexpr bool kTableRowLo = {"true" if rows.lo else "false"};   // R bounds its keys from below
+__device__ __forceinline__ bool x_pred(const VariantArgs& va, int b, int h, int q_idx, int kv_idx) {{
+  return {to_c(x, names, c_tables(ir))};
+}}
+#endif
+"""
+
+
 def region(ir: VariantIR, t: Target, rows: Rows, kind: str, scan: str) -> str:
     """The kv_range region with both ranges: the trimmed arithmetic one where CUIR_TABLE_RANGE is 1,
     `scan` (the bitmap region) otherwise."""
@@ -140,7 +188,7 @@ def mask_kind(t: Target, kind: str) -> str:
   w.{t.q_tile} = r.{t.q_tile} + 1;
   return tile_class(va, w, n_top) == 2 ? n_top : -1;"""
     return f"""\
-#ifdef CUIR_TABLE_KIND
+#ifdef CUIR_R_ONLY
 __device__ __forceinline__ int r_only_tile(const VariantArgs& va, const KvRange& r, int n_top) {{
 {only}
 }}
@@ -162,9 +210,24 @@ __device__ __forceinline__ int tile_mask_kind(const VariantArgs& va, const KvRan
 def trimmed(ir: VariantIR, t: Target, rows: Rows, kind: str = "other") -> str:
     cls, may, must, _ = predicates(ir, t)
     bm, bn, lk, lq = t.block_m, t.block_n, t.len_k, t.len_q
+    # the bitmap's words as scalar fields (an array member put the whole TileMsg on the stack: 80 bytes)
+    words = ", ".join(f"full_bits{w}" for w in range(FULL_WORDS))
+    zero = " ".join(f"r.full_bits{w} = 0u;" for w in range(FULL_WORDS))
+    select = "r.full_bits0"
+    for w in range(1, FULL_WORDS):
+        select = f"((j >> 5) == {w} ? r.full_bits{w} : {select})"
+    take = "\n  ".join(f"r.full_bits{w} = __ballot_sync(0xffffffffu, full_bits_pred(cls[{w}]));"
+                        for w in range(FULL_WORDS))
     lo = rows.lo or "-(1 << 30)"
     hi = rows.hi or "(1 << 30)"
-    return f"""\
+    return full_bits_define() + table_rows_define() + f"""\
+#if CUIR_TABLE_ROWS || defined(CUIR_TABLE_KIND)
+#define CUIR_R_ONLY 1   // r_only: the tile R cuts and X keeps whole
+#endif
+#if CUIR_FULL_BITS
+#define CUIR_FULL_BITS_HOOKS 1   // kernel.cu's producer and consumer.cuh call the full_bits_* functions below
+constexpr int kFullWords = {FULL_WORDS};
+#endif
 // Generated by cubridge.lower (tablerange.py): the mask is R & X, R's row q keeps the keys
 // [row_key_lo(q), row_key_hi(q)), both nondecreasing in q, X reads a table. Query rows [q_lo, q_hi]
 // visit the KV tiles over [lo(q_lo), hi(q_hi)) less the empty tiles (block table class 0) at both
@@ -173,8 +236,11 @@ def trimmed(ir: VariantIR, t: Target, rows: Rows, kind: str = "other") -> str:
 struct KvRange {{
   int b, h, {t.q_tile}, q_lo, q_hi, {lq}, {lk};
   int n_begin, n_end, full_begin, full_end;
-#ifdef CUIR_TABLE_KIND
-  int r_only;       // the tile R cuts and X keeps whole (knob table_kind), else -1
+#ifdef CUIR_R_ONLY
+  int r_only;       // the tile R cuts and X keeps whole (knob table_kind, CUIR_TABLE_ROWS), else -1
+#endif
+#if CUIR_FULL_BITS
+  unsigned {words};   // bit j of word w: tile full_begin + 32 w + j has class 2 (set by the consumers)
 #endif
 }};
 constexpr bool kRangeViaSmem = true;
@@ -200,7 +266,7 @@ __device__ __forceinline__ bool tile_must(const VariantArgs& va, const KvRange& 
   return {must};
 }}
 constexpr int kScanChunk = {SCAN_CHUNK};
-""" + mask_kind(t, kind) + f"""\
+""" + mask_kind(t, kind) + table_rows_fns(ir, rows) + f"""\
 // Experiment hooks (off: no code), set by experiments/patches/knobs/table_diag_*.patch: CUIR_TABLE_NOTRIM
 // (R's range untrimmed), CUIR_TABLE_NOCLASS (tile_partial from R's range only, no class read), and the
 // knob table_diag_nox's kernel.cu hunk (partial tiles masked by R alone, table_r_pred). Each is exact only
@@ -227,8 +293,11 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   const int full_lo = max(row_key_lo(va, b, h, r.q_hi), 0), full_hi = min(row_key_hi(va, b, h, r.q_lo), {lk});
   r.full_begin = (full_lo + {bn} - 1) / {bn};
   r.full_end = max(full_hi, 0) / {bn};            // whole tiles below both hi(q_lo) and the key bound
-#ifdef CUIR_TABLE_KIND
+#ifdef CUIR_R_ONLY
   r.r_only = -1;
+#endif
+#if CUIR_FULL_BITS
+  {zero}
 #endif
   if (CUIR_TABLE_NOTRIM) return r;
   // Trim the empty tiles at both ends, kScanChunk classes per end and round trip; the first round
@@ -247,7 +316,7 @@ __device__ __forceinline__ KvRange kv_range(const VariantArgs& va, int b, int h,
   for (int j = kScanChunk - 1; j >= 0; --j) bottom = bottom_cls[j] != 0 ? r.n_begin + j : bottom;
   const bool top_found = top > t0, bottom_found = bottom < b1;
   // A nonempty tile found at one end lies outside the other end's empty chunk: the order holds.
-#ifdef CUIR_TABLE_KIND
+#ifdef CUIR_R_ONLY
   r.r_only = r_only_tile(va, r, r.n_end - 1);   // (read with the first round trip: independent of it)
 #endif
   r.n_end = top;
@@ -284,8 +353,46 @@ __device__ __forceinline__ int tile_at(const KvRange& r, int i) {{ return r.n_en
 // global load per tile, asked a tile ahead by the consumer).
 __device__ __forceinline__ bool tile_partial(const VariantArgs& va, const KvRange& r, int n) {{
   if (CUIR_TABLE_NOCLASS) return n < r.full_begin || n >= r.full_end;
+#if CUIR_FULL_BITS
+  // a bit test, no load. A tile past the bitmap (more than 32 kFullWords full-range tiles: past 16k at 128): with
+  // CUIR_TABLE_ROWS the class load (spill-free then), without it masked as partial (exact, slower; the class load
+  // spilled the consumers 12-20 bytes: nvcc 13.0, 128 x 128)
+  const int j = n - r.full_begin;
+  const unsigned word = {select};
+#if CUIR_TABLE_ROWS
+  if (j >= 32 * kFullWords) return n >= r.full_end || tile_class(va, r, n) != 2;
+#else
+  if (j >= 32 * kFullWords) return true;
+#endif
+  return n < r.full_begin || n >= r.full_end || !((word >> (j & 31)) & 1u);
+#else
   return n < r.full_begin || n >= r.full_end || tile_class(va, r, n) != 2;
+#endif
 }}
+#if CUIR_FULL_BITS
+// The full-tile bitmap (CUIR_FULL_BITS): full_bits_issue at a work tile's start in every consumer lane (its
+// loads in flight through the waits for the first K and Q), full_bits_take (a ballot per word) under the first QK.
+__device__ __forceinline__ bool full_bits_pred(int cls) {{ return cls == 2; }}
+__device__ __forceinline__ void full_bits_issue(const VariantArgs& va, const KvRange& r, int lane,
+                                                int (&cls)[kFullWords]) {{
+#pragma unroll
+  for (int w = 0; w < kFullWords; ++w) {{
+    const int n = r.full_begin + 32 * w + lane;
+    cls[w] = n < r.full_end && n < r.n_end ? tile_class(va, r, n) : 0;
+  }}
+}}
+__device__ __forceinline__ void full_bits_take(KvRange& r, const int (&cls)[kFullWords]) {{
+  {take}
+}}
+// The producer, with the range: the middle line of the row's classes into L2 (the trim's first round trip read
+// both ends; a row of up to 64 classes, 256 bytes, spans at most three 128-byte lines: an 8k row at 128 x 128).
+__device__ __forceinline__ void full_bits_prefetch(const VariantArgs& va, const KvRange& r) {{
+  const int n = (r.full_begin + min(r.full_end, r.n_end)) >> 1;
+#ifdef __CUDA_ARCH__
+  if (n > r.full_begin) asm volatile("prefetch.global.L2 [%0];" :: "l"(&({cls})));
+#endif
+}}
+#endif
 // Knob table_kind (experiments/patches/knobs/table_kind.patch, CUIR_TABLE_KIND): the consumer asks
 // tile_mask_kind instead of tile_partial and masks kind-1 tiles with table_r_pred. Exact for every table
 // (the kind-1 test reads X's class), not only for padded_full.

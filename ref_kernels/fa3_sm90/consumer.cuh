@@ -188,6 +188,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
       run_epilogue(tl, kOInQ);
       continue;
     }
+#ifdef CUIR_FULL_BITS_HOOKS   // (a lowered block-table variant: its full tiles' classes, one round trip per warp,
+                              // in flight through the waits for the first K and Q)
+    int full_cls[kFullWords];
+    full_bits_issue(pb.va, tl.r, cs.lane, full_cls);
+#endif
     const int qs = q_iter % kQSlots;                        // this tile's Q slot
     const uint32_t q_rows = sm.q_tile(qs) + cs.c * kWgQBytes;
     const int q_row0 = tl.m0 + cs.c * kWgRows + f.row0 + pb.seqlen_k - pb.seqlen_q;   // a position
@@ -197,7 +202,11 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     auto process_scores = [&](int n, bool partial) {
       const int col0 = n * kBlockN + f.col0;
       if (partial) {
+#ifdef CUIR_TABLE_ROWS_HOOKS   // (a lowered block-table variant: R's rows and X's column bits, one pass)
+        score_and_mask_x(pb.va, s, softmax_scale, tl.hm, q_row0, col0, pb.seqlen_k, n == tl.r.r_only);
+#else
         score_and_mask<true>(pb.va, s, softmax_scale, tl.hm, q_row0, col0, pb.seqlen_k);
+#endif
       } else if constexpr (kSaturates) {
         // the tile's distances kv - q (positions; rows past Nq included): [k0 - q_last, k_last - q0]
         const int q0 = tl.m0 + pb.seqlen_k - pb.seqlen_q, k0 = n * kBlockN;
@@ -221,6 +230,9 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     auto fresh_o = [&]() {
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+#ifdef CUIR_FULL_BITS_HOOKS   // (once per tile, after the first QK is issued: a ballot per word while it runs;
+      full_bits_take(tl.r, full_cls);   // tile_partial then a bit test)
+#endif
     };
     turn_begin();
     if (kOverlapTiles && pending) {

@@ -319,6 +319,49 @@ __device__ __forceinline__ void score_and_mask(const VariantArgs& va, float (&s)
   score_mask_pass<kPartial, kSat, false>(va, s, softmax_scale, hm, q_row0, kv_col0, seqlen_k, row_lo, row_hi);
 }
 
+#ifdef CUIR_TABLE_ROWS_HOOKS
+// A lowered block-table mask R & X (cubridge/lower/tablerange.py, CUIR_TABLE_ROWS): a partial tile in one pass,
+// R's row interval [row_key_lo, row_key_hi) (kMaskRows' compare pair) and X's bit for each of the thread's two
+// rows and 32 columns, evaluated once per tile (x_pred) and skipped where X keeps the whole tile (x_all: the
+// tile r_only), so that tile reads no table.
+static_assert(kBlockN <= 128, "CUIR_TABLE_ROWS: a thread's columns of a tile must fit 32 bits");
+__device__ __forceinline__ void score_and_mask_x(const VariantArgs& va, float (&s)[kSRegs], float softmax_scale,
+                                                 HeadMap hm, int q_row0, int kv_col0, int seqlen_k, bool x_all) {
+  int row_lo[2], row_hi[2];
+  unsigned xb[2] = {~0u, ~0u};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int q_idx = q_row0 + 8 * half;
+    row_lo[half] = row_key_lo(va, hm.b, hm.h, q_idx) - kv_col0;
+    row_hi[half] = min(row_key_hi(va, hm.b, hm.h, q_idx), seqlen_k) - kv_col0;
+  }
+  if (!x_all) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      unsigned bits = 0u;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          bits |= unsigned(x_pred(va, hm.b, hm.h, q_row0 + 8 * half, kv_col0 + 8 * j + e)) << (2 * j + e);
+      xb[half] = bits;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        const int q_idx = q_row0 + 8 * half, c = 8 * j + e;
+        if constexpr (!kScoreModIdentity) x = score_mod(va, x, softmax_scale, hm.b, hm.h, q_idx, kv_col0 + c);
+        if (!(((!kTableRowLo) | (c >= row_lo[half])) & (c < row_hi[half]) & (((xb[half] >> (2 * j + e)) & 1u) != 0u)))
+          x = kNegInf;
+      }
+}
+#endif
+
 // @cuir-region softmax
 // Online softmax over one S tile (two rows per thread; a row is spread over 4 lanes). S holds
 // scores / score_scale (raw q.k when score_mod is the identity, else score_mod's results with
@@ -545,6 +588,9 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     Tile tl{};
     if constexpr (kRangeViaSmem) {
       if (t < pb.num_tiles) tl = pb.tile(t);
+#ifdef CUIR_FULL_BITS_HOOKS   // (a lowered block-table variant: the row's classes into L2 for the consumers' bitmap)
+      if (t < pb.num_tiles) full_bits_prefetch(pb.va, tl.r);
+#endif
       st_shared_words(sm.tile_slot + kTileSlotBytes * slot, TileMsg{t, tl});
     } else {
       st_shared_words(sm.tile_slot + kTileSlotBytes * slot, t);

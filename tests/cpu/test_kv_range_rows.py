@@ -39,6 +39,9 @@ HARNESS = r"""
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __fmaf_rn(float a, float b, float c) { return a * b + c; }
+static unsigned g_ballot[8];   // CUIR_FULL_BITS: the ballots of a warp's 32 lanes, taken in word order
+static int g_call;
+inline unsigned __ballot_sync(unsigned, bool) { return g_ballot[g_call++]; }
 constexpr int kBlockM = %(block_m)d, kBlockN = %(block_n)d;
 constexpr int kWgRows = 64;
 %(regions)s
@@ -48,11 +51,24 @@ int main() {
   VariantArgs va{};
 %(read)s
   const int shift = Nk - Nq, num_m = (Nq + kBlockM - 1) / kBlockM, num_n = (Nk + kBlockN - 1) / kBlockN;
-  long errors = 0, visited = 0, r_only = 0;
+  long errors = 0, visited = 0, r_only = 0, full_bits_full = 0, table_rows_tiles = 0;
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)
       for (int m = 0; m < num_m; ++m) {
-        const KvRange r = kv_range(va, b, h, m, m * kBlockM + shift, Nk, Nk);
+        KvRange r = kv_range(va, b, h, m, m * kBlockM + shift, Nk, Nk);
+#if CUIR_FULL_BITS
+        {  // the consumers' bitmap: full_bits_issue in each of a warp's 32 lanes, full_bits_take's ballots
+          for (int w = 0; w < kFullWords; ++w) g_ballot[w] = 0;
+          for (int lane = 0; lane < 32; ++lane) {
+            int c[kFullWords];
+            full_bits_issue(va, r, lane, c);
+            for (int w = 0; w < kFullWords; ++w) g_ballot[w] |= unsigned(full_bits_pred(c[w])) << lane;
+          }
+          int unused[kFullWords] = {};
+          g_call = 0;
+          full_bits_take(r, unused);
+        }
+#endif
         if (kv_count(r) < 0) { printf("negative kv_count b%%d h%%d m%%d\n", b, h, m); return 1; }
         std::vector<int> seen(num_n, 0);
         int prev = num_n;
@@ -76,6 +92,34 @@ int main() {
           if (seen[n] && !all && !tile_partial(va, r, n)) {
             printf("unmasked tile with a masked pair m%%d n%%d b%%d h%%d\n", m, n, b, h); ++errors;
           }
+#ifdef CUIR_TABLE_ROWS_HOOKS
+          // kernel.cu's score_and_mask_x on every partial tile: R's row interval (the key bound applied) and X,
+          // X taken as all-true on the tile r_only
+          if (seen[n] && tile_partial(va, r, n)) {
+            const bool x_all = n == r.r_only;
+            table_rows_tiles += x_all;
+            for (int q = m * kBlockM; q < (m + 1) * kBlockM && q < Nq; ++q)
+              for (int k = n * kBlockN; k < (n + 1) * kBlockN; ++k) {
+                const int qq = q + shift;
+                const bool keep = ((!kTableRowLo) | (k >= row_key_lo(va, b, h, qq)))
+                                  & (k < min(row_key_hi(va, b, h, qq), Nk)) & (x_all || x_pred(va, b, h, qq, k));
+                if (keep != (k < Nk && mask_pred(va, b, h, qq, k))) {
+                  printf("table rows m%%d n%%d b%%d h%%d q%%d k%%d x_all %%d\n", m, n, b, h, q, k, x_all); ++errors;
+                  q = Nq; break;
+                }
+              }
+          }
+#endif
+#if CUIR_FULL_BITS
+          // the bit test is the class load's answer inside the bitmap, partial past it
+          const bool past = n - r.full_begin >= 32 * kFullWords;   // past the bitmap: the class (table rows) or partial
+          const bool want = n < r.full_begin || n >= r.full_end || (past && !CUIR_TABLE_ROWS)
+                            || tile_class(va, r, n) != 2;
+          if (seen[n] && tile_partial(va, r, n) != want) {
+            printf("bitmap against the class m%%d n%%d b%%d h%%d\n", m, n, b, h); ++errors;
+          }
+          if (seen[n] && !tile_partial(va, r, n)) ++full_bits_full;
+#endif
 #ifdef CUIR_TABLE_KIND
           // knob table_kind: kind 0 = tile_partial false; kind 1 = the mask is R alone on the tile
           const int kind = seen[n] ? tile_mask_kind(va, r, n) : 0;
@@ -95,14 +139,18 @@ int main() {
         }
         if (errors > 20) return 1;
       }
-  printf("ok visited %%ld r_only %%ld\n", visited, r_only);
+  printf("ok visited %%ld r_only %%ld full %%ld rows_only %%ld\n", visited, r_only, full_bits_full, table_rows_tiles);
   return errors ? 1 : 0;
 }
 """
 
 
-def _harness(kernel, block_m: int, block_n: int, exact: bool = True, table_kind: bool = False) -> str:
+def _harness(kernel, block_m: int, block_n: int, exact: bool = True, table_kind: bool = False,
+             mutate: tuple = ()) -> str:
     text = "\n".join(regions.body(kernel.source, name) for name in ("extra_io", "kv_range", "mask"))
+    for old, new in mutate:
+        assert old in text, old
+        text = text.replace(old, new)
     text = text.replace('asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;', "return 0.f;")
     kinds = {n: t for n, t, _ in kernel.ir.tables}
     read = []
@@ -176,7 +224,7 @@ def test_table_range_visits_every_attended_tile(case, tmp_path):
                          ids=lambda c: f"{c[0]}-{c[2]}x{c[3]}-{c[4][3]}")
 def test_table_kind_r_alone_only_where_x_keeps_the_tile(case, tmp_path):
     out = _check_range(case[:5], tmp_path, "#if CUIR_TABLE_RANGE", exact=case[5], kind=True)
-    r_only = int(out.split("r_only")[1])
+    r_only = int(out.split("r_only")[1].split()[0])
     # (queries end-aligned with 150 keys more, 32 x 16: the next query tile still cuts the diagonal tile)
     assert (r_only > 0) == (case[0] == "padded_causal" and case[4][3] == case[4][4]), out
 
@@ -214,7 +262,8 @@ def test_table_range_empties_rows_without_keys(tiles, tmp_path):
     _check_range((str(spec), {}, block_m, block_n, (B, 1, 1, N, N)), tmp_path, "#if CUIR_TABLE_RANGE")
 
 
-def _check_range(case, tmp_path, branch: str, exact: bool = True, kind: bool = False) -> str:
+def _check_range(case, tmp_path, branch: str, exact: bool = True, kind: bool = False, mutate: tuple = (),
+                 expect_ok: bool = True) -> str:
     name, params, block_m, block_n, (B, Hq, Hkv, Nq, Nk) = case
     path = CORPUS / f"{name}.py"
     spec = load_spec(str(path) if path.exists() else name)     # a built-in, a corpus stem or a path
@@ -223,12 +272,13 @@ def _check_range(case, tmp_path, branch: str, exact: bool = True, kind: bool = F
     assert branch in kernel.source and "row_key_hi" in kernel.source
     inputs = cand.bind(Nq=Nq, Nk=Nk, Hq=Hq, Hkv=Hkv, B=B, params={"BLOCK_M": block_m, "BLOCK_N": block_n})
     cpp, exe = tmp_path / "h.cpp", tmp_path / "h"
-    cpp.write_text(_harness(kernel, block_m, block_n, exact, kind))
+    cpp.write_text(_harness(kernel, block_m, block_n, exact, kind, mutate))
     proc = subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(exe), str(cpp)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = subprocess.run([str(exe)], input=_inputs(kernel, inputs, (B, Hq, Nq, Nk)), capture_output=True,
                          text=True, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip().startswith("ok"), f"{name}:\n{run.stdout[-2000:]}"
+    ok = run.returncode == 0 and run.stdout.strip().startswith("ok")
+    assert ok == expect_ok, f"{name} (expected {'ok' if expect_ok else 'a failure'}):\n{run.stdout[-2000:]}"
     return run.stdout
 
 
@@ -318,3 +368,83 @@ def test_class_head0_only_for_per_head_tables_blind_to_h(name, head0, monkeypatc
         monkeypatch.setenv(HEAD0_ENV, "yes")
         with pytest.raises(LowerError, match=HEAD0_ENV):
             lower(cand.program, "fa3_sm90")
+
+
+# CUBRIDGE_FULL_BITS=1 (session 17, tablerange.py CUIR_FULL_BITS): the consumers' bitmap of class-2 tiles, read by a
+# warp's 32 lanes (full_bits_issue) and balloted (full_bits_take): tile_partial is the class load's answer inside
+# the bitmap's 32 * kFullWords tiles, past them the class (with CUIR_TABLE_ROWS) or partial; every visited tile
+# checked against the mask pair by pair.
+# Block 8 columns at 700 / 1200 keys: 88 / 150 tiles (every word, and tiles past the bitmap).
+FULL_BITS_CASES = [
+    ("padded_causal", {}, 16, 24, (3, 2, 1, 300, 300), True),
+    ("padded_causal", {}, 32, 16, (8, 1, 1, 250, 400), True),
+    ("padded_causal", {}, 16, 8, (3, 2, 1, 1200, 1200), True),
+    ("packed_sequences", {}, 16, 8, (8, 2, 2, 700, 700), True),
+    ("document", {}, 16, 8, (2, 2, 1, 900, 900), True),
+]
+
+
+@pytest.mark.parametrize("case", FULL_BITS_CASES, ids=lambda c: f"{c[0]}-{c[2]}x{c[3]}-{c[4][3]}")
+def test_full_bits_equal_the_class_load(case, tmp_path, monkeypatch):
+    from cubridge.lower.tablerange import FULL_BITS_ENV
+    monkeypatch.setenv(FULL_BITS_ENV, "1")
+    out = _check_range(case[:5], tmp_path, "#define CUIR_FULL_BITS 1", exact=case[5])
+    assert int(out.split(" full ")[1].split()[0]) > 0, out         # some tiles run unmasked through the bitmap
+
+
+# Mutants that must fail: a partial class taken as full, a bit of the wrong word, a lane's tile off by one.
+FULL_BITS_MUTANTS = [
+    ("cls == 2; }", "cls != 0; }"),
+    ("(j >> 5) == 1 ? r.full_bits1", "(j >> 5) == 1 ? r.full_bits2"),
+    ("r.full_begin + 32 * w + lane", "r.full_begin + 32 * w + lane + 1"),
+]
+
+
+@pytest.mark.parametrize("mutant", FULL_BITS_MUTANTS, ids=["partial-as-full", "word", "lane"])
+def test_full_bits_mutants_fail(mutant, tmp_path, monkeypatch):
+    from cubridge.lower.tablerange import FULL_BITS_ENV
+    monkeypatch.setenv(FULL_BITS_ENV, "1")
+    _check_range(FULL_BITS_CASES[2][:5], tmp_path, "#define CUIR_FULL_BITS 1", mutate=(mutant,), expect_ok=False)
+
+
+def test_full_bits_off_by_default_and_bad_value(monkeypatch):
+    from cubridge.errors import CubridgeError
+    from cubridge.lower.tablerange import FULL_BITS_ENV
+    monkeypatch.delenv(FULL_BITS_ENV, raising=False)
+    spec = load_spec(str(CORPUS / "padded_causal.py"))
+    src = lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90").source
+    assert "#define CUIR_FULL_BITS 0\n" in src
+    monkeypatch.setenv(FULL_BITS_ENV, "yes")
+    with pytest.raises(CubridgeError, match=FULL_BITS_ENV):
+        lower(transfer(parse_file(ref_kernel_dir("fa3_sm90") / "kernel.cuir"), spec).program, "fa3_sm90")
+
+
+# CUBRIDGE_TABLE_ROWS=1 (session 17, tablerange.py CUIR_TABLE_ROWS; kernel.cu score_and_mask_x): every partial tile by
+# R's row interval and X, X skipped on the tile r_only (R's top tile where the class one query tile below is 2: key
+# tables only), checked pair by pair against mask_pred on every partial tile; with the bitmap too.
+@pytest.mark.parametrize("full_bits", ["0", "1"])
+@pytest.mark.parametrize("case", FULL_BITS_CASES + [("padded_causal", {}, 16, 16, (8, 1, 1, 333, 333), True)],
+                         ids=lambda c: f"{c[0]}-{c[2]}x{c[3]}-{c[4][3]}")
+def test_table_rows_equal_the_mask(case, full_bits, tmp_path, monkeypatch):
+    from cubridge.lower.tablerange import FULL_BITS_ENV, TABLE_ROWS_ENV
+    monkeypatch.setenv(FULL_BITS_ENV, full_bits)
+    monkeypatch.setenv(TABLE_ROWS_ENV, "1")
+    out = _check_range(case[:5], tmp_path, "#define CUIR_TABLE_ROWS 1", exact=case[5])
+    rows_only = int(out.split("rows_only")[1].split()[0])
+    # R alone only on key tables (padding), and there on the diagonal tiles of full query tiles (Nq = Nk)
+    assert (rows_only > 0) == (case[0] == "padded_causal" and case[4][3] == case[4][4]), out
+
+
+# Mutants that must fail: a partial class below taken as keeping the tile; R's bound without the key bound.
+TABLE_ROWS_MUTANTS = [
+    ("tile_class(va, w, n_top) == 2", "tile_class(va, w, n_top) != 0"),
+    ("w.m_block = r.m_block + 1;", "w.m_block = r.m_block + 1; if (r.b == 4) return n_top;"),
+]
+
+
+@pytest.mark.parametrize("mutant", TABLE_ROWS_MUTANTS, ids=["class-below", "b4-always"])
+def test_table_rows_mutants_fail(mutant, tmp_path, monkeypatch):
+    from cubridge.lower.tablerange import TABLE_ROWS_ENV
+    monkeypatch.setenv(TABLE_ROWS_ENV, "1")
+    _check_range(("padded_causal", {}, 16, 16, (8, 1, 1, 333, 333)), tmp_path, "#define CUIR_TABLE_ROWS 1",
+                 mutate=(mutant,), expect_ok=False)

@@ -86,3 +86,26 @@ def test_class_head0_passes_the_rule(name, table_range, shape, monkeypatch):
     monkeypatch.setenv(TABLE_RANGE_ENV, table_range)
     monkeypatch.setenv(HEAD0_ENV, "1")
     _lowered_passes_the_rule(name, shape, "#define CUIR_CLASS_HEAD0 1", "no head-0 classes", "h0")
+
+
+# Session 17 (pad17, tablerange.py), off by default: CUBRIDGE_FULL_BITS=1, the consumers' bitmap of full tiles (one
+# round trip per warp at a work tile's start, a ballot; tile_partial a bit test), and CUBRIDGE_TABLE_ROWS=1, every
+# partial tile in one pass by R's row interval and X's column bits, X skipped on the tile R cuts and X keeps whole
+# (kernel.cu score_and_mask_x); each alone and both, under the trimmed range. The document masks and ag_head_mask
+# (no trimmed range: the switches must leave them as they are) under the rule too.
+SWITCH_SPECS = ["padded_causal", "packed_sequences", "document", "ag_document_causal", "ag_head_mask"]
+SWITCHES = {"full_bits": ("1", "0"), "table_rows": ("0", "1"), "both": ("1", "1")}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", SWITCH_SPECS)
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_s17_switches_pass_the_rule(switch, name, shape, monkeypatch):
+    from cubridge.lower.tablerange import FULL_BITS_ENV, TABLE_ROWS_ENV
+    full_bits, table_rows = SWITCHES[switch]
+    monkeypatch.setenv(FULL_BITS_ENV, full_bits)
+    monkeypatch.setenv(TABLE_ROWS_ENV, table_rows)
+    monkeypatch.setenv(TABLE_RANGE_ENV, "1")
+    ranged = name in ("padded_causal", "packed_sequences", "document")
+    marker = ("#define CUIR_FULL_BITS 1" if full_bits == "1" else "#define CUIR_TABLE_ROWS 1") if ranged else ""
+    _lowered_passes_the_rule(name, shape, marker, f"{switch}: not in the source", f"s17{switch}")

@@ -704,6 +704,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
 #include "tail_split.cuh"   // tail_epilogue: a chunk of a split tail tile, and the combine
 #endif
 
+#include "exp2_emu.cuh"   // EXP2_EMU (off): part of the exponentials on the FMA pipe
 #include "consumer.cuh"   // the consumer warpgroups' loop over tiles and KV tiles
 
 }  // namespace fa3

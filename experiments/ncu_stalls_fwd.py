@@ -44,7 +44,9 @@ SMS = 132
 # the sections above; no --metrics list, whose one unknown name would fail the whole profile).
 MORE_RAW = ("pipe_tensor", "lts__t_sector_hit_rate", "lts__t_sectors_srcunit_tex_lookup_hit", "dram__throughput",
             "lts__throughput", "dram__bytes_read.sum", "sm__throughput", "smsp__inst_executed.sum",
-            "sm__cycles_elapsed.avg", "l1tex__throughput", "gpc__cycles_elapsed.max", "sm__cycles_active")
+            "sm__cycles_elapsed.avg", "l1tex__throughput", "gpc__cycles_elapsed.max", "sm__cycles_active",
+            # (session 17) the MUFU's pipe (xu) beside the tensor pipe and the FMA / ALU pipes, and issue slots
+            "pipe_xu", "pipe_fma", "pipe_alu", "issue_active", "inst_issued")
 
 
 def shape_args(args) -> list[str]:
@@ -178,7 +180,7 @@ def profile(system: str, row: str, ncu: str, timeout: int, args) -> dict:
     return out
 
 
-def raw_matching(text: str, parts, limit: int = 60) -> dict:
+def raw_matching(text: str, parts, limit: int = 240) -> dict:
     """{column: value} of the raw page's first kernel row, for columns whose name holds one of `parts`."""
     import csv
     import io

@@ -127,6 +127,10 @@ class Fa3Config:
     # the FMA pipe instead of MUFU.EX2 (kernel exp2_emu.cuh EXP2_EMU; 0 off, 1..7): at D 64 the exponentials cost
     # the MUFU as much as the GEMMs cost the tensor core (session 17). Off until an H100 A/B shows the gain.
     exp2_emu: int = 0
+    # Dense causal: the query blocks end at Nq (the first one starts before row 0 where block_m does not divide Nq),
+    # so the partial block is the shortest, not the longest (kernel.cu ALIGN_END; D 64 192 x 128 at 4k: 5.8% fewer KV
+    # steps, 8k / 16k 1.5%; session 17). No effect on full attention. Off until an H100 A/B shows the gain.
+    align_end: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -146,7 +150,7 @@ class Fa3Config:
         flags += ["-DUNIFORM_Q=1"] * self.uniform_q + ["-DPRODUCER_SLEEP=1"] * self.producer_sleep
         flags += [f"-DTILE_SECTIONS={int(self.tile_sections)}"] * bool(self.tile_sections)
         flags += ["-DV_WAIT_FIRST=1"] * self.v_wait_first
-        flags += [f"-DEXP2_EMU={int(self.exp2_emu)}"] * bool(self.exp2_emu)
+        flags += [f"-DEXP2_EMU={int(self.exp2_emu)}"] * bool(self.exp2_emu) + ["-DALIGN_END=1"] * self.align_end
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

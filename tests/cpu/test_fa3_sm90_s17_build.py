@@ -81,3 +81,27 @@ def test_exp2_emu_spill_free_and_fewer_mufu(tmp_path, monkeypatch):
     # 64 exponentials a row-half pair per step (N 128: 2 x 32 a thread) and the 2 rescale factors: 66 by default
     assert mufu["d64f"] == mufu["d64c1k"] == 66, mufu
     assert mufu["d64f_e2"] == 66 - 16 and mufu["d64f_e7"] == 66 - 56 and mufu["d64c1k_e3"] == 66 - 24, mufu
+
+
+def test_align_end_off_by_default_and_its_flag():
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for n in (1024, 4096, 8192, 16384):
+                cfg = default_config(d, causal, True, n)
+                assert not cfg.align_end and not any("ALIGN_END" in f for f in cfg.defines())
+    assert "-DALIGN_END=1" in replace(default_config(64, True, True, 4096), align_end=True).defines()
+
+
+@NEEDS_TOOLS
+def test_align_end_spill_free_and_only_causal(tmp_path):
+    """ALIGN_END: causal builds spill-free (D 64 192 x 128, D 128 128 x 128, D 256 128 x 80); a full-attention build is
+    the same cubin with and without it (kAlignEnd is causal only)."""
+    cfgs = {"d64c": replace(default_config(64, True, True, 4096), align_end=True),
+            "d128c": replace(default_config(128, True, True, 8192), align_end=True),
+            "d256c": replace(default_config(256, True, True, 8192), align_end=True),
+            "d64f": default_config(64, False, True, 4096), "d64f_a": replace(default_config(64, False, True, 4096), align_end=True)}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        logs = dict(zip(cfgs, pool.map(lambda kc: _build([f for f in kc[1].defines() if "HOST_SMEM" not in f],
+                                                         KERNEL_SOURCE, tmp_path / f"{kc[0]}.cubin"), cfgs.items())))
+    assert {k: _fwd_spill(v) for k, v in logs.items()} == dict.fromkeys(cfgs, 0)
+    assert (tmp_path / "d64f.cubin").read_bytes() == (tmp_path / "d64f_a.cubin").read_bytes()

@@ -267,6 +267,31 @@ def test_s17_exp2_emu(opt, nq, nk, grid, causal):
              tail_split=base.tail_split, tile_sections=base.tile_sections, exp2_emu=m)
 
 
+# align_end (kernel ALIGN_END, dense causal): the query blocks end at Nq, the partial one first (rows before 0). By the
+# rule (rows before 0 never stored: the poisoned O and LSE of the real rows around them checked) and bitwise equal to
+# the default (a row visits the same attended KV tiles in the same order; an extra fully masked tile leaves its state
+# as it was), at D 64 192 x 128 / 128 x 128, D 128 128 x 128 / 128 x 176, D 256 128 x 80; with exp2_emu at D 64.
+S17_ALIGN = [(64, 8192, {}), (64, 1024, {}), (128, 8192, {}), (128, 16384, {}), (256, 8192, {}),
+             (64, 8192, dict(exp2_emu=2))]
+
+
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (1000, 300, 3), (300, 1000, 5)])
+@pytest.mark.parametrize("opt", S17_ALIGN, ids=lambda o: f"d{o[0]}_n{o[1]}" + "".join(f"_{k}{v}" for k, v in o[2].items()))
+def test_s17_align_end(opt, nq, nk, grid):
+    d, n, extra = opt
+    base = dataclasses.replace(default_config(d, True, True, n), persistent=True, **extra)
+    run_case(2, 8, 2, nq, nk, d, torch.bfloat16, True, persistent=True, max_ctas=grid, block_m=base.block_m,
+             block_n=base.block_n, tile_sections=base.tile_sections, k_before_v=base.k_before_v, uniform_q=base.uniform_q,
+             wg_turns=base.wg_turns, rescale_before_pv=base.rescale_before_pv, align_end=True, **extra)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, h, m, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h, m in ((8, nq), (2, nk), (2, nk)))
+    outs = [fa3_forward(q, k, v, causal=True, max_ctas=grid, config=dataclasses.replace(base, align_end=on))
+            for on in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_s17_exp2_emu_range_is_checked():
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(LaunchError, match="exp2_emu"):

@@ -292,6 +292,28 @@ def test_s17_align_end(opt, nq, nk, grid):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+# idle_rows (kernel IDLE_ROWS, dense full attention): consumers whose rows all lie past Nq skip the steady steps' GEMMs.
+# Nq 1000 / 2500 / 300 at 192 x 128 leave 40 / 4 / 108 rows in the last block (two, two, one consumer idle), 1050 at D 128
+# 128 x 128 26 (one idle). By the rule and bitwise equal to the default (the rows stored are computed the same way).
+S17_IDLE = [(64, 8192, {}), (64, 8192, dict(exp2_emu=2)), (64, 1024, {}), (128, 4096, {})]
+
+
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (300, 1000, 3), (1050, 700, 5)])
+@pytest.mark.parametrize("opt", S17_IDLE, ids=lambda o: f"d{o[0]}_n{o[1]}" + "".join(f"_{k}{v}" for k, v in o[2].items()))
+def test_s17_idle_rows(opt, nq, nk, grid):
+    d, n, extra = opt
+    base = dataclasses.replace(default_config(d, False, True, n), persistent=True, **extra)
+    run_case(2, 8, 2, nq, nk, d, torch.bfloat16, False, persistent=True, max_ctas=grid, block_m=base.block_m,
+             block_n=base.block_n, tail_split=base.tail_split, idle_rows=True, **extra)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, h, m, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h, m in ((8, nq), (2, nk), (2, nk)))
+    outs = [fa3_forward(q, k, v, causal=False, max_ctas=grid, config=dataclasses.replace(base, idle_rows=on))
+            for on in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_s17_exp2_emu_range_is_checked():
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(LaunchError, match="exp2_emu"):

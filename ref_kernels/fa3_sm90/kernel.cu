@@ -213,20 +213,6 @@ constexpr bool kVariantCodegen = true;
 constexpr bool kVariantCodegen = false;
 #endif
 constexpr bool kNewCodegen = (kDenseKernel || kVariantCodegen) && kConsumers == 2;
-// ALIGN_END (above): query block m covers rows [Nq - (num_m - m) * kBlockM, +kBlockM), the first one starting before
-// row 0 where kBlockM does not divide Nq. D 64 causal 192 x 128 at 4k: 22 blocks of 384 KV steps a head, 363 with
-// the 128 padding rows in the first (1 KV tile) instead of the last (32): 5.8% fewer steps; 8k / 16k 1.5%. Its rows
-// before 0 attend nothing (positions < Nk - Nq), their O is clipped by the TMA store, their LSE not stored.
-constexpr bool kAlignEnd = ALIGN_END && kCausal && kDenseKernel;
-// IDLE_ROWS (above): where BLOCK_M does not divide Nq the last query block's consumers past Nq ran every KV step on
-// zero-filled rows (D 64 192 x 128: 4k and 16k end with 64 valid rows of 192, 1k too; 8k with 128). Full D 64 4k: 1 of 22
-// blocks, 2 of its 3 consumers idle: the block costs ~0.35 of a full one instead of 1 (one consumer's QK -> softmax -> P V
-// chain alone), -3% of the kernel; 1k (6 blocks, 192 x 128 full) -10%; 8k / 16k -0.7%. The idle consumer still runs its
-// tile's first turn (a QK on the zero rows, softmax) and its last P V and epilogue (O clipped by the TMA store, no LSE
-// stored past Nq), so the tile hand-over and the pending P V of the tile overlap stay as they are.
-// Full attention only: causal's padding rows are ALIGN_END's (the first block, one KV tile), and at three consumers
-// causal 192 x 128 spilled 4 bytes with it (nvcc 13.0).
-constexpr bool kIdleRows = IDLE_ROWS && kDenseKernel && !TAIL_SPLIT && !kCausal;
 
 // @cuir-region score
 // score = kScoreFactor * score_mod(va, x, scale, ...), x the raw q.k and scale the softmax scale
@@ -247,6 +233,21 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
   return !kCausal || kv_idx <= q_idx;
 }
 // @cuir-end mask
+
+// ALIGN_END (above): query block m covers rows [Nq - (num_m - m) * kBlockM, +kBlockM), the first one starting before
+// row 0 where kBlockM does not divide Nq. D 64 causal 192 x 128 at 4k: 22 blocks of 384 KV steps a head, 363 with
+// the 128 padding rows in the first (1 KV tile) instead of the last (32): 5.8% fewer steps; 8k / 16k 1.5%. Its rows
+// before 0 attend nothing (positions < Nk - Nq), their O is clipped by the TMA store, their LSE not stored.
+constexpr bool kAlignEnd = ALIGN_END && kCausal && kDenseKernel;
+// IDLE_ROWS (above): where BLOCK_M does not divide Nq the last query block's consumers past Nq ran every KV step on
+// zero-filled rows (D 64 192 x 128: 4k and 16k end with 64 valid rows of 192, 1k too; 8k with 128). Full D 64 4k: 1 of 22
+// blocks, 2 of its 3 consumers idle: the block costs ~0.35 of a full one instead of 1 (one consumer's QK -> softmax -> P V
+// chain alone), -3% of the kernel; 1k (6 blocks, 192 x 128 full) -10%; 8k / 16k -0.7%. The idle consumer still runs its
+// tile's first turn (a QK on the zero rows, softmax) and its last P V and epilogue (O clipped by the TMA store, no LSE
+// stored past Nq), so the tile hand-over and the pending P V of the tile overlap stay as they are.
+// Full attention only: causal's padding rows are ALIGN_END's (the first block, one KV tile), and at three consumers
+// causal 192 x 128 spilled 4 bytes with it (nvcc 13.0).
+constexpr bool kIdleRows = IDLE_ROWS && kDenseKernel && !TAIL_SPLIT && !kCausal;
 
 // kSaturates (a generated score region defines CUIR_SAT_LO / CUIR_SAT_HI: cubridge/lower/saturate.py):
 // score_mod reads q_idx and kv_idx only through d = kv_idx - q_idx and is the same function of its

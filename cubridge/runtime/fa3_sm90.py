@@ -127,14 +127,11 @@ class Fa3Config:
     # the FMA pipe instead of MUFU.EX2 (kernel exp2_emu.cuh EXP2_EMU; 0 off, 1..7): at D 64 the exponentials cost
     # the MUFU as much as the GEMMs cost the tensor core (session 17). Off until an H100 A/B shows the gain.
     exp2_emu: int = 0
-    # Dense causal: the query blocks end at Nq (the first one starts before row 0 where block_m does not divide Nq),
-    # so the partial block is the shortest, not the longest (kernel.cu ALIGN_END; D 64 192 x 128 at 4k: 5.8% fewer KV
-    # steps, 8k / 16k 1.5%; session 17). No effect on full attention. Off until an H100 A/B shows the gain.
+    # Dense causal: the query blocks after the first end at Nq, so where block_m does not divide Nq no block is partial
+    # (the last, longest one padded; now the first overlaps the second by those rows) (kernel.cu ALIGN_END; D 64
+    # 192 x 128 at 4k: 5.2% fewer KV steps, 8k / 16k 1.4%; session 17). No effect on full attention. Off until an
+    # H100 A/B shows the gain.
     align_end: bool = False
-    # Dense full attention (no tail_split): a consumer whose rows of a tile all lie past Nq issues no GEMM and no softmax in
-    # the tile's steady steps, keeping the turns and the ring's arrivals (kernel.cu IDLE_ROWS; D 64 192 x 128 full
-    # at 4k / 1k: the last query block holds 64 rows of 192; session 17). Off until an H100 A/B shows the gain.
-    idle_rows: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -155,7 +152,6 @@ class Fa3Config:
         flags += [f"-DTILE_SECTIONS={int(self.tile_sections)}"] * bool(self.tile_sections)
         flags += ["-DV_WAIT_FIRST=1"] * self.v_wait_first
         flags += [f"-DEXP2_EMU={int(self.exp2_emu)}"] * bool(self.exp2_emu) + ["-DALIGN_END=1"] * self.align_end
-        flags += ["-DIDLE_ROWS=1"] * self.idle_rows
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

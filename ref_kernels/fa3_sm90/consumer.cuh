@@ -248,21 +248,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
     convert_p(p, s);
 
     // Steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight while softmax(S_i) runs.
-    // (kIdleRows: a consumer whose rows all lie past Nq (or before row 0) takes the steady steps' turns and releases
-    // K_i and V_{i-1} once they landed, so that its arrivals count toward this use of each slot, with no GEMM)
-    const int rows0 = tl.m0 + cs.c * kWgRows;                // this consumer's first row (may be < 0: ALIGN_END)
-    const bool idle = kIdleRows && (rows0 >= pb.seqlen_q || rows0 + kWgRows <= 0);
     for (int i = 1; i < tiles; ++i) {
-      if (kIdleRows && idle) {
-        const int sk = ring_stage(it + i), sv = ring_stage(it + i - 1);
-        turn_begin();
-        mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));
-        mbar_wait(sm.v_full + 8 * sv, ring_phase(it + i - 1));
-        turn_end(false);
-        cs.release(sm.k_empty + 8 * sk);
-        cs.release(sm.v_empty + 8 * sv);
-        continue;
-      }
       const int sk = ring_stage(it + i), sv = ring_stage(it + i - 1);
       turn_begin();
       mbar_wait(sm.k_full + 8 * sk, ring_phase(it + i));

@@ -115,17 +115,11 @@ typedef unsigned long long uint64_t;
 #ifndef PRODUCER_SLEEP
 #define PRODUCER_SLEEP 0
 #endif
-// ALIGN_END (dense causal; session 17): the query blocks end at Nq instead of starting at 0, so where BLOCK_M
-// does not divide Nq the partial block (rows before 0 TMA zero-fills, masked, never stored) is the first, the
-// shortest of causal's blocks, not the last, the longest (kAlignEnd below). Off unless Fa3Config.align_end.
+// ALIGN_END (dense causal; session 17): where BLOCK_M does not divide Nq, the query blocks after the first end at Nq,
+// so the rows the last block would have padded are instead the first block's overlap with the second (kAlignEnd below).
+// Off unless Fa3Config.align_end.
 #ifndef ALIGN_END
 #define ALIGN_END 0
-#endif
-// IDLE_ROWS (dense full attention, no TAIL_SPLIT; session 17): a consumer whose 64 rows of a tile all lie past Nq
-// keeps the turns and the ring's arrivals but issues no GEMM and no softmax in the tile's
-// steady steps (consumer.cuh idle_steps; kIdleRows below). Off unless Fa3Config.idle_rows.
-#ifndef IDLE_ROWS
-#define IDLE_ROWS 0
 #endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
@@ -234,20 +228,14 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
 }
 // @cuir-end mask
 
-// ALIGN_END (above): query block m covers rows [Nq - (num_m - m) * kBlockM, +kBlockM), the first one starting before
-// row 0 where kBlockM does not divide Nq. D 64 causal 192 x 128 at 4k: 22 blocks of 384 KV steps a head, 363 with
-// the 128 padding rows in the first (1 KV tile) instead of the last (32): 5.8% fewer steps; 8k / 16k 1.5%. Its rows
-// before 0 attend nothing (positions < Nk - Nq), their O is clipped by the TMA store, their LSE not stored.
+// ALIGN_END (above): query block m > 0 covers rows [Nq - (num_m - m) * kBlockM, +kBlockM) and block 0 rows [0, kBlockM),
+// so no block is partial: the pad = num_m * kBlockM - Nq rows the last (in causal the longest) block padded are the
+// first block's last rows, which the second block computes again. D 64 causal 192 x 128 at 4k: 384 KV steps a head ->
+// 364 (-5.2%; the first block 2 KV tiles as before), 8k / 16k -1.4%. No TMA coordinate is negative (the mid call's
+// rows-before-0 form of this hit an illegal instruction). A row of the overlap visits the same attended KV tiles in the
+// same order from both blocks (the second one's extra, fully masked tiles leave its state as it was: max -inf, sum 0,
+// O 0), so both write the same O and LSE: the duplicate stores are of equal values (up to the sign of an exact 0).
 constexpr bool kAlignEnd = ALIGN_END && kCausal && kDenseKernel;
-// IDLE_ROWS (above): where BLOCK_M does not divide Nq the last query block's consumers past Nq ran every KV step on
-// zero-filled rows (D 64 192 x 128: 4k and 16k end with 64 valid rows of 192, 1k too; 8k with 128). Full D 64 4k: 1 of 22
-// blocks, 2 of its 3 consumers idle: the block costs ~0.35 of a full one instead of 1 (one consumer's QK -> softmax -> P V
-// chain alone), -3% of the kernel; 1k (6 blocks, 192 x 128 full) -10%; 8k / 16k -0.7%. The idle consumer still runs its
-// tile's first turn (a QK on the zero rows, softmax) and its last P V and epilogue (O clipped by the TMA store, no LSE
-// stored past Nq), so the tile hand-over and the pending P V of the tile overlap stay as they are.
-// Full attention only: causal's padding rows are ALIGN_END's (the first block, one KV tile), and at three consumers
-// causal 192 x 128 spilled 4 bytes with it (nvcc 13.0).
-constexpr bool kIdleRows = IDLE_ROWS && kDenseKernel && !TAIL_SPLIT && !kCausal;
 
 // kSaturates (a generated score region defines CUIR_SAT_LO / CUIR_SAT_HI: cubridge/lower/saturate.py):
 // score_mod reads q_idx and kv_idx only through d = kv_idx - q_idx and is the same function of its
@@ -716,7 +704,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int q_idx = q_base + f.row0 + 8 * half;
-      if (q_idx < seqlen_q && (!kAlignEnd || q_idx >= 0)) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
+      if (q_idx < seqlen_q) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
     }
   }
   if (kOInQ && holds_q) {           // O was staged in Q (one Q slot, slot 0): free it once read

@@ -106,29 +106,3 @@ def test_align_end_spill_free_and_only_causal(tmp_path):
     assert {k: _fwd_spill(v) for k, v in logs.items()} == dict.fromkeys(cfgs, 0)
     assert (tmp_path / "d64f.cubin").read_bytes() == (tmp_path / "d64f_a.cubin").read_bytes()
 
-
-def test_idle_rows_off_by_default_and_its_flag():
-    for d in (64, 128, 256):
-        for causal in (False, True):
-            for n in (1024, 4096, 8192, 16384):
-                cfg = default_config(d, causal, True, n)
-                assert not cfg.idle_rows and not any("IDLE_ROWS" in f for f in cfg.defines())
-    assert "-DIDLE_ROWS=1" in replace(default_config(64, False, True, 4096), idle_rows=True).defines()
-
-
-@NEEDS_TOOLS
-def test_idle_rows_spill_free_and_full_attention_only(tmp_path):
-    """IDLE_ROWS: full-attention builds spill-free (D 64 192 x 128 with and without exp2_emu, D 128 128 x 128); a causal
-    build is the same cubin with and without it (kIdleRows is full attention only), and so is D 128's 8k full default
-    (tail_split)."""
-    d64f, d64c = default_config(64, False, True, 4096), default_config(64, True, True, 4096)
-    d128f8 = default_config(128, False, True, 8192)
-    cfgs = {"d64f_i": replace(d64f, idle_rows=True), "d64f_ie": replace(d64f, idle_rows=True, exp2_emu=2),
-            "d128f_i": replace(default_config(128, False, True, 4096), idle_rows=True),
-            "d64c": d64c, "d64c_i": replace(d64c, idle_rows=True), "d128f8": d128f8, "d128f8_i": replace(d128f8, idle_rows=True)}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        logs = dict(zip(cfgs, pool.map(lambda kc: _build([f for f in kc[1].defines() if "HOST_SMEM" not in f],
-                                                         KERNEL_SOURCE, tmp_path / f"{kc[0]}.cubin"), cfgs.items())))
-    assert {k: _fwd_spill(v) for k, v in logs.items()} == dict.fromkeys(cfgs, 0)
-    for a, b in (("d64c", "d64c_i"), ("d128f8", "d128f8_i")):
-        assert (tmp_path / f"{a}.cubin").read_bytes() == (tmp_path / f"{b}.cubin").read_bytes(), (a, b)

@@ -267,7 +267,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kORegs], const float (&resc
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int q_idx = q_base + f.row0 + 8 * half;
-      if (q_idx < seqlen_q && (!kAlignEnd || q_idx >= 0)) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
+      if (q_idx < seqlen_q) lse[size_t(tl.hm.bh_q) * seqlen_q + q_idx] = row_lse[half];
     }
   }
   if (kOInQ && holds_q) {           // O was staged in Q (one Q slot, slot 0): free it once read

@@ -111,8 +111,11 @@ def configs_for(shape, tiles=(), grid=True, options=()):
 
 
 def parse_options(spec: str) -> dict:
-    """'kv_rotate+l2_hints=0' -> {'kv_rotate': True, 'l2_hints': False}."""
-    return {name.partition("=")[0]: name.partition("=")[2] != "0" for name in spec.split("+")}
+    """'kv_rotate+l2_hints=0' -> {'kv_rotate': True, 'l2_hints': False}; an int field takes its value
+    ('exp2_emu=2+block_m=128' -> {'exp2_emu': 2, 'block_m': 128}; NAME=1 is True / 1 alike)."""
+    def value(text: str):
+        return True if text == "" else int(text) if text.isdigit() and text not in ("0", "1") else text != "0"
+    return {name.partition("=")[0]: value(name.partition("=")[2]) for name in spec.split("+")}
 
 
 def build_all(patches, shapes, tiles=(), grid=True, options=()):
@@ -132,7 +135,7 @@ class _NoArgs(ctypes.Structure):          # the dense kernel's VariantArgs (one 
 
 def run_shape(shape, sources, args, result):
     import torch
-    from expkit.peers import SampledCheck, Unsupported, make_fa4
+    from expkit.peers import SampledCheck, Unsupported, make_cudnn, make_fa4
     from cubridge.lower import Launchable
     from cubridge.runtime.fa3_sm90 import fa3_forward
     from cubridge.runtime.timing import bench_round_robin, tflops
@@ -176,13 +179,17 @@ def run_shape(shape, sources, args, result):
         infos.append({"system": label, "config": f"{cfg.block_m}x{cfg.block_n}s{cfg.stages}{'P' if cfg.persistent else 'G'}",
                       "check": status, "max_err": verdict.max_err, "bitwise_equal_unpatched": same})
     # FA4 as a user calls it; with GQA also without its packed Q tiles (pack_gqa defaults on there)
+    # (--cudnn: SDPA's cuDNN backend beside them, the best peer at 1k)
     fa4_rows = [("fa4", {})] + ([("fa4_nopack", {"pack_gqa": False})] if hq != hkv else [])
-    for label, options in fa4_rows:
+    peer_rows = [(label, f"flash_attn_func{options or ''}", lambda options=options: make_fa4(name, q, k, v, **options))
+                 for label, options in fa4_rows]
+    peer_rows += [("sdpa_cudnn", "sdpa cudnn", lambda: make_cudnn(name, q, k, v))] * args.cudnn
+    for label, config, make in peer_rows:
         try:
-            fa4_fn, _ = make_fa4(name, q, k, v, **options)
+            fa4_fn, _ = make()
             fa4_status = "pass" if check.verdict(fa4_fn()).passed else "FAIL (rule at sampled rows)"
             fns.append(fa4_fn)
-            infos.append({"system": label, "config": f"flash_attn_func{options or ''}", "check": fa4_status,
+            infos.append({"system": label, "config": config, "check": fa4_status,
                           "bitwise_equal_unpatched": None})
         except Exception as e:  # noqa: BLE001 (a peer that breaks is recorded, not fatal)
             reason = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {str(e)[:300]}"
@@ -329,7 +336,9 @@ def main(argv=None) -> int:
                     help="the fa4_grid row (one tile per CTA); --no-grid leaves it out")
     ap.add_argument("--options", nargs="*", default=[],
                     help="also time the product with these Fa3Config options set (kv_rotate, l2_hints; "
-                         "NAME+NAME for both, NAME=0 to clear one the default sets) as opt_NAME rows")
+                         "NAME+NAME for both, NAME=0 to clear one the default sets, NAME=N for an int field: "
+                         "exp2_emu=2, block_m=128) as opt_NAME rows")
+    ap.add_argument("--cudnn", action="store_true", help="also time SDPA's cuDNN backend (sdpa_cudnn rows)")
     ap.add_argument("--build-only", action="store_true", help="apply and compile every patch, no GPU")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--variants", nargs="*", default=[],
@@ -342,7 +351,7 @@ def main(argv=None) -> int:
     patches = patch_names() if args.patches is None else args.patches
     from cubridge.runtime.fa3_sm90 import Fa3Config
     flags = {f for f, v in Fa3Config.__dataclass_fields__.items() if v.type in ("bool", bool)} - {
-        "causal", "bf16", "persistent"} | {"tile_sections"}   # those three are the shape's or the grid's; an int
+        "causal", "bf16", "persistent"} | {"tile_sections", "exp2_emu", "block_m", "block_n", "stages"}   # ints
     unknown = [o for spec in args.options for o in parse_options(spec) if o not in flags]
     if unknown:
         ap.error(f"--options: {unknown[0]} is not a bool field of Fa3Config ({', '.join(sorted(flags))})")

@@ -40,7 +40,10 @@ EV = {1: "g_entry", 2: "entry", 3: "tile", 4: "kv", 5: "first_turn", 6: "first_s
 # (label, D, causal, Hq, Hkv, N); B = 16384 // N as in the peer benchmarks
 CASES = [("full_d128_8k", 128, False, 32, 32, 8192), ("causal_d128_8k", 128, True, 32, 32, 8192),
          ("full_d64_8k", 64, False, 32, 32, 8192), ("causal_d64_8k", 64, True, 32, 32, 8192),
-         ("full_d128_8k_gqa", 128, False, 64, 8, 8192)]
+         ("full_d128_8k_gqa", 128, False, 64, 8, 8192),
+         # 1k (session 17: where cuDNN leads; B 16 x 32 heads, 31 / 23 tiles per CTA at D 64 causal / full)
+         ("causal_d64_1k", 64, True, 32, 32, 1024), ("full_d64_1k", 64, False, 32, 32, 1024),
+         ("causal_d128_1k", 128, True, 32, 32, 1024)]
 DEFAULT_CASES = ["full_d128_8k", "causal_d128_8k", "full_d64_8k"]
 
 

@@ -10,7 +10,7 @@ the same per 128 keys (tiles of other widths compare there), and cycles per KV s
 
     python experiments/ncu_stalls_fwd.py --out $OUT/ncu_fwd.json [--systems ours fa4] [--rows 128x80 128x80fr]
     python experiments/ncu_stalls_fwd.py --d 128 --full --rows dflt dfltz --out $OUT/ncu_d128.json
-        (dflt = default_config at that shape; flags z = mbar_sleep, d = desc_once)
+        (dflt = default_config at that shape; flags z = mbar_sleep, d = desc_once, then eM = exp2_emu=M: dflte2)
     python experiments/ncu_stalls_fwd.py --table $OUT/ncu_fwd.json
 
 Each profile runs in its own process under `ncu --profile-from-start off -k KERNEL --launch-count 1`:
@@ -44,7 +44,9 @@ SMS = 132
 # the sections above; no --metrics list, whose one unknown name would fail the whole profile).
 MORE_RAW = ("pipe_tensor", "lts__t_sector_hit_rate", "lts__t_sectors_srcunit_tex_lookup_hit", "dram__throughput",
             "lts__throughput", "dram__bytes_read.sum", "sm__throughput", "smsp__inst_executed.sum",
-            "sm__cycles_elapsed.avg", "l1tex__throughput", "gpc__cycles_elapsed.max", "sm__cycles_active")
+            "sm__cycles_elapsed.avg", "l1tex__throughput", "gpc__cycles_elapsed.max", "sm__cycles_active",
+            # (session 17) the MUFU's pipe (xu) beside the tensor pipe and the FMA / ALU pipes, and issue slots
+            "pipe_xu", "pipe_fma", "pipe_alu", "issue_active", "inst_issued")
 
 
 def shape_args(args) -> list[str]:
@@ -57,10 +59,12 @@ def our_config(row: str, d: int, causal: bool, n: int):
 
     from cubridge.runtime.fa3_sm90 import Fa3Config, default_config
     if row.startswith("dflt"):
-        flags = row[4:]
-        if any(f not in DFLT_FLAGS for f in flags):
-            raise SystemExit(f"error: --rows {row}: flags after dflt are {sorted(DFLT_FLAGS)}")
-        return replace(default_config(d, causal, True, n), persistent=True, **{DFLT_FLAGS[f]: True for f in flags})
+        m = re.fullmatch(r"([a-z]*?)(?:e(\d))?", row[4:])
+        if m is None or any(f not in DFLT_FLAGS for f in m.group(1)):
+            raise SystemExit(f"error: --rows {row}: flags after dflt are {sorted(DFLT_FLAGS)}, then eM (exp2_emu=M)")
+        emu = {"exp2_emu": int(m.group(2))} if m.group(2) else {}
+        return replace(default_config(d, causal, True, n), persistent=True, **{DFLT_FLAGS[f]: True for f in m.group(1)},
+                       **emu)
     from expkit.d256 import parse_row
     bm, bn, options = parse_row(row)
     return Fa3Config(**{**dict(head_dim=d, block_m=bm, block_n=bn, stages=2, causal=causal, bf16=True,
@@ -176,7 +180,7 @@ def profile(system: str, row: str, ncu: str, timeout: int, args) -> dict:
     return out
 
 
-def raw_matching(text: str, parts, limit: int = 60) -> dict:
+def raw_matching(text: str, parts, limit: int = 240) -> dict:
     """{column: value} of the raw page's first kernel row, for columns whose name holds one of `parts`."""
     import csv
     import io

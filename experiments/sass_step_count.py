@@ -14,22 +14,25 @@ body that masks every step (its FSEL / ISETP are in its count).
         [--fa4 experiments/results/session11_h100/fa4_sass/02_*.sass] [--out counts.json]
 
 --fwd ROW...: the forward instead (fa3_sm90 at D 256 causal, bench_d256's rows, e.g. 128x80fr), its steady KV
-step per consumer warp (fwd_step_counts; session 15: R2UR / IMAD / IADD3 before and after d256o's options).
+step per consumer warp (session 15: R2UR / IMAD / IADD3 before and after d256o's options), counted by
+experiments/sass_step_count_fwd.py (fwd_step_counts; the same as `sass_step_count_fwd.py --rows 128x80fr`).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
-import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from expkit import SASS_INSN as INSN, disassembler
+from expkit import disassembler
 from expkit.sass_stalls_fwd import parse_listing as parse
 from cubridge.runtime import fa3_bwd_sm90 as hb
+# The forward's step count is expkit's (one rule for this --fwd and experiments/sass_step_count_fwd.py); the callers
+# of sass_step_count.fwd_step_counts get it from there.
+from expkit.sass_stalls_fwd import d256_config, fwd_listing, fwd_step_counts  # noqa: F401 (re-exported)
 
 UNIFORM = ("R2UR", "S2UR", "ELECT")
 CLASSES = {"fp32": ("FFMA", "FMUL", "FADD", "FSEL", "FMNMX"), "mufu": ("MUFU",), "convert": ("F2FP",),
@@ -70,49 +73,9 @@ def step_counts(text: str) -> dict:
     return dict(instructions=len(body), classes=dict(classes.most_common()), opcodes=dict(ops.most_common()))
 
 
-def fwd_step_counts(text: str) -> dict:
-    """The forward's (fa3_sm90) steady KV step: the innermost backward branch whose span holds both a QK
-    HGMMA (A from shared memory: `gdesc[..], R|RZ`) and a P V HGMMA (A from registers), less the masked
-    path (the forward span in it with >= 16 FSEL and the most ISETP: a partial tile's mask, skipped as
-    the unmasked steps skip it). Out-of-line mbarrier retry blocks are not counted (ncu counts them)."""
-    ins = parse(text)
-    rows = [(a, op) for a, op, _ in ins]
-    hgmma = [(int(m.group(1), 16), m.group(3)) for m in map(INSN.match, text.splitlines())
-             if m and m.group(2).startswith("HGMMA")]
-    rs = [a for a, rest in hgmma if re.search(r"\bR\d+, R\d+, gdesc", rest)]
-    ss = [a for a, rest in hgmma if re.search(r"gdesc\[UR\d+\], R", rest)]
-    loops = sorted((a - t, t, a) for a, op, t in ins if op.startswith("BRA") and t is not None and t < a
-                   and any(t <= h <= a for h in rs) and any(t <= h <= a for h in ss))
-    if not loops:
-        raise SystemExit("error: no loop with both a QK and a P V HGMMA in the listing (not fa3_sm90?)")
-    _, head, end = loops[0]
-    spans = []
-    for a, op, t in ins:
-        if op.startswith("BRA") and head < a < end and t is not None and a < t <= end:
-            ops = [o for b, o in rows if a < b < t]
-            if sum(1 for o in ops if o.startswith("FSEL")) >= 16:
-                spans.append((sum(1 for o in ops if o.startswith("ISETP")), -a, (a + 16, t)))
-    skip = max(spans)[2] if spans else None
-    body = [op for a, op in rows if head <= a <= end and not (skip and skip[0] <= a < skip[1])]
-    classes = collections.Counter(op_class(op) for op in body)
-    ops = collections.Counter(op.split(".")[0] for op in body)
-    return dict(instructions=len(body), classes=dict(classes.most_common()), opcodes=dict(ops.most_common()))
-
-
 def ours_fwd(row: str, work: Path) -> str:
-    """fa3_sm90's SASS at D 256 causal for a bench_d256 row (expkit.d256.parse_row: 128x80fr, 128x80fru ...)."""
-    from cubridge.runtime import fa3_sm90 as fw
-    from expkit.d256 import parse_row
-    bm, bn, options = parse_row(row)
-    cfg = fw.Fa3Config(**{**dict(head_dim=256, block_m=bm, block_n=bn, stages=2, causal=True, bf16=True), **options})
-    cubin = work / f"fwd_{row}.cubin"
-    subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *cfg.defines(),
-                    f"-I{fw.KERNEL_DIR}", "-o", str(cubin), str(fw.KERNEL_SOURCE)], check=True, capture_output=True,
-                   text=True)
-    text = subprocess.run([*disassembler(), str(cubin)], check=True, capture_output=True, text=True).stdout
-    start = text.find(".text.fa3_sm90_fwd:")    # the forward only (the cubin also holds the tile counts)
-    stop = text.find(".text.", start + 1)
-    return text[start:stop if stop > start else None] if start >= 0 else text
+    """fa3_sm90's SASS at D 256 causal for a bench_d256 row (128x80fr, 128x80fru ...): sass_step_count_fwd's."""
+    return fwd_listing(d256_config(row), work, f"fwd_{row}")[0]
 
 
 def ours(option: str, d: int, causal: bool, bf16: bool, work: Path, variant: str | None = None) -> str:

@@ -123,6 +123,15 @@ class Fa3Config:
     # issue share one block (consumer.cuh V_WAIT_FIRST; ptxas otherwise sinks the rescale to the P V issue).
     # Off until an H100 A/B shows it (session 16 mid: fruv 734.4 vs fru 721.1, frulv 748.2 vs frul 745.0; rows "v").
     v_wait_first: bool = False
+    # The dense kernel's softmax computes m of every 8 column groups' exponentials with a degree-3 polynomial on
+    # the FMA pipe instead of MUFU.EX2 (kernel exp2_emu.cuh EXP2_EMU; 0 off, 1..7): at D 64 the exponentials cost
+    # the MUFU as much as the GEMMs cost the tensor core (session 17). Off until an H100 A/B shows the gain.
+    exp2_emu: int = 0
+    # Dense causal: the query blocks after the first end at Nq, so where block_m does not divide Nq no block is partial
+    # (the last, longest one padded; now the first overlaps the second by those rows) (kernel.cu ALIGN_END; D 64
+    # 192 x 128 at 4k: 5.2% fewer KV steps, 8k / 16k 1.4%; session 17). No effect on full attention. Off until an
+    # H100 A/B shows the gain.
+    align_end: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -142,6 +151,7 @@ class Fa3Config:
         flags += ["-DUNIFORM_Q=1"] * self.uniform_q + ["-DPRODUCER_SLEEP=1"] * self.producer_sleep
         flags += [f"-DTILE_SECTIONS={int(self.tile_sections)}"] * bool(self.tile_sections)
         flags += ["-DV_WAIT_FIRST=1"] * self.v_wait_first
+        flags += [f"-DEXP2_EMU={int(self.exp2_emu)}"] * bool(self.exp2_emu) + ["-DALIGN_END=1"] * self.align_end
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property
@@ -539,6 +549,9 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bo
     if config.tail_split and config.head_dim == 256:
         # (two more ints in Problem spill 92 bytes in D 256's 24-register producer, nvcc 13.0)
         raise LaunchError("Fa3Config.tail_split is for head dims 64 and 128", hint="leave tail_split off at D 256")
+    if not 0 <= config.exp2_emu <= 7:
+        raise LaunchError(f"Fa3Config.exp2_emu={config.exp2_emu}: the polynomial exp2 takes m of every 8 column groups, "
+                          "m in 1..7", hint="0 (off) is the default")
     check_inputs(q, k, v, config)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]

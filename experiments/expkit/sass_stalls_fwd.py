@@ -12,6 +12,7 @@ row max FMNMX and SHFL; the O rescale FMUL runs of 16 or more; P's conversion F2
 """
 from __future__ import annotations
 
+import collections
 import math
 import re
 
@@ -161,3 +162,80 @@ def tile_model(n: int, bm: int, bn: int, heads: int, sms: int = 132, tile_cost: 
             "steps_per_tile_mean": round(sum(tiles) / len(tiles), 2), "tiles_per_cta": round(len(tiles) / sms, 2),
             "steps_per_cta": round(total / sms, 1), "makespan_steps": round(makespan, 1),
             "efficiency": round(total / sms / makespan, 4)}
+
+
+# ------------------------------------------------------------------ the steady KV step of a listing (static count)
+# experiments/sass_step_count_fwd.py (and sass_step_count.py --fwd, the D 256 command line) count with these: the
+# innermost backward branch whose body holds both a QK HGMMA (A from shared memory: `gdesc[UR..], R|RZ`) and a P V
+# HGMMA (A from registers: `R.., R.., gdesc`), the last in the listing where several qualify (FA4 peels a masked
+# loop before its steady one), less every forward span in it with >= 16 FSEL (ours' mask pass of a partial tile).
+def counts(body: list[str]) -> dict:
+    classes = collections.Counter(op_class(op) for op in body)
+    ops = collections.Counter(op.split(".")[0] for op in body)
+    return dict(instructions=len(body), classes=dict(classes.most_common()), opcodes=dict(ops.most_common()))
+
+
+def d256_config(row: str):
+    """A bench_d256 row (expkit.d256.parse_row: 128x80fr, 128x80fru ...) at D 256 causal."""
+    from cubridge.runtime.fa3_sm90 import Fa3Config
+    from expkit.d256 import parse_row
+    bm, bn, options = parse_row(row)
+    return Fa3Config(**{**dict(head_dim=256, block_m=bm, block_n=bn, stages=2, causal=True, bf16=True), **options})
+
+
+def hgmma_operands(text: str) -> tuple[list[int], list[int]]:
+    """Addresses of the QK HGMMAs (both operands in shared memory) and of the P V HGMMAs (A from registers)."""
+    from expkit import SASS_INSN
+    hgmma = [(int(m.group(1), 16), m.group(3)) for m in map(SASS_INSN.match, text.splitlines())
+             if m and m.group(2).startswith("HGMMA")]
+    ss = [a for a, rest in hgmma if re.search(r"gdesc\[UR\d+\], R", rest)]
+    rs = [a for a, rest in hgmma if re.search(r"\bR\d+, R\d+, gdesc", rest)]
+    return ss, rs
+
+
+def steady_loop(text: str) -> list[str]:
+    ins = parse_listing(text)
+    ss, rs = hgmma_operands(text)
+    loops = []
+    for i, (a, op, t) in enumerate(ins):
+        # (a BRA right after a BRA: the mbarrier retry stub's return into the loop, not a loop)
+        if op.startswith("BRA") and t is not None and t < a and not ins[i - 1][1].startswith("BRA"):
+            if any(t <= h <= a for h in ss) and any(t <= h <= a for h in rs):
+                loops.append((t, a))
+    if not loops:
+        raise SystemExit("error: no loop with both a QK and a P V HGMMA in the listing (not the forward kernel?)")
+    head, end = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)][-1]
+    # the mask pass (a forward span with >= 16 FSEL: ours' partial tiles) is not a dense step's path
+    skip = []
+    for a, op, t in ins:
+        if op.startswith("BRA") and head < a < end and t is not None and a < t <= end:
+            if sum(o.startswith("FSEL") for b, o, _ in ins if a < b < t) >= 16:
+                skip.append((a, t))
+    return [op for a, op, _ in ins if head <= a <= end and not any(s < a < t for s, t in skip)]
+
+
+def counts(body: list[str]) -> dict:
+    classes = collections.Counter(op_class(op) for op in body)
+    ops = collections.Counter(op.split(".")[0] for op in body)
+    return dict(instructions=len(body), classes=dict(classes.most_common()), opcodes=dict(ops.most_common()))
+
+
+def fwd_step_counts(text: str) -> dict:
+    """counts() of a listing's steady step (sass_step_count.py --fwd and the D 256 tests call this)."""
+    return counts(steady_loop(text))
+
+
+def fwd_listing(cfg, work, name: str) -> tuple[str, list[str]]:
+    """fa3_sm90_fwd's SASS for `cfg` (the cubin's tile-count kernel left out) and ptxas's spill lines."""
+    import subprocess
+
+    from cubridge.runtime.fa3_sm90 import KERNEL_DIR, KERNEL_SOURCE, NVCC_FLAGS
+    from expkit import disassembler
+    cubin = work / f"{name}.cubin"
+    run = subprocess.run(["nvcc", *NVCC_FLAGS, *cfg.defines(), f"-I{KERNEL_DIR}", "-Xptxas", "-v", "-o", str(cubin),
+                          str(KERNEL_SOURCE)], capture_output=True, text=True, check=True)
+    spills = [line for line in run.stderr.splitlines() if "spill stores" in line]
+    text = subprocess.run([*disassembler(), str(cubin)], capture_output=True, text=True, check=True).stdout
+    start = text.find(".text.fa3_sm90_fwd:")
+    stop = text.find(".text.", start + 1)
+    return (text[start:stop if stop > start else None] if start >= 0 else text), spills

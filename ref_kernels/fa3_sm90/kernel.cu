@@ -115,6 +115,12 @@ typedef unsigned long long uint64_t;
 #ifndef PRODUCER_SLEEP
 #define PRODUCER_SLEEP 0
 #endif
+// ALIGN_END (dense causal; session 17): where BLOCK_M does not divide Nq, the query blocks after the first end at Nq,
+// so the rows the last block would have padded are instead the first block's overlap with the second (kAlignEnd below).
+// Off unless Fa3Config.align_end.
+#ifndef ALIGN_END
+#define ALIGN_END 0
+#endif
 
 #include "hopper_ptx.cuh"   // after the parameter macros: pack2 reads DTYPE_BF16
 
@@ -221,6 +227,15 @@ __device__ __forceinline__ bool mask_pred(const VariantArgs& va, int b, int h, i
   return !kCausal || kv_idx <= q_idx;
 }
 // @cuir-end mask
+
+// ALIGN_END (above): query block m > 0 covers rows [Nq - (num_m - m) * kBlockM, +kBlockM) and block 0 rows [0, kBlockM),
+// so no block is partial: the pad = num_m * kBlockM - Nq rows the last (in causal the longest) block padded are the
+// first block's last rows, which the second block computes again. D 64 causal 192 x 128 at 4k: 384 KV steps a head ->
+// 364 (-5.2%; the first block 2 KV tiles as before), 8k / 16k -1.4%. No TMA coordinate is negative (the mid call's
+// rows-before-0 form of this hit an illegal instruction). A row of the overlap visits the same attended KV tiles in the
+// same order from both blocks (the second one's extra, fully masked tiles leave its state as it was: max -inf, sum 0,
+// O 0), so both write the same O and LSE: the duplicate stores are of equal values (up to the sign of an exact 0).
+constexpr bool kAlignEnd = ALIGN_END && kCausal && kDenseKernel;
 
 // kSaturates (a generated score region defines CUIR_SAT_LO / CUIR_SAT_HI: cubridge/lower/saturate.py):
 // score_mod reads q_idx and kv_idx only through d = kv_idx - q_idx and is the same function of its
@@ -750,6 +765,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
 #include "tail_split.cuh"   // tail_epilogue: a chunk of a split tail tile, and the combine
 #endif
 
+#include "exp2_emu.cuh"   // EXP2_EMU (off): part of the exponentials on the FMA pipe
 #include "consumer.cuh"   // the consumer warpgroups' loop over tiles and KV tiles
 
 }  // namespace fa3

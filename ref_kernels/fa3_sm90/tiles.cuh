@@ -65,7 +65,7 @@ __device__ __forceinline__ Tile decode_tile(const VariantArgs& va, const int* ti
     bh = t / num_m;
     m_block = (kCausal || kLongestFirst) ? num_m - 1 - m_idx : m_idx;
   }
-  const int m0 = m_block * kBlockM;
+  const int m0 = m_block * kBlockM - (kAlignEnd && m_block > 0 ? num_m * kBlockM - seqlen_q : 0);   // (ALIGN_END)
   const HeadMap hm = head_map(bh / heads_q, bh % heads_q, heads_q, heads_kv);
   // kv_range sees query positions (queries end-aligned): row m0 sits at m0 + Nk - Nq, the last
   // query at Nk - 1.

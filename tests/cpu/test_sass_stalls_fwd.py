@@ -121,16 +121,21 @@ def test_tiles_steps_and_per_step_of_other_shapes(mods):
 
 
 def test_steady_loop_of_a_listing():
-    """experiments/sass_step_count_fwd.py: the innermost loop with HGMMA and MUFU, its mask pass (a forward
-    span of >= 16 FSEL) left out, a retry stub's return branch (BRA right after BRA) not taken for a loop."""
+    """experiments/sass_step_count_fwd.py: the innermost loop with a QK (shared A) and a P V (register A) HGMMA,
+    its mask pass (a forward span of >= 16 FSEL) left out, a retry stub's return branch (BRA right after BRA) not
+    taken for a loop; sass_step_count.py's fwd_step_counts is the same function."""
     before = list(sys.path)
     sys.path.insert(0, str(EXPERIMENTS))
     try:
         import sass_step_count_fwd as ssc
+        import sass_step_count
     finally:
         sys.path[:] = before
-        sys.modules.pop("sass_step_count_fwd", None)
-    ops = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;"] * 2 + ["@P0 BRA 0x%x ;"] + ["FSEL R1, R2, R3, P0 ;"] * 16 \
+        for m in ("sass_step_count_fwd", "sass_step_count"):
+            sys.modules.pop(m, None)
+    assert sass_step_count.fwd_step_counts is ssc.fwd_step_counts
+    ops = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;", "HGMMA.64x64x16.F32.BF16 R88, R148, gdesc[UR12].tnspB, R88 ;",
+           "@P0 BRA 0x%x ;"] + ["FSEL R1, R2, R3, P0 ;"] * 16 \
         + ["MUFU.EX2 R3, R3 ;"] * 30 + ["@P1 BRA 0x0 ;", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;",
                                          "@!P0 BRA 0x%x ;", "BRA 0x10 ;"]
     lines = []

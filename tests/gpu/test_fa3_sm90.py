@@ -246,6 +246,58 @@ def test_s16_options(opt, nq, nk, grid, causal):
     test_s15_options(opt, nq, nk, grid, causal)
 
 
+# Session 17 option (off by default): exp2_emu (kernel exp2_emu.cuh EXP2_EMU), m of every 8 column groups'
+# exponentials by a degree-3 polynomial on the FMA pipe, on the D 64 defaults (192 x 128 at 8k, 128 x 128 causal at
+# 1k), D 64 full 1k at 128 x 128, and D 128's 8k default (a control: 128 x 176 + tail_split full, 128 x 128 causal).
+# Not bitwise the MUFU path (another approximation): by the rule at a capped and a full grid, causal rows before
+# key 0 (Nq > Nk) included (O = 0 and LSE = -inf exactly: the polynomial gives +0 for -inf), fp16 at one of them.
+S17_EXP2 = [(64, 8192, 2, None), (64, 8192, 4, None), (64, 8192, 7, None), (64, 1024, 2, None), (64, 1024, 3, (128, 128)),
+            (128, 8192, 2, None)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (1000, 300, 3)])
+@pytest.mark.parametrize("opt", S17_EXP2, ids=lambda o: f"d{o[0]}_n{o[1]}_e{o[2]}" + (f"_{o[3][0]}x{o[3][1]}" if o[3] else ""))
+def test_s17_exp2_emu(opt, nq, nk, grid, causal):
+    d, n, m, tile = opt
+    base = default_config(d, causal, True, n)
+    bm, bn = tile or (base.block_m, base.block_n)
+    dtype = torch.float16 if (m == 4 and grid == 7) else torch.bfloat16
+    run_case(2, 8, 2, nq, nk, d, dtype, causal, persistent=True, max_ctas=grid, block_m=bm, block_n=bn,
+             tail_split=base.tail_split, tile_sections=base.tile_sections, exp2_emu=m)
+
+
+# align_end (kernel ALIGN_END, dense causal): block 0 covers rows [0, BLOCK_M), every later block ends at Nq, so no block
+# is partial and the first two overlap by the pad rows (both write the same values). By the rule (poisoned O / LSE) and
+# bitwise equal to the default (a row visits the same attended KV tiles in the same order; an extra fully masked tile
+# leaves its state as it was), at D 64 192 x 128 / 128 x 128, D 128 128 x 128 / 128 x 176, D 256 128 x 80; with exp2_emu.
+S17_ALIGN = [(64, 8192, {}), (64, 1024, {}), (128, 8192, {}), (128, 16384, {}), (256, 8192, {}),
+             (64, 8192, dict(exp2_emu=2))]
+
+
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (1000, 300, 3), (300, 1000, 5)])
+@pytest.mark.parametrize("opt", S17_ALIGN, ids=lambda o: f"d{o[0]}_n{o[1]}" + "".join(f"_{k}{v}" for k, v in o[2].items()))
+def test_s17_align_end(opt, nq, nk, grid):
+    d, n, extra = opt
+    base = dataclasses.replace(default_config(d, True, True, n), persistent=True, **extra)
+    run_case(2, 8, 2, nq, nk, d, torch.bfloat16, True, persistent=True, max_ctas=grid, block_m=base.block_m,
+             block_n=base.block_n, tile_sections=base.tile_sections, k_before_v=base.k_before_v, uniform_q=base.uniform_q,
+             wg_turns=base.wg_turns, rescale_before_pv=base.rescale_before_pv, align_end=True, **extra)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, h, m, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h, m in ((8, nq), (2, nk), (2, nk)))
+    outs = [fa3_forward(q, k, v, causal=True, max_ctas=grid, config=dataclasses.replace(base, align_end=on))
+            for on in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_s17_exp2_emu_range_is_checked():
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(LaunchError, match="exp2_emu"):
+        fa3_forward(q, q, q, config=dataclasses.replace(default_config(64, False, True, 64), exp2_emu=8))
+
+
 def _cfg_id(cfg: dict) -> str:
     return "_".join(f"{k}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 

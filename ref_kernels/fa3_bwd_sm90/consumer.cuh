@@ -191,7 +191,10 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
 constexpr int kPreRegs = kIssue ? (kM80 ? M80_PRE : kBlockM / 4) : 1;
 static_assert(kPreRegs % 2 == 0 || kPreRegs == 1, "row terms are preloaded in pairs");
 __device__ __forceinline__ void preload_row_terms(float (&pre)[kPreRegs], const Consumer& cs, uint32_t tile) {
-  if constexpr (kIssue) {
+  if constexpr (kIssue && !kRowTerms) {   // a normalisation that reads no row terms: none loaded
+#pragma unroll
+    for (int j = 0; j < kPreRegs; ++j) pre[j] = 0.f;
+  } else if constexpr (kIssue) {
 #pragma unroll
     for (int j = 0; j < kPreRegs / 2; ++j)
       asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(pre[2 * j]), "=f"(pre[2 * j + 1])
@@ -218,7 +221,8 @@ __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
       float lse2 = kPosInf;
-      if constexpr (kLseSmem) {
+      if constexpr (!kRowTerms) {   // unread (sigmoid, relu)
+      } else if constexpr (kLseSmem) {
         lse2 = kIssue && 2 * j + e < kPreRegs ? lse_pre[(2 * j + e) % kPreRegs]
                                               : ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
       } else if (q_row < pb.seqlen_q) {
@@ -260,8 +264,8 @@ __device__ __forceinline__ void probs_ds_body(const VariantArgs& va, const Consu
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
-      const float lse2 = ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
-      const float dv = ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e));
+      const float lse2 = kRowTerms ? ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e)) : 0.f;
+      const float dv = kRowTerms ? ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e)) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
@@ -314,6 +318,7 @@ __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer&
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
       const float dv = kIssue && 2 * j + e < kPreRegs ? dvec_pre[(2 * j + e) % kPreRegs]
+                       : !kRowTerms ? 0.f
                        : kLseSmem ? ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e))
                        : q_row < pb.seqlen_q ? ld_row_term(dvec + row_base + q_row) : 0.f;
 #pragma unroll

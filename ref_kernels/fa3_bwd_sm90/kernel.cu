@@ -194,6 +194,12 @@ constexpr bool kDsFromP16 = true;
 // relu; CUBRIDGE_BWD_ROWLESS=1) sets it false: the preprocess reads no O / dO, the producer loads no
 // LSE / Dvec rows, the consumers read none.
 constexpr bool kRowTerms = true;
+// kDsFactor: the P pass leaves dS's factor f = softmax_dsf(P) * score_grad in the f32 P^T registers (P^T itself
+// packed to 16 bits there) and the dS pass is dS = dP f. A lowered sigmoid / relu with CUBRIDGE_BWD_DS_FACTOR=1
+// on ISSUE 2 options: a score_mod with a derivative (composite's softcap) keeps the split passes. Softmax's dS
+// needs Dvec: false here.
+constexpr bool kDsFactor = false;
+__device__ __forceinline__ float softmax_dsf(const VariantArgs& va, float p) { return p; }
 __device__ __forceinline__ void softmax_bwd(const VariantArgs& va, float& p, float& ds, float lse_log2,
                                             float dvec, bool keep) {
   p = keep ? fast_exp2(p - lse_log2) : 0.f;
@@ -213,7 +219,9 @@ static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs
 // SCHED 1's split passes (P^T under the dP GEMM, dS^T from the 16-bit P^T), or one pass after both
 // GEMMs from the f32 scores: a score_mod' != 1 needs the score, relu's [s > 0] the unrounded P. (ISSUE
 // 2's dS pass reads the f32 P^T, so relu could split there: not yet run on a GPU, NOTES.md "Session 12".)
-constexpr bool kSplitPasses = kScoreGradOne && kDsFromP16;
+constexpr bool kSplitPasses = kDsFactor || (kScoreGradOne && kDsFromP16);
+static_assert(!kDsFactor || kDsFromP32, "kDsFactor keeps the factor in the f32 P^T registers: ISSUE 2 only");
+constexpr int kPackRegs = kDsFactor ? kPRegs : 1;   // kDsFactor: P^T packed in the P pass
 static_assert(kSplitPasses || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
 static_assert(!kMRotate || !kRangeRuns, "M_ROTATE is dense only (a variant's runs order its own sweep)");
 

@@ -2,7 +2,9 @@
 CUBRIDGE_BWD_ROWLESS): sigmoid and relu read neither LSE nor D = rowsum(dO * O), so with the switch on their
 softmax_bwd region says kRowTerms = false, and the kernel then skips the preprocess's O / dO reads and the
 producer's LSE / Dvec row loads. Off (the default) every source keeps kRowTerms = true; softmax variants and the
-dense reference never change. The rowless builds compile spill-free on VARIANT_OPTION and its DESC64 twin."""
+dense reference never change. The rowless builds compile spill-free on VARIANT_OPTION and its DESC64 twin.
+CUBRIDGE_BWD_DS_FACTOR=1: the same regions say kDsFactor = kDsFromP32 (the P pass leaves dS / dP in the f32 P^T);
+composite and relu then build the split passes, spill-free."""
 from __future__ import annotations
 
 import re
@@ -13,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cubridge.lower.cexpr import LowerError
-from cubridge.lower.fa3_bwd_sm90 import ROWLESS_ENV, lower_source
+from cubridge.lower.fa3_bwd_sm90 import DS_FACTOR_ENV, ROWLESS_ENV, SOFTCAP_SPLIT_ENV, lower_source
 from cubridge.runtime import fa3_bwd_sm90 as hb
 from cubridge.runtime.variant_bwd import VariantBackward
 
@@ -49,6 +51,39 @@ def test_rowless_knob(monkeypatch):
         _source("sigmoid")
 
 
+def test_ds_factor_knob(monkeypatch):
+    monkeypatch.delenv(DS_FACTOR_ENV, raising=False)
+    monkeypatch.delenv(SOFTCAP_SPLIT_ENV, raising=False)
+    off = {n: _source(n) for n in (*NON_SOFTMAX, "prefixlm")}
+    for n in NON_SOFTMAX:
+        assert off[n].count("constexpr bool kDsFactor = false;") == 1, n
+    monkeypatch.setenv(DS_FACTOR_ENV, "1")
+    for n in NON_SOFTMAX:
+        on = _source(n)
+        assert on.replace("kDsFactor = kDsFromP32;", "kDsFactor = false;") == off[n], n
+    assert "return fmaf(-p, p, p);" in _source("sigmoid") and "return p != 0.f ? va_arg : 0.f;" in _source("relu")
+    assert _source("prefixlm") == off["prefixlm"]
+    monkeypatch.setenv(SOFTCAP_SPLIT_ENV, "1")   # composite's factor then comes from softmax_ds (softcap_split)
+    assert "constexpr bool kDsFactor = false;" in _source("composite")
+    monkeypatch.setenv(DS_FACTOR_ENV, "on")
+    with pytest.raises(LowerError, match=DS_FACTOR_ENV):
+        _source("sigmoid")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
+def test_ds_factor_compiles_spill_free(monkeypatch, tmp_path):
+    """composite and relu on the split passes with the factor (and rowless), D 128 bf16 / fp16 and D 64 bf16 / fp16 on
+    VARIANT_OPTION, D 128 bf16 on _u64; the P pass's wait is the split one (S^T only: DEPBAR 1 before the first MUFU /
+    FMNMX is not checked here, the GPU A/B times it)."""
+    monkeypatch.setenv(ROWLESS_ENV, "1")
+    monkeypatch.setenv(DS_FACTOR_ENV, "1")
+    sources = {n: _source(n) for n in ("composite", "relu")}
+    jobs = [(f"{n}_dsf", sources[n], d, bf16, hb.VARIANT_OPTION) for n in sources
+            for d, bf16 in ((128, True), (128, False), (64, True), (64, False))]
+    jobs += [(f"{n}_dsf", sources[n], 128, True, U64) for n in sources]
+    _check_builds(jobs, tmp_path)
+
+
 def test_u64_is_a_variant_option():
     assert U64 in hb.VARIANT_OPTIONS
     assert hb.OPTIONS[U64] == hb.OPTIONS[hb.VARIANT_OPTION]._replace(desc64=1)
@@ -56,9 +91,9 @@ def test_u64_is_a_variant_option():
 
 def _compile(job, tmp_path):
     name, src, d, bf16, option = job
-    cu = tmp_path / f"{name}.cu"
+    cu = tmp_path / f"{name}_d{d}b{int(bf16)}_{option}.cu"   # one per job: the pool's two threads never share one
     cu.write_text(src)
-    out = tmp_path / f"{name}_d{d}b{int(bf16)}_{option}.cubin"
+    out = cu.with_suffix(".cubin")
     proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
                            *hb.options(d, False, bf16, option), "-Xptxas", "-v", "-o", str(out), str(cu)],
                           capture_output=True, text=True)
@@ -73,6 +108,10 @@ def test_rowless_compiles_spill_free(monkeypatch, tmp_path):
     sources = {n: _source(n) for n in ("sigmoid", "relu")}
     jobs = [(f"{n}_rl", sources[n], 128, True, o) for n in sources for o in (hb.VARIANT_OPTION, U64)]
     jobs.append(("relu_rl64", sources["relu"], 64, False, hb.VARIANT_OPTION))
+    _check_builds(jobs, tmp_path)
+
+
+def _check_builds(jobs, tmp_path) -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
     for name, spec, proc in results:

@@ -2,7 +2,9 @@
 relu (and composite, a softcapped sigmoid) lowered with kRowTerms = false (no O / dO read in the preprocess, no
 LSE / Dvec rows loaded per stage) pass the verification rule, and their dK / dV are bitwise the default lowering's
 (the same operations on the same values: only loads whose values were never used are gone), dQ within 2^-6 of its
-max (reduce-add order). Also VARIANT_OPTION's DESC64 twin (_u64) against VARIANT_OPTION: dK / dV bitwise."""
+max (reduce-add order). Also VARIANT_OPTION's DESC64 twin (_u64) against VARIANT_OPTION: dK / dV bitwise. And
+CUBRIDGE_BWD_DS_FACTOR=1 (the P pass leaves dS / dP in the f32 P^T; composite and relu then take the split passes): the
+rule, dV bitwise (the same 16-bit P^T), dK / dQ within 2^-6 (dS's product in another order)."""
 from __future__ import annotations
 
 import pytest
@@ -19,22 +21,29 @@ U64 = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64"
 SHAPE_IDS = lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}".format(*s[:6], str(s[6])[6:])  # noqa: E731
 
 
-def _lowered(name, params, monkeypatch, rowless: bool, option: str | None = None):
-    """A VariantBackward whose Hopper source is lowered now, with the switch as asked."""
-    from cubridge.lower.fa3_bwd_sm90 import ROWLESS_ENV
+def _lowered(name, params, monkeypatch, rowless: bool, option: str | None = None, factor: bool = False):
+    """A VariantBackward whose Hopper source is lowered now, with the switches as asked."""
+    from cubridge.lower.fa3_bwd_sm90 import DS_FACTOR_ENV, ROWLESS_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     monkeypatch.setenv(ROWLESS_ENV, "1" if rowless else "0")
+    monkeypatch.setenv(DS_FACTOR_ENV, "1" if factor else "0")
     bwd = VariantBackward(name, use_hopper=True, **({"hopper_option": option} if option else {}), **params)
     src = bwd.hopper.source   # lowered once, here
     assert ("constexpr bool kRowTerms = false;" in src) == rowless
+    assert ("constexpr bool kDsFactor = kDsFromP32;" in src) == factor
     monkeypatch.delenv(ROWLESS_ENV)
+    monkeypatch.delenv(DS_FACTOR_ENV)
     return bwd
+
+
+def _close(new, old, i: int) -> bool:
+    scale = old[i].float().abs().max().item()
+    return (new[i].float() - old[i].float()).abs().max().item() <= scale * 2 ** -6
 
 
 def _same(new, old, what: str) -> None:
     assert torch.equal(new[1], old[1]) and torch.equal(new[2], old[2]), f"dk / dv differ from {what}"
-    scale = old[0].float().abs().max().item()
-    assert (new[0].float() - old[0].float()).abs().max().item() <= scale * 2 ** -6, "dq differs beyond reduce order"
+    assert _close(new, old, 0), "dq differs beyond reduce order"
 
 
 @pytest.mark.parametrize("shape", _hopper_shapes(), ids=SHAPE_IDS)
@@ -58,3 +67,16 @@ def test_u64_rowless_equal_variant_option(variant, shape, monkeypatch):
                     params, shape, f"u64{name}{shape}")[0]
     old = _run_rule(_lowered(name, params, monkeypatch, False), name, params, shape, f"u64{name}{shape}")[0]
     _same(new, old, "VARIANT_OPTION's")
+
+
+@pytest.mark.parametrize("shape", _hopper_shapes(), ids=SHAPE_IDS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
+def test_ds_factor_rule_and_close(variant, shape, monkeypatch):
+    """DS_FACTOR with the rows switch on, against the default lowering: the rule; dV bitwise; dK / dQ within 2^-6."""
+    name, params = variant
+    new, again = _run_rule(_lowered(name, params, monkeypatch, True, factor=True), name, params, shape,
+                           f"dsf{name}{shape}")
+    old = _run_rule(_lowered(name, params, monkeypatch, False), name, params, shape, f"dsf{name}{shape}")[0]
+    assert torch.equal(new[1], again[1]) and torch.equal(new[2], again[2]), "dk / dv not repeatable"
+    assert torch.equal(new[2], old[2]), "dv differs from the default lowering's (the same 16-bit P^T)"
+    assert _close(new, old, 1) and _close(new, old, 0), "dk / dq beyond 2^-6 of the default lowering's"

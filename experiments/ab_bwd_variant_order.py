@@ -27,7 +27,8 @@ L2 / f, i.e. a pair's Q / dO / dQ footprint counted at f (8k: global_sliding_win
 16, prefixlm 8, against 4 unscaled; "+wide" = all 32).
 "OPTION+rowless" lowers with CUBRIDGE_BWD_ROWLESS=1 (session 17: sigmoid / relu read no row terms: no O / dO read in the
 preprocess, no LSE / Dvec rows loaded per stage; dK / dV bitwise the same); "OPTION+dsf" with CUBRIDGE_BWD_DS_FACTOR=1
-(the P pass leaves dS / dP in the f32 P^T: composite and relu on the split passes; dK within 2^-6, as dQ).
+(the P pass leaves dS / dP in the f32 P^T: composite and relu on the split passes; dK within 2^-6, as dQ);
+"OPTION+scanbits" with CUBRIDGE_BWD_SCAN_BITS=1 (q_scan's runs built a run at a time; the same runs).
 Suffixes combine ("bulk_overlap_lse_lean_l2lpt+qlist+wide"). --tokens T: B = T // N (default 16384; the eager bar's
 shape, B 1 at 8k, is --tokens 8192).
 Writes $OUT-style JSON (--out) and prints a table last.
@@ -74,10 +75,10 @@ def lowered_option(name, option):
     import dataclasses
 
     from cubridge.lower.fa3_bwd_sm90 import (DS_FACTOR_ENV, NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, ROWLESS_ENV,
-                                             SOFTCAP_SPLIT_ENV)
+                                             SCAN_BITS_ENV, SOFTCAP_SPLIT_ENV)
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "tiled", "fused", "fused2", "cap", "argcache", "noargcache", "scsplit", "rowless", "dsf"}
+    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "tiled", "fused", "fused2", "cap", "argcache", "noargcache", "scsplit", "rowless", "dsf", "scanbits"}
     unknown = {e for e in extras if e not in known and not SECTION.fullmatch(e)}
     assert not unknown, f"{option}: unknown suffix {sorted(unknown)} ({sorted(known)}, secK)"
     extra = "qlist" if "qlist" in extras else ""
@@ -87,7 +88,7 @@ def lowered_option(name, option):
     envs = {Q_LIST_ENV: "1" if extra == "qlist" else "0", RELU_SPLIT_ENV: "1" if "split" in extras else "0",
             NORM_FOLD_ENV: "0" if "nofold" in extras else "1",   # on by default since session 13 ("+fold" a no-op)
             SOFTCAP_SPLIT_ENV: "1" if "scsplit" in extras else "0", ROWLESS_ENV: "1" if "rowless" in extras else "0",
-            DS_FACTOR_ENV: "1" if "dsf" in extras else "0"}
+            DS_FACTOR_ENV: "1" if "dsf" in extras else "0", SCAN_BITS_ENV: "1" if "scanbits" in extras else "0"}
     with _ENV_LOCK:
         saved = {key: os.environ.get(key) for key in envs}
         os.environ.update(envs)
@@ -109,6 +110,7 @@ def lowered_option(name, option):
         assert ("constexpr bool kRowTerms = false;" in source) == ("rowless" in extras), f"{option}: row terms not as asked"
         assert ("constexpr bool kDsFactor = kDsFromP32;" in source) == ("dsf" in extras), f"{option}: dS factor not as asked"
     assert ("#define FA3B_Q_TILE_LIST" in source) == (extra == "qlist"), f"{option}: q_range not as asked"
+    assert ("q_ffs(rest)" in source) == ("scanbits" in extras and extra != "qlist"), f"{option}: scan not as asked"
     if "maskall" in extras:   # every step down the masked path: correct, slower by the mask's cost
         assert source.count(STEP_PARTIAL) == 1, f"{option}: q_step_partial not found"
         bwd._hopper = dataclasses.replace(bwd.hopper, source=source.replace(STEP_PARTIAL, MASK_ALL))

@@ -21,18 +21,22 @@ U64 = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64"
 SHAPE_IDS = lambda s: "b{}-h{}x{}-q{}-k{}-d{}-{}".format(*s[:6], str(s[6])[6:])  # noqa: E731
 
 
-def _lowered(name, params, monkeypatch, rowless: bool, option: str | None = None, factor: bool = False):
+def _lowered(name, params, monkeypatch, rowless: bool, option: str | None = None, factor: bool = False,
+             scan_bits: bool = False):
     """A VariantBackward whose Hopper source is lowered now, with the switches as asked."""
-    from cubridge.lower.fa3_bwd_sm90 import DS_FACTOR_ENV, ROWLESS_ENV
+    from cubridge.lower.fa3_bwd_sm90 import DS_FACTOR_ENV, ROWLESS_ENV, SCAN_BITS_ENV
     from cubridge.runtime.variant_bwd import VariantBackward
     monkeypatch.setenv(ROWLESS_ENV, "1" if rowless else "0")
     monkeypatch.setenv(DS_FACTOR_ENV, "1" if factor else "0")
+    monkeypatch.setenv(SCAN_BITS_ENV, "1" if scan_bits else "0")
     bwd = VariantBackward(name, use_hopper=True, **({"hopper_option": option} if option else {}), **params)
     src = bwd.hopper.source   # lowered once, here
     assert ("constexpr bool kRowTerms = false;" in src) == rowless
     assert ("constexpr bool kDsFactor = kDsFromP32;" in src) == factor
     monkeypatch.delenv(ROWLESS_ENV)
+    assert ("q_ffs(rest)" in src) == scan_bits
     monkeypatch.delenv(DS_FACTOR_ENV)
+    monkeypatch.delenv(SCAN_BITS_ENV)
     return bwd
 
 
@@ -61,10 +65,11 @@ def test_rowless_rule_and_equal(variant, shape, monkeypatch):
 @pytest.mark.parametrize("variant", [("sigmoid", {}), ("prefixlm", {}), ("share_question", {})],
                          ids=lambda v: v[0])
 def test_u64_rowless_equal_variant_option(variant, shape, monkeypatch):
-    """_u64 (one 64-bit add per wgmma descriptor) with the rows switch on, against VARIANT_OPTION with it off."""
+    """_u64 (one 64-bit add per wgmma descriptor) with the rows switch and the run-at-a-time scan
+    (CUBRIDGE_BWD_SCAN_BITS=1: the same runs, so the same steps) on, against VARIANT_OPTION with both off."""
     name, params = variant
-    new = _run_rule(_lowered(name, params, monkeypatch, name != "prefixlm" and name != "share_question", U64), name,
-                    params, shape, f"u64{name}{shape}")[0]
+    new = _run_rule(_lowered(name, params, monkeypatch, name != "prefixlm" and name != "share_question", U64,
+                             scan_bits=True), name, params, shape, f"u64{name}{shape}")[0]
     old = _run_rule(_lowered(name, params, monkeypatch, False), name, params, shape, f"u64{name}{shape}")[0]
     _same(new, old, "VARIANT_OPTION's")
 

@@ -77,9 +77,10 @@ def test_u64_rowless_equal_variant_option(variant, shape, monkeypatch):
 @pytest.mark.parametrize("shape", _hopper_shapes(), ids=SHAPE_IDS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v[0] + "".join(f"-{k}{x}" for k, x in v[1].items()))
 def test_ds_factor_rule_and_close(variant, shape, monkeypatch):
-    """DS_FACTOR with the rows switch on, against the default lowering: the rule; dV bitwise; dK / dQ within 2^-6."""
+    """DS_FACTOR with the rows switch and the run-at-a-time scan on (the proposed stack), against the default lowering:
+    the rule; dV bitwise; dK / dQ within 2^-6."""
     name, params = variant
-    new, again = _run_rule(_lowered(name, params, monkeypatch, True, factor=True), name, params, shape,
+    new, again = _run_rule(_lowered(name, params, monkeypatch, True, factor=True, scan_bits=True), name, params, shape,
                            f"dsf{name}{shape}")
     old = _run_rule(_lowered(name, params, monkeypatch, False), name, params, shape, f"dsf{name}{shape}")[0]
     assert torch.equal(new[1], again[1]) and torch.equal(new[2], again[2]), "dk / dv not repeatable"

@@ -25,7 +25,12 @@ host-to-device copy of the bound tables syncs the stream);
 "OPTION+fit" (TILE_ORDER 2 options) sizes the sections by the attended fraction f of the pairs: l2_bytes =
 L2 / f, i.e. a pair's Q / dO / dQ footprint counted at f (8k: global_sliding_window 32 pairs, share_question
 16, prefixlm 8, against 4 unscaled; "+wide" = all 32).
-Suffixes combine ("bulk_overlap_lse_lean_l2lpt+qlist+wide").
+"OPTION+rowless" lowers with CUBRIDGE_BWD_ROWLESS=1 (session 17: sigmoid / relu read no row terms: no O / dO read in the
+preprocess, no LSE / Dvec rows loaded per stage; dK / dV bitwise the same); "OPTION+dsf" with CUBRIDGE_BWD_DS_FACTOR=1
+(the P pass leaves dS / dP in the f32 P^T: composite and relu on the split passes; dK within 2^-6, as dQ);
+"OPTION+scanbits" with CUBRIDGE_BWD_SCAN_BITS=1 (q_scan's runs built a run at a time; the same runs).
+Suffixes combine ("bulk_overlap_lse_lean_l2lpt+qlist+wide"). --tokens T: B = T // N (default 16384; the eager bar's
+shape, B 1 at 8k, is --tokens 8192).
 Writes $OUT-style JSON (--out) and prints a table last.
 
     python3 experiments/ab_bwd_variant_order.py --out $OUT/x.json [--n 8192] [--variants ...]
@@ -69,10 +74,11 @@ def lowered_option(name, option):
     "+nofold" CUBRIDGE_BWD_NORM_FOLD=0 (else 1, the default), "+scsplit" CUBRIDGE_BWD_SOFTCAP_SPLIT=1, set only while the source is lowered (VariantBackward.hopper lowers once, on first use)."""
     import dataclasses
 
-    from cubridge.lower.fa3_bwd_sm90 import NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, SOFTCAP_SPLIT_ENV
+    from cubridge.lower.fa3_bwd_sm90 import (DS_FACTOR_ENV, NORM_FOLD_ENV, Q_LIST_ENV, RELU_SPLIT_ENV, ROWLESS_ENV,
+                                             SCAN_BITS_ENV, SOFTCAP_SPLIT_ENV)
     from cubridge.runtime.variant_bwd import VariantBackward
     base, *extras = option.split("+")
-    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "tiled", "fused", "fused2", "cap", "argcache", "noargcache", "scsplit"}
+    known = {"qlist", "maskall", "wide", "split", "fold", "nofold", "fit", "nofit", "staged", "tiled", "fused", "fused2", "cap", "argcache", "noargcache", "scsplit", "rowless", "dsf", "scanbits"}
     unknown = {e for e in extras if e not in known and not SECTION.fullmatch(e)}
     assert not unknown, f"{option}: unknown suffix {sorted(unknown)} ({sorted(known)}, secK)"
     extra = "qlist" if "qlist" in extras else ""
@@ -81,7 +87,8 @@ def lowered_option(name, option):
         bwd.cache_args = "argcache" in extras
     envs = {Q_LIST_ENV: "1" if extra == "qlist" else "0", RELU_SPLIT_ENV: "1" if "split" in extras else "0",
             NORM_FOLD_ENV: "0" if "nofold" in extras else "1",   # on by default since session 13 ("+fold" a no-op)
-            SOFTCAP_SPLIT_ENV: "1" if "scsplit" in extras else "0"}
+            SOFTCAP_SPLIT_ENV: "1" if "scsplit" in extras else "0", ROWLESS_ENV: "1" if "rowless" in extras else "0",
+            DS_FACTOR_ENV: "1" if "dsf" in extras else "0", SCAN_BITS_ENV: "1" if "scanbits" in extras else "0"}
     with _ENV_LOCK:
         saved = {key: os.environ.get(key) for key in envs}
         os.environ.update(envs)
@@ -99,7 +106,11 @@ def lowered_option(name, option):
         assert "norm_fold" in source, f"{option}: normalisation not folded"
     if "scsplit" in extras and bwd.ir.norm == "sigmoid" and bwd.ir.score is not None:
         assert "cuir_softcap_grad_from_p" in source, f"{option}: softcapped sigmoid not split"
+    if bwd.ir.norm != "softmax":
+        assert ("constexpr bool kRowTerms = false;" in source) == ("rowless" in extras), f"{option}: row terms not as asked"
+        assert ("constexpr bool kDsFactor = kDsFromP32;" in source) == ("dsf" in extras), f"{option}: dS factor not as asked"
     assert ("#define FA3B_Q_TILE_LIST" in source) == (extra == "qlist"), f"{option}: q_range not as asked"
+    assert ("q_ffs(rest)" in source) == ("scanbits" in extras and extra != "qlist"), f"{option}: scan not as asked"
     if "maskall" in extras:   # every step down the masked path: correct, slower by the mask's cost
         assert source.count(STEP_PARTIAL) == 1, f"{option}: q_step_partial not found"
         bwd._hopper = dataclasses.replace(bwd.hopper, source=source.replace(STEP_PARTIAL, MASK_ALL))
@@ -215,8 +226,8 @@ def flex_backward(hooks, q, k, v, dout, backend: str) -> dict:
     return {"bwd": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), "grads": grads}
 
 
-def run_shape(name, n, options, peers, reps, fwd_ours):
-    b = TOKENS // n
+def run_shape(name, n, options, peers, reps, fwd_ours, tokens: int = TOKENS):
+    b = max(1, tokens // n)
     hooks = load_spec(name).hooks_for(n, n, H, H, "cuda")
     pairs = count_attended(hooks, b, H, n, n, device="cuda")
     flops = BWD_FLOP_FACTOR * 4.0 * D * pairs
@@ -237,7 +248,7 @@ def run_shape(name, n, options, peers, reps, fwd_ours):
                 for x, y in zip(g, base)]
         bitwise = bool(torch.equal(g[1], base[1]) and torch.equal(g[2], base[2]))
         # "+nofold" / "+scsplit" compute P and dS with other roundings: dK / dV within 2^-6 as dQ, not bitwise
-        loose = {"fold", "nofold", "scsplit"} & set(o.split("+"))
+        loose = {"fold", "nofold", "scsplit", "dsf"} & set(o.split("+"))
         same = max(rels) <= 2 ** -6 if loose else bitwise and rels[0] <= 2 ** -6
         agree[f"ours:{o}"] = {"dkdv_bitwise": bitwise, "dq_rel": rels[0], "dkdv_rel": max(rels[1:]),
                               "agrees": bool(same)}
@@ -262,6 +273,7 @@ def main(argv=None) -> int:
     ap.add_argument("--options", nargs="+", default=DEFAULT_OPTIONS)
     ap.add_argument("--peers", nargs="*", default=["flex", "flex_flash"])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="B = tokens // N (8192: the eager bar's B 1 at 8k)")
     args = ap.parse_args(argv)
     result = {"gpu": torch.cuda.get_device_name(), "options": args.options, "rows": [], "failed": [],
               "protocol": f"round-robin, L2 flushed, {args.reps} reps, median (bench_round_robin, backward only)"}
@@ -270,7 +282,7 @@ def main(argv=None) -> int:
     for n in args.n:
         for name in args.variants:
             try:
-                result["rows"] += run_shape(name, n, args.options, args.peers, args.reps, fwd_ours)
+                result["rows"] += run_shape(name, n, args.options, args.peers, args.reps, fwd_ours, args.tokens)
             except Exception:  # noqa: BLE001 - one variant failing is reported, the others still run
                 result["failed"].append({"variant": name, "N": n, "error": traceback.format_exc()[-1500:]})
                 print(f"# {name} N={n}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)

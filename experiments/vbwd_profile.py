@@ -8,6 +8,7 @@ graph), beside the round-robin wall time of each, so the per-call floor splits i
 and host gaps (wall - sum of kernels).
 
   python3 experiments/vbwd_profile.py --n 1024 4096 --variants prefixlm global_sliding_window --out p.json  (GPU)
+  [--tokens 8192: B = tokens // N, the eager bar's B 1 at 8k]
 """
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
     return {k: round(v / calls, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def one(name: str, n: int, reps: int) -> list[dict]:
-    b = max(1, TOKENS // n)
+def one(name: str, n: int, reps: int, tokens: int = TOKENS) -> list[dict]:
+    b = max(1, tokens // n)
     spec = load_spec(name)
     hooks = spec.hooks_for(n, n, H, H, "cuda")
     q, k, v, dout = _inputs(n, b)
@@ -114,11 +115,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, nargs="+", default=[1024])
     ap.add_argument("--variants", nargs="+", default=["prefixlm", "global_sliding_window", "share_question"])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="B = tokens // N (8192: the eager bar's B 1 at 8k)")
     args = ap.parse_args(argv)
     rows = []
     for n in args.n:
         for name in args.variants:
-            rows += one(name, n, args.reps)
+            rows += one(name, n, args.reps, args.tokens)
             if args.out:
                 args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
                                                     torch=torch.__version__, rows=rows), indent=1))

@@ -284,7 +284,7 @@ def block_m(option: str) -> int:
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
                    "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry",
                    "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt",
-                   *VARIANT_ONLY_OPTIONS, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt")
+                   *VARIANT_ONLY_OPTIONS, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64")   # sig17: _u64 (DESC64) for the variants
 # (session 15: _dqw_early_l2lpt, the dense default's writer warp and early row loads for the variants. "Dense only"
 # was scope, not a limit: dq_writer already walks a variant's runs / list (q_runs_count, q_runs_tile), ROWS_EARLY
 # leaves a variant's mask decision to variant_partial; every built-in spill-free at D 64 / 128, fp16 / bf16)

@@ -191,7 +191,10 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
 constexpr int kPreRegs = kIssue ? (kM80 ? M80_PRE : kBlockM / 4) : 1;
 static_assert(kPreRegs % 2 == 0 || kPreRegs == 1, "row terms are preloaded in pairs");
 __device__ __forceinline__ void preload_row_terms(float (&pre)[kPreRegs], const Consumer& cs, uint32_t tile) {
-  if constexpr (kIssue) {
+  if constexpr (kIssue && !kRowTerms) {   // a normalisation that reads no row terms: none loaded
+#pragma unroll
+    for (int j = 0; j < kPreRegs; ++j) pre[j] = 0.f;
+  } else if constexpr (kIssue) {
 #pragma unroll
     for (int j = 0; j < kPreRegs / 2; ++j)
       asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(pre[2 * j]), "=f"(pre[2 * j + 1])
@@ -206,7 +209,8 @@ template <bool kPartial>
 __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer& cs, float (&s)[kSRegs],
                                            const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0, uint32_t lse_tile,
-                                           const float (&lse_pre)[kPreRegs], int shift_pre) {
+                                           const float (&lse_pre)[kPreRegs], int shift_pre,
+                                           uint32_t (&pf16)[kPackRegs]) {
   constexpr bool partial = kPartial;
   // ROWS_EARLY: Nk - Nq as read before the GEMMs (a shared load here waits behind dP^T's HGMMAs)
   const int q_shift = kRowsEarly ? shift_pre : step_q_shift();
@@ -218,7 +222,8 @@ __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
       float lse2 = kPosInf;
-      if constexpr (kLseSmem) {
+      if constexpr (!kRowTerms) {   // unread (sigmoid, relu)
+      } else if constexpr (kLseSmem) {
         lse2 = kIssue && 2 * j + e < kPreRegs ? lse_pre[(2 * j + e) % kPreRegs]
                                               : ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
       } else if (q_row < pb.seqlen_q) {
@@ -235,16 +240,26 @@ __device__ __forceinline__ void probs_body(const VariantArgs& va, const Consumer
         const float x = kScoreModIdentity ? score(va, s[i], scale_log2, 0, 0, 0, 0)
                         : score(va, s[i], scale_log2, pb.b, pb.h_kv * pb.group + g, q_row + pb.q_shift(),
                                 kv_row + pb.q_shift());
-        s[i] = softmax_p(va, x, lse2, keep);
+        if constexpr (kDsFactor) {   // P^T packed here (pair i - e, i - e + 1, as pack_frag), s[i] = dS's factor
+          const float p = softmax_p(va, x, lse2, keep);
+          const float f = kScoreGradOne ? softmax_dsf(va, p)
+                          : softmax_dsf(va, p) * score_grad(va, s[i], scale_log2, pb.b, pb.h_kv * pb.group + g,
+                                                            q_row + pb.q_shift(), kv_row + pb.q_shift());
+          pf16[i / 2] = e == 0 ? __float_as_uint(p) : pack2(__uint_as_float(pf16[i / 2]), p);
+          s[i] = f;
+        } else {
+          s[i] = softmax_p(va, x, lse2, keep);
+        }
       }
     }
 }
 __device__ __forceinline__ void probs_only(const VariantArgs& va, bool partial, const Consumer& cs,
                                            float (&s)[kSRegs], const float* __restrict__ lse, float scale_log2,
                                            const Problem& pb, int g, int m0, uint32_t lse_tile,
-                                           const float (&lse_pre)[kPreRegs], int shift_pre = 0) {
-  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre, shift_pre);
-  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre, shift_pre);
+                                           const float (&lse_pre)[kPreRegs], int shift_pre,
+                                           uint32_t (&pf16)[kPackRegs]) {
+  if (partial) probs_body<true>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre, shift_pre, pf16);
+  else probs_body<false>(va, cs, s, lse, scale_log2, pb, g, m0, lse_tile, lse_pre, shift_pre, pf16);
 }
 
 // kSplitPasses false (a variant whose score_mod has a derivative other than 1, e.g. a softcap, or
@@ -260,8 +275,8 @@ __device__ __forceinline__ void probs_ds_body(const VariantArgs& va, const Consu
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
-      const float lse2 = ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e));
-      const float dv = ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e));
+      const float lse2 = kRowTerms ? ld_shared_f32(lse_tile + 4 * (8 * j + cs.col0() + e)) : 0.f;
+      const float dv = kRowTerms ? ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e)) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e, kv_row = kv_row_base + 8 * h;
@@ -314,13 +329,17 @@ __device__ __forceinline__ void ds_only16(const VariantArgs& va, const Consumer&
     for (int e = 0; e < 2; ++e) {
       const int q_row = m0 + 8 * j + cs.col0() + e;
       const float dv = kIssue && 2 * j + e < kPreRegs ? dvec_pre[(2 * j + e) % kPreRegs]
+                       : !kRowTerms ? 0.f
                        : kLseSmem ? ld_shared_f32(dvec_tile + 4 * (8 * j + cs.col0() + e))
                        : q_row < pb.seqlen_q ? ld_row_term(dvec + row_base + q_row) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + e;   // p16[i / 2] packs s[i - e] (low) and s[i - e + 1] (high)
         const float p = kDsFromP32 ? p32[i] : e == 0 ? unpack_lo(p16[i / 2]) : unpack_hi(p16[i / 2]);
-        dp[i] = softmax_ds(va, p, dp[i], dv);
+        if constexpr (kDsFactor)
+          dp[i] *= p32[i];   // the P pass's factor
+        else
+          dp[i] = softmax_ds(va, p, dp[i], dv);
       }
     }
 }
@@ -415,16 +434,22 @@ __device__ __forceinline__ void overlap_step(const VariantArgs& va, const Consum
     reg_fence_u(ds16);
     if (it > 0) release_stage(cs, sm, (it + kStages - 1) % kStages);
   }
+  uint32_t pf16[kPackRegs];   // kDsFactor: P^T packed by the P pass (s then holds dS's factor)
   if constexpr (kSplitPasses) {
     probs_only(va, kRangeRuns ? variant_partial : kIssue ? pre_partial : step_needs_mask(va, cs, pb, m0), cs, s, lse,
                scale_log2, pb, g,
-               m0, sm.lse_tile(st), lse_pre, early_shift);
+               m0, sm.lse_tile(st), lse_pre, early_shift, pf16);
   } else {
     reg_fence(dp);
     probs_and_ds_smem(va, variant_partial, cs, s, dp, scale_log2, pb, g, m0, sm.lse_tile(st), sm.dvec_tile(st));
   }
   uint32_t p16[kPRegs];
-  pack_frag(p16, s);
+  if constexpr (kDsFactor) {
+#pragma unroll
+    for (int i = 0; i < kPRegs; ++i) p16[i] = pf16[i];
+  } else {
+    pack_frag(p16, s);
+  }
   // ROWS_EARLY 2: Dvec before the dV GEMM's HGMMAs are queued (else after them, ISSUE 1)
   if constexpr (kSplitPasses && kRowsEarly >= 2) preload_row_terms(row_pre, cs, sm.dvec_tile(st));
   if constexpr (!kDvLate) {

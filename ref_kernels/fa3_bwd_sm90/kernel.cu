@@ -190,6 +190,16 @@ __device__ __forceinline__ float score_grad(const VariantArgs& va, float x, floa
 // P = exp(score - LSE) (log2 units), dS = P (dP - Dvec); masked pairs get P = 0, so dS = 0.
 // kDsFromP16: dS may be computed from P rounded to 16 bits (SCHED 1's dS pass reads it back).
 constexpr bool kDsFromP16 = true;
+// kRowTerms: P / dS read the row terms LSE and Dvec. A lowered normalisation without them (sigmoid,
+// relu; CUBRIDGE_BWD_ROWLESS=1) sets it false: the preprocess reads no O / dO, the producer loads no
+// LSE / Dvec rows, the consumers read none.
+constexpr bool kRowTerms = true;
+// kDsFactor: the P pass leaves dS's factor f = softmax_dsf(P) * score_grad in the f32 P^T registers (P^T itself
+// packed to 16 bits there) and the dS pass is dS = dP f. A lowered sigmoid / relu with CUBRIDGE_BWD_DS_FACTOR=1
+// on ISSUE 2 options: a score_mod with a derivative (composite's softcap) keeps the split passes. Softmax's dS
+// needs Dvec: false here.
+constexpr bool kDsFactor = false;
+__device__ __forceinline__ float softmax_dsf(const VariantArgs& va, float p) { return p; }
 __device__ __forceinline__ void softmax_bwd(const VariantArgs& va, float& p, float& ds, float lse_log2,
                                             float dvec, bool keep) {
   p = keep ? fast_exp2(p - lse_log2) : 0.f;
@@ -209,7 +219,9 @@ static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs
 // SCHED 1's split passes (P^T under the dP GEMM, dS^T from the 16-bit P^T), or one pass after both
 // GEMMs from the f32 scores: a score_mod' != 1 needs the score, relu's [s > 0] the unrounded P. (ISSUE
 // 2's dS pass reads the f32 P^T, so relu could split there: not yet run on a GPU, NOTES.md "Session 12".)
-constexpr bool kSplitPasses = kScoreGradOne && kDsFromP16;
+constexpr bool kSplitPasses = kDsFactor || (kScoreGradOne && kDsFromP16);
+static_assert(!kDsFactor || kDsFromP32, "kDsFactor keeps the factor in the f32 P^T registers: ISSUE 2 only");
+constexpr int kPackRegs = kDsFactor ? kPRegs : 1;   // kDsFactor: P^T packed in the P pass
 static_assert(kSplitPasses || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
 static_assert(!kMRotate || !kRangeRuns, "M_ROTATE is dense only (a variant's runs order its own sweep)");
 
@@ -331,7 +343,7 @@ __device__ __forceinline__ void load_stage(const Smem& sm, const CUtensorMap* tm
                                            const float* __restrict__ lse, const float* __restrict__ dvec) {
   const int st = it % kStages;
   mbar_wait(sm.q_empty() + 8 * st, ((it / kStages) & 1) ^ 1);
-  mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes + (kLseSmem ? 2 * kRowTermBytes : 0));
+  mbar_expect_tx(sm.q_full() + 8 * st, 2 * kQBytes + (kLseSmem && kRowTerms ? 2 * kRowTermBytes : 0));
 #pragma unroll
   for (int p = 0; p < kPanels; ++p) {
     tma_rows(sm.q_tile(st) + p * kQPanelBytes, tm_q, sm.q_full() + 8 * st, p * kPanelCols, m * kBlockM, pb.b,
@@ -339,7 +351,7 @@ __device__ __forceinline__ void load_stage(const Smem& sm, const CUtensorMap* tm
     tma_rows(sm.do_tile(st) + p * kQPanelBytes, tm_do, sm.q_full() + 8 * st, p * kPanelCols, m * kBlockM, pb.b,
              pb.h_kv * pb.group + g, pb.heads_q);
   }
-  if constexpr (kLseSmem) {   // padded [B * Hq, num_m * 64]: tile m of head bh_q is contiguous
+  if constexpr (kLseSmem && kRowTerms) {   // padded [B * Hq, num_m * 64]: tile m of head bh_q is contiguous
     const size_t off = (size_t(pb.bh_q(g)) * ((pb.seqlen_q + kBlockM - 1) / kBlockM) + m) * kBlockM;
     bulk_load(sm.lse_tile(st), lse + off, kRowTermBytes, sm.q_full() + 8 * st);
     bulk_load(sm.dvec_tile(st), dvec + off, kRowTermBytes, sm.q_full() + 8 * st);
@@ -594,7 +606,7 @@ fa3_bwd_preprocess(const uint16_t* __restrict__ o, const uint16_t* __restrict__ 
   const int row = int(p - bh * padded_q);
   const bool in_rows = p < padded_rows, real = in_rows && row < seqlen_q;
   float acc = 0.f;
-  if (real) {
+  if (kRowTerms && real) {   // (no row terms: Dvec = 0, unread)
 #if BNHD
     const long long off = io_row(bh, row, seqlen_q, heads_q) + chunk * kChunk;
 #else

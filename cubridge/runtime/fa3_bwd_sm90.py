@@ -153,71 +153,48 @@ class Modes(NamedTuple):
 NEW_FIELDS = ("tile_m80", "desc64")
 
 
-OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
-           "bulk_overlap_lse": Modes(1, 1, 1, 0), "bulk_overlap_lse_arriveall": Modes(1, 1, 1, 0, arrive_all=1),
-           "bulk_overlap_lse_lean": Modes(1, 1, 1, 0, arrive_all=1, lean=1),
-           "bulk_overlap_lse_lean_issue": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1),
-           "bulk_dqfirst_lse_lean_issue": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=1),
-           "bulk_overlap_lse_lean_issue_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
-                                                               carry=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                      epilogue=1, carry=1, dv_late=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
-                                                             dq_writer=1),
-           # session 14 (ROWS_EARLY, params.cuh): LSE rows read before the S / dP GEMMs are queued (1), and the
-           # Dvec rows before dV's (2, these options); on the default, off until an H100 A/B and the rule tests
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                   epilogue=1, dq_writer=1, rows_early=2),
-           # with CARRY (session 12: -2..-5% alone, when the LSE loads still queued behind dK's and S's HGMMAs)
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                         epilogue=1, carry=1, dq_writer=1,
-                                                                         rows_early=2),
-           # with M_ROTATE (full attention's CTAs start their query sweep at tile 2n, as causal's do)
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                       epilogue=1, dq_writer=1, rows_early=2,
-                                                                       m_rotate=1),
-           # session 15 (bwd15): SCHED 2 on the default (dQ queued behind dV after the dS barrier, FA4's order; the
-           # writer warp and ROWS_EARLY now take SCHED 2): session 14's ncu held 5.8% of samples at the dQ issue
-           # waiting for dV
-           "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                   epilogue=1, dq_writer=1, rows_early=2),
-           # ... and both session 15 candidates together (SCHED 2 in TILE_ORDER 2's order)
-           "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 2, 1, 2, arrive_all=1, lean=1, issue=2,
-                                                                         epilogue=1, dq_writer=1, rows_early=2),
-           # session 15 (bwd15): M_ROTATE 2, full attention's sweep rotated per group of 64 KV tiles (8k: none, the
-           # default's order; 16k: two groups half a range apart): a probe of full attention's 8k -> 16k per-step loss
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot2": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                        epilogue=1, dq_writer=1, rows_early=2,
-                                                                        m_rotate=2),
-           # session 15 (bwd15): the default's body in TILE_ORDER 2's order (causal's longest KV tiles first inside
-           # L2-sized sections of (batch, kv head) pairs; full attention's sections are 1 pair = TILE_ORDER 0's
-           # order): CAUSAL_OPTION (bwd15) and, with the variant hooks, VARIANT_OPTION (vbwd15) since session 15's mid call
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2,
-                                                                         epilogue=1, dq_writer=1, rows_early=2),
-           "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
-           "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
-           "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2),
-           "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1,
-                                                                       persist=1),
-           # session 16 (bwd16; params.cuh TILE_M80, tile_m80.cuh): FA4's / C++ FA3's full-attention tile, 80 queries
-           # per step (HGMMA 64x80x16), dQ computed transposed, one dQ slot; ISSUE 1 (the f32 P^T kept through the dS
-           # pass spilled 168 bytes at 80 rows). Full attention at D = 128 only: causal / D 64 calls run
-           # default_option(causal) (resolve_option)
-           # ... and its 64-row twin (the same body: ISSUE 1, writer warp, early rows), the A/B control of the tile alone
-           "bulk_overlap_lse_lean_issue_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1,
-                                                              dq_writer=1, rows_early=2),
-           "bulk_overlap_lse_lean_issue_epi_dqw_early_m80": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1,
-                                                                  epilogue=1, dq_writer=1, rows_early=2, tile_m80=1)}
-# session 16 (bwd16; params.cuh DESC64): the default, CAUSAL_OPTION and TILE_M80's option with each k-step's wgmma
-# descriptor made by one 64-bit add (436 -> 397 instructions per step at D 128; dK / dV bitwise the same)
-OPTIONS.update({
-    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_u64": OPTIONS["bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"]._replace(desc64=1),
-    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64":
-        OPTIONS["bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"]._replace(desc64=1),
-    "bulk_overlap_lse_lean_issue_epi_dqw_early_m80_u64": OPTIONS["bulk_overlap_lse_lean_issue_epi_dqw_early_m80"]._replace(desc64=1)})
+# Each option's macros follow from its name: the first token sets DQ_MODE ("base" 0, "bulk" 1), each later "_token"
+# adds its fields below (in order; "pf32" right after "issue" makes ISSUE 2). What each option measured, session by
+# session, is in NOTES.md ("Options table"); params.cuh says what each macro does.
+SUFFIX_MODES = {"overlap": {"sched": 1}, "dqfirst": {"sched": 2}, "lse": {"lse_smem": 1}, "arriveall": {"arrive_all": 1},
+                "lean": {"arrive_all": 1, "lean": 1}, "issue": {"issue": 1}, "pf32": {"issue": 2},
+                "epi": {"epilogue": 1}, "carry": {"carry": 1}, "dvlate": {"dv_late": 1}, "dqw": {"dq_writer": 1},
+                "early": {"rows_early": 2}, "rot": {"m_rotate": 1}, "rot2": {"m_rotate": 2}, "desc": {"m_rotate": 3},
+                "l2lpt": {"tile_order": 2}, "persist": {"persist": 1}, "m80": {"tile_m80": 1}, "u64": {"desc64": 1}}
+_PF32 = "bulk_overlap_lse_lean_issue_pf32_epi"
+_EARLY = _PF32 + "_dqw_early"
+OPTION_NAMES = (
+    "base", "bulk", "bulk_overlap", "bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
+    "bulk_overlap_lse_lean_issue", "bulk_dqfirst_lse_lean_issue", "bulk_overlap_lse_lean_issue_epi", _PF32,
+    _PF32 + "_carry", _PF32 + "_carry_dvlate", _PF32 + "_dqw", _EARLY, _EARLY + "_carry", _EARLY + "_rot",
+    _EARLY.replace("overlap", "dqfirst"), _EARLY.replace("overlap", "dqfirst") + "_l2lpt", _EARLY + "_rot2",
+    _EARLY + "_l2lpt", "bulk_overlap_lse_l2lpt", "bulk_dqfirst_lse", "bulk_overlap_lse_lean_l2lpt", _PF32 + "_l2lpt",
+    "bulk_dqfirst_lse_l2lpt", _PF32 + "_l2lpt_persist", "bulk_overlap_lse_lean_issue_epi_dqw_early",
+    "bulk_overlap_lse_lean_issue_epi_dqw_early_m80",
+    _EARLY + "_u64", _EARLY + "_l2lpt_u64", "bulk_overlap_lse_lean_issue_epi_dqw_early_m80_u64",
+    # session 17 (bwd17; params.cuh M_ROTATE 3): the causal sweep descending (the last query tile first), on
+    # CAUSAL_OPTION's order and on TILE_ORDER 0's (FA4's)
+    _EARLY + "_l2lpt_desc", _EARLY + "_desc")
+
+
+def option_modes(name: str) -> "Modes":
+    """The Modes an option name spells (SUFFIX_MODES).
+
+    >>> option_modes("bulk_overlap_lse_lean_issue_pf32_epi") == Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1)
+    True
+    """
+    first, *rest = name.split("_")
+    if first not in ("base", "bulk") or (first == "base" and rest):
+        raise ValueError(f"option {name!r} does not start with 'base' or 'bulk_'")
+    fields = {"dq_mode": int(first == "bulk")}
+    for token in rest:
+        if token not in SUFFIX_MODES:
+            raise ValueError(f"option {name!r}: unknown suffix {token!r} (one of {sorted(SUFFIX_MODES)})")
+        fields.update(SUFFIX_MODES[token])
+    return Modes(**{"sched": 0, "lse_smem": 0, "tile_order": 0, **fields})
+
+
+OPTIONS = {name: option_modes(name) for name in OPTION_NAMES}
 M80_OPTIONS = tuple(name for name, m in OPTIONS.items() if m.tile_m80)
 # PERSIST (session 14, ref_kernels/fa3_bwd_sm90/persist.cuh): min(tiles, SMs) CTAs take the tiles of TILE_ORDER 2's
 # order from a queue, the next tile's scan and loads under the current one's last step and epilogue. Its

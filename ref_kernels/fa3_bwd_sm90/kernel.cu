@@ -212,6 +212,7 @@ static_assert(!kRangeRuns || (kLseSmem && kOverlap && kDqBulk), "a variant needs
 constexpr bool kSplitPasses = kScoreGradOne && kDsFromP16;
 static_assert(kSplitPasses || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
 static_assert(!kMRotate || !kRangeRuns, "M_ROTATE is dense only (a variant's runs order its own sweep)");
+static_assert(!kMDescend || !kRangeRuns, "M_ROTATE 3 (descending) is dense only (a variant's runs order its own sweep)");
 
 // ------------------------------------------------------------------ shared memory
 // Nk - Nq for the consumers, re-read from shared memory at every step: held in a register across
@@ -223,6 +224,7 @@ __device__ __forceinline__ int step_q_shift() { return *static_cast<volatile int
 // more at the consumers' peak and in the producer's 24). Step i of a head visits tile m_begin + (i + rot) % steps.
 __shared__ int g_m_rot;
 __device__ __forceinline__ int sweep_tile(QRange qr, int i, int steps) {
+  if constexpr (kMDescend) return qr.m_end - 1 - i;   // M_ROTATE 3: the last query tile first
   if constexpr (kMRotate) {
     const int r = i + *static_cast<volatile int*>(&g_m_rot);
     return qr.m_begin + (r >= steps ? r - steps : r);
@@ -371,6 +373,12 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     const int steps = qr.m_end - qr.m_begin;
     for (int g = 0; g < pb.group; ++g)
       for (int i = 0; i < steps; ++i, ++it) load_stage(sm, tm_q, tm_do, pb, g, sweep_tile(qr, i, steps), it, lse, dvec);
+    return;
+  }
+  if constexpr (kMDescend) {   // the same tiles last first (sweep_tile); not unrolled, as BNHD's below
+    for (int g = 0; g < pb.group; ++g)
+#pragma unroll 1
+      for (int m = qr.m_end - 1; m >= qr.m_begin; --m, ++it) load_stage(sm, tm_q, tm_do, pb, g, m, it, lse, dvec);
     return;
   }
   if constexpr (kBnhd) {   // not unrolled: ptxas unrolled x4 and spilled 4 bytes (the 4-D maps' extra coordinate)

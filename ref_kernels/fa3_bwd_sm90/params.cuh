@@ -139,8 +139,14 @@ constexpr int kRowsEarly = ROWS_EARLY;
 //              dQ tile takes 64 CTAs' bulk adds per step (as at 8k) instead of 128, and each Q / dO tile is still read
 //              by 64 CTAs at once (M_ROTATE 1 lost 7% at full 8k / 16k, taking that sharing away). A probe of why full
 //              attention's per-step rate falls from 8k to 16k (NOTES "Session 15").
-constexpr bool kMRotate = M_ROTATE >= 1 && !kCausal;   // causal builds: the option's code is not there
+constexpr bool kMRotate = (M_ROTATE == 1 || M_ROTATE == 2) && !kCausal;   // causal builds: the option's code is not there
 constexpr int kRotGroup = 64;
+//   M_ROTATE 3 (session 17, bwd17; kMDescend): every CTA sweeps its query range from the last tile down to the first (causal:
+//              the diagonal's masked steps come last). With the ascending sweep causal CTA n starts at tile 2n, so the
+//              CTAs of a head in flight each read another Q / dO tile; descending, the CTAs that start together read
+//              the same tile at once until each drops out at its diagonal, as full attention's do (M_ROTATE 1, the
+//              staggered sweep for full attention, lost 7%). Same tiles, dK / dV summed in the reverse order.
+constexpr bool kMDescend = M_ROTATE == 3;
 __device__ __forceinline__ constexpr int m_rotation(int n_tile, int steps) {
   if constexpr (M_ROTATE == 2) return (kMRotate && steps > 0) ? (2 * (n_tile - n_tile % kRotGroup)) % steps : 0;
   return (kMRotate && steps > 0) ? (2 * n_tile) % steps : 0;
@@ -263,8 +269,10 @@ static_assert(DQ_WRITER == 0 || (DQ_WRITER == 1 && DQ_MODE == 1 && SCHED >= 1),
               "DQ_WRITER=1 needs DQ_MODE=1 and SCHED=1 or 2 (it hands their bulk dQ adds to a writer warp)");
 static_assert(ROWS_EARLY >= 0 && ROWS_EARLY <= 2 && (ROWS_EARLY == 0 || (ISSUE >= 1 && SCHED >= 1)),
               "ROWS_EARLY=1 or 2 needs ISSUE>=1 and SCHED=1 or 2 (it moves ISSUE's row-term preloads)");
-static_assert(M_ROTATE == 0 || ((M_ROTATE == 1 || M_ROTATE == 2) && SCHED == 1 && ISSUE >= 1),
-              "M_ROTATE=1 or 2 needs SCHED=1 and ISSUE>=1 (it changes the flat step loop's tile)");
+static_assert(M_ROTATE == 0 || M_ROTATE == 3 || ((M_ROTATE == 1 || M_ROTATE == 2) && SCHED == 1 && ISSUE >= 1),
+              "M_ROTATE=1 or 2 needs SCHED=1 and ISSUE>=1 (it changes the flat step loop's tile); 3 is descending");
+static_assert(M_ROTATE != 3 || (SCHED >= 1 && ISSUE >= 1 && TILE_M80 == 0 && PERSIST == 0),
+              "M_ROTATE=3 needs SCHED=1 or 2 and ISSUE>=1 (the flat step loop's sweep_tile), no TILE_M80 / PERSIST");
 static_assert(kBarDqEmpty0 + kDqSlots * kConsumers <= 16, "DQ_WRITER's named barriers exceed the 16 ids");
 static_assert(CARRY == 0 || (CARRY == 1 && SCHED == 1), "CARRY=1 needs SCHED=1 (it changes SCHED 1's step end)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");

@@ -67,7 +67,11 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # DESC64 (session 16): ISSUE's descriptors by a 64-bit add (uniform registers move): the default's and the causal
     # default's four corners
     (o, s) for o in ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_u64",
-                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64") for s in SPECS]
+                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64") for s in SPECS] + [
+    # M_ROTATE 3 (session 17, descending sweep): the producer's loop and the consumers' tile per step move; both causal
+    # corners on CAUSAL_OPTION's order, the full D 128 one on TILE_ORDER 0's
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_desc", s) for s in ((128, True, True), (64, True, False))] + [
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_desc", (128, False, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 

@@ -172,9 +172,25 @@ def full_option() -> str:
     return value or FULL_OPTION
 
 
+# CUBRIDGE_BWD_CAUSAL_OPTION (session 17) names another dense option for causal attention (causal_option: the A/B and
+# the GPU tests of a proposed CAUSAL_OPTION flip through every caller); unset: CAUSAL_OPTION.
+CAUSAL_OPTION_ENV = "CUBRIDGE_BWD_CAUSAL_OPTION"
+
+
+def causal_option() -> str:
+    """Causal attention's default option: CAUSAL_OPTION_ENV if set (a dense option of OPTIONS that builds causal: not
+    TILE_M80's), else CAUSAL_OPTION."""
+    value = os.environ.get(CAUSAL_OPTION_ENV, "")
+    if value and (value not in OPTIONS or value in VARIANT_ONLY_OPTIONS or OPTIONS[value].tile_m80):
+        raise LaunchError(f"{CAUSAL_OPTION_ENV}={value!r} is not a dense causal option", where="environment",
+                          hint=f"unset {CAUSAL_OPTION_ENV} ({CAUSAL_OPTION}) or set one of "
+                               f"{sorted(set(OPTIONS) - set(VARIANT_ONLY_OPTIONS) - set(M80_OPTIONS))}")
+    return value or CAUSAL_OPTION
+
+
 def default_option(causal: bool) -> str:
-    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else full_option()."""
-    return CAUSAL_OPTION if causal else full_option()
+    """The option fa3_backward runs when none is named: causal_option() for causal attention, else full_option()."""
+    return causal_option() if causal else full_option()
 
 
 def resolve_option(option: str, head_dim: int, causal: bool) -> str:

@@ -365,3 +365,20 @@ def test_full_option_from_the_environment(monkeypatch):
         monkeypatch.setenv(hb.FULL_OPTION_ENV, bad)
         with pytest.raises(LaunchError, match="not a dense option"):
             hb.default_option(False)
+
+
+def test_causal_option_from_the_environment(monkeypatch):
+    """CUBRIDGE_BWD_CAUSAL_OPTION (session 17): causal attention's default option for the tests of a flip; full keeps
+    full_option(); unknown, variant-only and TILE_M80 (full-only) names are clear errors."""
+    monkeypatch.delenv(hb.CAUSAL_OPTION_ENV, raising=False)
+    monkeypatch.delenv(hb.FULL_OPTION_ENV, raising=False)
+    assert hb.default_option(True) == hb.CAUSAL_OPTION
+    desc = hb.CAUSAL_OPTION + "_desc"
+    monkeypatch.setenv(hb.CAUSAL_OPTION_ENV, desc)
+    assert hb.default_option(True) == desc and hb.default_option(False) == hb.FULL_OPTION
+    assert hb.OPTIONS[desc] == hb.OPTIONS[hb.CAUSAL_OPTION]._replace(m_rotate=3)
+    assert "-DM_ROTATE=3" in hb.options(128, True, True, desc)
+    for bad in ("fast", hb.VARIANT_ONLY_OPTIONS[0], hb.M80_OPTIONS[0]):
+        monkeypatch.setenv(hb.CAUSAL_OPTION_ENV, bad)
+        with pytest.raises(LaunchError, match="not a dense causal option"):
+            hb.default_option(True)

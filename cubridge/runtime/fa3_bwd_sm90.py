@@ -106,7 +106,8 @@ SUFFIX_MODES = {"overlap": {"sched": 1}, "dqfirst": {"sched": 2}, "lse": {"lse_s
                 "lean": {"arrive_all": 1, "lean": 1}, "issue": {"issue": 1}, "pf32": {"issue": 2},
                 "epi": {"epilogue": 1}, "carry": {"carry": 1}, "dvlate": {"dv_late": 1}, "dqw": {"dq_writer": 1},
                 "early": {"rows_early": 2}, "rot": {"m_rotate": 1}, "rot2": {"m_rotate": 2}, "desc": {"m_rotate": 3},
-                "l2lpt": {"tile_order": 2}, "persist": {"persist": 1}, "m80": {"tile_m80": 1}, "u64": {"desc64": 1}}
+                "l2lpt": {"tile_order": 2}, "l2lpt3": {"tile_order": 3}, "persist": {"persist": 1}, "m80": {"tile_m80": 1},
+                "u64": {"desc64": 1}}
 _PF32 = "bulk_overlap_lse_lean_issue_pf32_epi"
 _EARLY = _PF32 + "_dqw_early"
 OPTION_NAMES = (
@@ -120,7 +121,10 @@ OPTION_NAMES = (
     _EARLY + "_u64", _EARLY + "_l2lpt_u64", "bulk_overlap_lse_lean_issue_epi_dqw_early_m80_u64",
     # session 17 (bwd17; params.cuh M_ROTATE 3): the causal sweep descending (the last query tile first), on
     # CAUSAL_OPTION's order and on TILE_ORDER 0's (FA4's)
-    _EARLY + "_l2lpt_desc", _EARLY + "_desc")
+    _EARLY + "_l2lpt_desc", _EARLY + "_desc",
+    # session 17 (bwd17; params.cuh TILE_ORDER 3): CAUSAL_OPTION's order over TILE_ORDER 0's 3-D grid (a probe of the
+    # TILE_ORDER 2 build's 5% loss at full attention, same order)
+    _EARLY + "_l2lpt3")
 
 
 def option_modes(name: str) -> "Modes":
@@ -504,6 +508,7 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
 
 
 def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
+    """TILE_ORDER 2: one dimension; TILE_ORDER 0 and 3 (2's order, linearised from this grid): (tiles, Hkv, B)."""
     if _modes(option).tile_order == 2:
         return (tiles * heads_kv * batch, 1, 1)
     return (tiles, heads_kv, batch)
@@ -584,7 +589,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     parts = gqa.partials(b, hkv, split, nk, d, device) if split > 1 else (dk, dv)
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, *parts)]
     section = 1
-    if modes.tile_order == 2:
+    if modes.tile_order in (2, 3):
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
         # a variant's tiles are uneven like causal's (VARIANT_OPTIONS): sections sized the same way
         section = tile_sections(b * hkv * split, hq // hkv // split, nq, d, bool(causal) or variant is not None, l2)

@@ -316,6 +316,9 @@ __device__ __forceinline__ TileCoord tile_coord_at(int idx, int total, int seqle
   return TileCoord{n, hb % heads_kv, hb / heads_kv};
 }
 __device__ __forceinline__ TileCoord tile_coord(int seqlen_k, int heads_kv, int section) {
+  if constexpr (TILE_ORDER == 3)   // the 3-D grid linearised, x fastest
+    return tile_coord_at(int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)),
+                         int(gridDim.x * gridDim.y * gridDim.z), seqlen_k, heads_kv, section);
   if constexpr (kTileL2Sections) return tile_coord_at(int(blockIdx.x), int(gridDim.x), seqlen_k, heads_kv, section);
   return TileCoord{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
 }

@@ -53,7 +53,12 @@ constexpr bool kLseSmem = LSE_SMEM == 1;
 //              tile in blockIdx.z, every head tile-major at once) streamed every head together (bf16
 //              8k: 64 heads x 8 MB of Q, dO, dQ against 50 MB of L2): causal 8k fell 450 -> 295
 //              TFLOPS and full 510 -> 264 (H100); removed in session 10 (NOTES.md).
-constexpr bool kTileL2Sections = TILE_ORDER == 2;
+//   TILE_ORDER 3 (session 17, bwd17): TILE_ORDER 2's order (and decode) over a 3-D grid (KV tiles, kv heads, batch) as
+//              TILE_ORDER 0 launches, the index linearised from blockIdx x, y, z (the same CTA order: the hardware
+//              dispatches x fastest). A probe: session 17's rotated mid A/B read the TILE_ORDER 2 build 5% slower than
+//              TILE_ORDER 0's at full attention, where both visit the same tiles in the same order (sections of one
+//              pair); TILE_ORDER 3 tells a 1-D grid's dispatch from TILE_ORDER 2's decode code.
+constexpr bool kTileL2Sections = TILE_ORDER == 2 || TILE_ORDER == 3;
 //   ARRIVE_ALL 1: every consumer thread arrives on the stage's q_empty (256 arrivals) instead of
 //              lane 0 of each consumer warp (8). Same ordering on the hardware; what it changes is
 //              what compute-sanitizer's racecheck can prove: it orders a thread's shared-memory read
@@ -260,7 +265,7 @@ static_assert(SCHED >= 0 && SCHED <= 2, "SCHED must be 0 (serial), 1 (overlap) o
 // order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
 static_assert(!(SCHED >= 1 && DQ_MODE == 0), "SCHED=1 or 2 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs SCHED=1 or 2");
-static_assert(TILE_ORDER == 0 || TILE_ORDER == 2, "TILE_ORDER must be 0 or 2 (1 was removed: NOTES.md)");
+static_assert(TILE_ORDER == 0 || TILE_ORDER == 2 || TILE_ORDER == 3, "TILE_ORDER must be 0, 2 or 3 (1 was removed: NOTES.md)");
 static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
 static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
 static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSUE=1 or 2 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");

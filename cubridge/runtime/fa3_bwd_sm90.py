@@ -106,7 +106,8 @@ SUFFIX_MODES = {"overlap": {"sched": 1}, "dqfirst": {"sched": 2}, "lse": {"lse_s
                 "lean": {"arrive_all": 1, "lean": 1}, "issue": {"issue": 1}, "pf32": {"issue": 2},
                 "epi": {"epilogue": 1}, "carry": {"carry": 1}, "dvlate": {"dv_late": 1}, "dqw": {"dq_writer": 1},
                 "early": {"rows_early": 2}, "rot": {"m_rotate": 1}, "rot2": {"m_rotate": 2}, "desc": {"m_rotate": 3},
-                "l2lpt": {"tile_order": 2}, "l2lpt3": {"tile_order": 3}, "persist": {"persist": 1}, "m80": {"tile_m80": 1},
+                "l2lpt": {"tile_order": 2}, "l2lpt3": {"tile_order": 3}, "grid1": {"tile_order": 4},
+                "persist": {"persist": 1}, "m80": {"tile_m80": 1},
                 "u64": {"desc64": 1}}
 _PF32 = "bulk_overlap_lse_lean_issue_pf32_epi"
 _EARLY = _PF32 + "_dqw_early"
@@ -123,8 +124,8 @@ OPTION_NAMES = (
     # CAUSAL_OPTION's order and on TILE_ORDER 0's (FA4's)
     _EARLY + "_l2lpt_desc", _EARLY + "_desc",
     # session 17 (bwd17; params.cuh TILE_ORDER 3): CAUSAL_OPTION's order over TILE_ORDER 0's 3-D grid (a probe of the
-    # TILE_ORDER 2 build's 5% loss at full attention, same order)
-    _EARLY + "_l2lpt3")
+    # TILE_ORDER 2 build's 5% loss at full attention, same order), and the mirror: TILE_ORDER 0's tiles from a 1-D grid
+    _EARLY + "_l2lpt3", _EARLY + "_grid1")
 
 
 def option_modes(name: str) -> "Modes":
@@ -508,8 +509,8 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
 
 
 def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
-    """TILE_ORDER 2: one dimension; TILE_ORDER 0 and 3 (2's order, linearised from this grid): (tiles, Hkv, B)."""
-    if _modes(option).tile_order == 2:
+    """TILE_ORDER 2 and 4 (0's tiles): one dimension; TILE_ORDER 0 and 3 (2's order, linearised): (tiles, Hkv, B)."""
+    if _modes(option).tile_order in (2, 4):
         return (tiles * heads_kv * batch, 1, 1)
     return (tiles, heads_kv, batch)
 

@@ -316,6 +316,10 @@ __device__ __forceinline__ TileCoord tile_coord_at(int idx, int total, int seqle
   return TileCoord{n, hb % heads_kv, hb / heads_kv};
 }
 __device__ __forceinline__ TileCoord tile_coord(int seqlen_k, int heads_kv, int section) {
+  if constexpr (TILE_ORDER == 4) {   // TILE_ORDER 0's tiles from a 1-D grid
+    const int num_n = (seqlen_k + kBlockN - 1) / kBlockN, idx = int(blockIdx.x), hb = idx / num_n;
+    return TileCoord{idx - hb * num_n, hb % heads_kv, hb / heads_kv};
+  }
   if constexpr (TILE_ORDER == 3)   // the 3-D grid linearised, x fastest
     return tile_coord_at(int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)),
                          int(gridDim.x * gridDim.y * gridDim.z), seqlen_k, heads_kv, section);

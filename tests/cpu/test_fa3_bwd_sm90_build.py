@@ -73,7 +73,8 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_desc", s) for s in ((128, True, True), (64, True, False))] + [
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_desc", (128, False, False))] + [
     # TILE_ORDER 3 (session 17): TILE_ORDER 2's decode from a linearised 3-D grid: its causal corner and a full one
-    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt3", s) for s in ((128, True, True), (128, False, False))]
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt3", s) for s in ((128, True, True), (128, False, False))] + [
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_grid1", s) for s in ((128, True, True), (128, False, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -136,7 +137,7 @@ def test_option_table_matches_the_kernel_macros():
         assert f"-DDQ_WRITER={m.dq_writer}" in opts and not (m.dq_writer and (m.sched == 0 or m.dq_mode != 1)), name
         assert f"-DROWS_EARLY={m.rows_early}" in opts and not (m.rows_early and (m.sched == 0 or not m.issue)), name
         assert f"-DM_ROTATE={m.m_rotate}" in opts and not (m.m_rotate and (m.sched != 1 or not m.issue)), name
-        assert m.sched in (0, 1, 2) and m.tile_order in (0, 2, 3) and m.arrive_all in (0, 1), name
+        assert m.sched in (0, 1, 2) and m.tile_order in (0, 2, 3, 4) and m.arrive_all in (0, 1), name
         assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
         assert not (m.lean and not m.lse_smem) and not (m.issue and not m.lse_smem), name
         assert not (m.epilogue and not m.dq_mode) and m.issue in (0, 1, 2), name
@@ -382,6 +383,7 @@ def test_causal_option_from_the_environment(monkeypatch):
     assert "-DM_ROTATE=3" in hb.options(128, True, True, desc)
     assert hb._grid(hb.CAUSAL_OPTION + "3", 64, 32, 2) == (64, 32, 2) and hb._grid(hb.CAUSAL_OPTION, 64, 32, 2) == (
         4096, 1, 1) and hb.OPTIONS[hb.CAUSAL_OPTION + "3"] == hb.OPTIONS[hb.CAUSAL_OPTION]._replace(tile_order=3)
+    assert hb._grid(hb.DEFAULT_OPTION + "_grid1", 64, 32, 2) == (4096, 1, 1)
     for bad in ("fast", hb.VARIANT_ONLY_OPTIONS[0], hb.M80_OPTIONS[0]):
         monkeypatch.setenv(hb.CAUSAL_OPTION_ENV, bad)
         with pytest.raises(LaunchError, match="not a dense causal option"):

@@ -9,64 +9,10 @@ own fa3_bwd_preprocess, which writes those copies itself; the convert is fa3_bwd
 through the driver API with four CUtensorMap descriptors, as cubridge.runtime.fa3_sm90 launches the
 forward.
 
-Options (compile-time, `option=` of fa3_backward; params.cuh and NOTES.md say what each does):
-"base" (DQ_MODE 0, SCHED 0: the session-7 kernel, per-thread dQ atomics), "bulk" (DQ_MODE 1: dQ
-through shared memory and one bulk reduce-add per consumer and step, into a tiled accumulator that
-fa3_bwd_dq_convert_tiled converts), "bulk_overlap" (DQ_MODE 1, SCHED 1: also the overlapped step
-order), "bulk_overlap_lse" (also LSE / Dvec staged in shared memory by the producer, from padded
-copies made here), "bulk_overlap_lse_arriveall" (the same with every consumer thread arriving on
-the stage's empty barrier, ARRIVE_ALL: what compute-sanitizer's racecheck needs to see the LSE /
-Dvec reads ordered before the next bulk copy; session 10), "bulk_overlap_lse_l2lpt" (TILE_ORDER 2:
-causal's longest tiles first inside sections of heads sized to L2, `tile_sections`),
-"bulk_overlap_lse_lean" (arriveall with LEAN: the one preprocess launch above, and each CTA ends
-once its last dQ add has read shared memory instead of once it completed; session 10),
-"bulk_overlap_lse_lean_issue" (lean with ISSUE: fewer instructions per consumer step - uniform
-wgmma descriptors, stmatrix dS stores, row terms preloaded under the GEMMs; session 11: timed on an
-H100, GPU tests still to pass), "bulk_dqfirst_lse_lean_issue" (the same with SCHED 2),
-"bulk_overlap_lse_lean_issue_epi" (with EPILOGUE: dK / dV through shared memory, full-sector stores),
-"bulk_overlap_lse_lean_issue_pf32_epi" (that with ISSUE 2: dS from the f32 P, as FA4),
-"bulk_overlap_lse_lean_issue_pf32_epi_carry" (that with CARRY: each step's dK GEMM waited for at the
-next step's first wgmma wait instead of at its own end; session 12: racecheck clean, 2-4% slower, off),
-"bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate" (that with DV_LATE: FA4's order, dV issued after the dS
-pass and dQ queued behind it; session 12: 2-6% slower than the default, off),
-"bulk_overlap_lse_lean_issue_pf32_epi_dqw" (the default with DQ_WRITER: FA4's dQ writer warp in the producer
-warpgroup issues the bulk dQ adds, the consumers store and arrive; session 13, dense only, off until timed),
-"bulk_overlap_lse_lean_issue_pf32_epi_dqw_early" (ROWS_EARLY 2: the LSE and Dvec rows read before the step's GEMMs
-are queued rather than behind them; session 14, dense only, off), "..._dqw_early_carry" (that with CARRY) and
-"..._dqw_early_rot" (that with M_ROTATE: full attention's CTAs start their query sweep at tile 2n, as causal's do),
-"bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early" (the default with SCHED 2; session 15, dense only, off) and its "_l2lpt",
-"..._dqw_early_rot2" (M_ROTATE 2: that rotation per group of 64 KV tiles; session 15, dense only, off),
-"..._dqw_early_l2lpt" (that body in TILE_ORDER 2's order: causal's longest KV tiles first inside L2-sized sections of
-(batch, kv head) pairs, with GQA_SPLIT's virtual pairs; session 15, dense only, off until timed),
-"bulk_overlap_lse_lean_l2lpt" and "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt" (lean / pf32_epi in TILE_ORDER 2's
-order; variant options), "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist" (that order served to min(tiles, SMs)
-persistent CTAs from a queue, PERSIST: ref_kernels/fa3_bwd_sm90/persist.cuh; session 14, variants only, off:
-0.943-1.026x on the H100), "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt" (the dense default's body in
-TILE_ORDER 2's order, for the variants; session 15, off until timed), "bulk_dqfirst_lse" (SCHED 2: bulk_overlap_lse with FA4's issue order after the dS barrier, dQ
-queued behind dV before waiting on it) and "bulk_dqfirst_lse_l2lpt" (both). Session 9's
-"bulk_overlap_lse_lpt" (TILE_ORDER 1, the KV tile in blockIdx.z) is gone: it thrashed L2 and lost
-35-50% (NOTES.md), and TILE_ORDER 2 keeps its longest-first order inside L2-sized sections.
-DEFAULT_OPTION is "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early" since session 14's mid call (H100, bf16 D 128,
-16k tokens, TFLOPS causal 8k / full 8k / causal 16k / full 16k 586 / 650 / 619 / 634 vs _dqw's 556 / 573 / 597 / 564
-in the same run, cuDNN 517 / 558 / 552 / 592, FA4 614 / 664 / 664 / 686; dK / dV bitwise pf32_epi's); before it, from the
-same session's early call, "bulk_overlap_lse_lean_issue_pf32_epi_dqw": bulk_overlap_lse_lean_issue_pf32_epi
-with bwd13's dQ writer warp (H100, bf16 D 128, 16k tokens, TFLOPS causal 8k / full 8k / causal 16k / full 16k:
-session 13 mid 572 / 575 / 592 / 564 vs 544 / 568 / 571 / 546, session 14 early 554 / 549 / 563 / 526 vs 529 / 545 /
-543 / 510, same runs; test_bwd_sm90 -k dqw 95 passed, synccheck 0 errors, racecheck 0 hazards). Since session 15
-the variant path builds on it too (VARIANT_OPTION, in TILE_ORDER 2's order: ..._dqw_early_l2lpt). Before it, from session 12,
-"bulk_overlap_lse_lean_issue_pf32_epi" (VARIANT_OPTION, the variant
-backwards', that body in TILE_ORDER 2's order since session 13: bulk_overlap_lse_lean_issue_pf32_epi_l2lpt): on an H100 (session 11 final call, bf16 D = 128, 16k tokens, same run) it ran
-537 / 541 / 554 / 543 TFLOPS causal 8k / full 8k / causal 16k / full 16k against the session-10
-default bulk_overlap_lse_lean's 496 / 540 / 536 / 520 (cuDNN 533 / 583 / 577 / 599), passed every
-case of tests/gpu/test_bwd_sm90.py and is compute-sanitizer racecheck clean (0 hazards); session 12's
-mid call: 528 / 557 / 576 / 544 vs lean 486 / 532 / 537 / 539, racecheck / synccheck clean on the
-variant path too. lean had
-replaced bulk_overlap_lse in session 10: racecheck clean where bulk_overlap_lse's lane-0 stage release
-drew 10240 potential write-after-read reports (NOTES.md "Session 10").
-
-Since session 15's mid call causal backwards run CAUSAL_OPTION, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
-(that body in TILE_ORDER 2's order: GQA causal 8k +9.8% / +6.1% at 16 / 4 and 32 / 8, MHA causal 8k +2.8%, same run);
-fa3_backward's option=None takes default_option(causal).
+Options (compile-time, `option=` of fa3_backward): OPTIONS, derived from each name's suffixes (SUFFIX_MODES);
+params.cuh says what each macro does, NOTES.md ("Options table") what each option measured. DEFAULT_OPTION (full
+attention), CAUSAL_OPTION (causal: the same body in TILE_ORDER 2's order) and VARIANT_OPTION (lowered variants) are
+what fa3_backward runs when no option is named (default_option / variant_option).
 
 Two switches orthogonal to the options (session 14, off by default; NOTES.md "Session 14"): GQA_SPLIT
 (cubridge.runtime.fa3_bwd_gqa: a GQA group's query heads over s CTAs, fp32 dK / dV partials summed in
@@ -153,71 +99,54 @@ class Modes(NamedTuple):
 NEW_FIELDS = ("tile_m80", "desc64")
 
 
-OPTIONS = {"base": Modes(0, 0, 0, 0), "bulk": Modes(1, 0, 0, 0), "bulk_overlap": Modes(1, 1, 0, 0),
-           "bulk_overlap_lse": Modes(1, 1, 1, 0), "bulk_overlap_lse_arriveall": Modes(1, 1, 1, 0, arrive_all=1),
-           "bulk_overlap_lse_lean": Modes(1, 1, 1, 0, arrive_all=1, lean=1),
-           "bulk_overlap_lse_lean_issue": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1),
-           "bulk_dqfirst_lse_lean_issue": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=1),
-           "bulk_overlap_lse_lean_issue_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
-                                                               carry=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi_carry_dvlate": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                      epilogue=1, carry=1, dv_late=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2, epilogue=1,
-                                                             dq_writer=1),
-           # session 14 (ROWS_EARLY, params.cuh): LSE rows read before the S / dP GEMMs are queued (1), and the
-           # Dvec rows before dV's (2, these options); on the default, off until an H100 A/B and the rule tests
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                   epilogue=1, dq_writer=1, rows_early=2),
-           # with CARRY (session 12: -2..-5% alone, when the LSE loads still queued behind dK's and S's HGMMAs)
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_carry": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                         epilogue=1, carry=1, dq_writer=1,
-                                                                         rows_early=2),
-           # with M_ROTATE (full attention's CTAs start their query sweep at tile 2n, as causal's do)
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                       epilogue=1, dq_writer=1, rows_early=2,
-                                                                       m_rotate=1),
-           # session 15 (bwd15): SCHED 2 on the default (dQ queued behind dV after the dS barrier, FA4's order; the
-           # writer warp and ROWS_EARLY now take SCHED 2): session 14's ncu held 5.8% of samples at the dQ issue
-           # waiting for dV
-           "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early": Modes(1, 2, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                   epilogue=1, dq_writer=1, rows_early=2),
-           # ... and both session 15 candidates together (SCHED 2 in TILE_ORDER 2's order)
-           "bulk_dqfirst_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 2, 1, 2, arrive_all=1, lean=1, issue=2,
-                                                                         epilogue=1, dq_writer=1, rows_early=2),
-           # session 15 (bwd15): M_ROTATE 2, full attention's sweep rotated per group of 64 KV tiles (8k: none, the
-           # default's order; 16k: two groups half a range apart): a probe of full attention's 8k -> 16k per-step loss
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_rot2": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=2,
-                                                                        epilogue=1, dq_writer=1, rows_early=2,
-                                                                        m_rotate=2),
-           # session 15 (bwd15): the default's body in TILE_ORDER 2's order (causal's longest KV tiles first inside
-           # L2-sized sections of (batch, kv head) pairs; full attention's sections are 1 pair = TILE_ORDER 0's
-           # order): CAUSAL_OPTION (bwd15) and, with the variant hooks, VARIANT_OPTION (vbwd15) since session 15's mid call
-           "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2,
-                                                                         epilogue=1, dq_writer=1, rows_early=2),
-           "bulk_overlap_lse_l2lpt": Modes(1, 1, 1, 2), "bulk_dqfirst_lse": Modes(1, 2, 1, 0),
-           "bulk_overlap_lse_lean_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1),
-           "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1),
-           "bulk_dqfirst_lse_l2lpt": Modes(1, 2, 1, 2),
-           "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": Modes(1, 1, 1, 2, arrive_all=1, lean=1, issue=2, epilogue=1,
-                                                                       persist=1),
-           # session 16 (bwd16; params.cuh TILE_M80, tile_m80.cuh): FA4's / C++ FA3's full-attention tile, 80 queries
-           # per step (HGMMA 64x80x16), dQ computed transposed, one dQ slot; ISSUE 1 (the f32 P^T kept through the dS
-           # pass spilled 168 bytes at 80 rows). Full attention at D = 128 only: causal / D 64 calls run
-           # default_option(causal) (resolve_option)
-           # ... and its 64-row twin (the same body: ISSUE 1, writer warp, early rows), the A/B control of the tile alone
-           "bulk_overlap_lse_lean_issue_epi_dqw_early": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1, epilogue=1,
-                                                              dq_writer=1, rows_early=2),
-           "bulk_overlap_lse_lean_issue_epi_dqw_early_m80": Modes(1, 1, 1, 0, arrive_all=1, lean=1, issue=1,
-                                                                  epilogue=1, dq_writer=1, rows_early=2, tile_m80=1)}
-# session 16 (bwd16; params.cuh DESC64): the default, CAUSAL_OPTION and TILE_M80's option with each k-step's wgmma
-# descriptor made by one 64-bit add (436 -> 397 instructions per step at D 128; dK / dV bitwise the same)
-OPTIONS.update({
-    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_u64": OPTIONS["bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"]._replace(desc64=1),
-    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64":
-        OPTIONS["bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"]._replace(desc64=1),
-    "bulk_overlap_lse_lean_issue_epi_dqw_early_m80_u64": OPTIONS["bulk_overlap_lse_lean_issue_epi_dqw_early_m80"]._replace(desc64=1)})
+# Each option's macros follow from its name: the first token sets DQ_MODE ("base" 0, "bulk" 1), each later "_token"
+# adds its fields below (in order; "pf32" right after "issue" makes ISSUE 2). What each option measured, session by
+# session, is in NOTES.md ("Options table"); params.cuh says what each macro does.
+SUFFIX_MODES = {"overlap": {"sched": 1}, "dqfirst": {"sched": 2}, "lse": {"lse_smem": 1}, "arriveall": {"arrive_all": 1},
+                "lean": {"arrive_all": 1, "lean": 1}, "issue": {"issue": 1}, "pf32": {"issue": 2},
+                "epi": {"epilogue": 1}, "carry": {"carry": 1}, "dvlate": {"dv_late": 1}, "dqw": {"dq_writer": 1},
+                "early": {"rows_early": 2}, "rot": {"m_rotate": 1}, "rot2": {"m_rotate": 2}, "desc": {"m_rotate": 3},
+                "l2lpt": {"tile_order": 2}, "l2lpt3": {"tile_order": 3}, "grid1": {"tile_order": 4},
+                "persist": {"persist": 1}, "m80": {"tile_m80": 1},
+                "u64": {"desc64": 1}}
+_PF32 = "bulk_overlap_lse_lean_issue_pf32_epi"
+_EARLY = _PF32 + "_dqw_early"
+OPTION_NAMES = (
+    "base", "bulk", "bulk_overlap", "bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
+    "bulk_overlap_lse_lean_issue", "bulk_dqfirst_lse_lean_issue", "bulk_overlap_lse_lean_issue_epi", _PF32,
+    _PF32 + "_carry", _PF32 + "_carry_dvlate", _PF32 + "_dqw", _EARLY, _EARLY + "_carry", _EARLY + "_rot",
+    _EARLY.replace("overlap", "dqfirst"), _EARLY.replace("overlap", "dqfirst") + "_l2lpt", _EARLY + "_rot2",
+    _EARLY + "_l2lpt", "bulk_overlap_lse_l2lpt", "bulk_dqfirst_lse", "bulk_overlap_lse_lean_l2lpt", _PF32 + "_l2lpt",
+    "bulk_dqfirst_lse_l2lpt", _PF32 + "_l2lpt_persist", "bulk_overlap_lse_lean_issue_epi_dqw_early",
+    "bulk_overlap_lse_lean_issue_epi_dqw_early_m80",
+    _EARLY + "_u64", _EARLY + "_l2lpt_u64", "bulk_overlap_lse_lean_issue_epi_dqw_early_m80_u64",
+    # session 17 (bwd17; params.cuh M_ROTATE 3): the causal sweep descending (the last query tile first), on
+    # CAUSAL_OPTION's order and on TILE_ORDER 0's (FA4's)
+    _EARLY + "_l2lpt_desc", _EARLY + "_desc",
+    # session 17 (bwd17; params.cuh TILE_ORDER 3): CAUSAL_OPTION's order over TILE_ORDER 0's 3-D grid (a probe of the
+    # TILE_ORDER 2 build's 5% loss at full attention, same order), and the mirror: TILE_ORDER 0's tiles from a 1-D grid
+    _EARLY + "_l2lpt3", _EARLY + "_grid1")
+
+
+def option_modes(name: str) -> "Modes":
+    """The Modes an option name spells (SUFFIX_MODES).
+
+    >>> option_modes("bulk_overlap_lse_lean_issue_pf32_epi")._asdict() == dict(
+    ...     Modes(1, 1, 1, 0)._asdict(), arrive_all=1, lean=1, issue=2, epilogue=1)
+    True
+    """
+    first, *rest = name.split("_")
+    if first not in ("base", "bulk") or (first == "base" and rest):
+        raise ValueError(f"option {name!r} does not start with 'base' or 'bulk_'")
+    fields = {"dq_mode": int(first == "bulk")}
+    for token in rest:
+        if token not in SUFFIX_MODES:
+            raise ValueError(f"option {name!r}: unknown suffix {token!r} (one of {sorted(SUFFIX_MODES)})")
+        fields.update(SUFFIX_MODES[token])
+    return Modes(**{"sched": 0, "lse_smem": 0, "tile_order": 0, **fields})
+
+
+OPTIONS = {name: option_modes(name) for name in OPTION_NAMES}
 M80_OPTIONS = tuple(name for name, m in OPTIONS.items() if m.tile_m80)
 # PERSIST (session 14, ref_kernels/fa3_bwd_sm90/persist.cuh): min(tiles, SMs) CTAs take the tiles of TILE_ORDER 2's
 # order from a queue, the next tile's scan and loads under the current one's last step and epilogue. Its
@@ -227,11 +156,7 @@ VARIANT_ONLY_OPTIONS = ("bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist",)
 # each one's body without the queue: what a spec lowered to the dense reference itself (no runs to queue) runs
 QUEUELESS = {"bulk_overlap_lse_lean_issue_pf32_epi_l2lpt_persist": "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"}
 DEFAULT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"   # fastest of OPTIONS on an H100, tested (docstring)
-# Causal attention runs that body in TILE_ORDER 2's order (causal's longest KV tiles first inside L2-sized sections;
-# session 15 mid call, H100, same run: GQA 8k 16/4 2.334 vs 2.562 ms at the default split 2 (+9.8%, 589 TFLOPS vs
-# FA4's 574), 32/8 4.661 vs 4.947 ms (+6.1%, = FA4's 589); MHA causal 8k 596.6 vs 580.6 TFLOPS, 16k 623.2 vs 628.0
-# (a same-kernel control read 590.9 there: within noise); its 46 causal rule cases and dK / dV bitwise equality
-# passed). Full attention keeps DEFAULT_OPTION: there TILE_ORDER 2's sections are one pair, the same order.
+# Causal attention runs that body in TILE_ORDER 2's order since session 15 (NOTES.md "Options table").
 CAUSAL_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 
 
@@ -252,9 +177,25 @@ def full_option() -> str:
     return value or FULL_OPTION
 
 
+# CUBRIDGE_BWD_CAUSAL_OPTION (session 17) names another dense option for causal attention (causal_option: the A/B and
+# the GPU tests of a proposed CAUSAL_OPTION flip through every caller); unset: CAUSAL_OPTION.
+CAUSAL_OPTION_ENV = "CUBRIDGE_BWD_CAUSAL_OPTION"
+
+
+def causal_option() -> str:
+    """Causal attention's default option: CAUSAL_OPTION_ENV if set (a dense option of OPTIONS that builds causal: not
+    TILE_M80's), else CAUSAL_OPTION."""
+    value = os.environ.get(CAUSAL_OPTION_ENV, "")
+    if value and (value not in OPTIONS or value in VARIANT_ONLY_OPTIONS or OPTIONS[value].tile_m80):
+        raise LaunchError(f"{CAUSAL_OPTION_ENV}={value!r} is not a dense causal option", where="environment",
+                          hint=f"unset {CAUSAL_OPTION_ENV} ({CAUSAL_OPTION}) or set one of "
+                               f"{sorted(set(OPTIONS) - set(VARIANT_ONLY_OPTIONS) - set(M80_OPTIONS))}")
+    return value or CAUSAL_OPTION
+
+
 def default_option(causal: bool) -> str:
-    """The option fa3_backward runs when none is named: CAUSAL_OPTION for causal attention, else full_option()."""
-    return CAUSAL_OPTION if causal else full_option()
+    """The option fa3_backward runs when none is named: causal_option() for causal attention, else full_option()."""
+    return causal_option() if causal else full_option()
 
 
 def resolve_option(option: str, head_dim: int, causal: bool) -> str:
@@ -272,32 +213,13 @@ def resolve_option(option: str, head_dim: int, causal: bool) -> str:
 def block_m(option: str) -> int:
     """Query rows per step of `option`'s kernel: 80 with TILE_M80, else BLOCK_M."""
     return 80 if _modes(option).tile_m80 else BLOCK_M
-# A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh
-# static_assert: its hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default.
-# bulk_overlap_lse_lean_l2lpt (session 12): lean in TILE_ORDER 2's order, the KV tiles of a section of
-# heads lowest first. A variant's CTAs are as uneven as causal's (host count,
-# experiments/bwd_visit_counts.py, 8k: share_question 2-128 steps per CTA, mean 41; global_sliding_window
-# 1-128, mean 8.8) and its long ones are its low tiles; TILE_ORDER 0 starts the last head's long
-# tiles near the end of the grid. Session 12 mid call (H100, 8k, lean): TILE_ORDER 2 ran 1.035-1.076x
-# lean's speed on share_question, global_sliding_window, prefixlm and bitpacked_blocks; the same order
-# on the default pf32_epi is bulk_overlap_lse_lean_issue_pf32_epi_l2lpt (its A/B: jobs/s12_vbwd12.txt).
+# A lowered variant (cubridge.lower.fa3_bwd_sm90) builds on one of these options only (params.cuh static_assert: its
+# hooks sit in the SCHED 1 / LSE_SMEM 1 passes); VARIANT_OPTION by default. History: NOTES.md "Options table".
 VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overlap_lse_lean",
                    "bulk_overlap_lse_lean_issue_pf32_epi", "bulk_overlap_lse_lean_issue_pf32_epi_carry",
                    "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt",
-                   *VARIANT_ONLY_OPTIONS, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64")   # sig17: _u64 (DESC64) for the variants
-# (session 15: _dqw_early_l2lpt, the dense default's writer warp and early row loads for the variants. "Dense only"
-# was scope, not a limit: dq_writer already walks a variant's runs / list (q_runs_count, q_runs_tile), ROWS_EARLY
-# leaves a variant's mask decision to variant_partial; every built-in spill-free at D 64 / 128, fp16 / bf16)
-# (_carry_dvlate is dense only: share_question's lowered backward spilled 8 bytes on it at D = 128)
-# the dense default's kernel body with the variant hooks (every built-in spec spill-free at D 64 / 128,
-# fp16 / bf16; session 12 H100: racecheck / synccheck clean, sanitizer cases pass the rule) in TILE_ORDER 2's
-# order (session 13 mid call, H100 8k: 1.030-1.058x pf32_epi on share_question, prefixlm,
-# global_sliding_window, relu, sigmoid, composite; the Hopper rule cases passed on it); lean stays in
-# VARIANT_OPTIONS as the A/B baseline
-# Since session 15's mid call: the dense default's body (bwd13's dQ writer warp, bwd14's ROWS_EARLY 2) in that order,
-# _dqw_early_l2lpt (H100, x over pf32_epi_l2lpt, same run, bf16 D 128, 16k tokens: 8k prefixlm 1.125, share_question
-# 1.050, gsw 1.008, sigmoid 1.055, composite 0.996; 4k 0.997-1.083; 1k 0.995-0.997; its 50 rule cases passed, dK / dV
-# bitwise the l2lpt body's on 6 variants x 2 shapes)
+                   *VARIANT_ONLY_OPTIONS, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt",
+                   "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64")   # sig17: _u64 (DESC64) for the variants
 VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
 # CUBRIDGE_BWD_VARIANT_OPTION names another of VARIANT_OPTIONS as the variant backwards' default (variant_option:
 # A/B runs, the GPU rule tests of an opt-in option over every variant and shape); unset: VARIANT_OPTION.
@@ -588,7 +510,8 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
 
 
 def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
-    if _modes(option).tile_order == 2:
+    """TILE_ORDER 2 and 4 (0's tiles): one dimension; TILE_ORDER 0 and 3 (2's order, linearised): (tiles, Hkv, B)."""
+    if _modes(option).tile_order in (2, 4):
         return (tiles * heads_kv * batch, 1, 1)
     return (tiles, heads_kv, batch)
 
@@ -668,7 +591,7 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     parts = gqa.partials(b, hkv, split, nk, d, device) if split > 1 else (dk, dv)
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, *parts)]
     section = 1
-    if modes.tile_order == 2:
+    if modes.tile_order in (2, 3):
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
         # a variant's tiles are uneven like causal's (VARIANT_OPTIONS): sections sized the same way
         section = tile_sections(b * hkv * split, hq // hkv // split, nq, d, bool(causal) or variant is not None, l2)

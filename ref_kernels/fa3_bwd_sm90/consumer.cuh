@@ -535,7 +535,7 @@ __device__ __forceinline__ void consumer(const VariantArgs& va, const Consumer& 
     for (int i = 0; i < kPRegs; ++i) ds16[i] = 0u;
     for (int it = 0; it < total; ++it) {
       const int g = kIssue ? g_run : it / steps, i = kIssue ? i_run : it - g * steps,
-                m0 = (kRangeRuns ? q_runs_tile(i) : kMRotate ? sweep_tile(qr, i, steps)
+                m0 = (kRangeRuns ? q_runs_tile(i) : kMRotate || kMDescend ? sweep_tile(qr, i, steps)
                       : kIssue ? qr.m_begin + i : qr.m_begin + it - g * steps) * kBlockM,
                 st = it % kStages;   // (ISSUE 0's form kept: its SASS stays as it was)
       if constexpr (kIssue) {

@@ -224,6 +224,7 @@ static_assert(!kDsFactor || kDsFromP32, "kDsFactor keeps the factor in the f32 P
 constexpr int kPackRegs = kDsFactor ? kPRegs : 1;   // kDsFactor: P^T packed in the P pass
 static_assert(kSplitPasses || kRangeRuns, "the one-pass P / dS path is a variant's (kRangeRuns)");
 static_assert(!kMRotate || !kRangeRuns, "M_ROTATE is dense only (a variant's runs order its own sweep)");
+static_assert(!kMDescend || !kRangeRuns, "M_ROTATE 3 (descending) is dense only (a variant's runs order its own sweep)");
 
 // ------------------------------------------------------------------ shared memory
 // Nk - Nq for the consumers, re-read from shared memory at every step: held in a register across
@@ -235,6 +236,7 @@ __device__ __forceinline__ int step_q_shift() { return *static_cast<volatile int
 // more at the consumers' peak and in the producer's 24). Step i of a head visits tile m_begin + (i + rot) % steps.
 __shared__ int g_m_rot;
 __device__ __forceinline__ int sweep_tile(QRange qr, int i, int steps) {
+  if constexpr (kMDescend) return qr.m_end - 1 - i;   // M_ROTATE 3: the last query tile first
   if constexpr (kMRotate) {
     const int r = i + *static_cast<volatile int*>(&g_m_rot);
     return qr.m_begin + (r >= steps ? r - steps : r);
@@ -326,6 +328,13 @@ __device__ __forceinline__ TileCoord tile_coord_at(int idx, int total, int seqle
   return TileCoord{n, hb % heads_kv, hb / heads_kv};
 }
 __device__ __forceinline__ TileCoord tile_coord(int seqlen_k, int heads_kv, int section) {
+  if constexpr (TILE_ORDER == 4) {   // TILE_ORDER 0's tiles from a 1-D grid
+    const int num_n = (seqlen_k + kBlockN - 1) / kBlockN, idx = int(blockIdx.x), hb = idx / num_n;
+    return TileCoord{idx - hb * num_n, hb % heads_kv, hb / heads_kv};
+  }
+  if constexpr (TILE_ORDER == 3)   // the 3-D grid linearised, x fastest
+    return tile_coord_at(int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)),
+                         int(gridDim.x * gridDim.y * gridDim.z), seqlen_k, heads_kv, section);
   if constexpr (kTileL2Sections) return tile_coord_at(int(blockIdx.x), int(gridDim.x), seqlen_k, heads_kv, section);
   return TileCoord{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
 }
@@ -383,6 +392,12 @@ __device__ __forceinline__ void producer(const Smem& sm, const CUtensorMap* tm_q
     const int steps = qr.m_end - qr.m_begin;
     for (int g = 0; g < pb.group; ++g)
       for (int i = 0; i < steps; ++i, ++it) load_stage(sm, tm_q, tm_do, pb, g, sweep_tile(qr, i, steps), it, lse, dvec);
+    return;
+  }
+  if constexpr (kMDescend) {   // the same tiles last first (sweep_tile); not unrolled, as BNHD's below
+    for (int g = 0; g < pb.group; ++g)
+#pragma unroll 1
+      for (int m = qr.m_end - 1; m >= qr.m_begin; --m, ++it) load_stage(sm, tm_q, tm_do, pb, g, m, it, lse, dvec);
     return;
   }
   if constexpr (kBnhd) {   // not unrolled: ptxas unrolled x4 and spilled 4 bytes (the 4-D maps' extra coordinate)

@@ -53,7 +53,14 @@ constexpr bool kLseSmem = LSE_SMEM == 1;
 //              tile in blockIdx.z, every head tile-major at once) streamed every head together (bf16
 //              8k: 64 heads x 8 MB of Q, dO, dQ against 50 MB of L2): causal 8k fell 450 -> 295
 //              TFLOPS and full 510 -> 264 (H100); removed in session 10 (NOTES.md).
-constexpr bool kTileL2Sections = TILE_ORDER == 2;
+//   TILE_ORDER 3 (session 17, bwd17): TILE_ORDER 2's order (and decode) over a 3-D grid (KV tiles, kv heads, batch) as
+//              TILE_ORDER 0 launches, the index linearised from blockIdx x, y, z (the same CTA order: the hardware
+//              dispatches x fastest). A probe: session 17's rotated mid A/B read the TILE_ORDER 2 build 5% slower than
+//              TILE_ORDER 0's at full attention, where both visit the same tiles in the same order (sections of one
+//              pair); TILE_ORDER 3 tells a 1-D grid's dispatch from TILE_ORDER 2's decode code.
+//   TILE_ORDER 4 (session 17, the mirror probe): TILE_ORDER 0's order and decode ((n, h, b) = x fastest) from a 1-D
+//              grid of the same CTAs, decoded with integer divisions.
+constexpr bool kTileL2Sections = TILE_ORDER == 2 || TILE_ORDER == 3;
 //   ARRIVE_ALL 1: every consumer thread arrives on the stage's q_empty (256 arrivals) instead of
 //              lane 0 of each consumer warp (8). Same ordering on the hardware; what it changes is
 //              what compute-sanitizer's racecheck can prove: it orders a thread's shared-memory read
@@ -139,8 +146,14 @@ constexpr int kRowsEarly = ROWS_EARLY;
 //              dQ tile takes 64 CTAs' bulk adds per step (as at 8k) instead of 128, and each Q / dO tile is still read
 //              by 64 CTAs at once (M_ROTATE 1 lost 7% at full 8k / 16k, taking that sharing away). A probe of why full
 //              attention's per-step rate falls from 8k to 16k (NOTES "Session 15").
-constexpr bool kMRotate = M_ROTATE >= 1 && !kCausal;   // causal builds: the option's code is not there
+constexpr bool kMRotate = (M_ROTATE == 1 || M_ROTATE == 2) && !kCausal;   // causal builds: the option's code is not there
 constexpr int kRotGroup = 64;
+//   M_ROTATE 3 (session 17, bwd17; kMDescend): every CTA sweeps its query range from the last tile down to the first (causal:
+//              the diagonal's masked steps come last). With the ascending sweep causal CTA n starts at tile 2n, so the
+//              CTAs of a head in flight each read another Q / dO tile; descending, the CTAs that start together read
+//              the same tile at once until each drops out at its diagonal, as full attention's do (M_ROTATE 1, the
+//              staggered sweep for full attention, lost 7%). Same tiles, dK / dV summed in the reverse order.
+constexpr bool kMDescend = M_ROTATE == 3;
 __device__ __forceinline__ constexpr int m_rotation(int n_tile, int steps) {
   if constexpr (M_ROTATE == 2) return (kMRotate && steps > 0) ? (2 * (n_tile - n_tile % kRotGroup)) % steps : 0;
   return (kMRotate && steps > 0) ? (2 * n_tile) % steps : 0;
@@ -254,7 +267,7 @@ static_assert(SCHED >= 0 && SCHED <= 2, "SCHED must be 0 (serial), 1 (overlap) o
 // order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
 static_assert(!(SCHED >= 1 && DQ_MODE == 0), "SCHED=1 or 2 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs SCHED=1 or 2");
-static_assert(TILE_ORDER == 0 || TILE_ORDER == 2, "TILE_ORDER must be 0 or 2 (1 was removed: NOTES.md)");
+static_assert(TILE_ORDER == 0 || (TILE_ORDER >= 2 && TILE_ORDER <= 4), "TILE_ORDER must be 0, 2, 3 or 4 (1 was removed: NOTES.md)");
 static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
 static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
 static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSUE=1 or 2 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");
@@ -263,8 +276,10 @@ static_assert(DQ_WRITER == 0 || (DQ_WRITER == 1 && DQ_MODE == 1 && SCHED >= 1),
               "DQ_WRITER=1 needs DQ_MODE=1 and SCHED=1 or 2 (it hands their bulk dQ adds to a writer warp)");
 static_assert(ROWS_EARLY >= 0 && ROWS_EARLY <= 2 && (ROWS_EARLY == 0 || (ISSUE >= 1 && SCHED >= 1)),
               "ROWS_EARLY=1 or 2 needs ISSUE>=1 and SCHED=1 or 2 (it moves ISSUE's row-term preloads)");
-static_assert(M_ROTATE == 0 || ((M_ROTATE == 1 || M_ROTATE == 2) && SCHED == 1 && ISSUE >= 1),
-              "M_ROTATE=1 or 2 needs SCHED=1 and ISSUE>=1 (it changes the flat step loop's tile)");
+static_assert(M_ROTATE == 0 || M_ROTATE == 3 || ((M_ROTATE == 1 || M_ROTATE == 2) && SCHED == 1 && ISSUE >= 1),
+              "M_ROTATE=1 or 2 needs SCHED=1 and ISSUE>=1 (it changes the flat step loop's tile); 3 is descending");
+static_assert(M_ROTATE != 3 || (SCHED >= 1 && ISSUE >= 1 && TILE_M80 == 0 && PERSIST == 0),
+              "M_ROTATE=3 needs SCHED=1 or 2 and ISSUE>=1 (the flat step loop's sweep_tile), no TILE_M80 / PERSIST");
 static_assert(kBarDqEmpty0 + kDqSlots * kConsumers <= 16, "DQ_WRITER's named barriers exceed the 16 ids");
 static_assert(CARRY == 0 || (CARRY == 1 && SCHED == 1), "CARRY=1 needs SCHED=1 (it changes SCHED 1's step end)");
 static_assert(LEAN == 0 || (LEAN == 1 && LSE_SMEM == 1), "LEAN=1 needs LSE_SMEM=1 (its preprocess writes the padded rows)");

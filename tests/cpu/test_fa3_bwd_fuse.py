@@ -4,15 +4,13 @@ every entry (count, preprocess, convert, backward) on the runs, the exact list, 
 both head dims (the converter warps run under the producer warpgroup's 24 registers)."""
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from cubridge.errors import LaunchError
 from cubridge.runtime import fa3_bwd_sm90 as hb
+from support import sm90_builds
 
 DQW_EARLY = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early"
 
@@ -43,18 +41,6 @@ def test_fuse_capable_options():
         hb.build_cubin(128, False, True, option=DQW_EARLY, fuse=True, bnhd=True)
 
 
-def _build(job, tmp_path):
-    name, src, d, causal, bf16, option, extra = job
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(src)
-    out = tmp_path / f"{name}_d{d}.cubin"
-    extra = {"fuse": 1, **extra}
-    proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
-                           *hb.options(d, causal, bf16, option, **extra), "-Xptxas", "-v", "-o", str(out),
-                           str(cu)], capture_output=True, text=True)
-    return name, proc
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
 def test_fused_builds_spill_free(tmp_path):
     from cubridge.lower.fa3_bwd_sm90 import lower_source
@@ -71,14 +57,7 @@ def test_fused_builds_spill_free(tmp_path):
             ("share_question_list_fuse2", lower_source(dense, share.ir, q_list=True), 64, False, False,
              hb.VARIANT_OPTION, {"fuse": 2}),
             ("dense_causal_split2_fuse2", dense, 128, True, True, hb.CAUSAL_OPTION, {"gqa_split": 2, "fuse": 2})]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda j: _build(j, tmp_path), jobs))
+    results = sm90_builds.build_all([(name, src, hb.options(d, causal, bf16, option, **{"fuse": 1, **extra}))
+                                     for name, src, d, causal, bf16, option, extra in jobs], tmp_path)
     for name, proc in results:
-        log = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"{name}: nvcc failed\n{log[-3000:]}"
-        assert "fa3_bwd_dq_count" in log, f"{name}: no count entry\n{log}"
-        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        assert len(reports) >= 4 and all(r == ("0", "0") for r in reports), f"{name}: spills\n{log}"
-        assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{name}: stack frame\n{log}"
-        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
-            assert warning not in log, f"{name}: ptxas warning {warning}\n{log}"
+        sm90_builds.assert_clean(name, proc, "fa3_bwd_dq_count", min_reports=4)

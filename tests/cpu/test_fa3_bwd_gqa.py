@@ -4,16 +4,14 @@ bad requests, the default build's macros untouched, and dense / lowered-variant 
 splits compile for sm_90a spill-free with the dK / dV sum kernel. The numbers are tests/gpu/test_bwd_gqa.py's."""
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from cubridge.errors import LaunchError
 from cubridge.runtime import fa3_bwd_gqa as gqa
 from cubridge.runtime import fa3_bwd_sm90 as hb
+from support import sm90_builds
 
 
 def test_requested_split_from_argument_and_environment(monkeypatch):
@@ -67,16 +65,6 @@ def test_sum_kernel_refuses_strides_it_cannot_store():
     assert gqa._strides("dv", torch.empty(2, 16, 4, 128).transpose(1, 2)) == (8192, 128, 512)
 
 
-def _compile(job, tmp_path):
-    label, source, d, causal, bf16, option, split = job
-    cu = tmp_path / f"{label}.cu"
-    cu.write_text(source)
-    proc = subprocess.run([shutil.which("nvcc"), "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
-                           *hb.options(d, causal, bf16, option, split), "-Xptxas", "-v",
-                           "-o", str(tmp_path / f"{label}.cubin"), str(cu)], capture_output=True, text=True)
-    return label, proc
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
 def test_split_builds_compile_spill_free(tmp_path):
     from cubridge.runtime.variant_bwd import VariantBackward
@@ -85,14 +73,7 @@ def test_split_builds_compile_spill_free(tmp_path):
     jobs = [("dense_d128c_s2", dense, 128, True, True, hb.default_option(True), 2),
             ("dense_d64f_s16", dense, 64, False, False, hb.DEFAULT_OPTION, 16),
             ("prefixlm_d128_s4", prefix, 128, False, True, hb.VARIANT_OPTION, 4)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda j: _compile(j, tmp_path), jobs))
+    results = sm90_builds.build_all([(label, source, hb.options(d, causal, bf16, option, split))
+                                     for label, source, d, causal, bf16, option, split in jobs], tmp_path)
     for label, proc in results:
-        log = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"{label}: nvcc failed\n{log[-3000:]}"
-        assert "fa3_bwd_dkdv_sum" in log, f"{label}: no dK / dV sum entry\n{log}"
-        reports = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        assert len(reports) == 4 and all(r == ("0", "0") for r in reports), f"{label}: spills\n{log}"
-        assert log.count("bytes stack frame") == log.count("0 bytes stack frame"), f"{label}: stack frame\n{log}"
-        for warning in ("C7508", "C7510", "C7515", "C7517", "serializ"):
-            assert warning not in log, f"{label}: ptxas warning {warning}\n{log}"
+        sm90_builds.assert_clean(label, proc, "fa3_bwd_dkdv_sum", reports=4)

@@ -67,7 +67,14 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     # DESC64 (session 16): ISSUE's descriptors by a 64-bit add (uniform registers move): the default's and the causal
     # default's four corners
     (o, s) for o in ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_u64",
-                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64") for s in SPECS]
+                     "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64") for s in SPECS] + [
+    # M_ROTATE 3 (session 17, descending sweep): the producer's loop and the consumers' tile per step move; both causal
+    # corners on CAUSAL_OPTION's order, the full D 128 one on TILE_ORDER 0's
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_desc", s) for s in ((128, True, True), (64, True, False))] + [
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_desc", (128, False, False))] + [
+    # TILE_ORDER 3 (session 17): TILE_ORDER 2's decode from a linearised 3-D grid: its causal corner and a full one
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt3", s) for s in ((128, True, True), (128, False, False))] + [
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_grid1", s) for s in ((128, True, True), (128, False, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -130,7 +137,7 @@ def test_option_table_matches_the_kernel_macros():
         assert f"-DDQ_WRITER={m.dq_writer}" in opts and not (m.dq_writer and (m.sched == 0 or m.dq_mode != 1)), name
         assert f"-DROWS_EARLY={m.rows_early}" in opts and not (m.rows_early and (m.sched == 0 or not m.issue)), name
         assert f"-DM_ROTATE={m.m_rotate}" in opts and not (m.m_rotate and (m.sched != 1 or not m.issue)), name
-        assert m.sched in (0, 1, 2) and m.tile_order in (0, 2) and m.arrive_all in (0, 1), name
+        assert m.sched in (0, 1, 2) and m.tile_order in (0, 2, 3, 4) and m.arrive_all in (0, 1), name
         assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
         assert not (m.lean and not m.lse_smem) and not (m.issue and not m.lse_smem), name
         assert not (m.epilogue and not m.dq_mode) and m.issue in (0, 1, 2), name
@@ -361,3 +368,23 @@ def test_full_option_from_the_environment(monkeypatch):
         monkeypatch.setenv(hb.FULL_OPTION_ENV, bad)
         with pytest.raises(LaunchError, match="not a dense option"):
             hb.default_option(False)
+
+
+def test_causal_option_from_the_environment(monkeypatch):
+    """CUBRIDGE_BWD_CAUSAL_OPTION (session 17): causal attention's default option for the tests of a flip; full keeps
+    full_option(); unknown, variant-only and TILE_M80 (full-only) names are clear errors."""
+    monkeypatch.delenv(hb.CAUSAL_OPTION_ENV, raising=False)
+    monkeypatch.delenv(hb.FULL_OPTION_ENV, raising=False)
+    assert hb.default_option(True) == hb.CAUSAL_OPTION
+    desc = hb.CAUSAL_OPTION + "_desc"
+    monkeypatch.setenv(hb.CAUSAL_OPTION_ENV, desc)
+    assert hb.default_option(True) == desc and hb.default_option(False) == hb.FULL_OPTION
+    assert hb.OPTIONS[desc] == hb.OPTIONS[hb.CAUSAL_OPTION]._replace(m_rotate=3)
+    assert "-DM_ROTATE=3" in hb.options(128, True, True, desc)
+    assert hb._grid(hb.CAUSAL_OPTION + "3", 64, 32, 2) == (64, 32, 2) and hb._grid(hb.CAUSAL_OPTION, 64, 32, 2) == (
+        4096, 1, 1) and hb.OPTIONS[hb.CAUSAL_OPTION + "3"] == hb.OPTIONS[hb.CAUSAL_OPTION]._replace(tile_order=3)
+    assert hb._grid(hb.DEFAULT_OPTION + "_grid1", 64, 32, 2) == (4096, 1, 1)
+    for bad in ("fast", hb.VARIANT_ONLY_OPTIONS[0], hb.M80_OPTIONS[0]):
+        monkeypatch.setenv(hb.CAUSAL_OPTION_ENV, bad)
+        with pytest.raises(LaunchError, match="not a dense causal option"):
+            hb.default_option(True)

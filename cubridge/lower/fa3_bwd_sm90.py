@@ -56,21 +56,22 @@ NORM_FOLD_ENV = "CUBRIDGE_BWD_NORM_FOLD"
 # P (softcap_split) instead of the one pass after both GEMMs. The two MUFU.LG2 per element cost more than the P pass's
 # overlap with the dP GEMM gains.
 SOFTCAP_SPLIT_ENV = "CUBRIDGE_BWD_SOFTCAP_SPLIT"
-# Off (session 17, sig17; until an H100 A/B and its rule tests): 1 makes a normalisation that reads no row terms
+# Session 17 (sig17), on by default (see SCAN_BITS_ENV): 1 makes a normalisation that reads no row terms
 # (sigmoid, relu: dS needs neither LSE nor D = rowsum(dO * O)) say so (kRowTerms = false): the preprocess then reads no
 # O / dO (only zeroes the dQ accumulator), the producer loads no LSE / Dvec rows per stage, the consumers read none.
 ROWLESS_ENV = "CUBRIDGE_BWD_ROWLESS"
-# Off (session 17, sig17; until an H100 A/B and its rule tests): 1 makes a sigmoid / relu region say kDsFactor =
+# Session 17 (sig17), on by default (see SCAN_BITS_ENV): 1 makes a sigmoid / relu region say kDsFactor =
 # kDsFromP32: on ISSUE 2 options (VARIANT_OPTION) the P pass, under the dP GEMM, leaves dS's factor f =
 # softmax_dsf(P) * score_mod' (sigmoid P - P^2, relu c [P != 0]) in the f32 P^T registers and packs P^T to 16 bits
 # itself; the dS pass is one FMUL, dS = dP f. So composite (a softcap: score_mod' != 1) and relu leave the one pass
 # after both GEMMs for the split passes with no extra MUFU and no extra registers (unlike SOFTCAP_SPLIT's two LG2),
 # and dS keeps f32 precision (f from the f32 P).
 DS_FACTOR_ENV = "CUBRIDGE_BWD_DS_FACTOR"
-# Off (session 17, sig17; until an H100 A/B): 1 builds q_scan's runs (the runs region, not the exact list) from each
+# Session 17 (sig17): 1 builds q_scan's runs (the runs region, not the exact list) from each
 # ballot's bits a run at a time (find-first-set on the bits and on their complement) instead of a tile at a time: the
 # same runs (host test), in ~1-3 iterations per 32-tile chunk instead of 32. The scan is serial work of warp 0 before
 # the CTA's first barrier (~64 iterations per CTA at 8k causal, ~128 at 16k), which every other warp waits for.
+# On since session 17 (H100, final call 1, experiments/results/session17_h100/final/: with the four sig17 switches, sigmoid / composite / relu 8k backward 1.069 / 1.079 / 1.075x over session 16's default in the mid call's one round-robin; eager bar 10.15 / 10.86 / 11.36x in one run); 0 restores the old code.
 SCAN_BITS_ENV = "CUBRIDGE_BWD_SCAN_BITS"
 # The tile sizes a block table is built at (ref_kernels/fa3_bwd_sm90/params.cuh kBlockM, kBlockN).
 BLOCK_M, BLOCK_N = 64, 128
@@ -487,31 +488,31 @@ def relu_split_enabled() -> bool:
 
 
 def scan_bits_enabled() -> bool:
-    """SCAN_BITS_ENV: "0" or unset, q_scan builds its runs a tile at a time; "1", a run at a time from the bits."""
-    value = os.environ.get(SCAN_BITS_ENV, "0")
+    """SCAN_BITS_ENV: "0", q_scan builds its runs a tile at a time; "1" or unset (the default), a run at a time."""
+    value = os.environ.get(SCAN_BITS_ENV, "1")
     if value not in ("0", "1"):
         raise LowerError(f"{SCAN_BITS_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {SCAN_BITS_ENV} (a tile at a time) or 1 (a run at a time)")
+                         hint=f"unset {SCAN_BITS_ENV} (a run at a time, the default) or 0 (a tile at a time)")
     return value == "1"
 
 
 def ds_factor_enabled() -> bool:
-    """DS_FACTOR_ENV: "0" or unset, as before; "1", sigmoid / relu regions set kDsFactor = kDsFromP32 (the P pass
+    """DS_FACTOR_ENV: "0", as before session 17; "1" or unset (the default), sigmoid / relu regions set kDsFactor = kDsFromP32 (the P pass
     leaves dS's factor in the f32 P^T on ISSUE 2 options: split passes also for a score_mod with a derivative)."""
-    value = os.environ.get(DS_FACTOR_ENV, "0")
+    value = os.environ.get(DS_FACTOR_ENV, "1")
     if value not in ("0", "1"):
         raise LowerError(f"{DS_FACTOR_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {DS_FACTOR_ENV} (dS from P in the dS pass) or 1 (the factor from the P pass)")
+                         hint=f"unset {DS_FACTOR_ENV} (the factor from the P pass, the default) or 0 (dS from P in the dS pass)")
     return value == "1"
 
 
 def rowless_enabled() -> bool:
-    """ROWLESS_ENV: "0" or unset, a non-softmax normalisation's kernel still loads the row terms it ignores; "1",
+    """ROWLESS_ENV: "0", a non-softmax normalisation's kernel still loads the row terms it ignores; "1" or unset (the default),
     kRowTerms = false (no O / dO read in the preprocess, no LSE / Dvec rows loaded or read in the main kernel)."""
-    value = os.environ.get(ROWLESS_ENV, "0")
+    value = os.environ.get(ROWLESS_ENV, "1")
     if value not in ("0", "1"):
         raise LowerError(f"{ROWLESS_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {ROWLESS_ENV} (row terms loaded as today) or 1 (none for sigmoid / relu)")
+                         hint=f"unset {ROWLESS_ENV} (no row terms for sigmoid / relu, the default) or 0 (loaded as before)")
     return value == "1"
 
 

@@ -220,7 +220,9 @@ VARIANT_OPTIONS = ("bulk_overlap_lse", "bulk_overlap_lse_arriveall", "bulk_overl
                    "bulk_overlap_lse_lean_l2lpt", "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt",
                    *VARIANT_ONLY_OPTIONS, "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt",
                    "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64")   # sig17: _u64 (DESC64) for the variants
-VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
+# Session 17 (sig17): the _u64 twin (DESC64: 64-bit descriptor arithmetic, ~42 fewer instructions a step), measured
+# with the lowering's ROWLESS / DS_FACTOR / SCAN_BITS defaults (cubridge/lower/fa3_bwd_sm90.py).
+VARIANT_OPTION = "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64"
 # CUBRIDGE_BWD_VARIANT_OPTION names another of VARIANT_OPTIONS as the variant backwards' default (variant_option:
 # A/B runs, the GPU rule tests of an opt-in option over every variant and shape); unset: VARIANT_OPTION.
 VARIANT_OPTION_ENV = "CUBRIDGE_BWD_VARIANT_OPTION"

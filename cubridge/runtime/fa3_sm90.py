@@ -125,12 +125,13 @@ class Fa3Config:
     v_wait_first: bool = False
     # The dense kernel's softmax computes m of every 8 column groups' exponentials with a degree-3 polynomial on
     # the FMA pipe instead of MUFU.EX2 (kernel exp2_emu.cuh EXP2_EMU; 0 off, 1..7): at D 64 the exponentials cost
-    # the MUFU as much as the GEMMs cost the tensor core (session 17). Off until an H100 A/B shows the gain.
+    # the MUFU as much as the GEMMs cost the tensor core (session 17). Off: it measured 0.82-0.90x at D 64 1k / 4k
+    # (session 17 mid call; the softmax's latency in the consumers' turn chain, not the MUFU, sets the step).
     exp2_emu: int = 0
     # Dense causal: the query blocks after the first end at Nq, so where block_m does not divide Nq no block is partial
     # (the last, longest one padded; now the first overlaps the second by those rows) (kernel.cu ALIGN_END; D 64
-    # 192 x 128 at 4k: 5.2% fewer KV steps, 8k / 16k 1.4%; session 17). No effect on full attention. Off until an
-    # H100 A/B shows the gain.
+    # 192 x 128 at 4k: 5.2% fewer KV steps, 8k / 16k 1.4%; session 17). No effect on full attention. On in D 64's
+    # dense causal default from 4k (default_config).
     align_end: bool = False
 
     def defines(self) -> list[str]:
@@ -259,8 +260,12 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
             return Fa3Config(64, 128, 128, 2, causal, bf16, persistent=True)
         # d64 8k: 192x128 (3 consumers) causal P 445 / full P 503 vs 128x128 408 / 441;
         # full 1k: 192x128 P 391 vs 128x128 P 387 (v11: 361 vs 335; 3 stages 361)
+        # Session 17 (d6417): dense causal adds align_end from 4k (final call 1, experiments/results/session17_h100/
+        # final/d6417/d6417_peers.json, one rotated round-robin over the default, MHA / GQA 64/8: 4k 1.043 / 1.045,
+        # 8k 1.011 / 1.019, 16k 1.014 / 1.015; bitwise equal to the default, its 61 GPU tests -k s17 passed).
         return Fa3Config(64, 192, 128, 2, causal, bf16, persistent=True,
-                         tile_sections=0 if variant else _sections(causal, seqlen))
+                         tile_sections=0 if variant else _sections(causal, seqlen),
+                         align_end=causal and not variant and seqlen >= 4096)
     # d128: 128x128, 2 stages (160 KB + 32 KB O stage), persistent. Causal P vs G: 1k 444 vs 383,
     # 8k 570 vs 535, 16k 596 vs 582; full 1k 584 vs 528, 8k 623 vs 597 (v3).
     # v11 (softmax scale in the exp2 FFMA): 128x176 wins full at 8k (646 vs 614; GQA 64/8 656 vs

@@ -35,7 +35,9 @@ def test_dense_reference_reads_row_terms():
 
 
 def test_rowless_knob(monkeypatch):
-    monkeypatch.delenv(ROWLESS_ENV, raising=False)
+    monkeypatch.delenv(ROWLESS_ENV, raising=False)                       # on by default since session 17
+    assert all("constexpr bool kRowTerms = false;" in _source(n) for n in NON_SOFTMAX)
+    monkeypatch.setenv(ROWLESS_ENV, "0")
     off = {n: _source(n) for n in (*NON_SOFTMAX, "prefixlm")}
     for n in NON_SOFTMAX:
         assert off[n].count("constexpr bool kRowTerms = true;") == 1, n
@@ -52,8 +54,10 @@ def test_rowless_knob(monkeypatch):
 
 
 def test_ds_factor_knob(monkeypatch):
-    monkeypatch.delenv(DS_FACTOR_ENV, raising=False)
+    monkeypatch.delenv(DS_FACTOR_ENV, raising=False)                     # on by default since session 17
     monkeypatch.delenv(SOFTCAP_SPLIT_ENV, raising=False)
+    assert all("kDsFactor = kDsFromP32;" in _source(n) for n in NON_SOFTMAX)
+    monkeypatch.setenv(DS_FACTOR_ENV, "0")
     off = {n: _source(n) for n in (*NON_SOFTMAX, "prefixlm")}
     for n in NON_SOFTMAX:
         assert off[n].count("constexpr bool kDsFactor = false;") == 1, n

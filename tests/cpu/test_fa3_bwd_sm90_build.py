@@ -191,8 +191,9 @@ def test_variant_options_carry_the_hooks():
     l2lpt = "bulk_overlap_lse_lean_issue_pf32_epi_l2lpt"
     assert hb.OPTIONS[l2lpt] == hb.OPTIONS[pf32]._replace(tile_order=2) and l2lpt in hb.VARIANT_OPTIONS
     # session 15: ... the dense default's body (writer warp, early rows) in that order (H100 8k: 0.996-1.125x l2lpt)
-    assert hb.VARIANT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt"
-    assert hb.OPTIONS[hb.VARIANT_OPTION] == hb.OPTIONS[l2lpt]._replace(dq_writer=1, rows_early=2)
+    # session 17: its _u64 twin (64-bit descriptor arithmetic)
+    assert hb.VARIANT_OPTION == "bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt_u64"
+    assert hb.OPTIONS[hb.VARIANT_OPTION] == hb.OPTIONS[l2lpt]._replace(dq_writer=1, rows_early=2, desc64=1)
     # session 14: the dense default adds the dQ writer warp (H100: +0.8-5.2% in two runs, its 95 rule tests,
     # synccheck and racecheck clean); (session 15: the variants too, VARIANT_OPTION)
     # and (mid call) ROWS_EARLY 2, the LSE / Dvec loads ahead of the GEMMs (H100 TFLOPS causal / full 8k, causal /

@@ -96,7 +96,7 @@ def test_dqw_early_compiles_spill_free_on_the_exact_list(backwards, tmp_path):
     producer warpgroup's 24 registers; ROWS_EARLY 2), VARIANT_OPTION since the mid call (every built-in at all four
     corners: test_every_builtin_compiles_spill_free), on the exact query-tile list of two block tables."""
     from cubridge.lower.fa3_bwd_sm90 import lower_source
-    assert hb.VARIANT_OPTION == DQW_EARLY
+    assert hb.VARIANT_OPTION == DQW_EARLY + "_u64"           # session 17: the same body with DESC64
     jobs = []
     for name, d in (("share_question", 128), ("document", 64)):   # FA3B_Q_TILE_LIST's q_runs_count / q_runs_tile
         listed = types.SimpleNamespace(hopper=types.SimpleNamespace(

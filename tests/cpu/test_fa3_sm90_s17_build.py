@@ -83,13 +83,16 @@ def test_exp2_emu_spill_free_and_fewer_mufu(tmp_path, monkeypatch):
     assert mufu["d64f_e2"] == 66 - 16 and mufu["d64f_e7"] == 66 - 56 and mufu["d64c1k_e3"] == 66 - 24, mufu
 
 
-def test_align_end_off_by_default_and_its_flag():
+def test_align_end_default_and_its_flag():
+    """On for D 64's dense causal default from 4k (its 192-row blocks; session 17's final call), nowhere else."""
     for d in (64, 128, 256):
         for causal in (False, True):
             for n in (1024, 4096, 8192, 16384):
                 cfg = default_config(d, causal, True, n)
-                assert not cfg.align_end and not any("ALIGN_END" in f for f in cfg.defines())
-    assert "-DALIGN_END=1" in replace(default_config(64, True, True, 4096), align_end=True).defines()
+                on = d == 64 and causal and n >= 4096
+                assert cfg.align_end == on and any("ALIGN_END" in f for f in cfg.defines()) == on, (d, causal, n)
+    assert not default_config(64, True, True, 8192, variant=True).align_end
+    assert "-DALIGN_END=1" in replace(default_config(128, True, True, 4096), align_end=True).defines()
 
 
 @NEEDS_TOOLS

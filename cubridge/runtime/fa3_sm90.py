@@ -261,7 +261,7 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
         # d64 8k: 192x128 (3 consumers) causal P 445 / full P 503 vs 128x128 408 / 441;
         # full 1k: 192x128 P 391 vs 128x128 P 387 (v11: 361 vs 335; 3 stages 361)
         # Session 17 (d6417): dense causal adds align_end from 4k (final call 1, experiments/results/session17_h100/
-        # final/d6417/d6417_peers.json, one rotated round-robin over the default, MHA / GQA 64/8: 4k 1.043 / 1.045,
+        # final/F1/d6417/d6417_peers.json, one rotated round-robin over the default, MHA / GQA 64/8: 4k 1.043 / 1.045,
         # 8k 1.011 / 1.019, 16k 1.014 / 1.015; bitwise equal to the default, its 61 GPU tests -k s17 passed).
         return Fa3Config(64, 192, 128, 2, causal, bf16, persistent=True,
                          tile_sections=0 if variant else _sections(causal, seqlen),

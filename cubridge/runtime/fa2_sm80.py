@@ -41,7 +41,7 @@ MAX_ACC_REGS = 192
 # Capabilities"); the device's own value is used when a device is at hand.
 SMEM_OPTIN = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
 SMEM_OPTIN_SM90 = SMEM_OPTIN[(9, 0)]
-_CONFIG_RE = re.compile(r"(\d+)x(\d+)s(\d+)w(\d+)")
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)s(\d+)w(\d+)(f?)")
 
 
 @dataclass(frozen=True)
@@ -54,17 +54,23 @@ class Config:
     block_n: int = 64
     stages: int = 2
     warps: int = 4
+    # spill_free: S, P and the softmax of a KV tile in two column blocks (kernel.cu KV_SPLIT=2) and Q K^T's k-steps
+    # rolled (QK_ROLLED=1): 0 spilled bytes at D 128 for the reference and every built-in variant (session 13,
+    # experiments/fa2_spills.py), where the default tile spills 40-104 bytes. Off by default: on an H100 (sm_80 build)
+    # it measured 0.83-0.87x the spilling default (session 13 mid, session13_h100/mid/M2/fa2_spills_ab.json); in the
+    # tuner's space at D 128 (label suffix "f"), so a GPU where spills cost more (an A100) can pick it.
+    spill_free: bool = False
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}s{self.stages}w{self.warps}"
+        return f"{self.block_m}x{self.block_n}s{self.stages}w{self.warps}" + "f" * self.spill_free
 
     @staticmethod
     def parse(text: str) -> "Config":
-        """Inverse of str(): Config.parse("128x64s2w4") == Config(128, 64, 2, 4)."""
+        """Inverse of str(): Config.parse("128x64s2w4") == Config(128, 64, 2, 4); a trailing "f" is spill_free."""
         m = _CONFIG_RE.fullmatch(text.strip())
         if not m:
-            raise ValueError(f"config {text!r} is not of the form BLOCK_MxBLOCK_NsSTAGESwWARPS, e.g. '128x64s2w4'")
-        return Config(*map(int, m.groups()))
+            raise ValueError(f"config {text!r} is not of the form BLOCK_MxBLOCK_NsSTAGESwWARPS[f], e.g. '128x64s2w4'")
+        return Config(*map(int, m.groups()[:4]), spill_free=m.group(5) == "f")
 
     @property
     def threads(self) -> int:
@@ -72,7 +78,11 @@ class Config:
 
     def acc_regs(self, head_dim: int) -> int:
         """fp32 registers per thread holding O (rows x D) and S (rows x block_n) of one warp."""
-        return (self.block_m // self.warps) * (head_dim + self.block_n) // WARP_SIZE
+        return (self.block_m // self.warps) * (head_dim + self.block_n // self.kv_split) // WARP_SIZE
+
+    @property
+    def kv_split(self) -> int:
+        return 2 if self.spill_free else 1
 
     def smem_bytes(self, head_dim: int) -> int:
         """Q tile + STAGES slots of K and of V (what kernel.cu's SMEM_BYTES computes)."""
@@ -91,8 +101,9 @@ class Config:
             out.append("stages must be >= 2 (the K/V ring prefetches while it computes)")
         if self.block_m % (self.warps * MMA_M):
             out.append(f"block_m {self.block_m} must be a multiple of 16 * warps = {16 * self.warps}")
-        if self.block_n % KV_STEP:
-            out.append(f"block_n {self.block_n} must be a multiple of {KV_STEP}")
+        if self.block_n % (KV_STEP * self.kv_split):
+            out.append(f"block_n {self.block_n} must be a multiple of {KV_STEP * self.kv_split}"
+                       + " (spill_free splits it in two)" * self.spill_free)
         load_rows = self.threads // (head_dim // CHUNK_ELEMS)
         if load_rows == 0 or load_rows % SWIZZLE_ROWS:
             out.append(f"warps {self.warps} copy {load_rows} rows per pass at D={head_dim}; "
@@ -114,7 +125,7 @@ class Config:
     def defines(self, head_dim: int, dtype: torch.dtype, causal: bool) -> list[str]:
         return [f"-DBLOCK_M={self.block_m}", f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}",
                 f"-DWARPS={self.warps}", f"-DHEAD_DIM={head_dim}", f"-DIS_CAUSAL={int(causal)}",
-                f"-DIS_BF16={DTYPE_MACRO[dtype]}"]
+                f"-DIS_BF16={DTYPE_MACRO[dtype]}"] + ["-DKV_SPLIT=2", "-DQK_ROLLED=1"] * self.spill_free
 
     @staticmethod
     def space(head_dim: int, smem_limit: int = SMEM_OPTIN_SM90, *, block_m=(64, 128, 256),

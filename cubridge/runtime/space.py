@@ -60,10 +60,12 @@ class Space:
         return [pt for pt in grid if not self.problems(pt, head_dim, arch)]
 
     def label(self, point: dict) -> str:
-        """Short printable name, e.g. '128x128s2' (+ 'w4' for warps, 'p' for persistent)."""
+        """Short printable name, e.g. '128x128s2' (+ 'w4' for warps, 'p' for persistent, 'f' for spill_free)."""
         s = f"{point['block_m']}x{point['block_n']}s{point['stages']}"
         if "warps" in point:
             s += f"w{point['warps']}"
         if point.get("persistent"):
             s += "p"
+        if point.get("spill_free"):
+            s += "f"
         return s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from cubridge.cuir.checker import check
 from cubridge.cuir.parser import parse_file
@@ -44,8 +45,29 @@ def test_valid_points_are_the_grid_minus_the_problems(name, d, arch):
 def test_fa2_constraint_is_the_runtime_config_check(d, arch):
     s = SPACES["fa2_sm80"]
     for p in grid(s):
-        expected = fa2_sm80.Config(p["block_m"], p["block_n"], p["stages"], p["warps"]).problems(d, smem_limit(arch))
-        assert bool(s.problems(p, d, arch)) == bool(expected)
+        cfg = fa2_sm80.Config(p["block_m"], p["block_n"], p["stages"], p["warps"], spill_free=p["spill_free"])
+        expected = cfg.problems(d, smem_limit(arch))
+        if p["spill_free"]:      # only where the tile without it would spill (D 128, 160+ accumulator registers)
+            plain = fa2_sm80.Config(p["block_m"], p["block_n"], p["stages"], p["warps"])
+            expected = expected or (d != 128 or plain.acc_regs(d) < 160)
+        assert bool(s.problems(p, d, arch)) == bool(expected), p
+
+
+def test_fa2_spill_free_point():
+    """Session 17 (issue 19 item 7): spill_free is a point of the D 128 space, labelled "f", its flags the kernel's
+    KV_SPLIT=2 + QK_ROLLED=1; a point from a run tuned before it (no key) is the plain config."""
+    from cubridge.runtime.kernels.fa2_sm80 import config
+    s = SPACES["fa2_sm80"]
+    pt = {"block_m": 128, "block_n": 64, "stages": 2, "warps": 4, "spill_free": True}
+    assert pt in s.points(128, "sm_80") and s.label(pt) == "128x64s2w4f"
+    assert not any(p["spill_free"] for p in s.points(64, "sm_80"))
+    flags = config(pt).defines(128, torch.bfloat16, causal=False)
+    assert "-DKV_SPLIT=2" in flags and "-DQK_ROLLED=1" in flags
+    assert "-DKV_SPLIT=2" not in config({**pt, "spill_free": False}).defines(128, torch.bfloat16, causal=False)
+    old = {k: v for k, v in pt.items() if k != "spill_free"}
+    assert config(old) == fa2_sm80.Config(128, 64, 2, 4)
+    assert fa2_sm80.Config.parse("128x64s2w4f") == config(pt) and str(config(pt)) == "128x64s2w4f"
+    assert fa2_sm80.Config.parse("128x64s2w4") == config(old)
 
 
 def test_fa2_smem_limit_follows_the_arch():

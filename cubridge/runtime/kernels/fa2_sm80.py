@@ -28,7 +28,8 @@ def smem_limit(arch: str) -> int:
 
 def config(point: dict) -> Config:
     """The runtime's Config for a point (its validation and -D flags are the kernel's own)."""
-    return Config(point["block_m"], point["block_n"], point["stages"], point["warps"])
+    return Config(point["block_m"], point["block_n"], point["stages"], point["warps"],
+                  spill_free=bool(point.get("spill_free", False)))   # runs tuned before session 17 have no key
 
 
 def _fa2_static_asserts(point, head_dim, arch):
@@ -38,20 +39,34 @@ def _fa2_static_asserts(point, head_dim, arch):
     return "; ".join(problems) or None
 
 
+# The D 128 tiles that spill without spill_free hold 160-192 fp32 accumulator registers a thread (O + S of 32 rows a
+# warp: 128 x 64 and 128 x 32 at 4 warps, 256-row tiles at 8); smaller ones build spill-free as they are.
+SPILL_ACC_REGS = 160
+
+
+def _fa2_spill_free(point, head_dim, arch):
+    """spill_free exists for D 128's spills; D 64 builds spill-free without it (the same code, one more point)."""
+    if point.get("spill_free") and head_dim != 128:
+        return f"spill_free is for head dim 128 (D {head_dim} does not spill)"
+    if point.get("spill_free") and config({**point, "spill_free": False}).acc_regs(head_dim) < SPILL_ACC_REGS:
+        return f"the tile without it holds fewer than {SPILL_ACC_REGS} accumulator registers a thread: no spills to remove"
+    return None
+
+
 SPACE = Space(
     kernel="fa2_sm80",
     arches=("sm_80", "sm_90a"),
     head_dims=HEAD_DIMS,
     params=(Param("block_m", (64, 128, 256)), Param("block_n", (32, 64, 128)),
-            Param("stages", (2, 3, 4)), Param("warps", (4, 8))),
-    constraints=(Constraint("kernel static_asserts", _fa2_static_asserts),),
+            Param("stages", (2, 3, 4)), Param("warps", (4, 8)), Param("spill_free", (False, True))),
+    constraints=(Constraint("kernel static_asserts", _fa2_static_asserts), Constraint("spill_free", _fa2_spill_free)),
     to_cuir=lambda p: {"BLOCK_M": p["block_m"], "BLOCK_N": p["block_n"], "STAGES": p["stages"], "WARPS": p["warps"]},
     best_known=lambda d: [_fa2_point(default_config(d))],
 )
 
 
 def _fa2_point(c: Config) -> dict:
-    return {"block_m": c.block_m, "block_n": c.block_n, "stages": c.stages, "warps": c.warps}
+    return {"block_m": c.block_m, "block_n": c.block_n, "stages": c.stages, "warps": c.warps, "spill_free": c.spill_free}
 
 
 @register

@@ -39,7 +39,8 @@ def fa2():
 
 CONFIGS = {  # a spread of what Config.space enumerates: tile shapes, ring depths, warp counts
     64: ["128x128s2w4", "128x64s3w8", "64x128s2w4", "256x64s2w8", "64x32s4w4"],
-    128: ["128x128s2w8", "64x64s3w4", "128x32s4w8", "256x64s2w8", "64x128s2w4"],
+    128: ["128x128s2w8", "64x64s3w4", "128x32s4w8", "256x64s2w8", "64x128s2w4",
+          "128x64s2w4f", "128x128s2w4f", "256x64s2w8f"],    # f: spill_free (KV_SPLIT=2 + QK_ROLLED=1, session 17)
 }
 
 

@@ -74,7 +74,9 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_desc", (128, False, False))] + [
     # TILE_ORDER 3 (session 17): TILE_ORDER 2's decode from a linearised 3-D grid: its causal corner and a full one
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt3", s) for s in ((128, True, True), (128, False, False))] + [
-    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_grid1", s) for s in ((128, True, True), (128, False, False))]
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_grid1", s) for s in ((128, True, True), (128, False, False))] + [
+    # TILE_ORDER 5 (session 17, bwdc17): TILE_ORDER 2's order from a 3-D grid without a division
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_zsec", s) for s in ((128, True, True), (64, True, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 

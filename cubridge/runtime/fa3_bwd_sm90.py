@@ -106,7 +106,7 @@ SUFFIX_MODES = {"overlap": {"sched": 1}, "dqfirst": {"sched": 2}, "lse": {"lse_s
                 "lean": {"arrive_all": 1, "lean": 1}, "issue": {"issue": 1}, "pf32": {"issue": 2},
                 "epi": {"epilogue": 1}, "carry": {"carry": 1}, "dvlate": {"dv_late": 1}, "dqw": {"dq_writer": 1},
                 "early": {"rows_early": 2}, "rot": {"m_rotate": 1}, "rot2": {"m_rotate": 2}, "desc": {"m_rotate": 3},
-                "l2lpt": {"tile_order": 2}, "l2lpt3": {"tile_order": 3}, "grid1": {"tile_order": 4},
+                "l2lpt": {"tile_order": 2}, "l2lpt3": {"tile_order": 3}, "grid1": {"tile_order": 4}, "zsec": {"tile_order": 5},
                 "persist": {"persist": 1}, "m80": {"tile_m80": 1},
                 "u64": {"desc64": 1}}
 _PF32 = "bulk_overlap_lse_lean_issue_pf32_epi"
@@ -125,7 +125,10 @@ OPTION_NAMES = (
     _EARLY + "_l2lpt_desc", _EARLY + "_desc",
     # session 17 (bwd17; params.cuh TILE_ORDER 3): CAUSAL_OPTION's order over TILE_ORDER 0's 3-D grid (a probe of the
     # TILE_ORDER 2 build's 5% loss at full attention, same order), and the mirror: TILE_ORDER 0's tiles from a 1-D grid
-    _EARLY + "_l2lpt3", _EARLY + "_grid1")
+    _EARLY + "_l2lpt3", _EARLY + "_grid1",
+    # session 17 (bwdc17; params.cuh TILE_ORDER 5): CAUSAL_OPTION's order from a 3-D grid without a division (the
+    # coordinates S2R reads, as TILE_ORDER 0's)
+    _EARLY + "_zsec")
 
 
 def option_modes(name: str) -> "Modes":
@@ -511,8 +514,25 @@ def tile_sections(pairs: int, group: int, len_q: int, head_dim: int, causal: boo
     return max(1, min(pairs, 1 << (fit.bit_length() - 1)))
 
 
-def _grid(option: str, tiles: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
-    """TILE_ORDER 2 and 4 (0's tiles): one dimension; TILE_ORDER 0 and 3 (2's order, linearised): (tiles, Hkv, B)."""
+def zsec_section(section: int, pairs: int) -> int:
+    """TILE_ORDER 5's section: `section` halved until it divides the (batch, kv head) pairs (its grid's x).
+
+    >>> zsec_section(4, 64), zsec_section(4, 6), zsec_section(8, 3)
+    (4, 2, 1)
+    """
+    while section > 1 and pairs % section:
+        section //= 2
+    return max(1, section)
+
+
+def _grid(option: str, tiles: int, heads_kv: int, batch: int, section: int = 1) -> tuple[int, int, int]:
+    """TILE_ORDER 2 and 4 (0's tiles): one dimension; TILE_ORDER 0 and 3 (2's order, linearised): (tiles, Hkv, B);
+    TILE_ORDER 5: (section, tiles, pairs / section), section dividing the pairs (zsec_section)."""
+    if _modes(option).tile_order == 5:
+        if (heads_kv * batch) % section:
+            raise LaunchError(f"TILE_ORDER 5: section {section} does not divide {heads_kv * batch} pairs",
+                              where="fa3_backward", hint="size it with zsec_section")
+        return (section, tiles, heads_kv * batch // section)
     if _modes(option).tile_order in (2, 4):
         return (tiles * heads_kv * batch, 1, 1)
     return (tiles, heads_kv, batch)
@@ -593,14 +613,16 @@ def fa3_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale
     parts = gqa.partials(b, hkv, split, nk, d, device) if split > 1 else (dk, dv)
     scalars = [ctypes.c_uint64(t.data_ptr()) for t in (*row_terms, accum, *parts)]
     section = 1
-    if modes.tile_order in (2, 3):
+    if modes.tile_order in (2, 3, 5):
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if l2_bytes is None else l2_bytes
         # a variant's tiles are uneven like causal's (VARIANT_OPTIONS): sections sized the same way
         section = tile_sections(b * hkv * split, hq // hkv // split, nq, d, bool(causal) or variant is not None, l2)
+        if modes.tile_order == 5:
+            section = zsec_section(section, b * hkv * split)
     scalars += [ctypes.c_int32(x) for x in (nq, nk, hq, hkv * split, hq // hkv // split)] + [ctypes.c_float(scale)]
     scalars += [ctypes.c_int32(section)]   # l2_section
     scalars.append(va)
-    grid = _grid(option, tiles, hkv * split, b)
+    grid = _grid(option, tiles, hkv * split, b, section)
     if modes.persist:   # persist.cuh: one CTA per SM at most, the rest of the tiles from a zeroed queue counter
         queue = torch.zeros(1, dtype=torch.int32, device=device)
         scalars += [ctypes.c_uint64(queue.data_ptr()), ctypes.c_int32(grid[0])]

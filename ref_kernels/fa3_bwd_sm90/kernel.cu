@@ -332,6 +332,11 @@ __device__ __forceinline__ TileCoord tile_coord(int seqlen_k, int heads_kv, int 
     const int num_n = (seqlen_k + kBlockN - 1) / kBlockN, idx = int(blockIdx.x), hb = idx / num_n;
     return TileCoord{idx - hb * num_n, hb % heads_kv, hb / heads_kv};
   }
+  if constexpr (TILE_ORDER == 5) {   // TILE_ORDER 2's order, no division: grid (section, tiles, pairs / section)
+    const int hb = int(blockIdx.x + gridDim.x * blockIdx.z);   // pair b * Hkv + h, x fastest: sections tile-major
+    if constexpr (kBnhd) return TileCoord{int(blockIdx.y), hb % heads_kv, hb / heads_kv};   // 4-D maps need b, h
+    return TileCoord{int(blockIdx.y), hb, 0};   // b folded into the head: bh_q / bh_kv / the 3-D maps read b * H + h
+  }
   if constexpr (TILE_ORDER == 3)   // the 3-D grid linearised, x fastest
     return tile_coord_at(int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)),
                          int(gridDim.x * gridDim.y * gridDim.z), seqlen_k, heads_kv, section);

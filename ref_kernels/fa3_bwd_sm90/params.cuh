@@ -60,6 +60,13 @@ constexpr bool kLseSmem = LSE_SMEM == 1;
 //              pair); TILE_ORDER 3 tells a 1-D grid's dispatch from TILE_ORDER 2's decode code.
 //   TILE_ORDER 4 (session 17, the mirror probe): TILE_ORDER 0's order and decode ((n, h, b) = x fastest) from a 1-D
 //              grid of the same CTAs, decoded with integer divisions.
+//   TILE_ORDER 5 (session 17, bwdc17): TILE_ORDER 2's order (sections of `section` pairs, tile-major inside) from a
+//              3-D grid (section, KV tiles, pairs / section) read without a division: n = blockIdx.y, pair = x +
+//              gridDim.x * z, b folded into the head (b = 0, h = b * Hkv + h: bh_q, bh_kv and the 3-D maps read
+//              b * H + h; BNHD's 4-D maps divide). Why: session 17's final call read every decoded build (2, 3, 4)
+//              5% below TILE_ORDER 0 at full attention, in the same CTA order; 5 keeps the coordinates as S2R reads
+//              (as 0) so ptxas sees TILE_ORDER 0's code. The host needs section | pairs (it halves the section until
+//              so). Dense only (the variants' mask_pred reads b).
 constexpr bool kTileL2Sections = TILE_ORDER == 2 || TILE_ORDER == 3;
 //   ARRIVE_ALL 1: every consumer thread arrives on the stage's q_empty (256 arrivals) instead of
 //              lane 0 of each consumer warp (8). Same ordering on the hardware; what it changes is
@@ -267,7 +274,7 @@ static_assert(SCHED >= 0 && SCHED <= 2, "SCHED must be 0 (serial), 1 (overlap) o
 // order is built for the bulk dQ path only; (0, 0), (1, 0), (1, 1) still separate the two gains.
 static_assert(!(SCHED >= 1 && DQ_MODE == 0), "SCHED=1 or 2 needs DQ_MODE=1");
 static_assert(LSE_SMEM == 0 || (LSE_SMEM == 1 && SCHED >= 1), "LSE_SMEM=1 needs SCHED=1 or 2");
-static_assert(TILE_ORDER == 0 || (TILE_ORDER >= 2 && TILE_ORDER <= 4), "TILE_ORDER must be 0, 2, 3 or 4 (1 was removed: NOTES.md)");
+static_assert(TILE_ORDER == 0 || (TILE_ORDER >= 2 && TILE_ORDER <= 5), "TILE_ORDER must be 0, 2, 3, 4 or 5 (1 was removed: NOTES.md)");
 static_assert(ARRIVE_ALL == 0 || ARRIVE_ALL == 1, "ARRIVE_ALL must be 0 (a lane per warp) or 1 (every thread)");
 static_assert(EPILOGUE == 0 || (EPILOGUE == 1 && DQ_MODE == 1), "EPILOGUE=1 needs DQ_MODE=1 (it stages in the dQ slots)");
 static_assert(ISSUE == 0 || ((ISSUE == 1 || ISSUE == 2) && LSE_SMEM == 1), "ISSUE=1 or 2 needs LSE_SMEM=1 (it preloads the stage's LSE / Dvec rows)");

@@ -74,7 +74,9 @@ OPTION_SPECS = [("base", s) for s in SPECS] + [
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_desc", (128, False, False))] + [
     # TILE_ORDER 3 (session 17): TILE_ORDER 2's decode from a linearised 3-D grid: its causal corner and a full one
     ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_l2lpt3", s) for s in ((128, True, True), (128, False, False))] + [
-    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_grid1", s) for s in ((128, True, True), (128, False, False))]
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_grid1", s) for s in ((128, True, True), (128, False, False))] + [
+    # TILE_ORDER 5 (session 17, bwdc17): TILE_ORDER 2's order from a 3-D grid without a division
+    ("bulk_overlap_lse_lean_issue_pf32_epi_dqw_early_zsec", s) for s in ((128, True, True), (64, True, False))]
 MARKER = re.compile(r"^\s*// @cuir-(region|end) (\w+)\s*$")
 
 
@@ -137,7 +139,7 @@ def test_option_table_matches_the_kernel_macros():
         assert f"-DDQ_WRITER={m.dq_writer}" in opts and not (m.dq_writer and (m.sched == 0 or m.dq_mode != 1)), name
         assert f"-DROWS_EARLY={m.rows_early}" in opts and not (m.rows_early and (m.sched == 0 or not m.issue)), name
         assert f"-DM_ROTATE={m.m_rotate}" in opts and not (m.m_rotate and (m.sched != 1 or not m.issue)), name
-        assert m.sched in (0, 1, 2) and m.tile_order in (0, 2, 3, 4) and m.arrive_all in (0, 1), name
+        assert m.sched in (0, 1, 2) and m.tile_order in (0, 2, 3, 4, 5) and m.arrive_all in (0, 1), name
         assert not (m.sched >= 1 and m.dq_mode == 0) and not (m.lse_smem == 1 and m.sched == 0), name
         assert not (m.lean and not m.lse_smem) and not (m.issue and not m.lse_smem), name
         assert not (m.epilogue and not m.dq_mode) and m.issue in (0, 1, 2), name

@@ -483,3 +483,34 @@ def test_launch_checks(bad):
         q = q.cpu()
     with pytest.raises(LaunchError):
         fa3_forward(q, k, v)
+
+
+# Session 17b option (off by default): tree_max (kernel tree_max.cuh TREE_MAX), each row half's max as a pairwise tree,
+# both halves side by side. By the rule (poisoned O / LSE, float64 golden, bitwise rerun) and bitwise equal to the
+# default (max is exact in any order), on the D 64 defaults (192 x 128 at 8k full / causal, 128 x 128 causal at 1k),
+# D 128's 8k defaults (two consumers: the split P V wait's softmax_args; 128 x 176 full: an odd fold of 22 groups),
+# D 64 with exp2_emu, and D 64 with rescale_before_pv (the A/B's other row); causal rows before key 0 (Nq > Nk) included.
+S17B_TREE = [(64, 8192, {}), (64, 1024, {}), (128, 8192, {}), (64, 8192, dict(exp2_emu=2)),
+             (64, 8192, dict(rescale_before_pv=True))]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (1000, 300, 3)])
+@pytest.mark.parametrize("opt", S17B_TREE, ids=lambda o: f"d{o[0]}_n{o[1]}" + "".join(f"_{k}{v}" for k, v in o[2].items()))
+def test_s17b_tree_max(opt, nq, nk, grid, causal):
+    d, n, extra = opt
+    base = dataclasses.replace(default_config(d, causal, True, n), persistent=True, **extra)
+    fields = ("block_m", "block_n", "tail_split", "tile_sections", "k_before_v", "uniform_q", "wg_turns",
+              "rescale_before_pv", "align_end", "exp2_emu")
+    run_case(2, 8, 2, nq, nk, d, torch.bfloat16, causal, persistent=True, max_ctas=grid,
+             **{f: getattr(base, f) for f in fields}, tree_max=True)
+    if "rescale_before_pv" in extra:
+        run_case(2, 8, 2, nq, nk, d, torch.bfloat16, causal, persistent=True, max_ctas=grid,
+                 **{f: getattr(base, f) for f in fields})
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, h, m, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h, m in ((8, nq), (2, nk), (2, nk)))
+    outs = [fa3_forward(q, k, v, causal=causal, max_ctas=grid, config=dataclasses.replace(base, tree_max=on))
+            for on in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -137,6 +137,10 @@ class Fa3Config:
     # both halves and their shuffles side by side (kernel tree_max.cuh TREE_MAX; bitwise the same output): the row max
     # heads each consumer's softmax latency in the turn chain that sets D 64's step (session 17b). Off until an H100 A/B.
     tree_max: bool = False
+    # Three consumers (D 64's 192 x 128): row half 0's exponentials, then the P V wait (pinned; ptxas otherwise hoists it
+    # to the top of the softmax), O's rescale and half 1's exponentials (consumer.cuh SPLIT_EXPS; bitwise the same
+    # output; not with exp2_emu). Off until an H100 A/B (session 17b).
+    split_exps: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -157,7 +161,7 @@ class Fa3Config:
         flags += [f"-DTILE_SECTIONS={int(self.tile_sections)}"] * bool(self.tile_sections)
         flags += ["-DV_WAIT_FIRST=1"] * self.v_wait_first
         flags += [f"-DEXP2_EMU={int(self.exp2_emu)}"] * bool(self.exp2_emu) + ["-DALIGN_END=1"] * self.align_end
-        flags += ["-DTREE_MAX=1"] * self.tree_max
+        flags += ["-DTREE_MAX=1"] * self.tree_max + ["-DSPLIT_EXPS=1"] * self.split_exps
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

@@ -133,6 +133,14 @@ class Fa3Config:
     # 192 x 128 at 4k: 5.2% fewer KV steps, 8k / 16k 1.4%; session 17). No effect on full attention. On in D 64's
     # dense causal default from 4k (default_config).
     align_end: bool = False
+    # The dense kernel's softmax takes each row half's max as a pairwise tree (depth 5 at N 128, not a 17-deep chain),
+    # both halves and their shuffles side by side (kernel tree_max.cuh TREE_MAX; bitwise the same output): the row max
+    # heads each consumer's softmax latency in the turn chain that sets D 64's step (session 17b). Off until an H100 A/B.
+    tree_max: bool = False
+    # Three consumers (D 64's 192 x 128): row half 0's exponentials, then the P V wait (pinned; ptxas otherwise hoists it
+    # to the top of the softmax), O's rescale and half 1's exponentials (consumer.cuh SPLIT_EXPS; bitwise the same
+    # output; not with exp2_emu). Off until an H100 A/B (session 17b).
+    split_exps: bool = False
 
     def defines(self) -> list[str]:
         """The -D flags; `persistent` is not one (it only changes the grid). HOST_SMEM_BYTES makes
@@ -153,6 +161,7 @@ class Fa3Config:
         flags += [f"-DTILE_SECTIONS={int(self.tile_sections)}"] * bool(self.tile_sections)
         flags += ["-DV_WAIT_FIRST=1"] * self.v_wait_first
         flags += [f"-DEXP2_EMU={int(self.exp2_emu)}"] * bool(self.exp2_emu) + ["-DALIGN_END=1"] * self.align_end
+        flags += ["-DTREE_MAX=1"] * self.tree_max + ["-DSPLIT_EXPS=1"] * self.split_exps
         return flags + [f"-DHOST_SMEM_BYTES={self.smem_bytes}"]
 
     @property

@@ -71,6 +71,38 @@ constexpr bool kPvWaitEarly = PV_WAIT_EARLY != 0 && kHeadDim == 256;
 #endif
 constexpr bool kVWaitFirst = V_WAIT_FIRST != 0 && kHeadDim == 256;
 
+// SPLIT_EXPS=1 (where the P V wait comes after the whole softmax: three consumers, D 64's 192 x 128): the row max and
+// every exp2 argument, row half 0's exponentials, then the pinned P V wait, O's rescale and half 1's exponentials.
+// By default ptxas hoists this warpgroup's P V wait (wait_group 0) to the top of the softmax, so the row max waits for
+// the P V issued just after the QK (its 64 x 64 x 128 on the tensor core), and it issues the two rescale factors'
+// MUFU and O's 32 FMUL after the 64 exponentials, at the end of the consumer's turn chain. Here the wait sits after
+// half 0's exponentials (~256 MUFU cycles later; a block boundary pins it, as kSplitPvWait's) and O's FMUL fill the
+// FMA pipe beside half 1's MUFU. (kSplitPvWait's pin after the arguments, before any exponential, measured -0.5..-2.7%
+// at three consumers: all 64 exp2 arguments and half 1's max then precede the first MUFU.) Same arithmetic, bitwise
+// equal output (session 17b). The reference softmax region only, without EXP2_EMU. An option until measured.
+#ifndef SPLIT_EXPS
+#define SPLIT_EXPS 0
+#endif
+#ifdef FA3_SOFTMAX_SPLIT
+constexpr bool kSplitExps = SPLIT_EXPS != 0 && !kSplitPvWait && !kPvWaitEarly && !kRescaleBeforePv && kExp2Emu == 0;
+// softmax_exps for one row half (the same operations in the same order)
+__device__ __forceinline__ void softmax_exps_half(float (&s)[kSRegs], SoftmaxState& st, const float (&rescale)[2],
+                                                  int half) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = s[4 * j + 2 * half + e];
+      x = fast_exp2(x);
+      sum += x;
+    }
+  st.row_sum[half] = st.row_sum[half] * rescale[half] + sum;   // per-lane partial sum
+}
+#else
+constexpr bool kSplitExps = false;
+#endif
+
 __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, const CUtensorMap* tm_o,
                                          float* __restrict__ lse, const Problem& pb,
                                          float softmax_scale) {
@@ -296,6 +328,18 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
           __threadfence_block();
         }
         if constexpr (!kSoftmaxFirst) softmax_exps(s, st, rescale);
+      } else if constexpr (kSplitExps) {
+        softmax_args(pb.va, s, st, rescale, score_scale);
+        softmax_exps_half(s, st, rescale, 0);
+        if (__all_sync(kFullMask, s[0] == s[0])) {          // (the pin: a block boundary, as above)
+          wgmma_wait<0>();
+        } else {
+          wgmma_wait<0>();
+          __threadfence_block();
+        }
+        reg_fence(o);
+        rescale_o(o, rescale);
+        softmax_exps_half(s, st, rescale, 1);
       } else
 #endif
       {
@@ -306,7 +350,7 @@ __device__ __forceinline__ void consumer(const Consumer& cs, const Smem& sm, con
         reg_fence(o);
         cs.release(sm.v_empty + 8 * sv);
       }
-      if constexpr (!kRescaleBeforePv) rescale_o(o, rescale);
+      if constexpr (!kRescaleBeforePv && !kSplitExps) rescale_o(o, rescale);
       convert_p(p, s);
     }
     if (!kOInQ) cs.release(sm.q_empty + 8 * qs);         // every QK of this tile is done

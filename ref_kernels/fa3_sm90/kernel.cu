@@ -766,6 +766,7 @@ __device__ __forceinline__ void epilogue(const Consumer& cs, const Smem& sm, con
 #endif
 
 #include "exp2_emu.cuh"   // EXP2_EMU (off): part of the exponentials on the FMA pipe
+#include "tree_max.cuh"   // TREE_MAX (off): the softmax row max as a tree, both halves at once
 #include "consumer.cuh"   // the consumer warpgroups' loop over tiles and KV tiles
 
 }  // namespace fa3

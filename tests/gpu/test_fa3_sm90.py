@@ -483,3 +483,36 @@ def test_launch_checks(bad):
         q = q.cpu()
     with pytest.raises(LaunchError):
         fa3_forward(q, k, v)
+
+
+# Session 17b options (off by default): tree_max (kernel tree_max.cuh TREE_MAX), each row half's max as a pairwise tree,
+# both halves side by side; split_exps (consumer.cuh SPLIT_EXPS, three consumers): half 0's exponentials, the pinned
+# P V wait, O's rescale and half 1's exponentials. By the rule (poisoned O / LSE, float64 golden, bitwise rerun) and
+# bitwise equal to the default (the same operations; max is exact in any order), on the D 64 defaults (192 x 128 at 8k
+# full / causal; 128 x 128 causal at 1k, where split_exps has no effect), D 128's 8k defaults (two consumers: the split
+# P V wait's softmax_args; 128 x 176 full: an odd fold of 22 groups), D 64 with exp2_emu (tree_max only) and with
+# rescale_before_pv; causal rows before key 0 (Nq > Nk) included.
+S17B = [(64, 8192, dict(tree_max=True)), (64, 8192, dict(split_exps=True)), (64, 8192, dict(tree_max=True, split_exps=True)),
+        (64, 1024, dict(tree_max=True, split_exps=True)), (128, 8192, dict(tree_max=True)),
+        (64, 8192, dict(tree_max=True, split_exps=True, exp2_emu=2)), (64, 8192, dict(tree_max=True, rescale_before_pv=True))]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk,grid", [(1000, 1031, 7), (2500, 2500, None), (1000, 300, 3)])
+@pytest.mark.parametrize("opt", S17B, ids=lambda o: f"d{o[0]}_n{o[1]}" + "".join(f"_{k}{int(v)}" for k, v in o[2].items()))
+def test_s17b_softmax_options(opt, nq, nk, grid, causal):
+    d, n, extra = opt
+    ours = {k: v for k, v in extra.items() if k in ("tree_max", "split_exps")}
+    base = dataclasses.replace(default_config(d, causal, True, n), persistent=True,
+                               **{k: v for k, v in extra.items() if k not in ours})
+    fields = ("block_m", "block_n", "tail_split", "tile_sections", "k_before_v", "uniform_q", "wg_turns",
+              "rescale_before_pv", "align_end", "exp2_emu")
+    run_case(2, 8, 2, nq, nk, d, torch.bfloat16, causal, persistent=True, max_ctas=grid,
+             **{f: getattr(base, f) for f in fields}, **ours)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, h, m, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h, m in ((8, nq), (2, nk), (2, nk)))
+    outs = [fa3_forward(q, k, v, causal=causal, max_ctas=grid, config=dataclasses.replace(base, **(ours if on else {})))
+            for on in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 
 from cubridge.lower import fusion, hooks, itspace, regions
+from cubridge.errors import env_switch
 from cubridge.lower.cexpr import LowerError, c_literal, to_c
 from cubridge.lower.derive import ONE, derivative, mentions
 from cubridge.lower.fa2_bwd_sm80 import q_predicates
@@ -480,50 +481,41 @@ def q_list_mode() -> str:
 def relu_split_enabled() -> bool:
     """RELU_SPLIT_ENV: "0" or unset, relu's one-pass P / dS; "1", the split passes where dS reads
     the f32 P (ISSUE 2 options; the region's kDsFromP16 = kDsFromP32, read by kernel.cu's kSplitPasses)."""
-    value = os.environ.get(RELU_SPLIT_ENV, "0")
-    if value not in ("0", "1"):
-        raise LowerError(f"{RELU_SPLIT_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {RELU_SPLIT_ENV} (relu's one-pass P / dS) or 1 (split passes on ISSUE 2 options)")
-    return value == "1"
+    return env_switch(RELU_SPLIT_ENV, "0",
+                      f"unset {RELU_SPLIT_ENV} (relu's one-pass P / dS) or 1 (split passes on ISSUE 2 options)",
+                      LowerError)
 
 
 def scan_bits_enabled() -> bool:
     """SCAN_BITS_ENV: "0", q_scan builds its runs a tile at a time; "1" or unset (the default), a run at a time."""
-    value = os.environ.get(SCAN_BITS_ENV, "1")
-    if value not in ("0", "1"):
-        raise LowerError(f"{SCAN_BITS_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {SCAN_BITS_ENV} (a run at a time, the default) or 0 (a tile at a time)")
-    return value == "1"
+    return env_switch(SCAN_BITS_ENV, "1",
+                      f"unset {SCAN_BITS_ENV} (a run at a time, the default) or 0 (a tile at a time)",
+                      LowerError)
 
 
 def ds_factor_enabled() -> bool:
-    """DS_FACTOR_ENV: "0", as before session 17; "1" or unset (the default), sigmoid / relu regions set kDsFactor = kDsFromP32 (the P pass
-    leaves dS's factor in the f32 P^T on ISSUE 2 options: split passes also for a score_mod with a derivative)."""
-    value = os.environ.get(DS_FACTOR_ENV, "1")
-    if value not in ("0", "1"):
-        raise LowerError(f"{DS_FACTOR_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {DS_FACTOR_ENV} (the factor from the P pass, the default) or 0 (dS from P in the dS pass)")
-    return value == "1"
+    """DS_FACTOR_ENV: "0", as before session 17; "1" or unset (the default), sigmoid / relu regions set kDsFactor =
+    kDsFromP32 (the P pass leaves dS's factor in the f32 P^T on ISSUE 2 options: split passes also for a score_mod
+    with a derivative)."""
+    return env_switch(DS_FACTOR_ENV, "1",
+                      f"unset {DS_FACTOR_ENV} (the factor from the P pass, the default) or 0 (dS from P in the dS pass)",
+                      LowerError)
 
 
 def rowless_enabled() -> bool:
-    """ROWLESS_ENV: "0", a non-softmax normalisation's kernel still loads the row terms it ignores; "1" or unset (the default),
-    kRowTerms = false (no O / dO read in the preprocess, no LSE / Dvec rows loaded or read in the main kernel)."""
-    value = os.environ.get(ROWLESS_ENV, "1")
-    if value not in ("0", "1"):
-        raise LowerError(f"{ROWLESS_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {ROWLESS_ENV} (no row terms for sigmoid / relu, the default) or 0 (loaded as before)")
-    return value == "1"
+    """ROWLESS_ENV: "0", a non-softmax normalisation's kernel still loads the row terms it ignores; "1" or unset (the
+    default), kRowTerms = false (no O / dO read in the preprocess, no LSE / Dvec rows loaded or read in the main kernel)."""
+    return env_switch(ROWLESS_ENV, "1",
+                      f"unset {ROWLESS_ENV} (no row terms for sigmoid / relu, the default) or 0 (loaded as before)",
+                      LowerError)
 
 
 def norm_fold_enabled() -> bool:
     """NORM_FOLD_ENV: "1" or unset, sigmoid's constants folded into the score region (norm_folded); "0",
     the score in log2 units for every normalisation (the A/B baseline)."""
-    value = os.environ.get(NORM_FOLD_ENV, "1")
-    if value not in ("0", "1"):
-        raise LowerError(f"{NORM_FOLD_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {NORM_FOLD_ENV} (sigmoid's constants folded) or 0 (scores in log2 units)")
-    return value == "1"
+    return env_switch(NORM_FOLD_ENV, "1",
+                      f"unset {NORM_FOLD_ENV} (sigmoid's constants folded) or 0 (scores in log2 units)",
+                      LowerError)
 
 
 def norm_folded(ir: VariantIR) -> bool:
@@ -557,11 +549,10 @@ def softcap_split(ir: VariantIR) -> bool:
     softcap's derivative A B (1 - t^2) from P itself (_softcap_ds_from_p), so kScoreGradOne holds and the kernel's
     split passes run it where the dS pass reads the f32 P (ISSUE 2: kDsFromP16 = kDsFromP32; elsewhere the one
     pass, the same softmax_ds)."""
-    value = os.environ.get(SOFTCAP_SPLIT_ENV, "0")
-    if value not in ("0", "1"):
-        raise LowerError(f"{SOFTCAP_SPLIT_ENV}={value!r} is not 0 or 1", where="environment",
-                         hint=f"unset {SOFTCAP_SPLIT_ENV} (a softcapped sigmoid's one-pass P / dS) or 1 (split passes)")
-    return value == "1" and norm_folded(ir) and fusion.softcap_form(ir.score) is not None
+    return (env_switch(SOFTCAP_SPLIT_ENV, "0",
+                       f"unset {SOFTCAP_SPLIT_ENV} (a softcapped sigmoid's one-pass P / dS) or 1 (split passes)",
+                       LowerError)
+            and norm_folded(ir) and fusion.softcap_form(ir.score) is not None)
 
 
 def _softcap_ds_from_p(ir: VariantIR) -> str:

@@ -240,17 +240,16 @@ S16 = [dict(FRU, k_before_v=True), dict(FRU, tile_sections=1), dict(FRU, k_befor
 @pytest.mark.parametrize("n", [17, 2500], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("tiles", S16, ids=_tile_id)
 def test_d256_s16_square(tiles, n, heads, causal):
-    """The persistent grid at n 2500, one tile per CTA at n 17."""
-    hq, hkv = heads
-    run_case(2 if n < 1000 else 1, hq, hkv, n, n, D, torch.bfloat16, causal, persistent=n > 1000, **tiles)
+    """The persistent grid at n 2500, one tile per CTA at n 17 (session 15's cases)."""
+    test_d256_s15_square(tiles, n, heads, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq, nk", [(17, 1000), (1000, 17), (300, 129), (1, 4096)])
 @pytest.mark.parametrize("tiles", S16, ids=_tile_id)
 def test_d256_s16_ragged(tiles, nq, nk, causal):
-    """Few CTAs over many tiles, rows before key 0 (tiles with no KV tile), one KV tile, one row."""
-    run_case(2, 16, 8, nq, nk, D, torch.bfloat16, causal, persistent=True, max_ctas=7, **tiles)
+    """Few CTAs over many tiles, rows before key 0 (tiles with no KV tile), one KV tile, one row (session 15's cases)."""
+    test_d256_s15_ragged(tiles, nq, nk, causal)
 
 
 # (B, Hq, Hkv, Nq, Nk): sections of 4 heads at Nk 6600 (6.8 MB of K and V a head in 50 MB) with a short last one

@@ -166,6 +166,11 @@ def _disassembler() -> list[str] | None:
     return [found, "-c"] if found else None
 
 
+# The SASS tests' skip (session 16 / 17 build tests import it): nvcc to build, a disassembler to read the result.
+NEEDS_SASS_TOOLS = pytest.mark.skipif(_nvcc() is None or _disassembler() is None,
+                                      reason="nvcc and a SASS disassembler not found (needs the CUDA toolkit, no GPU)")
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (needs the CUDA toolkit, no GPU)")
 def test_full_attention_options_build_spill_free_and_compile_out_under_causal(tmp_path):
     """kv_rotate / l2_hints (off by default) set their macros, build spill-free, change a full-

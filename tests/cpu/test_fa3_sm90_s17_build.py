@@ -16,12 +16,10 @@ import numpy as np
 import pytest
 
 from cubridge.runtime.fa3_sm90 import KERNEL_DIR, KERNEL_SOURCE, default_config
-from test_fa3_sm90_build import _disassembler, _nvcc   # tests/cpu is on sys.path (no __init__.py)
+from test_fa3_sm90_build import NEEDS_SASS_TOOLS as NEEDS_TOOLS, _disassembler   # tests/cpu is on sys.path
 from test_fa3_sm90_d256_build import _build, _fwd_spill
 
 ROOT = Path(__file__).resolve().parents[2]
-NEEDS_TOOLS = pytest.mark.skipif(_nvcc() is None or _disassembler() is None,
-                                 reason="nvcc and a SASS disassembler not found (needs the CUDA toolkit, no GPU)")
 
 
 def test_option_off_by_default_and_its_flag():

@@ -273,7 +273,7 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
         # final/F1/d6417/d6417_peers.json, one rotated round-robin over the default, MHA / GQA 64/8: 4k 1.043 / 1.045,
         # 8k 1.011 / 1.019, 16k 1.014 / 1.015; bitwise equal to the default, its 61 GPU tests -k s17 passed).
         return Fa3Config(64, 192, 128, 2, causal, bf16, persistent=True,
-                         tile_sections=0 if variant else _sections(causal, seqlen),
+                         tile_sections=_sections(causal, seqlen, variant),
                          align_end=causal and not variant and seqlen >= 4096)
     # d128: 128x128, 2 stages (160 KB + 32 KB O stage), persistent. Causal P vs G: 1k 444 vs 383,
     # 8k 570 vs 535, 16k 596 vs 582; full 1k 584 vs 528, 8k 623 vs 597 (v3).
@@ -294,11 +294,11 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
     # Lowered variants are not the dense kernel: `wide` ones keep 176 from 8k, no tail_split.
     if not variant and seqlen >= (16384 if causal else 8192):
         return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True, tail_split=not causal,
-                         tile_sections=_sections(causal, seqlen))
+                         tile_sections=_sections(causal, seqlen, variant))
     if variant and wide and seqlen >= (8192 if wide is True else wide):
         return Fa3Config(head_dim, 128, 176, 2, causal, bf16, persistent=True)
     return Fa3Config(head_dim, 128, 128, 2, causal, bf16, persistent=True,
-                     tile_sections=0 if variant else _sections(causal, seqlen))
+                     tile_sections=_sections(causal, seqlen, variant))
 
 
 # Dense causal at D 128 / 64 takes tile_sections (D 256's causal default since session 16) where it was measured:
@@ -311,8 +311,9 @@ def default_config(head_dim: int, causal: bool, bf16: bool = True, seqlen: int =
 SECTIONS_FROM = 4096
 
 
-def _sections(causal: bool, seqlen: int) -> int:
-    return int(causal and seqlen >= SECTIONS_FROM)
+def _sections(causal: bool, seqlen: int, variant: bool) -> int:
+    """The dense kernel's tile_sections; a lowered variant's order comes from the host (CUBRIDGE_LPT_SECTIONS)."""
+    return int(causal and not variant and seqlen >= SECTIONS_FROM)
 
 
 # ------------------------------------------------------------------ build
